@@ -1,0 +1,129 @@
+"""LangChain messages <-> chat-template dicts, and tool calls parsed back out of generated text."""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from langchain_core.messages import (
+    AIMessage,
+    BaseMessage,
+    ChatMessage,
+    FunctionMessage,
+    HumanMessage,
+    SystemMessage,
+    ToolMessage,
+)
+from langchain_core.utils.function_calling import convert_to_openai_tool
+
+from drmas_graph.errors import ConfigError
+
+__all__ = ["to_chat_dicts", "normalize_tools", "ParsedResponse", "TOOL_PARSERS", "get_tool_parser"]
+
+
+def _text(content: Any) -> str:
+    """Message content as plain text: string content as is, text blocks of list content joined."""
+    if isinstance(content, str):
+        return content
+    parts = []
+    for block in content or ():
+        if isinstance(block, str):
+            parts.append(block)
+        elif isinstance(block, dict) and block.get("type") == "text":
+            parts.append(block.get("text", ""))
+    return "".join(parts)
+
+
+def to_chat_dicts(messages: Sequence[BaseMessage]) -> list[dict[str, Any]]:
+    """Render LangChain messages as the role/content dicts that Hugging Face chat templates expect."""
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        if isinstance(m, SystemMessage):
+            out.append({"role": "system", "content": _text(m.content)})
+        elif isinstance(m, HumanMessage):
+            out.append({"role": "user", "content": _text(m.content)})
+        elif isinstance(m, AIMessage):
+            d: dict[str, Any] = {"role": "assistant", "content": _text(m.content)}
+            if m.tool_calls:
+                d["tool_calls"] = [
+                    {"id": tc.get("id"), "type": "function",
+                     "function": {"name": tc["name"], "arguments": tc.get("args", {})}}
+                    for tc in m.tool_calls
+                ]
+            out.append(d)
+        elif isinstance(m, ToolMessage):
+            out.append({"role": "tool", "content": _text(m.content), "tool_call_id": m.tool_call_id,
+                        "name": m.name})
+        elif isinstance(m, FunctionMessage):
+            out.append({"role": "tool", "content": _text(m.content), "name": m.name})
+        elif isinstance(m, ChatMessage):
+            out.append({"role": m.role, "content": _text(m.content)})
+        else:
+            raise ConfigError(f"cannot render a message of type {type(m).__name__} for a chat template")
+    return out
+
+
+def normalize_tools(tools: Any) -> list[dict[str, Any]]:
+    """Tool schemas bound with `bind_tools` (any format LangChain accepts) as OpenAI function dicts."""
+    if not tools:
+        return []
+    return [convert_to_openai_tool(t) for t in tools]
+
+
+@dataclass(frozen=True)
+class ParsedResponse:
+    """Generated text split into message content and tool calls."""
+
+    content: str
+    """The text without tool-call markup."""
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
+    """LangChain tool calls: {'name', 'args', 'id', 'type': 'tool_call'}."""
+    invalid_tool_calls: list[dict[str, Any]] = field(default_factory=list)
+    """Tool-call blocks that did not parse: {'name', 'args' (raw text), 'id', 'error', 'type'}."""
+
+
+_HERMES_RE = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
+
+
+def _call_id() -> str:
+    return "call_" + uuid.uuid4().hex[:24]
+
+
+def parse_hermes(text: str) -> ParsedResponse:
+    """Hermes/Qwen style: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks in the text."""
+    if "<tool_call>" not in text:
+        return ParsedResponse(content=text.strip())
+    calls, invalid = [], []
+    for raw in _HERMES_RE.findall(text):
+        try:
+            obj = json.loads(raw)
+            name, args = obj["name"], obj.get("arguments", obj.get("parameters", {}))
+            if isinstance(args, str):
+                args = json.loads(args)
+            if not isinstance(name, str) or not isinstance(args, dict):
+                raise TypeError("name must be a string and arguments an object")
+            calls.append({"name": name, "args": args, "id": _call_id(), "type": "tool_call"})
+        except (ValueError, KeyError, TypeError) as exc:
+            invalid.append({"name": None, "args": raw, "id": _call_id(), "error": f"{type(exc).__name__}: {exc}",
+                            "type": "invalid_tool_call"})
+    content = _HERMES_RE.sub("", text).strip()
+    return ParsedResponse(content=content, tool_calls=calls, invalid_tool_calls=invalid)
+
+
+def parse_none(text: str) -> ParsedResponse:
+    """No tool calling: the whole text is the content."""
+    return ParsedResponse(content=text.strip())
+
+
+TOOL_PARSERS: dict[str, Callable[[str], ParsedResponse]] = {"hermes": parse_hermes, "none": parse_none}
+
+
+def get_tool_parser(name: str) -> Callable[[str], ParsedResponse]:
+    try:
+        return TOOL_PARSERS[name]
+    except KeyError:
+        raise ConfigError(f"unknown tool parser {name!r}; valid: {sorted(TOOL_PARSERS)}") from None

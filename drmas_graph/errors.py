@@ -1,0 +1,81 @@
+"""Exceptions raised by drmas-graph.
+
+One base class, `DrmasError`; each specific error also subclasses the stdlib type it stands in for, so
+``except ValueError`` in user code keeps working.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "DrmasError",
+    "ConfigError",
+    "UnknownAgentError",
+    "StrictModeError",
+    "PolicyError",
+    "RolloutError",
+    "NoLLMCallError",
+]
+
+
+class DrmasError(Exception):
+    """Base class of every error drmas-graph raises on purpose."""
+
+
+class ConfigError(DrmasError, ValueError):
+    """A configuration value, argument or name is invalid."""
+
+
+class UnknownAgentError(ConfigError):
+    """An agent or node name in ``policies``/``agents`` does not exist in the graph."""
+
+
+class StrictModeError(DrmasError, LookupError):
+    """``strict=True`` and a node made an LLM call that no policy serves."""
+
+
+class PolicyError(DrmasError, RuntimeError):
+    """A policy backend failed or returned something unusable (no token ids, no logprobs)."""
+
+
+class RolloutError(DrmasError, RuntimeError):
+    """A rollout failed. ``.episode`` holds what was recorded before the failure (``episode.error`` set)."""
+
+    def __init__(self, message: str, episode=None):
+        super().__init__(message)
+        self.episode = episode
+
+
+class NoLLMCallError(RolloutError):
+    """A rollout finished without a single LLM call, so there is nothing to train on."""
+
+
+class TraceStoreError(DrmasError, OSError):
+    """A trace store cannot be opened, read or written; the message names the file."""
+
+
+class StoreNotFoundError(TraceStoreError, FileNotFoundError):
+    """A trace store opened read-only does not exist."""
+
+
+class CorruptStoreError(TraceStoreError):
+    """The file is not an SQLite database, or not a drmas-graph trace store, or is damaged."""
+
+
+class SchemaVersionError(TraceStoreError):
+    """The store was written with a schema version this drmas-graph cannot read."""
+
+
+class EpisodeNotFoundError(DrmasError, KeyError):
+    """No episode with this id in the trace store."""
+
+    def __str__(self) -> str:  # KeyError would print the message with quotes around it
+        return str(self.args[0]) if self.args else ""
+
+
+__all__ += [
+    "TraceStoreError",
+    "StoreNotFoundError",
+    "CorruptStoreError",
+    "SchemaVersionError",
+    "EpisodeNotFoundError",
+]

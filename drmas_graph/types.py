@@ -1,0 +1,191 @@
+"""Core types: what one LLM call and one run of a graph look like once recorded.
+
+Naming: token ids and logprobs are stored as tuples (immutable, cheap to hash and compare); a `Turn` is
+one LLM call (one training sample), an `Episode` is one run of the whole graph on one input.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from langchain_core.messages import BaseMessage
+
+__all__ = ["SamplingParams", "Generation", "Turn", "Episode", "new_id"]
+
+
+def new_id() -> str:
+    """A fresh random id (32 hex characters)."""
+    return uuid.uuid4().hex
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How a policy samples one response. Logprobs are always log_softmax(logits / temperature)."""
+
+    temperature: float = 1.0
+    """Softmax temperature; 0 means greedy (logprobs are then taken at temperature 1)."""
+    top_p: float = 1.0
+    """Nucleus sampling: keep the smallest set of tokens whose probability sums to at least top_p."""
+    top_k: int = 0
+    """Keep only the k most likely tokens; 0 or negative keeps all."""
+    max_new_tokens: int = 256
+    """Upper bound on response length in tokens."""
+    stop: tuple[str, ...] = ()
+    """Stop strings: generation ends after the token that completes one of them (the token is kept)."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Extra token ids that end generation, besides the tokenizer's end-of-sequence ids."""
+    seed: int | None = None
+    """Seed of this request's sampler; None draws one from the policy's own seeded generator."""
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"SamplingParams.temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"SamplingParams.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+
+    def replace(self, **changes: Any) -> SamplingParams:
+        """A copy with some fields changed."""
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class Generation:
+    """What a policy backend returns for one prompt."""
+
+    token_ids: tuple[int, ...]
+    """The sampled response token ids, exactly as sampled (stop/eos token included when it ended the text)."""
+    logprobs: tuple[float, ...]
+    """log p(token) under the sampling distribution (before top-p/top-k truncation), one per token id."""
+    finish_reason: str
+    """'stop' (eos, stop token or stop string), 'length' (max_new_tokens) or 'abort'."""
+    policy_version: int
+    """Version of the weights that produced every token of this response."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "token_ids", tuple(int(t) for t in self.token_ids))
+        object.__setattr__(self, "logprobs", tuple(float(x) for x in self.logprobs))
+        if len(self.token_ids) != len(self.logprobs):
+            raise ValueError(
+                f"Generation has {len(self.token_ids)} token ids but {len(self.logprobs)} logprobs; "
+                "a backend must return one logprob per sampled token"
+            )
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One LLM call made by one node during an episode: one training sample."""
+
+    agent: str
+    """The agent the call was attributed to (drmas_agent metadata > `agents` glob > node path)."""
+    node: str
+    """Node path; a node inside a subgraph is 'outer/inner'."""
+    step: int
+    """LangGraph superstep (`langgraph_step`) of the node that made the call; -1 outside a node."""
+    index: int
+    """Position of this call in the episode, in the order calls started (0-based)."""
+    messages: tuple[BaseMessage, ...]
+    """The prompt as LangChain messages."""
+    prompt_ids: tuple[int, ...]
+    """Exactly the token ids the policy saw (chat template applied); empty when not trainable."""
+    response_ids: tuple[int, ...]
+    """The sampled token ids, never re-tokenized text; empty when not trainable."""
+    response_logprobs: tuple[float, ...]
+    """One logprob per response id, log_softmax(logits / temperature) at sampling time."""
+    response_text: str
+    """The response decoded from response_ids (special tokens skipped); the model's text if not trainable."""
+    tool_calls: tuple[dict, ...] = ()
+    """Tool calls parsed from the response, LangChain style: {'name', 'args', 'id', 'type'}."""
+    finish_reason: str = "stop"
+    """'stop', 'length', 'tool_calls' or 'abort'."""
+    policy: str | None = None
+    """Name of the policy that served the call; None when the app's own model served it."""
+    policy_version: int | None = None
+    """Weights version that produced the response."""
+    trainable: bool = True
+    """False when the call was served by the app's original model (no policy for its agent)."""
+    latency_s: float = 0.0
+    """Wall time of the call, rendering and parsing included."""
+    call_key: str = ""
+    """Node instance the call came from: the node path, plus '[i]' for the i-th `Send` to that node."""
+    node_call_index: int = 0
+    """Position of this call among the calls of the same call_key (replay matches calls by both)."""
+    sampling: SamplingParams | None = None
+    """The sampling parameters used (the trainer needs the temperature to recompute logprobs)."""
+    tools: tuple[dict, ...] = ()
+    """Tool schemas bound to the model for this call (OpenAI function format)."""
+
+    @property
+    def n_prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def n_response_tokens(self) -> int:
+        return len(self.response_ids)
+
+
+@dataclass
+class Episode:
+    """One run of the whole graph on one input. Mutable: training fills rewards and advantages."""
+
+    id: str = field(default_factory=new_id)
+    """Unique id of the episode."""
+    task_id: str | None = None
+    """Stable id of the task (graph input) this episode ran on."""
+    group_id: str | None = None
+    """Episodes of the same task rolled out together share a group id (GRPO's group)."""
+    turns: list[Turn] = field(default_factory=list)
+    """Every LLM call, in the order the calls started."""
+    final_state: Any = None
+    """The graph's output (what graph.invoke returned)."""
+    rewards: dict[str, float] = field(default_factory=dict)
+    """Reward per agent (a team reward is stored under every agent); filled by training."""
+    turn_rewards: list[float] | None = None
+    """Per-turn reward R_i (team reward minus invalid-turn penalty), aligned with turns; filled by training."""
+    advantages: list[float] | None = None
+    """Per-turn advantage, aligned with turns; filled by training."""
+    error: str | None = None
+    """Set when the run failed: the exception type and message."""
+    timings: dict[str, float] = field(default_factory=dict)
+    """'start' and 'end' (unix time), 'wall_s', 'llm_s' (sum of call latencies)."""
+    metadata: dict[str, Any] = field(default_factory=dict)
+    """Free-form extras (the input, the run config's thread id, the training step, ...)."""
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    def by_agent(self) -> dict[str, list[Turn]]:
+        """Turns grouped by agent, each list in call order; agents in order of first call."""
+        out: dict[str, list[Turn]] = {}
+        for turn in self.turns:
+            out.setdefault(turn.agent, []).append(turn)
+        return out
+
+    def trainable_turns(self) -> list[Turn]:
+        return [t for t in self.turns if t.trainable]
+
+    @property
+    def agents(self) -> list[str]:
+        return list(self.by_agent())
+
+    def _start_clock(self) -> None:
+        self.timings["start"] = time.time()
+
+    def _stop_clock(self) -> None:
+        end = time.time()
+        self.timings["end"] = end
+        self.timings["wall_s"] = end - self.timings.get("start", end)
+        self.timings["llm_s"] = sum(t.latency_s for t in self.turns)
+
+
+def as_tuple(values: Sequence[Any] | None) -> tuple:
+    return tuple(values) if values is not None else ()
