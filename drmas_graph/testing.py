@@ -12,9 +12,9 @@ from typing import Any
 import torch
 
 from drmas_graph.transformers_policy import TransformersPolicy
-from drmas_graph.types import SamplingParams
+from drmas_graph.types import Generation, SamplingParams
 
-__all__ = ["tiny_policy", "tiny_tokenizer", "tiny_model", "CHAT_TEMPLATE"]
+__all__ = ["tiny_policy", "tiny_tokenizer", "tiny_model", "scripted_policy", "ScriptedPolicy", "CHAT_TEMPLATE"]
 
 # ChatML with Hermes-style tool calls; our own template, written for the tiny tokenizer.
 CHAT_TEMPLATE = (
@@ -113,3 +113,50 @@ def tiny_policy(seed: int = 0, *, arch: str = "llama", vocab_size: int = 512, hi
     kwargs.setdefault("sampling", SamplingParams(max_new_tokens=16))
     kwargs.setdefault("seed", seed)
     return TransformersPolicy(model, tokenizer, **kwargs)
+
+
+class ScriptedPolicy(TransformersPolicy):
+    """A real tiny model that replies with scripted texts (teacher forcing), for wiring tests.
+
+    `replies` is a list (used in order, cycling) or a function of the rendered prompt text. The reply is
+    tokenized with the policy's tokenizer plus the end-of-turn token; the logprobs are the model's own
+    log_softmax(logits / T) at those tokens, so ids, logprobs and decoding are all real.
+    """
+
+    def __init__(self, replies: Any, model: Any, tokenizer: Any, **kwargs: Any) -> None:
+        super().__init__(model, tokenizer, **kwargs)
+        self._replies = replies
+        self._reply_count = 0
+
+    def _next_reply(self, prompt_ids: list[int]) -> str:
+        if callable(self._replies):
+            return self._replies(self.tokenizer.decode(prompt_ids))
+        reply = self._replies[self._reply_count % len(self._replies)]
+        self._reply_count += 1
+        return reply
+
+    @torch.inference_mode()
+    def _generate_batch(self, reqs: list[Any]) -> list[Generation]:
+        out = []
+        for r in reqs:
+            self.stats.requests += 1
+            ids = self.tokenizer.encode(self._next_reply(r.prompt_ids), add_special_tokens=False)
+            ids = (ids + [self.tokenizer.eos_token_id])[: r.params.max_new_tokens]
+            full = torch.tensor([r.prompt_ids + ids], device=self.device)
+            logits = self.model(input_ids=full).logits[0, len(r.prompt_ids) - 1: -1].float()
+            temperature = r.params.temperature or 1.0
+            logp = torch.log_softmax(logits / temperature, -1).gather(1, torch.tensor(ids).view(-1, 1)).view(-1)
+            reason = "stop" if ids[-1] == self.tokenizer.eos_token_id else "length"
+            out.append(Generation(token_ids=ids, logprobs=logp.tolist(), finish_reason=reason,
+                                  policy_version=self.version))
+        self.stats.batches += 1
+        return out
+
+
+def scripted_policy(replies: Any, *, seed: int = 0, **kwargs: Any) -> ScriptedPolicy:
+    """A `ScriptedPolicy` on the tiny tokenizer and a tiny random model (see `tiny_policy`)."""
+    tokenizer = tiny_tokenizer(kwargs.pop("vocab_size", 512))
+    model = tiny_model(tokenizer, seed=seed)
+    kwargs.setdefault("name", f"scripted-s{seed}")
+    kwargs.setdefault("sampling", SamplingParams(max_new_tokens=64))
+    return ScriptedPolicy(replies, model, tokenizer, seed=seed, **kwargs)
