@@ -2,38 +2,78 @@
 
     app = instrument(build_my_graph(), policies={"solver": policy, "verifier": policy})
     episode = app.rollout({"question": "2+3?"})
+
+Names are imported lazily (PEP 562), so `drmas-graph traces ...` starts without loading torch.
 """
 
-from drmas_graph.errors import (
-    ConfigError,
-    DrmasError,
-    NoLLMCallError,
-    PolicyError,
-    RolloutError,
-    StrictModeError,
-    UnknownAgentError,
-)
-from drmas_graph.instrumented import InstrumentedGraph, instrument
-from drmas_graph.policy import Policy
-from drmas_graph.transformers_policy import TransformersPolicy
-from drmas_graph.types import Episode, Generation, SamplingParams, Turn
+from __future__ import annotations
 
-__all__ = [
-    "instrument",
-    "InstrumentedGraph",
-    "Policy",
-    "TransformersPolicy",
-    "Episode",
-    "Turn",
-    "Generation",
-    "SamplingParams",
-    "DrmasError",
-    "ConfigError",
-    "UnknownAgentError",
-    "StrictModeError",
-    "PolicyError",
-    "RolloutError",
-    "NoLLMCallError",
-]
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+_EXPORTS: dict[str, str] = {
+    # instrumenting an app
+    "instrument": "drmas_graph.instrumented",
+    "InstrumentedGraph": "drmas_graph.instrumented",
+    "Policy": "drmas_graph.policy",
+    "TransformersPolicy": "drmas_graph.transformers_policy",
+    # core types
+    "Episode": "drmas_graph.types",
+    "Turn": "drmas_graph.types",
+    "Generation": "drmas_graph.types",
+    "SamplingParams": "drmas_graph.types",
+    # traces and replay
+    "TraceStore": "drmas_graph.store",
+    "rescore": "drmas_graph.store",
+    "replay": "drmas_graph.replay",
+    "ReplayResult": "drmas_graph.replay",
+    "Divergence": "drmas_graph.replay",
+    # algorithm
+    "compute_advantages": "drmas_graph.advantages",
+    # errors
+    "DrmasError": "drmas_graph.errors",
+    "ConfigError": "drmas_graph.errors",
+    "UnknownAgentError": "drmas_graph.errors",
+    "StrictModeError": "drmas_graph.errors",
+    "PolicyError": "drmas_graph.errors",
+    "RolloutError": "drmas_graph.errors",
+    "NoLLMCallError": "drmas_graph.errors",
+    "TraceStoreError": "drmas_graph.errors",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'drmas_graph' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
+
+
+if TYPE_CHECKING:  # for type checkers and IDEs
+    from drmas_graph.advantages import compute_advantages
+    from drmas_graph.errors import (
+        ConfigError,
+        DrmasError,
+        NoLLMCallError,
+        PolicyError,
+        RolloutError,
+        StrictModeError,
+        TraceStoreError,
+        UnknownAgentError,
+    )
+    from drmas_graph.instrumented import InstrumentedGraph, instrument
+    from drmas_graph.policy import Policy
+    from drmas_graph.replay import Divergence, ReplayResult, replay
+    from drmas_graph.store import TraceStore, rescore
+    from drmas_graph.transformers_policy import TransformersPolicy
+    from drmas_graph.types import Episode, Generation, SamplingParams, Turn

@@ -213,6 +213,7 @@ CREATE TABLE IF NOT EXISTS episodes (
     agents TEXT NOT NULL,         -- JSON list, in order of first call
     reward REAL,                  -- mean of `rewards` over agents; NULL without rewards
     rewards TEXT NOT NULL,        -- JSON {agent: reward}
+    input TEXT,                   -- JSON graph input (replay runs the graph on it)
     final_state TEXT,             -- JSON (see to_json)
     timings TEXT NOT NULL,
     metadata TEXT NOT NULL,
@@ -248,6 +249,7 @@ CREATE TABLE IF NOT EXISTS turns (
     latency_s REAL NOT NULL,
     sampling TEXT,
     tools TEXT NOT NULL,
+    message_id TEXT,              -- id of the AIMessage returned to the node
     turn_reward REAL,             -- Episode.turn_rewards[position]; NULL until training fills it
     advantage REAL,               -- Episode.advantages[position]; NULL until training fills it
     PRIMARY KEY (episode_id, position)
@@ -259,13 +261,13 @@ CREATE INDEX IF NOT EXISTS episodes_by_task ON episodes (task_id);
 
 EPISODE_COLUMNS = (
     "id", "task_id", "group_id", "step", "error", "n_turns", "n_prompt_tokens", "n_response_tokens",
-    "agents", "reward", "rewards", "final_state", "timings", "metadata", "created",
+    "agents", "reward", "rewards", "input", "final_state", "timings", "metadata", "created",
 )  # fmt: skip
 TURN_COLUMNS = (
     "episode_id", "position", "call_index", "agent", "node", "step", "call_key", "node_call_index",
     "messages", "prompt_ids", "response_ids", "response_logprobs", "n_prompt_tokens", "n_response_tokens",
     "response_text", "tool_calls", "finish_reason", "policy", "policy_version", "trainable", "latency_s",
-    "sampling", "tools", "turn_reward", "advantage",
+    "sampling", "tools", "message_id", "turn_reward", "advantage",
 )  # fmt: skip
 
 
@@ -305,6 +307,7 @@ def episode_rows(episode: Episode, step: int | None) -> tuple[tuple, list[tuple]
         json.dumps(episode.agents),
         mean(episode.rewards.values()),
         to_json(dict(episode.rewards), "rewards"),
+        to_json(episode.input, "input"),
         to_json(episode.final_state, "final_state"),
         to_json(dict(episode.timings), "timings"),
         to_json(dict(episode.metadata), "metadata"),
@@ -340,6 +343,7 @@ def _turn_row(episode: Episode, position: int, turn: Turn) -> tuple:
         float(turn.latency_s),
         sampling_to_json(turn.sampling),
         to_json(list(turn.tools), f"{where} tools"),
+        turn.message_id,
         None if episode.turn_rewards is None else float(episode.turn_rewards[position]),
         None if episode.advantages is None else float(episode.advantages[position]),
     )
@@ -366,6 +370,7 @@ def _turn_from_row(row: Mapping[str, Any]) -> Turn:
         node_call_index=row["node_call_index"],
         sampling=sampling_from_json(row["sampling"]),
         tools=tuple(json.loads(row["tools"])),
+        message_id=row["message_id"],
     )
 
 
@@ -384,6 +389,7 @@ def episode_from_rows(row: Mapping[str, Any], turn_rows: list[tuple]) -> Episode
         id=row["id"],
         task_id=row["task_id"],
         group_id=row["group_id"],
+        input=from_json(row["input"]),
         turns=[_turn_from_row(t) for t in turns],
         final_state=from_json(row["final_state"]),
         rewards=json.loads(row["rewards"]),

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -179,18 +180,20 @@ def _cmd_export(args: argparse.Namespace, console: Console) -> int:
 
 def _cmd_replay(args: argparse.Namespace, console: Console) -> int:
     """Replay one stored episode into ``--graph``; exit status 1 if it diverged from the recording."""
-    try:
-        from drmas_graph.replay import replay
-    except ImportError as e:
-        raise ConfigError(f"`traces replay` needs drmas_graph.replay, which cannot be imported ({e})") from e
+    from drmas_graph.replay import replay_episode
+
     graph = _import_object(args.graph)
+    if callable(graph) and not hasattr(graph, "invoke") and not hasattr(graph, "compile"):
+        graph = graph()  # a factory that builds the graph
     with TraceStore(args.path, readonly=True) as store:
         episode = store.load_episode(args.episode)
-    result = replay(graph, episode)
+    result = replay_episode(graph, episode)
     divergences = list(result.divergences)
     if not divergences:
-        console.print(f"episode {episode.id}: replay matched all {len(episode.turns)} calls", markup=False)
-        return 0
+        same = "the recorded final state" if result.state_matches else "a DIFFERENT final state"
+        console.print(f"episode {episode.id}: replay matched all {len(episode.turns)} calls and reproduced {same} "
+                      f"in {result.wall_s:.3f}s", markup=False)
+        return 0 if result.state_matches else 1
     console.print(f"episode {episode.id}: {len(divergences)} divergence(s)", markup=False)
     for divergence in divergences:
         console.print(f"- {divergence}", markup=False)
@@ -205,6 +208,8 @@ def _import_object(spec: str) -> Any:
     module_name, _, attr_path = spec.partition(":")
     if not module_name or not attr_path:
         raise ConfigError(f"--graph {spec!r} must look like 'package.module:attribute'")
+    if os.getcwd() not in sys.path:  # like `python -m`, find modules of the current project
+        sys.path.insert(0, os.getcwd())
     try:
         obj: Any = importlib.import_module(module_name)
     except ImportError as e:

@@ -22,7 +22,7 @@ from typing import Any
 from langchain_core.messages import AIMessage
 from langchain_core.outputs import ChatGeneration, ChatResult
 
-from drmas_graph._chat import _text
+from drmas_graph._chat import ParsedResponse, _text
 from drmas_graph._intercept import ACTIVE_HANDLER, CallSite, install
 from drmas_graph.errors import ConfigError, NoLLMCallError, RolloutError, StrictModeError, UnknownAgentError
 from drmas_graph.policy import Policy
@@ -177,7 +177,7 @@ class InstrumentedGraph:
     def _new_episode(input: Any, config: Any, task_id: str | None, group_id: str | None) -> Episode:
         thread_id = ((config or {}).get("configurable") or {}).get("thread_id")
         metadata = {"thread_id": thread_id} if thread_id is not None else {}
-        return Episode(task_id=task_id, group_id=group_id, metadata=metadata)
+        return Episode(task_id=task_id, group_id=group_id, input=input, metadata=metadata)
 
     def rollout(self, input: Any, config: Any = None, *, task_id: str | None = None,
                 group_id: str | None = None) -> Episode:
@@ -346,7 +346,7 @@ class _EpisodeRecorder:
         start = time.perf_counter()
         if policy is None:
             result = original()
-            self._add(_untrained_turn(site, agent, index, nci, result, time.perf_counter() - start))
+            self._add(self._untrained_turn(site, agent, index, nci, result, time.perf_counter() - start))
             return result
         with policy.announce():
             prompt_ids = policy.render(site.messages, site.tools)
@@ -360,7 +360,7 @@ class _EpisodeRecorder:
         start = time.perf_counter()
         if policy is None:
             result = await original()
-            self._add(_untrained_turn(site, agent, index, nci, result, time.perf_counter() - start))
+            self._add(self._untrained_turn(site, agent, index, nci, result, time.perf_counter() - start))
             return result
         with policy.announce():
             prompt_ids = policy.render(site.messages, site.tools)
@@ -373,36 +373,50 @@ class _EpisodeRecorder:
         text = policy.decode(gen.token_ids)
         parsed = policy.parse(_cut_at_stop(text, params.stop))
         finish = "tool_calls" if parsed.tool_calls and gen.finish_reason == "stop" else gen.finish_reason
-        message = AIMessage(
-            content=parsed.content, tool_calls=parsed.tool_calls, invalid_tool_calls=parsed.invalid_tool_calls,
-            response_metadata={"finish_reason": finish, "model_name": policy.name, "policy_version": gen.policy_version,
-                               "drmas_agent": agent, "drmas_turn": index},
-            usage_metadata={"input_tokens": len(prompt_ids), "output_tokens": len(gen.token_ids),
-                            "total_tokens": len(prompt_ids) + len(gen.token_ids)},
-        )
+        message = served_message(parsed, finish=finish, policy_name=policy.name, policy_version=gen.policy_version,
+                                 agent=agent, index=index, n_prompt=len(prompt_ids), n_response=len(gen.token_ids),
+                                 message_id=self._message_id(index))
         self._add(Turn(
             agent=agent, node=site.node, step=site.step, index=index, messages=tuple(site.messages),
             prompt_ids=tuple(prompt_ids), response_ids=gen.token_ids, response_logprobs=gen.logprobs,
             response_text=text, tool_calls=tuple(parsed.tool_calls), finish_reason=finish, policy=policy.name,
             policy_version=gen.policy_version, trainable=True, latency_s=time.perf_counter() - start,
             call_key=site.call_key, node_call_index=nci, sampling=params, tools=tuple(site.tools),
+            message_id=message.id,
         ))
         return ChatResult(generations=[ChatGeneration(message=message)])
+
+    def _message_id(self, index: int) -> str:
+        return f"drmas-{self.episode.id}-{index}"
+
+    def _untrained_turn(self, site: CallSite, agent: str, index: int, nci: int, result: ChatResult,
+                        latency: float) -> Turn:
+        message = result.generations[0].message
+        if message.id is None:  # LangChain would pick a random run id; ours lets replay return the same one
+            message.id = self._message_id(index)
+        return Turn(
+            agent=agent, node=site.node, step=site.step, index=index, messages=tuple(site.messages), prompt_ids=(),
+            response_ids=(), response_logprobs=(), response_text=_text(message.content),
+            tool_calls=tuple(getattr(message, "tool_calls", ()) or ()),
+            finish_reason=str((message.response_metadata or {}).get("finish_reason", "stop")), policy=None,
+            policy_version=None, trainable=False, latency_s=latency, call_key=site.call_key, node_call_index=nci,
+            tools=tuple(site.tools), message_id=message.id,
+        )
+
+
+def served_message(parsed: ParsedResponse, *, finish: str, policy_name: str | None, policy_version: int | None,
+                   agent: str, index: int, n_prompt: int, n_response: int, message_id: str | None) -> AIMessage:
+    """The AIMessage a node receives for a policy-served call (replay rebuilds it from the Turn)."""
+    return AIMessage(
+        content=parsed.content, tool_calls=parsed.tool_calls, invalid_tool_calls=parsed.invalid_tool_calls,
+        id=message_id,
+        response_metadata={"finish_reason": finish, "model_name": policy_name, "policy_version": policy_version,
+                           "drmas_agent": agent, "drmas_turn": index},
+        usage_metadata={"input_tokens": n_prompt, "output_tokens": n_response, "total_tokens": n_prompt + n_response},
+    )
 
 
 def _cut_at_stop(text: str, stops: Sequence[str]) -> str:
     """Message content ends before the first stop string (OpenAI semantics); the Turn keeps the full text."""
     cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
     return text if cut < 0 else text[:cut]
-
-
-def _untrained_turn(site: CallSite, agent: str, index: int, nci: int, result: ChatResult, latency: float) -> Turn:
-    message = result.generations[0].message
-    return Turn(
-        agent=agent, node=site.node, step=site.step, index=index, messages=tuple(site.messages), prompt_ids=(),
-        response_ids=(), response_logprobs=(), response_text=_text(message.content),
-        tool_calls=tuple(getattr(message, "tool_calls", ()) or ()),
-        finish_reason=str((message.response_metadata or {}).get("finish_reason", "stop")), policy=None,
-        policy_version=None, trainable=False, latency_s=latency, call_key=site.call_key, node_call_index=nci,
-        tools=tuple(site.tools),
-    )

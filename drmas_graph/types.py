@@ -122,6 +122,8 @@ class Turn:
     """The sampling parameters used (the trainer needs the temperature to recompute logprobs)."""
     tools: tuple[dict, ...] = ()
     """Tool schemas bound to the model for this call (OpenAI function format)."""
+    message_id: str | None = None
+    """Id of the AIMessage returned to the node (replay returns the same id, so states compare equal)."""
 
     @property
     def n_prompt_tokens(self) -> int:
@@ -142,6 +144,8 @@ class Episode:
     """Stable id of the task (graph input) this episode ran on."""
     group_id: str | None = None
     """Episodes of the same task rolled out together share a group id (GRPO's group)."""
+    input: Any = None
+    """The graph input the episode ran on (replay runs the graph on it again)."""
     turns: list[Turn] = field(default_factory=list)
     """Every LLM call, in the order the calls started."""
     final_state: Any = None

@@ -14,7 +14,7 @@ class QA(TypedDict, total=False):
     verdict: str
 
 
-def solver_verifier(llm, verifier_llm=None):
+def solver_verifier(llm, verifier_llm=None, verifier_system="Check it."):
     """Sequential: solver -> verifier."""
     verifier_llm = verifier_llm or llm
 
@@ -23,7 +23,7 @@ def solver_verifier(llm, verifier_llm=None):
         return {"answer": reply.content}
 
     def verifier(state):
-        reply = verifier_llm.invoke([SystemMessage("Check it."), HumanMessage(f"{state['question']} -> {state['answer']}")])
+        reply = verifier_llm.invoke([SystemMessage(verifier_system), HumanMessage(f"{state['question']} -> {state['answer']}")])
         return {"verdict": reply.content}
 
     g = StateGraph(QA)
@@ -127,3 +127,20 @@ def no_llm():
     g.add_edge(START, "echo")
     g.add_edge("echo", END)
     return g.compile()
+
+
+def react_agent(llm):
+    """LangGraph's prebuilt ReAct agent with one tool."""
+    import warnings
+
+    from langchain_core.tools import tool
+    from langgraph.prebuilt import create_react_agent
+
+    @tool
+    def add(a: int, b: int) -> int:
+        """Add two integers."""
+        return a + b
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return create_react_agent(llm, [add])

@@ -35,6 +35,11 @@ class Unreachable(BaseChatModel):
     def _llm_type(self) -> str:
         return "unreachable"
 
+    def bind_tools(self, tools, **kwargs):
+        from langchain_core.utils.function_calling import convert_to_openai_tool
+
+        return self.bind(tools=[convert_to_openai_tool(t) for t in tools], **kwargs)
+
     def _generate(self, messages, stop=None, run_manager=None, **kwargs):
         self.calls += 1
         return ChatResult(generations=[ChatGeneration(message=AIMessage("original model"))])

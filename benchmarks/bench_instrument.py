@@ -1,0 +1,121 @@
+"""Instrumentation overhead per LLM call, and the throughput gain of dynamic batching.
+
+(a) The same greedy 16-token call on the tiny model, made (1) directly on the policy (render, generate,
+    decode) and (2) as `llm.invoke(messages)` from inside a node of an instrumented graph (interception,
+    routing, rendering, parsing, Turn recording). Calls alternate; medians over `--calls` each.
+(b) 8 concurrent episodes of a solver -> verifier graph with the dynamic batcher, against the same
+    policy limited to one request at a time (max_batch_size=1). Ratio of episodes/s.
+
+    python benchmarks/bench_instrument.py [--calls 200] [--episodes 8] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+import warnings
+
+warnings.filterwarnings("ignore")
+
+from langchain_core.language_models.chat_models import BaseChatModel  # noqa: E402
+from langchain_core.messages import HumanMessage, SystemMessage  # noqa: E402
+from langgraph.graph import END, START, StateGraph  # noqa: E402
+
+from drmas_graph import SamplingParams, instrument  # noqa: E402
+from drmas_graph.testing import tiny_policy  # noqa: E402
+
+MSGS = [SystemMessage("You are a careful solver."), HumanMessage("What is 12 + 30? Reply with just the number.")]
+
+
+class AppModel(BaseChatModel):
+    """Stands for the app's own model; never called inside an instrumented run."""
+
+    @property
+    def _llm_type(self) -> str:
+        return "app-model"
+
+    def _generate(self, *a, **k):
+        raise AssertionError("the app's model must not be called inside an instrumented run")
+
+
+def overhead(n_calls: int) -> dict[str, float]:
+    policy = tiny_policy(seed=0, sampling=SamplingParams(max_new_tokens=16, temperature=0), batch_wait_s=0.0)
+    policy.eos_token_ids  # noqa: B018 - warm caches
+    llm = AppModel()
+    direct_s, intercepted_s = [], []
+
+    def node(state):
+        for _ in range(n_calls):
+            t0 = time.perf_counter()
+            ids = policy.render(MSGS)
+            gen = policy.generate(ids, policy.sampling)
+            policy.parse(policy.decode(gen.token_ids))
+            direct_s.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            llm.invoke(MSGS)
+            intercepted_s.append(time.perf_counter() - t0)
+        return {"n": n_calls}
+
+    g = StateGraph(dict)
+    g.add_node("solver", node)
+    g.add_edge(START, "solver")
+    g.add_edge("solver", END)
+    app = instrument(g.compile(), {"solver": policy})
+    episode = app.rollout({"n": 0})
+    assert len(episode.turns) == n_calls
+    d, i = statistics.median(direct_s), statistics.median(intercepted_s)
+    return {"direct_ms": d * 1e3, "instrumented_ms": i * 1e3, "overhead_us": (i - d) * 1e6,
+            "overhead_ratio": (i - d) / d}
+
+
+def batching(n_episodes: int, rounds: int) -> dict[str, float]:
+    llm = AppModel()
+
+    def solver(state):
+        return {"answer": llm.invoke([HumanMessage(state["question"])]).content}
+
+    def verifier(state):
+        return {"verdict": llm.invoke([HumanMessage(f"Check: {state['question']} {state['answer']}")]).content}
+
+    g = StateGraph(dict)
+    g.add_node("solver", solver)
+    g.add_node("verifier", verifier)
+    g.add_edge(START, "solver")
+    g.add_edge("solver", "verifier")
+    g.add_edge("verifier", END)
+    graph = g.compile()
+    results = {}
+    for label, max_batch in (("one_at_a_time", 1), ("dynamic", 32)):
+        policy = tiny_policy(seed=0, sampling=SamplingParams(max_new_tokens=32), max_batch_size=max_batch)
+        app = instrument(graph, {"solver": policy, "verifier": policy})
+        inputs = [{"question": f"What is {i} + {i}?"} for i in range(n_episodes)]
+        app.batch(inputs[:2])  # warm-up
+        times = []
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            app.batch(inputs)
+            times.append(time.perf_counter() - t0)
+        results[label] = n_episodes / statistics.median(times)
+        results[f"{label}_max_batch"] = policy.stats.max_batch
+        policy.close()
+    results["speedup"] = results["dynamic"] / results["one_at_a_time"]
+    return results
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--calls", type=int, default=200)
+    ap.add_argument("--episodes", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+    o = overhead(args.calls)
+    print(f"(a) per-call: direct {o['direct_ms']:.2f} ms, instrumented {o['instrumented_ms']:.2f} ms, "
+          f"overhead {o['overhead_us']:.0f} us = {100 * o['overhead_ratio']:.1f}% (target < 5%)")
+    b = batching(args.episodes, args.rounds)
+    print(f"(b) {args.episodes} concurrent episodes: one-at-a-time {b['one_at_a_time']:.2f} ep/s, dynamic batching "
+          f"{b['dynamic']:.2f} ep/s (max batch {b['dynamic_max_batch']}), speedup {b['speedup']:.2f}x (target >= 3x)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,28 @@
+"""The public surface is explicit and every exported name resolves."""
+
+import subprocess
+import sys
+
+import drmas_graph
+
+
+def test_every_exported_name_resolves():
+    for name in drmas_graph.__all__:
+        assert getattr(drmas_graph, name) is not None, name
+    assert {"instrument", "InstrumentedGraph", "Policy", "TransformersPolicy", "Episode", "Turn", "TraceStore",
+            "replay", "compute_advantages"} <= set(drmas_graph.__all__)
+
+
+def test_errors_subclass_the_stdlib_types_they_replace():
+    from drmas_graph import errors
+
+    assert issubclass(errors.ConfigError, ValueError) and issubclass(errors.ConfigError, errors.DrmasError)
+    assert issubclass(errors.UnknownAgentError, ValueError)
+    assert issubclass(errors.StrictModeError, LookupError)
+    assert issubclass(errors.PolicyError, RuntimeError) and issubclass(errors.RolloutError, RuntimeError)
+
+
+def test_importing_the_package_does_not_load_torch():
+    code = "import sys, drmas_graph; drmas_graph.TraceStore; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
