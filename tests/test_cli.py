@@ -180,35 +180,3 @@ def test_usage_errors_exit_2(capsys):
     assert "invalid choice: 'csv'" in capsys.readouterr().err
 
 
-def test_replay_without_replay_module_fails_with_one_line(run, capsys, monkeypatch):
-    path, trained, _ = run
-    monkeypatch.setitem(sys.modules, "drmas_graph.replay", None)  # makes the import fail
-    assert main(["traces", "replay", str(path), trained.id, "--graph", "json:dumps"]) == 2
-    _assert_one_line_error(capsys, "`traces replay` needs drmas_graph.replay")
-
-
-def test_replay_prints_divergences_and_exits_1(run, capsys, monkeypatch):
-    path, trained, _ = run
-    calls = []
-
-    def fake_replay(graph, episode):  # stands in for the lead's drmas_graph.replay.replay
-        calls.append((graph, episode.id))
-        return types.SimpleNamespace(divergences=[])
-
-    module = types.ModuleType("drmas_graph.replay")
-    module.replay = fake_replay
-    monkeypatch.setitem(sys.modules, "drmas_graph.replay", module)
-
-    assert main(["traces", "replay", str(path), trained.id, "--graph", "json:dumps"]) == 0
-    assert calls == [(json.dumps, trained.id)]  # the graph is imported from module:attr
-    assert f"episode {trained.id}: replay matched all 3 calls" in capsys.readouterr().out
-
-    module.replay = lambda graph, episode: types.SimpleNamespace(divergences=["turn 1: response differs"])
-    assert main(["traces", "replay", str(path), trained.id, "--graph", "json:dumps"]) == 1
-    out = capsys.readouterr().out
-    assert "1 divergence(s)" in out and "- turn 1: response differs" in out
-
-    assert main(["traces", "replay", str(path), trained.id, "--graph", "json"]) == 2
-    _assert_one_line_error(capsys, "--graph 'json' must look like 'package.module:attribute'")
-    assert main(["traces", "replay", str(path), trained.id, "--graph", "json:nothing_here"]) == 2
-    _assert_one_line_error(capsys, "has no attribute 'nothing_here'")
