@@ -15,7 +15,7 @@ from typing import Any
 
 from langchain_core.messages import BaseMessage
 
-__all__ = ["SamplingParams", "Generation", "Turn", "Episode", "new_id"]
+__all__ = ["SamplingParams", "Generation", "Turn", "Episode", "Sample", "new_id"]
 
 
 def new_id() -> str:
@@ -193,3 +193,32 @@ class Episode:
 
 def as_tuple(values: Sequence[Any] | None) -> tuple:
     return tuple(values) if values is not None else ()
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One trainable LLM call, ready for a policy-gradient update."""
+
+    prompt_ids: tuple[int, ...]
+    """Prompt token ids, exactly as the policy saw them."""
+    response_ids: tuple[int, ...]
+    """Sampled response token ids."""
+    old_logprobs: tuple[float, ...]
+    """Logprobs recorded at rollout time, log_softmax(logits / temperature); the importance-ratio baseline."""
+    advantage: float
+    """Scalar advantage, broadcast over the response tokens."""
+    agent: str
+    """Agent that made the call (per-agent loss settings and metrics key on it)."""
+    temperature: float = 1.0
+    """Sampling temperature (0 = greedy, treated as 1): the trainer divides logits by it."""
+    episode_id: str = ""
+    """Episode the call belongs to."""
+    turn_index: int = 0
+    """Position of the call in its episode."""
+
+    @staticmethod
+    def from_turn(turn: Turn, advantage: float, episode_id: str = "") -> Sample:
+        temperature = turn.sampling.temperature if turn.sampling is not None else 1.0
+        return Sample(prompt_ids=turn.prompt_ids, response_ids=turn.response_ids,
+                      old_logprobs=turn.response_logprobs, advantage=float(advantage), agent=turn.agent,
+                      temperature=temperature or 1.0, episode_id=episode_id, turn_index=turn.index)
