@@ -174,19 +174,22 @@ class InstrumentedGraph:
             self.store.write_episode(episode)
 
     @staticmethod
-    def _new_episode(input: Any, config: Any, task_id: str | None, group_id: str | None) -> Episode:
+    def _new_episode(input: Any, config: Any, task_id: str | None, group_id: str | None,
+                     metadata: dict[str, Any] | None = None) -> Episode:
         thread_id = ((config or {}).get("configurable") or {}).get("thread_id")
-        metadata = {"thread_id": thread_id} if thread_id is not None else {}
+        metadata = dict(metadata or {})
+        if thread_id is not None:
+            metadata["thread_id"] = thread_id
         return Episode(task_id=task_id, group_id=group_id, input=input, metadata=metadata)
 
     def rollout(self, input: Any, config: Any = None, *, task_id: str | None = None,
-                group_id: str | None = None) -> Episode:
+                group_id: str | None = None, metadata: dict[str, Any] | None = None) -> Episode:
         """Run the graph once and return the run as an Episode (final_state = what invoke returns).
 
         Raises `RolloutError` (with `.episode`, also written to the store) if the graph raises, and
-        `NoLLMCallError` if the run made no LLM call.
+        `NoLLMCallError` if the run made no LLM call. `metadata` is stored with the episode.
         """
-        episode = self._new_episode(input, config, task_id, group_id)
+        episode = self._new_episode(input, config, task_id, group_id, metadata)
         try:
             with self._recording(episode):
                 output = self.graph.invoke(input, config)
@@ -195,9 +198,9 @@ class InstrumentedGraph:
         return self._finish(episode, output, require_calls=True)
 
     async def arollout(self, input: Any, config: Any = None, *, task_id: str | None = None,
-                       group_id: str | None = None) -> Episode:
+                       group_id: str | None = None, metadata: dict[str, Any] | None = None) -> Episode:
         """Async `rollout`: many can run concurrently in one event loop without cross-talk."""
-        episode = self._new_episode(input, config, task_id, group_id)
+        episode = self._new_episode(input, config, task_id, group_id, metadata)
         try:
             with self._recording(episode):
                 output = await self.graph.ainvoke(input, config)

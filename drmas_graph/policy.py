@@ -63,6 +63,12 @@ class Policy(abc.ABC):
                 self._loop = loop
             return self._loop
 
+    @contextlib.contextmanager
+    def updating_weights(self):
+        """Context around a weight change: generation is held (where the backend can) and `version` +1 on exit."""
+        yield
+        self.version += 1
+
     def announce(self) -> contextlib.AbstractContextManager:
         """Context in which a caller prepares a request; batching backends may wait for it."""
         return contextlib.nullcontext()
