@@ -9,6 +9,9 @@ the parser's ``func`` default. A new group (``train``, ``eval``) adds its functi
     drmas-graph traces stats PATH
     drmas-graph traces export PATH --format jsonl|parquet [--out FILE] [--agent A] [--step N]
     drmas-graph traces replay PATH EPISODE --graph module:attr
+    drmas-graph train CONFIG.yaml [--set key=value ...]
+    drmas-graph eval CONFIG.yaml [--checkpoint DIR] [--split S] [--k K] [--n-tasks N]
+    drmas-graph config-doc
 
 Errors drmas-graph raises on purpose (a missing file, a corrupt store, an unknown episode) print one
 line on stderr and exit with status 2; argparse usage errors exit with 2 as well.
@@ -56,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     groups = parser.add_subparsers(dest="group", required=True, metavar="GROUP")
     _add_traces_commands(groups)
+    from drmas_graph._cli_train import add_train_commands
+
+    add_train_commands(groups)
     return parser
 
 

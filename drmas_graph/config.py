@@ -1,0 +1,221 @@
+"""`TrainConfig`: everything a training run reads, as small nested pydantic models (YAML <-> pydantic).
+
+Every field has one line of documentation (its `description`); `drmas-graph config-doc` prints them all
+and the README's table is generated from the same source. Unknown keys are errors (typos never pass).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from drmas_graph.errors import ConfigError
+
+__all__ = [
+    "TrainConfig", "ModelConfig", "AgentConfig", "SamplingConfig", "LossConfig", "UpdateConfig",
+    "EvalConfig", "LoggingConfig", "load_config", "apply_overrides", "config_reference",
+]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class SamplingConfig(_Strict):
+    temperature: float = Field(1.0, ge=0, description="Sampling temperature during training rollouts (0 = greedy).")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
+    top_k: int = Field(0, description="Keep only the k most likely tokens; 0 keeps all.")
+    max_new_tokens: int = Field(256, ge=1, description="Most tokens one LLM call may generate.")
+
+
+class LossConfig(_Strict):
+    clip_low: float = Field(0.2, ge=0, description="PPO clip: ratio lower bound is 1 - clip_low.")
+    clip_high: float = Field(0.2, ge=0, description="PPO clip: ratio upper bound is 1 + clip_high.")
+    dual_clip: float | None = Field(3.0, description="Dual-clip constant c > 1 for negative advantages; null disables.")
+    loss_weight: float = Field(1.0, ge=0, description="Multiplies this agent's loss (0 = the agent is served but not trained).")
+    micro_batch_size: int = Field(4, ge=1, description="Samples per forward/backward pass.")
+
+
+class UpdateConfig(_Strict):
+    lr: float = Field(1e-6, gt=0, description="AdamW learning rate.")
+    weight_decay: float = Field(0.01, ge=0, description="AdamW weight decay.")
+    grad_clip: float = Field(1.0, gt=0, description="Clip the global gradient norm to this value.")
+    n_minibatches: int = Field(1, ge=1, description="Optimizer steps per training step (the samples are split this many ways).")
+    loss_agg: str = Field("token-mean", description="token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm.")
+    kl_coef: float = Field(0.0, ge=0, description="Weight of the KL penalty to the frozen initial model (low-variance k3); 0 = off.")
+    entropy_coef: float = Field(0.0, ge=0, description="Weight of the entropy bonus; 0 = off.")
+    backend: Literal["deepspeed", "torch"] = Field("deepspeed", description="deepspeed (ZeRO) or plain torch AdamW (same numbers).")
+    zero_stage: Literal[0, 1, 2] = Field(0, description="DeepSpeed ZeRO stage.")
+
+
+class ModelConfig(_Strict):
+    path: str | None = Field(None, description="Local folder of a Hugging Face model (or of a GGUF file); 'smollm2' = the bundled SmolLM2-135M-Instruct.")
+    gguf_file: str | None = Field(None, description="GGUF file name inside `path`, loaded with transformers' GGUF support.")
+    tiny: dict[str, Any] | None = Field(None, description="Build drmas_graph.testing.tiny_policy(**tiny) instead of loading a path (tests, wiring checks).")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Weights dtype.")
+    device: str = Field("cpu", description="Device of the embedded policy and its trainer (cpu, cuda, cuda:1).")
+    trainable: bool = Field(True, description="False: the model only serves its agents (frozen).")
+    update: UpdateConfig | None = Field(None, description="Optimizer and loss settings of this model; null = the top-level `update`.")
+    max_batch_size: int = Field(32, ge=1, description="Dynamic batching: most requests generated together.")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ModelConfig:
+        if (self.path is None) == (self.tiny is None):
+            raise ValueError("give exactly one of `path` or `tiny`")
+        return self
+
+
+class AgentConfig(_Strict):
+    model: str = Field(description="Name of the entry in `models` that serves this agent (agents may share one).")
+    frozen: bool = Field(False, description="Serve this agent but never train on its calls.")
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig, description="Rollout sampling of this agent's calls.")
+    loss: LossConfig = Field(default_factory=LossConfig, description="Per-agent loss settings.")
+
+
+class EvalConfig(_Strict):
+    every: int = Field(0, ge=0, description="Evaluate every N steps (and before the first and after the last); 0 = only at the end.")
+    split: str = Field("test", description="Task split evaluated.")
+    n_tasks: int | None = Field(None, description="Evaluate the first N tasks of the split; null = all.")
+    k: int = Field(4, ge=1, description="Samples per task for avg@k and pass@k.")
+    temperature: float = Field(0.6, ge=0, description="Evaluation sampling temperature (the paper: 0.6).")
+    top_p: float = Field(0.95, gt=0, le=1, description="Evaluation nucleus mass (the paper: 0.95).")
+    before_training: bool = Field(True, description="Also evaluate the initial policies (step 0).")
+
+
+class LoggingConfig(_Strict):
+    progress: bool = Field(True, description="Show a progress bar (step, reward per agent, ETA).")
+    tensorboard: bool = Field(True, description="Write TensorBoard scalars under run_dir/tensorboard (needs the tensorboard package).")
+    wandb: bool = Field(False, description="Log to Weights & Biases (needs wandb and a login).")
+    weave: bool = Field(False, description="Trace episodes with W&B Weave (needs weave and a server).")
+
+
+class TrainConfig(_Strict):
+    """A training run. YAML keys mirror these fields; `--set a.b=v` overrides any of them."""
+
+    name: str = Field("run", description="Run name (the run folder is run_dir).")
+    run_dir: str = Field("runs/run", description="Folder of the run: traces.db, metrics.jsonl, tensorboard/, checkpoints/.")
+    seed: int = Field(0, description="Seeds task order, sampling and initialisation.")
+    graph: str | None = Field(None, description="'module:attr' of the graph or of a factory building it (CLI only); a factory's `llm` parameter gets a stand-in chat model.")
+    graph_kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the graph factory.")
+    env: str | None = Field(None, description="'module:attr' of the environment class or factory (CLI only).")
+    env_kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the environment factory.")
+    models: dict[str, ModelConfig] = Field(default_factory=dict, description="Models by name.")
+    agents: dict[str, AgentConfig] = Field(default_factory=dict, description="Agents by name, each served by one model.")
+    update: UpdateConfig = Field(default_factory=UpdateConfig, description="Optimizer and loss settings of every model without its own `update`.")
+    node_agents: dict[str, str] = Field(default_factory=dict, description="Node-path glob -> agent (instrument's `agents`); default agent = node path.")
+    strict: bool = Field(True, description="Error when a node calls an LLM for an agent without a policy.")
+    steps: int = Field(10, ge=1, description="Training steps.")
+    tasks_per_step: int = Field(4, ge=1, description="Tasks sampled per step (B).")
+    group_size: int = Field(8, ge=1, description="Rollouts per task (G); they form one GRPO group.")
+    max_concurrency: int = Field(32, ge=1, description="Episodes in flight at once.")
+    estimator: str = Field("agent", description="Advantage estimator: agent (Dr. MAS) | episode_global (vanilla GRPO) | step_global | agent_turn.")
+    norm_by_std: bool = Field(True, description="Divide advantages by the pool's std (false = mean-only, Dr.GRPO style).")
+    adv_eps: float = Field(1e-6, gt=0, description="eps in (R - mu) / (sigma + eps).")
+    invalid_penalty: float | None = Field(None, description="Reward subtracted per invalid turn; null = the environment's `invalid_penalty` (0 if none).")
+    success_threshold: float = Field(1.0, description="An episode succeeds (avg@k, pass@k) when its team reward is >= this.")
+    checkpoint_every: int = Field(0, ge=0, description="Save a checkpoint every N steps (and at the end); 0 = only at the end.")
+    keep_checkpoints: int = Field(2, ge=1, description="Most recent checkpoints kept.")
+    resume: bool = Field(False, description="Continue from the latest checkpoint in run_dir.")
+    eval: EvalConfig = Field(default_factory=EvalConfig, description="Evaluation settings.")
+    logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Logging settings.")
+
+    # ---- YAML ---------------------------------------------------------------------------------
+    def to_yaml(self, path: str | Path | None = None) -> str:
+        text = yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+        if path is not None:
+            Path(path).write_text(text)
+        return text
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> TrainConfig:
+        return load_config(path)
+
+
+def _validate(data: dict[str, Any], where: str) -> TrainConfig:
+    try:
+        return TrainConfig.model_validate(data)
+    except ValidationError as exc:
+        lines = [f"{where}: invalid training config"]
+        for err in exc.errors():
+            loc = ".".join(str(p) for p in err["loc"]) or "<root>"
+            lines.append(f"  {loc}: {err['msg']}")
+        raise ConfigError("\n".join(lines)) from None
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None) -> TrainConfig:
+    """Read a YAML config and apply `key.sub=value` overrides (values parsed as YAML)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML ({exc})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of config fields")
+    return _validate(apply_overrides(data, overrides or []), str(path))
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """`a.b.c=value` strings applied to nested dicts (a copy); value is parsed as YAML ('3' -> 3)."""
+    import copy
+
+    data = copy.deepcopy(data)
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override {item!r} must look like key.sub=value")
+        node = data
+        parts = key.split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {item!r}: {part!r} is not a mapping")
+        node[parts[-1]] = yaml.safe_load(raw)
+    return data
+
+
+def merge_overrides(config: TrainConfig | None, overrides: dict[str, Any]) -> TrainConfig:
+    """A config with keyword overrides applied (`steps=3`, `eval={'k': 2}`, dotted keys as `eval__k=2`)."""
+    data = (config or TrainConfig()).model_dump()
+    for key, value in overrides.items():
+        parts = key.split("__")
+        node = data
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+        if isinstance(value, dict) and isinstance(node.get(parts[-1]), dict):
+            node[parts[-1]] = {**node[parts[-1]], **value}
+        else:
+            node[parts[-1]] = value
+    return _validate(data, "train_graph() arguments")
+
+
+def config_reference() -> list[tuple[str, str, str]]:
+    """(dotted field, default, description) for every config field, for docs and `drmas-graph config-doc`."""
+    rows: list[tuple[str, str, str]] = []
+
+    def walk(model: type[BaseModel], prefix: str) -> None:
+        for name, field in model.model_fields.items():
+            ann = field.annotation
+            args = getattr(ann, "__args__", ())
+            if getattr(ann, "__origin__", None) is dict and _is_model(args[-1]):
+                walk(args[-1], f"{prefix}{name}.<name>.")
+                continue
+            sub = next((a for a in (ann, *args) if _is_model(a)), None)
+            if sub is not None:
+                if not field.is_required() and field.get_default() is None:  # optional section: say what null means
+                    rows.append((f"{prefix}{name}", "None", field.description or ""))
+                walk(sub, f"{prefix}{name}.")
+                continue
+            default = "required" if field.is_required() else repr(field.get_default(call_default_factory=True))
+            rows.append((f"{prefix}{name}", default, field.description or ""))
+
+    walk(TrainConfig, "")
+    return rows
+
+
+def _is_model(obj: Any) -> bool:
+    return isinstance(obj, type) and issubclass(obj, BaseModel)

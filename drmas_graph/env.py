@@ -1,0 +1,104 @@
+"""`Env`: what a user implements to train a graph: tasks, a reward, and an optional per-turn validity check."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+from drmas_graph.types import Episode, Turn
+
+__all__ = ["Env", "Task", "score_episode", "EpisodeScore"]
+
+
+@dataclass(frozen=True)
+class Task:
+    """One graph input with a stable id (environments may use their own class with these attributes)."""
+
+    id: str
+    """Stable, unique id (groups, traces and resume key on it)."""
+    input: Any
+    """The graph input."""
+    answer: Any = None
+    """Reference answer, for the reward."""
+    meta: dict = field(default_factory=dict)
+    """Free-form extras (difficulty, kind, ...)."""
+
+
+@runtime_checkable
+class Env(Protocol):
+    """The training environment.
+
+    Required: `tasks(split)` returns the tasks of a split ('train', 'test', ...), each with `.id` and
+    `.input`; `reward(task, episode)` returns a team reward (float) or a reward per agent
+    ({agent: float}). Optional: `turn_is_valid(task, turn) -> bool` (an invalid turn costs
+    `invalid_penalty`, as in the paper: math 0.1, search 0.01) and `is_success(task, episode) -> bool`
+    for avg@k/pass@k (default: team reward >= the config's success_threshold).
+    """
+
+    def tasks(self, split: str) -> Sequence[Any]: ...
+
+    def reward(self, task: Any, episode: Episode) -> float | Mapping[str, float]: ...
+
+
+@dataclass
+class EpisodeScore:
+    """Rewards of one episode, ready for advantage estimation."""
+
+    rewards: dict[str, float]
+    """Reward per agent that acted (a team reward is copied to every agent)."""
+    turn_rewards: list[float]
+    """R_i per turn = the turn's agent reward - penalty * [turn invalid]; aligned with episode.turns."""
+    invalid: list[bool]
+    """Whether each turn failed the environment's validity check."""
+    team: float
+    """The team reward (mean over agents when the environment returned per-agent rewards)."""
+
+
+class BadRewardError(ValueError):
+    """The environment returned a reward that cannot be trained on (None, NaN, missing agent)."""
+
+
+def score_episode(env: Any, task: Any, episode: Episode, *, invalid_penalty: float) -> EpisodeScore:
+    """Call the environment's reward and validity check for one finished episode."""
+    raw = env.reward(task, episode)
+    agents = episode.agents
+    if isinstance(raw, Mapping):
+        missing = [a for a in agents if a not in raw]
+        if missing:
+            raise BadRewardError(f"reward dict for task {task.id!r} lacks agents {missing} (it has {sorted(raw)})")
+        rewards = {a: _finite(raw[a], task, a) for a in agents}
+        team = sum(rewards.values()) / len(rewards) if rewards else 0.0
+    else:
+        team = _finite(raw, task, "team")
+        rewards = {a: team for a in agents}
+    check = getattr(env, "turn_is_valid", None)
+    invalid = [bool(check is not None and not check(task, t)) for t in episode.turns]
+    turn_rewards = [rewards[t.agent] - invalid_penalty * bad for t, bad in zip(episode.turns, invalid)]
+    return EpisodeScore(rewards=rewards, turn_rewards=turn_rewards, invalid=invalid, team=team)
+
+
+def _finite(value: Any, task: Any, who: str) -> float:
+    try:
+        x = float(value)
+    except (TypeError, ValueError):
+        raise BadRewardError(f"reward of {who} for task {task.id!r} is {value!r}, not a number") from None
+    if not math.isfinite(x):
+        raise BadRewardError(f"reward of {who} for task {task.id!r} is {x}")
+    return x
+
+
+def is_success(env: Any, task: Any, episode: Episode, score: EpisodeScore, threshold: float) -> bool:
+    check = getattr(env, "is_success", None)
+    return bool(check(task, episode)) if check is not None else score.team >= threshold
+
+
+def trainable_agent_turns(turns: Sequence[Turn]) -> list[int]:
+    """For each turn, how many earlier turns of the same agent the episode has (agent-turn index)."""
+    seen: dict[str, int] = {}
+    out = []
+    for t in turns:
+        out.append(seen.get(t.agent, 0))
+        seen[t.agent] = out[-1] + 1
+    return out

@@ -1,0 +1,99 @@
+"""Where training metrics go: metrics.jsonl (always), TensorBoard, W&B (optional), and a progress bar."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+__all__ = ["RunLogger", "mean_std"]
+
+
+def mean_std(values: list[float]) -> tuple[float, float]:
+    """Mean and unbiased std (0 for fewer than two values); NaN mean for no values."""
+    n = len(values)
+    if n == 0:
+        return math.nan, 0.0
+    mu = sum(values) / n
+    if n < 2:
+        return mu, 0.0
+    return mu, math.sqrt(sum((v - mu) ** 2 for v in values) / (n - 1))
+
+
+class RunLogger:
+    """Writes one JSON line per step (and per evaluation) and mirrors scalars to TensorBoard / W&B."""
+
+    def __init__(self, run_dir: Path, *, tensorboard: bool, wandb: bool, progress: bool, total_steps: int,
+                 start_step: int, agents: list[str], run_name: str, config: dict[str, Any]) -> None:
+        self.path = run_dir / "metrics.jsonl"
+        self._truncate_after(start_step)
+        self._file = self.path.open("a")
+        self._tb = self._tensorboard(run_dir) if tensorboard else None
+        self._wandb = self._wandb_run(run_name, config) if wandb else None
+        self.agents = agents
+        self._progress = None
+        if progress:
+            from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+            self._progress = Progress(TextColumn("[bold]step {task.completed}/{task.total}"), BarColumn(),
+                                      TextColumn("{task.fields[status]}"), TimeElapsedColumn(), TextColumn("ETA"),
+                                      TimeRemainingColumn())
+            self._task = self._progress.add_task("train", total=total_steps, completed=start_step, status="starting")
+            self._progress.start()
+
+    def _truncate_after(self, start_step: int) -> None:
+        """On resume, drop lines of steps that will run again (written after the last checkpoint)."""
+        if not self.path.exists():
+            return
+        kept = [line for line in self.path.read_text().splitlines()
+                if line.strip() and json.loads(line).get("step", 0) < start_step]
+        self.path.write_text("".join(line + "\n" for line in kept))
+
+    @staticmethod
+    def _tensorboard(run_dir: Path) -> Any:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            warnings.warn("logging.tensorboard is on but the tensorboard package is not installed; "
+                          "`pip install tensorboard` or set logging.tensorboard=false", stacklevel=3)
+            return None
+        return SummaryWriter(str(run_dir / "tensorboard"))
+
+    @staticmethod
+    def _wandb_run(name: str, config: dict[str, Any]) -> Any:
+        import wandb  # an explicit opt-in: a missing package is an error, not a silent no-op
+
+        return wandb.init(project="drmas-graph", name=name, config=config)
+
+    def log(self, record: dict[str, Any]) -> None:
+        record = {"time": time.time(), **record}
+        self._file.write(json.dumps(record, default=float) + "\n")
+        self._file.flush()
+        step = int(record.get("step", 0))
+        scalars = {k: v for k, v in record.items() if isinstance(v, (int, float)) and k not in ("step", "time")}
+        if self._tb is not None:
+            for key, value in scalars.items():
+                self._tb.add_scalar(key, value, step)
+            self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log(scalars, step=step)
+
+    def progress(self, step: int, record: dict[str, Any]) -> None:
+        if self._progress is None:
+            return
+        parts = [f"{a}={record[f'agent/{a}/reward_mean']:.2f}" for a in self.agents
+                 if isinstance(record.get(f"agent/{a}/reward_mean"), float)
+                 and not math.isnan(record[f"agent/{a}/reward_mean"])]
+        self._progress.update(self._task, completed=step + 1, status="reward " + " ".join(parts))
+
+    def close(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+        self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()

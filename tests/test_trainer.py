@@ -1,0 +1,161 @@
+"""train_graph: a tiny two-agent graph trained for a few steps on CPU, with real assertions."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from drmas_graph import SamplingParams
+from drmas_graph.config import TrainConfig, load_config
+from drmas_graph.errors import ConfigError
+from drmas_graph.store import TraceStore
+from drmas_graph.testing import tiny_policy
+from drmas_graph.trainer import Trainer, train_graph
+from tests import _graphs
+from tests._envs import ParityEnv
+from tests.test_instrument import Unreachable
+
+
+def small_config(tmp_path, **kw):
+    base = dict(run_dir=str(tmp_path / "run"), steps=2, tasks_per_step=2, group_size=4, strict=True,
+                update={"lr": 1e-3, "backend": "torch"},
+                eval={"k": 2, "n_tasks": 2, "before_training": True},
+                logging={"progress": False, "tensorboard": False})
+    base.update(kw)
+    return TrainConfig.model_validate(base)
+
+
+def graph():
+    return _graphs.solver_verifier(Unreachable()).compile()
+
+
+def params(policy):
+    return {k: v.detach().clone() for k, v in policy.model.state_dict().items()}
+
+
+def test_trains_each_trainable_model_and_leaves_frozen_ones(tmp_path):
+    solver = tiny_policy(seed=0, sampling=SamplingParams(max_new_tokens=6))
+    verifier = tiny_policy(seed=1, arch="qwen2", vocab_size=384, sampling=SamplingParams(max_new_tokens=6))
+    before_s, before_v = params(solver), params(verifier)
+    cfg = small_config(tmp_path, agents={"solver": {"model": solver.name},
+                                         "verifier": {"model": verifier.name, "frozen": True}})
+    result = train_graph(graph(), ParityEnv(), cfg, policies={"solver": solver, "verifier": verifier})
+    moved = [k for k, v in params(solver).items() if not torch.equal(v, before_s[k])]
+    assert len(moved) > 0.5 * len(before_s)  # the solver's model was updated
+    assert all(torch.equal(v, before_v[k]) for k, v in params(verifier).items())  # the frozen one was not
+    assert solver.version == 2 and verifier.version == 0
+    assert [r["step"] for r in result.history] == [0, 1]
+    last = result.history[-1]
+    assert last["episodes"] == 8 and last["agent/solver/calls"] == 8 and last["agent/verifier/calls"] == 8
+    assert last["agent/solver/logprob_mismatch"] < 1e-4  # embedded rollout logprobs == trainer's recompute
+    assert "agent/verifier/logprob_mismatch" not in last  # frozen: never trained
+    assert math.isfinite(last[f"model/{solver.name}/grad_norm"]) and last[f"model/{solver.name}/grad_norm"] > 0
+
+
+def test_shared_model_two_agents_metrics_traces_and_checkpoint(tmp_path):
+    policy = tiny_policy(seed=0, sampling=SamplingParams(max_new_tokens=6))
+    result = train_graph(graph(), ParityEnv(), small_config(tmp_path), policies={"solver": policy, "verifier": policy})
+    run = tmp_path / "run"
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    train_lines = [x for x in lines if "agent/solver/reward_mean" in x]
+    assert [x["step"] for x in train_lines] == [0, 1]
+    for x in train_lines:
+        for key in ("agent/solver/adv_mean", "agent/verifier/adv_std", "agent/solver/pg_loss", "time/rollout_s",
+                    "time/update_s", "rollout/tokens_per_s", "adv/zero_variance_pools", "agent/verifier/entropy",
+                    "agent/solver/clip_frac", "agent/verifier/invalid_rate"):
+            assert key in x, key
+        # agent-wise normalization: each agent's advantages have mean ~0 within every non-degenerate pool
+        assert abs(x["agent/solver/adv_mean"]) < 1e-5
+    evals = [x for x in lines if "eval/avg@k" in x]
+    assert [x["step"] for x in evals] == [0, 2] and [e["step"] for e in result.evals] == [0, 2]
+    with TraceStore(run / "traces.db", readonly=True) as store:
+        trained = store.episodes(step=1)
+        assert len(trained) == 8  # every training episode is stored with the step it was used in
+        episode = store.load_episode(trained[0].id)
+        assert episode.advantages is not None and len(episode.advantages) == len(episode.turns) == 2
+        assert episode.rewards["solver"] in (0.0, 1.0)
+    ckpt = result.checkpoint
+    assert ckpt == run / "checkpoints" / "step_000002" and (ckpt / policy.name / "model" / "config.json").exists()
+    from transformers import AutoModelForCausalLM
+
+    reloaded = AutoModelForCausalLM.from_pretrained(ckpt / policy.name / "model")
+    assert all(torch.equal(v, policy.model.state_dict()[k]) for k, v in reloaded.state_dict().items())
+    assert "reward step 0" in result.summary() and "avg@2" in result.summary()
+
+
+def test_bad_rewards_failing_tasks_and_idle_agents_are_counted_not_fatal(tmp_path):
+    from langchain_core.messages import HumanMessage
+    from langgraph.graph import END, START, StateGraph
+
+    llm = Unreachable()
+
+    def solver(state):
+        if state["question"] == "boom":
+            raise ValueError("this task makes the graph raise")
+        return {"answer": llm.invoke([HumanMessage(state["question"])]).content}
+
+    g = StateGraph(_graphs.QA)
+    g.add_node("solver", solver)
+    g.add_node("verifier", lambda s: {"verdict": "never calls an LLM"})
+    g.add_edge(START, "solver")
+    g.add_edge("solver", "verifier")
+    g.add_edge("verifier", END)
+    env = ParityEnv(n_train=2, bad_reward={"train-1"})
+    env.train[0] = type(env.train[0])(id="train-0", input={"question": "boom"})
+    policy = tiny_policy(seed=0, sampling=SamplingParams(max_new_tokens=4))
+    cfg = small_config(tmp_path, steps=1, eval={"k": 1, "n_tasks": 1, "before_training": False})
+    result = train_graph(g.compile(), env, cfg, policies={"solver": policy, "verifier": policy})
+    rec = result.history[0]
+    assert rec["failed_episodes"] == 4 and rec["bad_reward_episodes"] == 4 and rec["episodes"] == 0
+    assert rec["agent/verifier/calls"] == 0 and rec["agent/verifier/never_acted"] == 1
+    with TraceStore(tmp_path / "run" / "traces.db", readonly=True) as store:
+        failed = store.episodes(failed=True)
+        assert len(failed) >= 4 and "this task makes the graph raise" in store.load_episode(failed[0].id).error
+
+
+def test_kill_and_resume_gives_the_same_batches_and_weights(tmp_path):
+    def run(run_dir, steps, resume=False, seed_policy=0):
+        policy = tiny_policy(seed=seed_policy, sampling=SamplingParams(max_new_tokens=4))
+        cfg = small_config(tmp_path, run_dir=str(run_dir), steps=steps, resume=resume, checkpoint_every=1,
+                           max_concurrency=1, eval={"k": 1, "n_tasks": 1, "before_training": False})
+        result = train_graph(graph(), ParityEnv(n_train=5), cfg, policies={"solver": policy, "verifier": policy})
+        return result, policy
+
+    straight, p_straight = run(tmp_path / "a", 4)
+    run(tmp_path / "b", 2)  # "killed" after step 2's checkpoint
+    resumed, p_resumed = run(tmp_path / "b", 4, resume=True)
+    assert [r["step"] for r in resumed.history] == [2, 3]
+    with TraceStore(tmp_path / "a" / "traces.db", readonly=True) as a, \
+            TraceStore(tmp_path / "b" / "traces.db", readonly=True) as b:
+        for step in (2, 3):
+            assert sorted(e.task_id for e in a.episodes(step=step)) == sorted(e.task_id for e in b.episodes(step=step))
+    for k, v in p_straight.model.state_dict().items():
+        torch.testing.assert_close(p_resumed.model.state_dict()[k], v, atol=1e-6, rtol=0)
+    lines = [json.loads(x)["step"] for x in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
+    assert sorted(s for s in lines) == [0, 1, 2, 3, 4]  # steps 0,1 + 2,3 + final eval at 4
+
+
+def test_task_order_is_seeded_and_covers_the_split(tmp_path):
+    policy = tiny_policy(seed=0)
+    trainer = Trainer(graph(), ParityEnv(n_train=5), small_config(tmp_path), policies={"solver": policy,
+                                                                                        "verifier": policy})
+    ids = [t.id for s in range(5) for t in trainer.batch_tasks(s)]  # 10 positions = 2 epochs of 5
+    assert sorted(ids[:5]) == sorted(ids[5:]) == [f"train-{i}" for i in range(5)]
+    assert ids[:5] != ids[5:]  # each epoch reshuffled
+    trainer.close()
+
+
+def test_config_errors_name_the_field(tmp_path):
+    with pytest.raises(ConfigError, match="estimator"):
+        policy = tiny_policy()
+        train_graph(graph(), ParityEnv(), small_config(tmp_path, estimator="per-agent"),
+                    policies={"solver": policy, "verifier": policy})
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("steps: 3\ngroup_sise: 4\n")
+    with pytest.raises(ConfigError, match="group_sise"):
+        load_config(bad)
+    good = tmp_path / "good.yaml"
+    small_config(tmp_path).to_yaml(good)
+    cfg = load_config(good, ["steps=7", "eval.k=3", "update.lr=0.5"])
+    assert (cfg.steps, cfg.eval.k, cfg.update.lr) == (7, 3, 0.5)
