@@ -1,0 +1,360 @@
+"""The math example app (graphs/math): the solver/verifier graph with scripted chat models, the parsers,
+and the environment's generator, reward and format check."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+from langchain_core.callbacks import BaseCallbackHandler
+from langchain_core.language_models import BaseChatModel
+from langchain_core.language_models.fake_chat_models import GenericFakeChatModel
+from langchain_core.messages import AIMessage, BaseMessage, SystemMessage
+from langchain_core.outputs import ChatGeneration, ChatResult
+from pydantic import Field
+
+from graphs.math.env import MathEnv, normalize_number
+from graphs.math.graph import SOLVER_PROMPT, VERIFIER_PROMPT, build_graph, parse_answer, parse_verdict
+from graphs.task import Task, split_counts
+
+GRAPHS = Path(__file__).resolve().parents[1] / "graphs"
+
+
+class ScriptedChat(BaseChatModel):
+    """A chat model whose reply is ``respond(agent, user_text)``; the agent is read off the system prompt."""
+
+    respond: Callable[[str, str], str]
+    calls: list[tuple[str, str]] = Field(default_factory=list)
+    """(agent, user message) of every call, in order."""
+
+    @property
+    def _llm_type(self) -> str:
+        return "scripted"
+
+    def _generate(self, messages: list[BaseMessage], stop: Any = None, run_manager: Any = None,
+                  **kwargs: Any) -> ChatResult:
+        assert isinstance(messages[0], SystemMessage) and len(messages) == 2
+        agent = {SOLVER_PROMPT: "solver", VERIFIER_PROMPT: "verifier"}[messages[0].content]
+        self.calls.append((agent, messages[1].content))
+        reply = self.respond(agent, messages[1].content)
+        return ChatResult(generations=[ChatGeneration(message=AIMessage(reply))])
+
+
+def scripted(solver: list[str], verifier: list[str]) -> ScriptedChat:
+    """Replies taken in order from per-agent scripts."""
+    queues = {"solver": iter(solver), "verifier": iter(verifier)}
+    return ScriptedChat(respond=lambda agent, _user: next(queues[agent]))
+
+
+def agents(state: dict) -> list[str]:
+    return [turn["agent"] for turn in state["transcript"]]
+
+
+# --- graph ------------------------------------------------------------------------------------------
+
+
+def test_nodes_are_solver_and_verifier():
+    graph = build_graph(scripted([], []))
+    assert set(graph.nodes) - {"__start__"} == {"solver", "verifier"}
+
+
+def test_approve_ends_after_one_round():
+    llm = scripted(["Answer: 7"], ["approve"])
+    state = build_graph(llm).invoke({"question": "What is 3 + 4?"})
+    assert state["answer"] == "7" and state["rounds"] == 1 and state["verdict"] == "approve"
+    assert agents(state) == ["solver", "verifier"]
+    assert llm.calls == [("solver", "What is 3 + 4?"),
+                         ("verifier", "Question: What is 3 + 4?\nProposed answer: 7")]
+
+
+def test_reject_makes_the_solver_revise_with_the_reason():
+    llm = scripted(["The answer is 8.", "The answer is 7."], ["No, 3 + 4 is not 8.", "Yes."])
+    state = build_graph(llm, max_rounds=3).invoke({"question": "What is 3 + 4?"})
+    assert state["answer"] == "7" and state["rounds"] == 2 and state["verdict"] == "approve"
+    assert agents(state) == ["solver", "verifier", "solver", "verifier"]
+    revision_prompt = llm.calls[2][1]
+    assert revision_prompt == ("What is 3 + 4?\nYour previous answer: 8\n"
+                               "A checker said it is wrong: 3 + 4 is not 8.\nTry again.")
+    assert llm.calls[3][1].endswith("Proposed answer: 7")
+
+
+def test_max_rounds_caps_solver_turns_and_keeps_the_last_answer():
+    llm = scripted(["Answer: 1", "Answer: 2", "Answer: 3", "Answer: 4"], ["reject: no"] * 4)
+    state = build_graph(llm, max_rounds=3).invoke({"question": "q"})
+    assert state["rounds"] == 3 and state["answer"] == "3" and state["verdict"] == "reject"
+    assert agents(state) == ["solver", "verifier"] * 3
+
+
+def test_unreadable_verdict_counts_as_approve():
+    state = build_graph(scripted(["Answer: 7"], ["looks right to me"])).invoke({"question": "q"})
+    assert state["rounds"] == 1 and state["verdict"] is None and state["answer"] == "7"
+
+
+def test_solver_reply_without_answer_gives_none_and_the_verifier_sees_none():
+    llm = scripted(["I think seven", "Answer: 7"], ["reject: no answer given", "approve"])
+    state = build_graph(llm).invoke({"question": "q"})
+    assert llm.calls[1] == ("verifier", "Question: q\nProposed answer: (none)")
+    assert "Your previous answer: (none)" in llm.calls[2][1]
+    assert state["answer"] == "7"
+    # An unreadable last answer is the final answer: None, not an earlier one.
+    llm = scripted(["Answer: 5", "no idea"], ["reject: wrong", "reject: no answer"])
+    state = build_graph(llm).invoke({"question": "q"})
+    assert state["rounds"] == 2 and state["answer"] is None
+
+
+def test_separate_verifier_model_gets_only_verifier_calls():
+    solver_llm = scripted(["Answer: 8", "Answer: 7"], [])
+    verifier_llm = scripted([], ["reject: off by one", "approve"])
+    state = build_graph(solver_llm, verifier_llm=verifier_llm).invoke({"question": "q"})
+    assert [a for a, _ in solver_llm.calls] == ["solver", "solver"]
+    assert [a for a, _ in verifier_llm.calls] == ["verifier", "verifier"]
+    assert state["answer"] == "7"
+
+
+def test_any_chat_model_works_generic_fake():
+    llm = GenericFakeChatModel(messages=iter([AIMessage("Answer: 12"), AIMessage("approve")]))
+    assert build_graph(llm).invoke({"question": "What is 3 * 4?"})["answer"] == "12"
+
+
+def test_model_calls_carry_the_node_name_in_run_metadata():
+    """The trainer tells agents apart by LangGraph's ``langgraph_node`` run metadata."""
+
+    class Nodes(BaseCallbackHandler):
+        def __init__(self) -> None:
+            self.seen: list[str] = []
+
+        def on_chat_model_start(self, serialized, messages, *, metadata=None, **kwargs):
+            self.seen.append(metadata["langgraph_node"])
+
+    handler = Nodes()
+    llm = scripted(["Answer: 8", "Answer: 7"], ["reject: no", "approve"])
+    build_graph(llm).invoke({"question": "q"}, {"callbacks": [handler]})
+    assert handler.seen == ["solver", "verifier", "solver", "verifier"]
+
+
+def test_bad_max_rounds_is_rejected_at_build_time():
+    with pytest.raises(ValueError, match="max_rounds"):
+        build_graph(scripted([], []), max_rounds=0)
+
+
+def test_graph_modules_do_not_import_drmas_graph():
+    for path in GRAPHS.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            assert not any(n.split(".")[0] == "drmas_graph" for n in names), path
+
+
+# --- parsers ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("The answer is 7.", "7"),
+    ("So, the answer is 15.", "15"),
+    ('The answer is "7"', "7"),
+    ("The answer is: 7", "7"),
+    ("Answer: 7", "7"),
+    ("answer:7", "7"),
+    ("  Answer: -3", "-3"),
+    ("Answer: 5.0", "5.0"),
+    ("**Answer:** 12", "12"),
+    ("Answer = 1,000", "1000"),
+    ("Answer: $42$", "42"),
+    ("3 + 4 = 7.\nAnswer: 7", "7"),
+    ("Answer: 6\nWait, no. Answer: 7", "7"),  # the last one wins
+    ("3 + 4 = 7", None),
+    ("The answer is seven", None),
+    ("Answer: seven", None),
+    ("The answer to this is 7", None),
+    ("", None),
+    ("7", "7"),  # a reply that is only a number is an answer too
+    (" 12. ", "12"),
+    ("7 apples", None),
+])
+def test_parse_answer(text, expected):
+    assert parse_answer(text) == expected
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("Yes.", (True, "")),
+    ("yes, 2 + 5 is 7", (True, "")),
+    ("No, 2 + 5 is 7, not 8.", (False, "2 + 5 is 7, not 8.")),
+    ("No.", (False, "")),
+    ("Not sure", (None, "")),
+    ("The proposed answer is 10.", (None, "")),
+    ("approve", (True, "")),
+    ("Approve.", (True, "")),
+    ("**Approved**", (True, "")),
+    ("Verdict: approve", (True, "")),
+    ("reject: 3 + 4 is 7, not 8", (False, "3 + 4 is 7, not 8")),
+    ("Reject - wrong sum", (False, "wrong sum")),
+    ("reject", (False, "")),
+    ("I approve", (None, "")),
+    ("looks good", (None, "")),
+    ("", (None, "")),
+    ("approves", (None, "")),
+])
+def test_parse_verdict(text, expected):
+    assert parse_verdict(text) == expected
+
+
+# --- environment ------------------------------------------------------------------------------------
+
+
+def _recompute(question: str) -> int:
+    """The answer of a generated question, recomputed from its text."""
+    if m := re.fullmatch(r"What is (\d+) ([-+*]) (\d+)\?", question):
+        a, op, b = int(m[1]), m[2], int(m[3])
+        return {"+": a + b, "-": a - b, "*": a * b}[op]
+    n = [int(x) for x in re.findall(r"\d+", question)]
+    if "buys" in question:
+        return n[0] + n[1] - n[2]
+    if "bags" in question:
+        return n[0] * n[1] + n[2]
+    assert "lost" in question, question
+    return n[0] - n[1] + n[2]
+
+
+def test_same_seed_same_tasks_other_seed_other_tasks():
+    a, b, c = MathEnv(seed=3), MathEnv(seed=3), MathEnv(seed=4)
+    for split in ("train", "test"):
+        assert a.tasks(split) == b.tasks(split)
+    assert [t.input for t in a.tasks("train")] != [t.input for t in c.tasks("train")]
+
+
+def test_splits_have_requested_sizes_unique_ids_and_disjoint_questions():
+    env = MathEnv(seed=0, n_train=100, n_test=40)
+    train, test = env.tasks("train"), env.tasks("test")
+    assert (len(train), len(test)) == (100, 40)
+    ids = [t.id for t in train + test]
+    assert len(set(ids)) == len(ids)
+    train_q = {t.input["question"] for t in train}
+    test_q = {t.input["question"] for t in test}
+    assert len(train_q) == 100 and len(test_q) == 40 and not train_q & test_q
+    assert all(t.meta["split"] == "train" for t in train) and all(t.meta["split"] == "test" for t in test)
+
+
+def test_default_mix_has_all_levels_with_single_digit_addition_the_majority():
+    env = MathEnv()
+    for split in ("train", "test"):
+        tasks = env.tasks(split)
+        levels = [t.meta["level"] for t in tasks]
+        assert set(levels) == {0, 1, 2, 3}
+        assert levels.count(0) > len(tasks) / 2
+        assert {t.meta["kind"] for t in tasks if t.meta["level"] == 0} == {"add1"}
+    level0 = [t for t in env.tasks("train") if t.meta["level"] == 0]
+    assert all(re.fullmatch(r"What is \d \+ \d\?", t.input["question"]) for t in level0)
+    assert {t.meta["kind"] for t in env.tasks("train")} == {"add1", "add2", "sub2", "mul", "word"}
+
+
+@pytest.mark.parametrize("level", [0, 1, 2, 3])
+def test_every_answer_is_correct(level):
+    env = MathEnv(seed=1, n_train=70, n_test=30, difficulty=tuple(float(i == level) for i in range(4)))
+    tasks = env.tasks("train") + env.tasks("test")
+    assert {t.meta["level"] for t in tasks} == {level}
+    for task in tasks:
+        assert int(task.answer) == _recompute(task.input["question"]), task
+        assert int(task.answer) >= 0
+
+
+def test_word_problem_example():
+    env = MathEnv(seed=0, difficulty=(0, 0, 0, 1), n_train=5, n_test=0)
+    task = env.tasks("train")[0]
+    assert task.meta == {"level": 3, "kind": "word", "split": "train"}
+    assert re.search(r"[A-Z][a-z]+ (has|had) \d+ [a-z]+", task.input["question"])
+
+
+def test_asking_for_more_distinct_problems_than_a_level_has_fails_loudly():
+    with pytest.raises(ValueError, match="level 0 has only 100 distinct problems"):
+        MathEnv(n_train=100, n_test=1, difficulty=(1.0,))
+
+
+def test_split_counts_largest_remainder():
+    assert split_counts(10, (0.55, 0.2, 0.15, 0.1)) == [6, 2, 1, 1]  # 5.5, 2, 1.5, 1 -> ties go left
+    assert split_counts(7, (1, 1)) == [4, 3]
+    assert sum(split_counts(33, (0.5, 0.3, 0.2))) == 33
+
+
+@pytest.mark.parametrize("got, reward", [
+    ("5", 1.0), ("5.0", 1.0), (" 5 ", 1.0), ("5.00", 1.0), ("6", 0.0), ("five", 0.0), (None, 0.0), ("", 0.0),
+    (parse_answer("Answer: 5.0"), 1.0), (parse_answer("blah"), 0.0),
+])
+def test_reward_is_numeric_exact_match(got, reward):
+    task = Task(id="t", input={"question": "What is 2 + 3?"}, answer="5", meta={"level": 0})
+    assert MathEnv(n_train=1, n_test=1).reward(task, {"answer": got}) == reward
+
+
+def test_reward_of_a_state_without_answer_is_zero_and_end_to_end_reward():
+    env = MathEnv(n_train=4, n_test=1)
+    task = env.tasks("train")[0]
+    assert env.reward(task, {}) == 0.0
+    llm = scripted([f"Answer: {task.answer}.0"], ["approve"])
+    assert env.reward(task, build_graph(llm).invoke(task.input)) == 1.0
+
+
+def test_normalize_number():
+    assert normalize_number(" 1,000 ") == normalize_number("1000.0")
+    assert normalize_number("nan") is None and normalize_number("abc") is None
+
+
+def test_turn_is_valid_and_penalty():
+    env = MathEnv(n_train=1, n_test=1)
+    assert env.invalid_penalty == 0.1 and env.agents == ("solver", "verifier")
+    assert env.turn_is_valid("solver", "The answer is 5.") and env.turn_is_valid("solver", "Answer: 5")
+    assert not env.turn_is_valid("solver", "the answer is five")
+    assert env.turn_is_valid("verifier", "Yes") and env.turn_is_valid("verifier", "No, it is 6.")
+    assert env.turn_is_valid("verifier", "approve") and env.turn_is_valid("verifier", "Reject: wrong sum")
+    assert not env.turn_is_valid("verifier", "%$#@ garbage")
+    with pytest.raises(ValueError, match="unknown agent 'judge'"):
+        env.turn_is_valid("judge", "approve")
+    with pytest.raises(ValueError, match="unknown split 'dev'"):
+        env.tasks("dev")
+
+
+# --- optional: a real (tiny, random-weight) model behind the graph ----------------------------------
+
+
+class PolicyChat(BaseChatModel):
+    """Adapts a ``drmas_graph`` Policy to LangChain's chat-model interface (render -> generate -> decode)."""
+
+    policy: Any
+
+    @property
+    def _llm_type(self) -> str:
+        return "policy"
+
+    def _generate(self, messages: list[BaseMessage], stop: Any = None, run_manager: Any = None,
+                  **kwargs: Any) -> ChatResult:
+        generation = self.policy.generate(self.policy.render(messages), self.policy.sampling)
+        text = self.policy.decode(generation.token_ids)
+        return ChatResult(generations=[ChatGeneration(message=AIMessage(text))])
+
+
+@pytest.mark.slow
+def test_graph_with_a_tiny_random_policy_stays_consistent():
+    """Random-weight replies almost never follow the format; the graph must still end within its caps
+    and its state must agree with the parsers and the env's format check."""
+    testing = pytest.importorskip("drmas_graph.testing")
+    if not hasattr(testing, "tiny_policy"):
+        pytest.skip("drmas_graph.testing.tiny_policy is not available")
+    policy = testing.tiny_policy(0)
+    try:
+        env = MathEnv(n_train=4, n_test=1)
+        for task in env.tasks("train")[:2]:
+            state = build_graph(PolicyChat(policy=policy), max_rounds=2).invoke(task.input)
+            turns = state["transcript"]
+            assert [t["agent"] for t in turns] == ["solver", "verifier"] * state["rounds"]
+            assert 1 <= state["rounds"] <= 2
+            assert state["answer"] == parse_answer(turns[-2]["text"])
+            approved, _ = parse_verdict(turns[-1]["text"])
+            assert state["verdict"] == {True: "approve", False: "reject", None: None}[approved]
+            for turn in turns:
+                valid = env.turn_is_valid(turn["agent"], turn["text"])
+                assert valid == (parse_answer(turn["text"]) is not None if turn["agent"] == "solver"
+                                 else parse_verdict(turn["text"])[0] is not None)
+            assert env.reward(task, state) in (0.0, 1.0)
+    finally:
+        policy.close()
