@@ -284,15 +284,15 @@ def test_split_counts_largest_remainder():
 ])
 def test_reward_is_numeric_exact_match(got, reward):
     task = Task(id="t", input={"question": "What is 2 + 3?"}, answer="5", meta={"level": 0})
-    assert MathEnv(n_train=1, n_test=1).reward(task, {"answer": got}) == reward
+    assert MathEnv(n_train=1, n_test=1).score(task, {"answer": got}) == reward
 
 
 def test_reward_of_a_state_without_answer_is_zero_and_end_to_end_reward():
     env = MathEnv(n_train=4, n_test=1)
     task = env.tasks("train")[0]
-    assert env.reward(task, {}) == 0.0
+    assert env.score(task, {}) == 0.0
     llm = scripted([f"Answer: {task.answer}.0"], ["approve"])
-    assert env.reward(task, build_graph(llm).invoke(task.input)) == 1.0
+    assert env.score(task, build_graph(llm).invoke(task.input)) == 1.0
 
 
 def test_normalize_number():
@@ -303,13 +303,13 @@ def test_normalize_number():
 def test_turn_is_valid_and_penalty():
     env = MathEnv(n_train=1, n_test=1)
     assert env.invalid_penalty == 0.1 and env.agents == ("solver", "verifier")
-    assert env.turn_is_valid("solver", "The answer is 5.") and env.turn_is_valid("solver", "Answer: 5")
-    assert not env.turn_is_valid("solver", "the answer is five")
-    assert env.turn_is_valid("verifier", "Yes") and env.turn_is_valid("verifier", "No, it is 6.")
-    assert env.turn_is_valid("verifier", "approve") and env.turn_is_valid("verifier", "Reject: wrong sum")
-    assert not env.turn_is_valid("verifier", "%$#@ garbage")
+    assert env.reply_is_valid("solver", "The answer is 5.") and env.reply_is_valid("solver", "Answer: 5")
+    assert not env.reply_is_valid("solver", "the answer is five")
+    assert env.reply_is_valid("verifier", "Yes") and env.reply_is_valid("verifier", "No, it is 6.")
+    assert env.reply_is_valid("verifier", "approve") and env.reply_is_valid("verifier", "Reject: wrong sum")
+    assert not env.reply_is_valid("verifier", "%$#@ garbage")
     with pytest.raises(ValueError, match="unknown agent 'judge'"):
-        env.turn_is_valid("judge", "approve")
+        env.reply_is_valid("judge", "approve")
     with pytest.raises(ValueError, match="unknown split 'dev'"):
         env.tasks("dev")
 
@@ -352,9 +352,9 @@ def test_graph_with_a_tiny_random_policy_stays_consistent():
             approved, _ = parse_verdict(turns[-1]["text"])
             assert state["verdict"] == {True: "approve", False: "reject", None: None}[approved]
             for turn in turns:
-                valid = env.turn_is_valid(turn["agent"], turn["text"])
+                valid = env.reply_is_valid(turn["agent"], turn["text"])
                 assert valid == (parse_answer(turn["text"]) is not None if turn["agent"] == "solver"
                                  else parse_verdict(turn["text"])[0] is not None)
-            assert env.reward(task, state) in (0.0, 1.0)
+            assert env.score(task, state) in (0.0, 1.0)
     finally:
         policy.close()

@@ -184,7 +184,7 @@ def test_three_hop_question_solved_end_to_end(env, corpus):
     assert agents(state) == ["router", "searcher"] * 3 + ["router", "answerer"]
     assert set(task.meta["gold_doc_ids"]) <= set(ids(state["evidence"]))
     assert "Queries so far: " + "; ".join(titles[:2]) in llm.calls[-3][1]  # the third searcher prompt
-    assert env.reward(task, state) == 1.0
+    assert env.score(task, state) == 1.0
 
 
 def test_max_steps_caps_searches_then_answers(corpus, retriever):
@@ -329,8 +329,8 @@ def test_too_many_tasks_for_a_level_fails_loudly():
 def test_reward_is_normalized_exact_match_with_aliases(env, got, reward):
     task = Task(id="t", input={"question": "Which river flows through Velmora?"}, answer="Ostrel",
                 meta={"level": 0, "kind": "river", "aliases": ["Ostrel river", "river Ostrel"]})
-    assert env.reward(task, {"answer": got}) == reward
-    assert env.reward(task, {}) == 0.0
+    assert env.score(task, {"answer": got}) == reward
+    assert env.score(task, {}) == 0.0
 
 
 def test_normalize_answer():
@@ -340,14 +340,14 @@ def test_normalize_answer():
 
 def test_turn_is_valid_and_penalty(env):
     assert env.invalid_penalty == 0.01 and env.agents == ("router", "searcher", "answerer")
-    assert env.turn_is_valid("router", "No.") and env.turn_is_valid("router", "Answer")
-    assert not env.turn_is_valid("router", "let me think")
-    assert env.turn_is_valid("searcher", "Velmora river") and env.turn_is_valid("searcher", "Query: Velmora")
-    assert not env.turn_is_valid("searcher", "Velmora is a town.\nIt has a river.")
-    assert env.turn_is_valid("answerer", "The answer is 1902.") and env.turn_is_valid("answerer", "Answer: X")
-    assert not env.turn_is_valid("answerer", "#$%^ garbage")
+    assert env.reply_is_valid("router", "No.") and env.reply_is_valid("router", "Answer")
+    assert not env.reply_is_valid("router", "let me think")
+    assert env.reply_is_valid("searcher", "Velmora river") and env.reply_is_valid("searcher", "Query: Velmora")
+    assert not env.reply_is_valid("searcher", "Velmora is a town.\nIt has a river.")
+    assert env.reply_is_valid("answerer", "The answer is 1902.") and env.reply_is_valid("answerer", "Answer: X")
+    assert not env.reply_is_valid("answerer", "#$%^ garbage")
     with pytest.raises(ValueError, match="unknown agent 'verifier'"):
-        env.turn_is_valid("verifier", "approve")
+        env.reply_is_valid("verifier", "approve")
 
 
 # --- optional: a real (tiny, random-weight) model behind the graph ----------------------------------
@@ -386,7 +386,7 @@ def test_graph_with_a_tiny_random_policy_stays_consistent(env):
         assert len(searcher_texts) == state.get("searches", 0) <= 2
         assert state.get("queries", []) == [parse_query(t) or task.input["question"] for t in searcher_texts]
         for turn in turns:
-            assert isinstance(env.turn_is_valid(turn["agent"], turn["text"]), bool)
-        assert env.reward(task, state) in (0.0, 1.0)
+            assert isinstance(env.reply_is_valid(turn["agent"], turn["text"]), bool)
+        assert env.score(task, state) in (0.0, 1.0)
     finally:
         policy.close()

@@ -144,15 +144,24 @@ class MathEnv:
             raise ValueError(f"unknown split {split!r}; valid splits: {sorted(self._splits)}")
         return list(self._splits[split])
 
-    def reward(self, task: Task, final_state: Mapping[str, Any]) -> float:
+    def score(self, task: Task, final_state: Mapping[str, Any]) -> float:
         """1.0 if the graph's final ``answer`` equals ``task.answer`` numerically ("5.0" == "5"), else 0.0."""
         got = normalize_number(final_state.get("answer"))
         return 1.0 if got is not None and got == normalize_number(task.answer) else 0.0
 
-    def turn_is_valid(self, agent: str, text: str) -> bool:
+    def reply_is_valid(self, agent: str, text: str) -> bool:
         """Format check of one reply: solver -> has ``Answer: <number>``; verifier -> approve/reject."""
         if agent == "solver":
             return parse_answer(text) is not None
         if agent == "verifier":
             return parse_verdict(text)[0] is not None
         raise ValueError(f"unknown agent {agent!r}; the math graph's agents are {list(self.agents)}")
+
+    # -- the trainer's Env protocol (duck-typed: this module does not import drmas_graph) ------------------
+    def reward(self, task: Task, episode: Any) -> float:
+        """Team reward of a finished episode: `score` of its final state."""
+        return self.score(task, episode.final_state)
+
+    def turn_is_valid(self, task: Task, turn: Any) -> bool:
+        """Format check of one recorded LLM call (the trainer subtracts `invalid_penalty` when False)."""
+        return self.reply_is_valid(turn.agent, turn.response_text)

@@ -80,7 +80,7 @@ class SearchEnv:
             raise ValueError(f"unknown split {split!r}; valid splits: {sorted(self._splits)}")
         return list(self._splits[split])
 
-    def reward(self, task: Task, final_state: Mapping[str, Any]) -> float:
+    def score(self, task: Task, final_state: Mapping[str, Any]) -> float:
         """1.0 if the final ``answer`` matches the gold answer or an alias after ``normalize_answer``."""
         got = final_state.get("answer")
         if got is None:
@@ -88,10 +88,19 @@ class SearchEnv:
         gold = {normalize_answer(a) for a in (task.answer, *task.meta.get("aliases", ()))}
         return 1.0 if normalize_answer(str(got)) in gold else 0.0
 
-    def turn_is_valid(self, agent: str, text: str) -> bool:
+    def reply_is_valid(self, agent: str, text: str) -> bool:
         """Format check of one reply with the graph's parsers (router: Yes/No, searcher: a one-line query,
         answerer: "The answer is X"); True if the parser reads it."""
         checks = {"router": parse_decision, "searcher": parse_query, "answerer": parse_answer}
         if agent not in checks:
             raise ValueError(f"unknown agent {agent!r}; the search graph's agents are {list(self.agents)}")
         return checks[agent](text) is not None
+
+    # -- the trainer's Env protocol (duck-typed: this module does not import drmas_graph) ------------------
+    def reward(self, task: Task, episode: Any) -> float:
+        """Team reward of a finished episode: `score` of its final state."""
+        return self.score(task, episode.final_state)
+
+    def turn_is_valid(self, task: Task, turn: Any) -> bool:
+        """Format check of one recorded LLM call (the trainer subtracts `invalid_penalty` when False)."""
+        return self.reply_is_valid(turn.agent, turn.response_text)
