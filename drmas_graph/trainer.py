@@ -51,20 +51,24 @@ class TrainResult:
     """The last checkpoint written."""
 
     def summary(self) -> str:
-        """A short table: per-agent reward at the first and last step, avg@k / pass@k before and after."""
+        """A short table: per-agent reward (turn reward incl. invalid-turn penalties) and avg@k / pass@k,
+        at the first and the last evaluation; the training reward of the first and last step."""
         lines = []
+        if self.evals:
+            first, last = self.evals[0], self.evals[-1]
+            k, split = last["k"], last["split"]
+            lines.append(f"{'evaluation on ' + split:<28}{'step ' + str(first['step']):>12}{'step ' + str(last['step']):>12}")
+            agents = sorted({key.split("/")[0] for key in last if key.endswith("/reward")})
+            for a in agents:
+                key = f"{a}/reward"
+                lines.append(f"{'  reward ' + a:<28}{first.get(key, float('nan')):>12.3f}{last.get(key, float('nan')):>12.3f}")
+            for metric in ("avg@k", "pass@k"):
+                name = metric.replace("k", str(k))
+                lines.append(f"{'  ' + name:<28}{first[metric]:>12.3f}{last[metric]:>12.3f}")
         if self.history:
             first, last = self.history[0], self.history[-1]
-            agents = sorted({k.split("/")[1] for k in last if k.startswith("agent/") and k.endswith("/reward_mean")})
-            lines.append(f"{'agent':<24}{'reward step ' + str(first['step']):>18}{'reward step ' + str(last['step']):>18}")
-            for a in agents:
-                key = f"agent/{a}/reward_mean"
-                lines.append(f"{a:<24}{first.get(key, float('nan')):>18.3f}{last.get(key, float('nan')):>18.3f}")
-        if self.evals:
-            k = self.evals[-1]["k"]
-            lines.append(f"{'eval (' + self.evals[-1]['split'] + ')':<24}{'step':>8}{'avg@' + str(k):>14}{'pass@' + str(k):>14}")
-            for e in self.evals:
-                lines.append(f"{'':<24}{e['step']:>8}{e['avg@k']:>14.3f}{e['pass@k']:>14.3f}")
+            lines.append(f"{'training reward (team)':<28}{'step ' + str(first['step']):>12}{'step ' + str(last['step']):>12}")
+            lines.append(f"{'':<28}{first['reward/team_mean']:>12.3f}{last['reward/team_mean']:>12.3f}")
         lines.append(f"run folder: {self.run_dir}")
         return "\n".join(lines)
 
@@ -122,7 +126,8 @@ class Trainer:
         self.store = TraceStore(self.run_dir / "traces.db", config=None if cfg.resume else cfg.model_dump(mode="json"))
         self.app = InstrumentedGraph(graph, self.agent_policies, agents=cfg.node_agents, strict=cfg.strict,
                                      store=self.store)
-        self.app.sampling.update({a: _sampling(c) for a, c in self.agent_cfgs.items()})
+        # configured agents sample as configured; others keep their policy's own defaults
+        self.app.sampling.update({a: _sampling(c) for a, c in cfg.agents.items() if a in self.agent_policies})
         self.updaters = self._updaters() if train else {}
         self.invalid_penalty = cfg.invalid_penalty if cfg.invalid_penalty is not None else float(
             getattr(env, "invalid_penalty", 0.0))
@@ -387,28 +392,37 @@ def evaluate(trainer: Trainer, *, step: int, split: str | None = None) -> dict[s
     split = split or ec.split
     tasks = list(trainer.env.tasks(split))[: ec.n_tasks]
     saved = dict(trainer.app.sampling)
-    trainer.app.sampling.update({a: p.replace(temperature=ec.temperature, top_p=ec.top_p, top_k=0)
-                                 for a, p in saved.items()})
+    trainer.app.sampling.update({
+        a: saved.get(a, policy.sampling).replace(temperature=ec.temperature, top_p=ec.top_p, top_k=0)
+        for a, policy in trainer.agent_policies.items()})
     try:
         runs, counts = trainer._rollouts(tasks, step, ec.k, phase="eval")
     finally:
         trainer.app.sampling.clear()
         trainer.app.sampling.update(saved)
     successes: dict[str, list[bool]] = {t.id: [] for t in tasks}
-    calls: dict[str, int] = {}
+    per_agent: dict[str, dict[str, list[float]]] = {}
     for task, episode in runs:
         try:
             score = score_episode(trainer.env, task, episode, invalid_penalty=trainer.invalid_penalty)
-            successes[task.id].append(is_success(trainer.env, task, episode, score, trainer.cfg.success_threshold))
         except BadRewardError:
             successes[task.id].append(False)
-        for turn in episode.turns:
-            calls[turn.agent] = calls.get(turn.agent, 0) + 1
+            continue
+        successes[task.id].append(is_success(trainer.env, task, episode, score, trainer.cfg.success_threshold))
+        for turn, r, bad in zip(episode.turns, score.turn_rewards, score.invalid):
+            stats = per_agent.setdefault(turn.agent, {"reward": [], "invalid": [], "len": []})
+            stats["reward"].append(r)
+            stats["invalid"].append(float(bad))
+            stats["len"].append(float(len(turn.response_ids)))
     per_task = [sum(s) / ec.k for s in successes.values()]  # failed episodes count as failures
     record = {"step": step, "split": split, "k": ec.k, "tasks": len(tasks),
               "avg@k": sum(per_task) / len(per_task) if per_task else 0.0,
               "pass@k": sum(any(s) for s in successes.values()) / len(tasks) if tasks else 0.0,
               "failed_episodes": counts["failed_episodes"] + counts["no_llm_call_episodes"]}
-    for agent, n in calls.items():
+    for agent, stats in sorted(per_agent.items()):
+        n = len(stats["reward"])
+        record[f"{agent}/reward"] = sum(stats["reward"]) / n
+        record[f"{agent}/invalid_rate"] = sum(stats["invalid"]) / n
         record[f"{agent}/calls_per_episode"] = n / max(len(runs), 1)
+        record[f"{agent}/response_len"] = sum(stats["len"]) / n
     return record

@@ -81,7 +81,7 @@ def test_shared_model_two_agents_metrics_traces_and_checkpoint(tmp_path):
 
     reloaded = AutoModelForCausalLM.from_pretrained(ckpt / policy.name / "model")
     assert all(torch.equal(v, policy.model.state_dict()[k]) for k, v in reloaded.state_dict().items())
-    assert "reward step 0" in result.summary() and "avg@2" in result.summary()
+    assert "reward solver" in result.summary() and "avg@2" in result.summary()
 
 
 def test_bad_rewards_failing_tasks_and_idle_agents_are_counted_not_fatal(tmp_path):
@@ -159,3 +159,23 @@ def test_config_errors_name_the_field(tmp_path):
     small_config(tmp_path).to_yaml(good)
     cfg = load_config(good, ["steps=7", "eval.k=3", "update.lr=0.5"])
     assert (cfg.steps, cfg.eval.k, cfg.update.lr) == (7, 3, 0.5)
+
+
+def test_evaluate_avg_and_pass_at_k_per_agent_stats(tmp_path):
+    from drmas_graph.trainer import evaluate
+
+    class HalfEnv(ParityEnv):
+        def reward(self, task, episode):
+            return 1.0 if task.id in ("test-0", "test-1") else 0.0
+
+    policy = tiny_policy(seed=0, sampling=SamplingParams(max_new_tokens=4))
+    cfg = small_config(tmp_path, eval={"k": 3, "n_tasks": 4})
+    trainer = Trainer(graph(), HalfEnv(), cfg, policies={"solver": policy, "verifier": policy}, train=False)
+    record = evaluate(trainer, step=0)
+    trainer.close()
+    assert (record["tasks"], record["k"], record["avg@k"], record["pass@k"]) == (4, 3, 0.5, 0.5)
+    assert record["solver/calls_per_episode"] == record["verifier/calls_per_episode"] == 1.0
+    assert record["solver/reward"] == 0.5 and record["solver/invalid_rate"] == 0.0
+    assert record["verifier/response_len"] == 4.0  # max_new_tokens, the tiny model never stops
+    # evaluation sampling does not leak into training sampling
+    assert "solver" not in trainer.app.sampling and policy.sampling.temperature == 1.0
