@@ -15,6 +15,7 @@ import argparse
 import statistics
 import time
 import warnings
+from typing import TypedDict
 
 warnings.filterwarnings("ignore")
 
@@ -26,6 +27,13 @@ from drmas_graph import SamplingParams, instrument  # noqa: E402
 from drmas_graph.testing import tiny_policy  # noqa: E402
 
 MSGS = [SystemMessage("You are a careful solver."), HumanMessage("What is 12 + 30? Reply with just the number.")]
+
+
+class QA(TypedDict, total=False):
+    question: str
+    answer: str
+    verdict: str
+    n: int
 
 
 class AppModel(BaseChatModel):
@@ -57,7 +65,7 @@ def overhead(n_calls: int) -> dict[str, float]:
             intercepted_s.append(time.perf_counter() - t0)
         return {"n": n_calls}
 
-    g = StateGraph(dict)
+    g = StateGraph(QA)
     g.add_node("solver", node)
     g.add_edge(START, "solver")
     g.add_edge("solver", END)
@@ -78,7 +86,7 @@ def batching(n_episodes: int, rounds: int) -> dict[str, float]:
     def verifier(state):
         return {"verdict": llm.invoke([HumanMessage(f"Check: {state['question']} {state['answer']}")]).content}
 
-    g = StateGraph(dict)
+    g = StateGraph(QA)
     g.add_node("solver", solver)
     g.add_node("verifier", verifier)
     g.add_edge(START, "solver")
