@@ -50,8 +50,10 @@ class _BadRequest(Exception):
 class SGLangDouble:
     """Start with `SGLangDouble(model_path).start()`; `url` is its base URL; `stop()` shuts it down."""
 
-    def __init__(self, model_path: str, *, weight_version: str = "default", host: str = "127.0.0.1") -> None:
+    def __init__(self, model_path: str, *, weight_version: str = "default", host: str = "127.0.0.1",
+                 port: int = 0) -> None:
         self.host = host
+        self.port = port
         self.model_path = model_path
         self.weight_version = weight_version
         self.sampled: list[dict[str, Any]] = []
@@ -235,7 +237,7 @@ class SGLangDouble:
             def do_POST(self):
                 self._serve("POST")
 
-        self._server = ThreadingHTTPServer((self.host, 0), Handler)
+        self._server = ThreadingHTTPServer((self.host, self.port), Handler)
         self._server.daemon_threads = True
         threading.Thread(target=self._server.serve_forever, name="sglang-double", daemon=True).start()
         return self
@@ -246,3 +248,21 @@ class SGLangDouble:
             self._running.set()
             self._server.shutdown()
             self._server.server_close()
+
+
+def main() -> None:
+    """`python -m tests.sglang_double --model-path DIR --port N [--weight-version V]`: serve until killed."""
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model-path", required=True)
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=30000)
+    ap.add_argument("--weight-version", default="default")
+    args, _ = ap.parse_known_args()
+    SGLangDouble(args.model_path, weight_version=args.weight_version, host=args.host, port=args.port).start()
+    threading.Event().wait()
+
+
+if __name__ == "__main__":
+    main()

@@ -164,7 +164,8 @@ def test_aborted_request_is_retried_then_given_up(policy, double):
 def test_request_aborted_by_a_weight_update_is_retried_on_the_new_weights(policy, double, ckpts):
     double.step_delay_s = 0.05
     out = {}
-    worker = threading.Thread(target=lambda: out.update(gen=policy.generate([5, 6, 7], GREEDY.replace(max_new_tokens=40))))
+    long = GREEDY.replace(max_new_tokens=40)
+    worker = threading.Thread(target=lambda: out.update(gen=policy.generate([5, 6, 7], long)))
     worker.start()
     deadline = time.monotonic() + 10
     while not any(p == "POST /generate" for p, _ in double.requests) and time.monotonic() < deadline:

@@ -271,7 +271,8 @@ class ServedPolicy(Policy, abc.ABC):
         try:
             resp = await client.request(method, url, **kwargs)
         except httpx.TimeoutException as exc:
-            raise ServerUnavailableError(f"policy {self.name!r}: {method} {url} timed out ({type(exc).__name__})") from exc
+            raise ServerUnavailableError(
+                f"policy {self.name!r}: {method} {url} timed out ({type(exc).__name__})") from exc
         except httpx.TransportError as exc:
             raise ServerUnavailableError(
                 f"policy {self.name!r}: {method} {url} failed: {type(exc).__name__}: {exc}") from exc

@@ -86,7 +86,8 @@ class SGLangPolicy(ServedPolicy):
         logprobs = []
         for i, (entry, tid) in enumerate(zip(entries, ids)):
             if entry[0] is None or int(entry[1]) != tid:
-                raise ServerError(f"policy {self.name!r}: {url} logprob entry {i} {entry!r} does not match output id {tid}")
+                raise ServerError(
+                    f"policy {self.name!r}: {url} logprob entry {i} {entry!r} does not match output id {tid}")
             logprobs.append(float(entry[0]))
         return Generation(token_ids=ids, logprobs=logprobs, finish_reason=kind,
                           policy_version=self._parse_version(meta.get("weight_version")))

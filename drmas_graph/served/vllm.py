@@ -106,7 +106,8 @@ class VLLMPolicy(ServedPolicy):
         if finish not in _FINISH:
             raise ServerError(f"policy {self.name!r}: {url} returned an unknown finish_reason {finish!r}")
         if logprobs is None or len(logprobs) != len(ids) or any(lp is None for lp in logprobs):
-            raise ServerError(f"policy {self.name!r}: {url} returned {len(ids)} token ids but logprobs {logprobs!r:.200}")
+            raise ServerError(
+                f"policy {self.name!r}: {url} returned {len(ids)} token ids but logprobs {logprobs!r:.200}")
         return Generation(token_ids=ids, logprobs=logprobs, finish_reason=_FINISH[finish], policy_version=version)
 
     async def _weight_version(self, url: str) -> str | None:
