@@ -103,6 +103,11 @@ async def test_async_rollouts_stick_to_one_server_per_episode(ckpts, tokenizer):
             assert len(homes) == 1, f"episode {ep.id} was split over servers {homes}"
             assert policy.route_of(ep.id) == doubles[homes.pop()].url
         assert all(d.sampled for d in doubles)  # new episodes go round-robin
+        sync_ep = app.rollout({"question": "sync?"})  # the sync path (policy.generate from a node's thread)
+        home = policy.route_of(sync_ep.id)
+        assert home is not None
+        served = {tuple(s["input_ids"]) for d in doubles if d.url == home for s in d.sampled}
+        assert all(t.prompt_ids in served for t in sync_ep.turns)
     finally:
         policy.close()
         for d in doubles:
@@ -119,6 +124,18 @@ def test_unknown_sampling_key_is_a_clear_error_and_not_retried(double, tokenizer
         assert p.retries == 0
     finally:
         p.close()
+
+
+def test_requests_without_a_seed_get_one_from_the_policys_seeded_generator(double, tokenizer):
+    params = SamplingParams(temperature=1.0, max_new_tokens=8)
+    runs = []
+    for _ in range(2):
+        p = SGLangPolicy(double.url, tokenizer, name="sg", seed=7)
+        runs.append([p.generate([5, 6, 7], params).token_ids for _ in range(2)])
+        p.close()
+    assert runs[0] == runs[1] and runs[0][0] != runs[0][1]
+    seeds = [body["sampling_params"]["sampling_seed"] for path, body in double.requests if path == "POST /generate"]
+    assert seeds[:2] == seeds[2:] and len(set(seeds)) == 2
 
 
 def test_weight_sync_changes_version_and_outputs(policy, double, ckpts):

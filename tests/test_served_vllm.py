@@ -98,6 +98,17 @@ def test_stop_token_is_kept_and_top_p_is_refused(policy):
         policy.generate(prompt, SamplingParams(top_p=0.9))
 
 
+def test_stop_string_keeps_the_completing_token(policy, tokenizer):
+    prompt = [5, 6, 7]
+    free = policy.generate(prompt, SamplingParams(temperature=0.0, max_new_tokens=12))
+    pieces = [tokenizer.decode([t]) for t in free.token_ids]
+    stop = next(p for p in pieces[1:] if p.strip() and p.isascii() and p.isprintable())
+    cut = policy.generate(prompt, SamplingParams(temperature=0.0, max_new_tokens=12, stop=(stop,)))
+    assert cut.finish_reason == "stop" and stop in tokenizer.decode(list(cut.token_ids))
+    assert stop not in tokenizer.decode(list(cut.token_ids[:-1]))  # ends at the token that completed it
+    assert cut.token_ids == free.token_ids[: len(cut.token_ids)]
+
+
 def test_weight_sync_after_a_training_step(policy, ckpt, tmp_path):
     from transformers import AutoModelForCausalLM
 

@@ -24,6 +24,7 @@ import asyncio
 import collections
 import contextlib
 import logging
+import random
 import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
@@ -71,6 +72,8 @@ class ServedPolicy(Policy, abc.ABC):
         max_retries: retries after the first attempt for retryable failures.
         backoff_s: first retry delay; doubles each retry (capped at 8x).
         servers: `ServerProcess`es this policy owns; `close()` stops them.
+        seed: seeds the generator that draws a per-request sampling seed for requests without one (the
+            trainer reseeds it each step, as for the embedded policy); None sends no seed (server randomness).
         extra_sampling_params: engine-specific sampling keys sent with every request as they are
             (e.g. `{"repetition_penalty": 1.1}`); the server rejects unknown ones (`BadRequestError`).
     """
@@ -78,7 +81,7 @@ class ServedPolicy(Policy, abc.ABC):
     def __init__(self, base_urls: str | Sequence[str], tokenizer: Any, *, name: str,
                  sampling: SamplingParams | None = None, max_concurrency: int = 64, timeout_s: float = 300.0,
                  connect_timeout_s: float = 5.0, max_retries: int = 3, backoff_s: float = 0.5,
-                 servers: Sequence[ServerProcess] = (), extra_sampling_params: dict[str, Any] | None = None,
+                 servers: Sequence[ServerProcess] = (), seed: int | None = 0, extra_sampling_params: dict[str, Any] | None = None,
                  tool_parser: str = "hermes",
                  chat_template: str | None = None) -> None:
         super().__init__(tokenizer, name=name, sampling=sampling, tool_parser=tool_parser,
@@ -99,6 +102,7 @@ class ServedPolicy(Policy, abc.ABC):
         self.backoff_s = backoff_s
         self.servers = list(servers)
         self.extra_sampling_params = dict(extra_sampling_params or {})
+        self._seed_rng = random.Random(seed) if seed is not None else None
         self.retries = 0
         """Retried attempts so far (all causes), for metrics and tests."""
         self._client: httpx.AsyncClient | None = None
@@ -152,6 +156,8 @@ class ServedPolicy(Policy, abc.ABC):
     async def _generate(self, prompt_ids: list[int], params: SamplingParams, route_key: str | None) -> Generation:
         if not prompt_ids:
             raise BadRequestError(f"policy {self.name!r}: empty prompt")
+        if params.seed is None and self._seed_rng is not None:
+            params = params.replace(seed=self._seed_rng.randrange(2**31))
         _, sem = self._state()
         async with sem:
             attempt = 0
