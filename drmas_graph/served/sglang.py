@@ -11,9 +11,12 @@ Protocol (SGLang 0.5.x, see docs/advanced_features/sglang_for_rl.md and the roll
   weight_version}` -> `POST /continue_generation {}`, then `GET /model_info` must report the pushed version.
 - Readiness: `GET /health_generate` returns 200 (it runs a 1-token generation).
 
-Logprobs: SGLang reports log_softmax(logits / T) of the sampled token (its sampler divides by the temperature
-before the softmax it takes logprobs from), the same convention as ours; verified only against the protocol
-double in this repository (and on a GPU by tests/gpu/sglang_check.py), not on this CPU.
+Logprobs: by default SGLang's sampler takes the logprobs after dividing by the temperature and before top-k/
+top-p filtering, i.e. log_softmax(logits / T), our convention (greedy: T = 1). The environment variable
+SGLANG_RETURN_ORIGINAL_LOGPROB=1 would switch it to pre-temperature logprobs, so `launch_sglang` sets it to
+false. This is read from SGLang's sampler source and checked here only against the protocol double;
+tests/gpu/sglang_check.py checks it against a real server (GPU), comparing with our own recomputation.
+Reported elsewhere, not verified: SGLang may honour `sampling_seed` only with --enable-deterministic-inference.
 """
 
 from __future__ import annotations
@@ -154,6 +157,7 @@ def launch_sglang(model_path: str, *, port: int | None = None, host: str = "127.
     argv = [python or sys.executable, "-m", "sglang.launch_server", "--model-path", os.fspath(model_path),
             "--host", host, "--port", str(port), "--dtype", dtype, "--weight-version", str(weight_version),
             *extra_args]
+    env = {"SGLANG_RETURN_ORIGINAL_LOGPROB": "false", **(env or {})}  # logprobs after temperature (ours)
     server = ServerProcess(argv, url=f"http://{host}:{port}", ready_path="/health_generate", env=env,
                            log_path=log_path, name="sglang")
     server.wait_ready(ready_timeout_s)
