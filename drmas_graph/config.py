@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from drmas_graph.errors import ConfigError
 
 __all__ = [
-    "TrainConfig", "ModelConfig", "AgentConfig", "SamplingConfig", "LossConfig", "UpdateConfig",
+    "TrainConfig", "ModelConfig", "ServeConfig", "AgentConfig", "SamplingConfig", "LossConfig", "UpdateConfig",
     "EvalConfig", "LoggingConfig", "load_config", "apply_overrides", "config_reference",
 ]
 
@@ -51,6 +51,21 @@ class UpdateConfig(_Strict):
     zero_stage: Literal[0, 1, 2] = Field(0, description="DeepSpeed ZeRO stage.")
 
 
+class ServeConfig(_Strict):
+    engine: Literal["sglang", "vllm"] = Field(description="Inference server that serves the model's rollouts: sglang or vllm.")
+    urls: list[str] = Field(default_factory=list, description="Attach to these running servers (they must start from `path`'s weights); several = scale-out.")
+    launch: bool = Field(False, description="Launch one server from `path` on 127.0.0.1 (stopped when the run ends) instead of attaching to `urls`.")
+    python: str | None = Field(None, description="Interpreter of the server's environment when launching; null = this one (sglang) or vllm_python() (vllm: $DRMAS_VLLM_PYTHON or ./.venv-vllm).")
+    timeout_s: float = Field(300.0, gt=0, description="Per-request read timeout: a generation must finish within it.")
+    max_concurrency: int = Field(64, ge=1, description="Most requests in flight to the server(s) of this model.")
+
+    @model_validator(mode="after")
+    def _one_target(self) -> ServeConfig:
+        if bool(self.urls) == self.launch:
+            raise ValueError("give exactly one of `urls` (attach to running servers) or `launch: true`")
+        return self
+
+
 class ModelConfig(_Strict):
     path: str | None = Field(None, description="Local folder of a Hugging Face model (or of a GGUF file); 'smollm2' = the bundled SmolLM2-135M-Instruct.")
     gguf_file: str | None = Field(None, description="GGUF file name inside `path`, loaded with transformers' GGUF support.")
@@ -60,11 +75,15 @@ class ModelConfig(_Strict):
     trainable: bool = Field(True, description="False: the model only serves its agents (frozen).")
     update: UpdateConfig | None = Field(None, description="Optimizer and loss settings of this model; null = the top-level `update`.")
     max_batch_size: int = Field(32, ge=1, description="Dynamic batching: most requests generated together.")
+    serve: ServeConfig | None = Field(None, description="Roll out through inference servers; the trainer trains a local copy loaded from `path` on `device` and pushes it to them after every update.")
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelConfig:
         if (self.path is None) == (self.tiny is None):
             raise ValueError("give exactly one of `path` or `tiny`")
+        if self.serve is not None and (self.path is None or self.gguf_file is not None):
+            raise ValueError("`serve` needs `path` to be a Hugging Face model folder (not `tiny`, not `gguf_file`): "
+                             "the servers and the local trainer both load it")
         return self
 
 

@@ -3,8 +3,13 @@
 One step: sample B tasks (a seeded, resumable order) -> G concurrent rollouts each through the
 instrumented graph -> rewards (team or per agent, minus the invalid-turn penalty) -> advantages
 (`compute_advantages`, estimator by name) -> one `ModelUpdater.update` per trainable model -> new weights
-visible to the rollout backend (the embedded policy shares the module; its version is bumped) -> metrics,
-periodic evaluation (avg@k, pass@k) and checkpoints.
+visible to the rollout backend -> metrics, periodic evaluation (avg@k, pass@k) and checkpoints.
+
+Weights reach the rollout backend in one of two ways. An embedded policy (`TransformersPolicy`) serves the
+very module the updater trains: the update runs inside `policy.updating_weights()`, which bumps its version.
+A served policy (SGLang, vLLM: anything with `sync_weights(dir, version)`) has no local model: the updater
+trains a local copy, which is written to run_dir/sync/<model>/ (Hugging Face format + tokenizer) and loaded
+into every server with version = steps done; a server that fails or reports another version stops the run.
 
 Departures from the reference code (langfengQ/DrMAS): no duplicate padding of per-model batches before
 advantage estimation (it biases the statistics); failed episodes, bad rewards and episodes without LLM
@@ -74,7 +79,8 @@ class TrainResult:
 
 
 def train_graph(graph: Any, env: Any, config: TrainConfig | None = None, *,
-                policies: Mapping[str, Policy] | None = None, **overrides: Any) -> TrainResult:
+                policies: Mapping[str, Policy] | None = None, train_models: Mapping[str, Any] | None = None,
+                **overrides: Any) -> TrainResult:
     """Train the policies behind `graph` on `env` with agent-wise GRPO.
 
     Args:
@@ -83,13 +89,55 @@ def train_graph(graph: Any, env: Any, config: TrainConfig | None = None, *,
         config: a `TrainConfig` (or None for defaults); `overrides` replace fields (`steps=3`,
             `eval__k=2` for nested ones).
         policies: agent -> Policy built in Python (instead of, or on top of, `config.models`).
+        train_models: policy name -> the Hugging Face model to train for a *served* policy given in
+            `policies` (its local copy, with the weights the servers started from; it never generates).
+            After each update it is pushed to the servers. Embedded policies train their own `.model`.
+
+    Served models, from a config (`models.<name>.serve`, see `ServeConfig`) or from Python:
+
+        policy = SGLangPolicy(url, tokenizer, name="qwen")          # servers started from /models/qwen
+        local = AutoModelForCausalLM.from_pretrained("/models/qwen")
+        train_graph(graph, env, cfg, policies={"solver": policy}, train_models={"qwen": local})
     """
     cfg = merge_overrides(config, overrides)
-    trainer = Trainer(graph, env, cfg, policies=policies)
+    trainer = Trainer(graph, env, cfg, policies=policies, train_models=train_models)
     try:
         return trainer.run()
     finally:
         trainer.close()
+
+
+def _is_served(policy: Policy) -> bool:
+    """A policy whose weights live in inference servers and are pushed there with `sync_weights`."""
+    return callable(getattr(policy, "sync_weights", None))
+
+
+def _build_model(name: str, mc: ModelConfig, seed: int) -> tuple[Policy, Any]:
+    """The rollout policy of a configured model and the module its updater trains.
+
+    Embedded: one `TransformersPolicy` that both generates and is trained. Served (`mc.serve`): the weights
+    are loaded locally from `path` (trained, never generating) and a served policy with the same tokenizer
+    rolls out through the servers (launched here from `path`, or attached to `serve.urls`).
+    """
+    policy = _build_policy(name, mc, seed)
+    if mc.serve is None:
+        return policy, policy.model
+    from drmas_graph.served import SGLangPolicy, VLLMPolicy, launch_sglang, launch_vllm
+
+    sc = mc.serve
+    policy_cls, launch = {"sglang": (SGLangPolicy, launch_sglang), "vllm": (VLLMPolicy, launch_vllm)}[sc.engine]
+    servers = [launch(_resolve_path(mc.path), dtype=mc.dtype, python=sc.python)] if sc.launch else []
+    served = policy_cls([s.url for s in servers] or sc.urls, policy.tokenizer, name=name, servers=servers,
+                        seed=seed, timeout_s=sc.timeout_s, max_concurrency=sc.max_concurrency)
+    return served, policy.model
+
+
+def _resolve_path(path: str) -> str:
+    if path == "smollm2":
+        from drmas_graph.models import smollm2_path
+
+        return str(smollm2_path())
+    return path
 
 
 def _build_policy(name: str, mc: ModelConfig, seed: int) -> Policy:
@@ -101,11 +149,9 @@ def _build_policy(name: str, mc: ModelConfig, seed: int) -> Policy:
         return tiny_policy(**{"seed": seed, "name": name, "max_batch_size": mc.max_batch_size, **mc.tiny})
     import torch
 
-    path, gguf_file = mc.path, mc.gguf_file
-    if path == "smollm2":
-        from drmas_graph.models import smollm2_path
-
-        path, gguf_file = smollm2_path(), None
+    path, gguf_file = _resolve_path(mc.path), mc.gguf_file
+    if mc.path == "smollm2":
+        gguf_file = None
     return TransformersPolicy.from_pretrained(path, gguf_file=gguf_file, dtype=getattr(torch, mc.dtype),
                                               device=mc.device, name=name, seed=seed,
                                               max_batch_size=mc.max_batch_size)
@@ -115,33 +161,52 @@ class Trainer:
     """Holds the run's pieces; `run()` is the loop. Build it through `train_graph`."""
 
     def __init__(self, graph: Any, env: Any, cfg: TrainConfig, *, policies: Mapping[str, Policy] | None = None,
-                 train: bool = True):
+                 train_models: Mapping[str, Any] | None = None, train: bool = True):
         self.cfg, self.env = cfg, env
         self.run_dir = Path(cfg.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.agent_policies, self.model_policies = self._policies(policies)
-        self.agent_cfgs = {a: cfg.agents.get(a) or AgentConfig(model=self._model_of(a)) for a in self.agent_policies}
-        self.train_tasks = self._tasks("train")
-        # a resumed run appends to its own store (its config may differ in `steps`, `resume`)
-        self.store = TraceStore(self.run_dir / "traces.db", config=None if cfg.resume else cfg.model_dump(mode="json"))
-        self.app = InstrumentedGraph(graph, self.agent_policies, agents=cfg.node_agents, strict=cfg.strict,
-                                     store=self.store)
-        # configured agents sample as configured; others keep their policy's own defaults
-        self.app.sampling.update({a: _sampling(c) for a, c in cfg.agents.items() if a in self.agent_policies})
-        self.updaters = self._updaters() if train else {}
-        self.invalid_penalty = cfg.invalid_penalty if cfg.invalid_penalty is not None else float(
-            getattr(env, "invalid_penalty", 0.0))
-        self.start_step = self._resume() if cfg.resume else 0
+        self.train_models: dict[str, Any] = {}
+        """Model name -> the module its updater trains (the embedded policy's own, or a served model's local copy)."""
+        self._built: list[Policy] = []
+        try:
+            self.agent_policies, self.model_policies = self._policies(policies, train_models)
+            self.agent_cfgs = {a: cfg.agents.get(a) or AgentConfig(model=self._model_of(a)) for a in self.agent_policies}
+            self.train_tasks = self._tasks("train")
+            # a resumed run appends to its own store (its config may differ in `steps`, `resume`)
+            self.store = TraceStore(self.run_dir / "traces.db", config=None if cfg.resume else cfg.model_dump(mode="json"))
+            self.app = InstrumentedGraph(graph, self.agent_policies, agents=cfg.node_agents, strict=cfg.strict,
+                                         store=self.store)
+            # configured agents sample as configured; others keep their policy's own defaults
+            self.app.sampling.update({a: _sampling(c) for a, c in cfg.agents.items() if a in self.agent_policies})
+            self.updaters = self._updaters() if train else {}
+            self.invalid_penalty = cfg.invalid_penalty if cfg.invalid_penalty is not None else float(
+                getattr(env, "invalid_penalty", 0.0))
+            self.start_step = self._resume() if cfg.resume else 0
+        except BaseException:
+            self._close_built()  # e.g. servers launched for a run that never starts
+            raise
         cfg.to_yaml(self.run_dir / "config.yaml")
         self.result = TrainResult(run_dir=self.run_dir)
 
     # ---- construction -----------------------------------------------------------------------
-    def _policies(self, given: Mapping[str, Policy] | None) -> tuple[dict[str, Policy], dict[str, Policy]]:
-        """agent -> Policy and model name -> Policy, from config `models`/`agents` and `policies=`."""
+    def _policies(self, given: Mapping[str, Policy] | None, train_models: Mapping[str, Any] | None
+                  ) -> tuple[dict[str, Policy], dict[str, Policy]]:
+        """agent -> Policy and model name -> Policy, from config `models`/`agents` and `policies=`; fills
+        `train_models` (model name -> module to train)."""
         given = dict(given or {})
-        models = {name: _build_policy(name, mc, self.cfg.seed) for name, mc in self.cfg.models.items()
-                  if not any(p.name == name for p in given.values())}
+        models = {}
+        for name, mc in self.cfg.models.items():
+            if not any(p.name == name for p in given.values()):
+                models[name], self.train_models[name] = _build_model(name, mc, self.cfg.seed)
+                self._built.append(models[name])
         models.update({p.name: p for p in given.values()})
+        for name, model in (train_models or {}).items():
+            if name not in models or not _is_served(models[name]):
+                raise ConfigError(f"train_models[{name!r}]: names no served policy (served: "
+                                  f"{sorted(n for n, p in models.items() if _is_served(p))}); embedded policies "
+                                  "train their own `.model`")
+            self.train_models[name] = model
+        self.train_models.update({p.name: p.model for p in given.values() if not _is_served(p) and hasattr(p, "model")})
         agents = dict(given)
         for agent, ac in self.cfg.agents.items():
             if agent not in agents:
@@ -178,7 +243,12 @@ class Trainer:
             uc = mc.update if mc is not None and mc.update is not None else self.cfg.update
             settings = UpdateSettings(**uc.model_dump(), seed=self.cfg.seed)
             agent_settings = {a: LossSettings(**self.agent_cfgs[a].loss.model_dump()) for a in agents}
-            updaters[name] = ModelUpdater(policy.model, name=name, settings=settings, agent_settings=agent_settings)
+            if name not in self.train_models:
+                raise ConfigError(f"model {name!r} ({type(policy).__name__}, agents {agents}) has no local weights to "
+                                  f"train: for a served policy pass train_models={{{name!r}: <HF model with the served "
+                                  "weights>} or configure it with `models.<name>.serve`; else freeze its agents")
+            updaters[name] = ModelUpdater(self.train_models[name], name=name, settings=settings,
+                                          agent_settings=agent_settings)
         if not updaters:
             raise ConfigError("every agent is frozen or served by a non-trainable model: nothing to train")
         return updaters
@@ -232,15 +302,39 @@ class Trainer:
         scored = self._score(runs, counts)
         samples, adv_stats = self._advantages(scored)
         t2 = time.perf_counter()
-        update_metrics = {}
+        update_metrics: dict[str, float] = {}
+        sync_s = 0.0
         for name, updater in self.updaters.items():
             policy = self.model_policies[name]
             model_samples = [s for s in samples if self.agent_policies[s.agent] is policy]
-            with policy.updating_weights():
+            if _is_served(policy):
                 update_metrics.update(updater.update(model_samples).to_dict())
+                update_metrics[f"model/{name}/sync_s"] = self.sync_weights(name, version=step + 1)
+                sync_s += update_metrics[f"model/{name}/sync_s"]
+            else:
+                with policy.updating_weights():  # the policy serves the trained module itself
+                    update_metrics.update(updater.update(model_samples).to_dict())
         t3 = time.perf_counter()
         self.store.record_training(step, [ep for _, ep, _ in scored])
-        return self._step_record(step, scored, samples, counts, adv_stats, update_metrics, (t0, t1, t2, t3))
+        return self._step_record(step, scored, samples, counts, adv_stats, update_metrics, (t0, t1, t2, t3), sync_s)
+
+    def sync_weights(self, name: str, *, version: int) -> float:
+        """Push model `name`'s trained weights to its servers; return the seconds it took (write + load).
+
+        The Hugging Face model and tokenizer are written to run_dir/sync/<name>/ (complete or absent: written
+        to a temporary folder, then renamed), then `policy.sync_weights(dir, version)` loads them into every
+        server; its `WeightSyncError` (a failed load, or a server reporting another version) propagates.
+        """
+        start = time.perf_counter()
+        root = self.run_dir.resolve() / "sync"
+        final, tmp = root / name, root / f".tmp_{name}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        self.train_models[name].save_pretrained(tmp, safe_serialization=True)
+        self.model_policies[name].tokenizer.save_pretrained(tmp)
+        shutil.rmtree(final, ignore_errors=True)
+        tmp.rename(final)
+        self.model_policies[name].sync_weights(str(final), version=version)
+        return time.perf_counter() - start
 
     def _reseed(self, step: int) -> None:
         for name, policy in self.model_policies.items():
@@ -313,11 +407,12 @@ class Trainer:
         return samples, stats
 
     def _step_record(self, step: int, scored: list, samples: list[Sample], counts: dict[str, int], adv_stats: Any,
-                     update_metrics: dict[str, float], t: tuple[float, float, float, float]) -> dict[str, Any]:
+                     update_metrics: dict[str, float], t: tuple[float, float, float, float],
+                     sync_s: float) -> dict[str, Any]:
         t0, t1, t2, t3 = t
         record: dict[str, Any] = {"step": step, **counts, "episodes": len(scored),
-                                  "time/rollout_s": t1 - t0, "time/score_s": t2 - t1, "time/update_s": t3 - t2,
-                                  "time/sync_s": 0.0, "time/step_s": time.perf_counter() - t0}
+                                  "time/rollout_s": t1 - t0, "time/score_s": t2 - t1, "time/update_s": t3 - t2 - sync_s,
+                                  "time/sync_s": sync_s, "time/step_s": time.perf_counter() - t0}
         episodes = [ep for _, ep, _ in scored]
         n_tokens = sum(len(turn.response_ids) for ep in episodes for turn in ep.turns)
         record["rollout/tokens_per_s"] = n_tokens / max(t1 - t0, 1e-9)
@@ -374,11 +469,19 @@ class Trainer:
         state = json.loads((latest / "trainer_state.json").read_text())
         for name, updater in self.updaters.items():
             updater.load(latest / name)
-            self.model_policies[name].version = state["policy_versions"].get(name, 0)
+            version = state["policy_versions"].get(name, 0)
+            if _is_served(self.model_policies[name]):
+                self.sync_weights(name, version=version)  # the servers still hold whatever they served last
+            self.model_policies[name].version = version
         return int(state["step"])
 
     def close(self) -> None:
         self.store.close()
+        self._close_built()
+
+    def _close_built(self) -> None:
+        for policy in self._built:  # the policies built from `models`; a served one stops its launched server
+            policy.close()
 
 
 def _sampling(agent: AgentConfig) -> SamplingParams:

@@ -1,0 +1,180 @@
+"""train_graph with served policies: rollouts go through a strict SGLang protocol double (tests/sglang_double.py,
+sampling from a real tiny model), the trainer trains a local copy and pushes it to the server after every update.
+
+What this proves: the wiring (config and Python API), the sync protocol and versioning, that the server samples
+from exactly the weights the trainer trained, and that sync/server failures stop or are counted. It does not prove
+a real SGLang server loads the checkpoint the same way: tests/gpu/sglang_check.py covers the server side.
+"""
+
+import os
+import stat
+import sys
+
+import httpx
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from drmas_graph import SamplingParams
+from drmas_graph.config import load_config
+from drmas_graph.errors import ConfigError
+from drmas_graph.served import SGLangPolicy, WeightSyncError, free_port
+from drmas_graph.store import TraceStore
+from drmas_graph.testing import tiny_model, tiny_policy, tiny_tokenizer
+from drmas_graph.trainer import Trainer, train_graph
+from tests._envs import ParityEnv
+from tests.sglang_double import SGLangDouble
+from tests.test_trainer import graph, small_config
+
+SHORT = {"max_new_tokens": 6}
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    """The base model both the server and the trainer start from."""
+    tokenizer = tiny_tokenizer()
+    path = tmp_path_factory.mktemp("base")
+    tiny_model(tokenizer, seed=0).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture
+def double(ckpt):
+    d = SGLangDouble(ckpt, weight_version="0").start()
+    yield d
+    d.stop()
+
+
+def served_config(tmp_path, ckpt, serve, **kw):
+    return small_config(tmp_path, models={"m": {"path": ckpt, "serve": serve}},
+                        agents={"solver": {"model": "m", "sampling": SHORT},
+                                "verifier": {"model": "m", "sampling": SHORT}}, **kw)
+
+
+def test_served_model_is_trained_locally_and_the_server_samples_from_the_trained_weights(tmp_path, ckpt, double):
+    cfg = served_config(tmp_path, ckpt, {"engine": "sglang", "urls": [double.url]})
+    trainer = Trainer(graph(), ParityEnv(), cfg)
+    try:
+        policy, local = trainer.model_policies["m"], trainer.train_models["m"]
+        assert isinstance(policy, SGLangPolicy) and policy.base_urls == [double.url] and policy.version == 0
+        result = trainer.run()
+    finally:
+        trainer.close()
+    sync_dir = tmp_path.resolve() / "run" / "sync" / "m"
+    # one push per step, versioned by steps done; the server reports it
+    pushed = [body for path, body in double.requests if path == "POST /update_weights_from_disk"]
+    assert [(b["model_path"], b["weight_version"]) for b in pushed] == [(str(sync_dir), "1"), (str(sync_dir), "2")]
+    assert policy.version == 2 and double.weight_version == "2"
+    assert sorted(p.name for p in sync_dir.parent.iterdir()) == ["m"]  # no half-written folder left behind
+    # the server now holds exactly the trainer's weights, and they moved away from the base model
+    served, trained = double.model.state_dict(), local.state_dict()
+    assert all(torch.equal(v, served[k]) for k, v in trained.items())
+    base = AutoModelForCausalLM.from_pretrained(ckpt).state_dict()
+    assert sum(not torch.equal(v, base[k]) for k, v in trained.items()) > 0.5 * len(base)
+    for rec in result.history:
+        assert rec["time/sync_s"] > 0 and rec["model/m/sync_s"] == rec["time/sync_s"]
+        assert rec["episodes"] == 8 and rec["failed_episodes"] == 0
+    # step 1 sampled from the weights pushed after step 0: the server's logprobs are the trainer's recompute
+    assert result.history[1]["agent/solver/logprob_mismatch"] < 1e-4
+    with TraceStore(tmp_path / "run" / "traces.db", readonly=True) as store:
+        for step in (0, 1):
+            turns = [t for e in store.episodes(step=step) for t in store.load_episode(e.id).turns]
+            assert len(turns) == 16 and {t.policy_version for t in turns} == {step}
+    assert load_config(tmp_path / "run" / "config.yaml").models["m"].serve.urls == [double.url]
+
+
+def test_resume_pushes_the_checkpointed_weights_before_rolling_out(tmp_path, ckpt):
+    def run(steps, resume):
+        double = SGLangDouble(ckpt, weight_version="0").start()  # a fresh server: base weights, version 0
+        cfg = served_config(tmp_path, ckpt, {"engine": "sglang", "urls": [double.url]}, steps=steps, resume=resume,
+                            checkpoint_every=1, eval={"k": 1, "n_tasks": 1, "before_training": False})
+        trainer = Trainer(graph(), ParityEnv(), cfg)
+        try:
+            trainer.run()
+            return double, trainer.train_models["m"].state_dict()
+        finally:
+            trainer.close()
+            double.stop()
+
+    run(1, resume=False)
+    double, trained = run(2, resume=True)
+    calls = [(path, (body or {}).get("weight_version")) for path, body in double.requests
+             if path in ("POST /generate", "POST /update_weights_from_disk")]
+    assert calls[0] == ("POST /update_weights_from_disk", "1")  # step 1's weights, before any rollout of step 1
+    assert [v for path, v in calls if "update" in path] == ["1", "2"] and double.weight_version == "2"
+    assert all(torch.equal(v, double.model.state_dict()[k]) for k, v in trained.items())
+
+
+def test_a_server_reporting_a_stale_version_stops_the_run(tmp_path, ckpt, double):
+    tokenizer = AutoTokenizer.from_pretrained(ckpt)
+    policy = SGLangPolicy(double.url, tokenizer, name="sg", sampling=SamplingParams(max_new_tokens=6))
+    local = AutoModelForCausalLM.from_pretrained(ckpt)
+    double.ignore_weight_version = True  # it loads the weights but keeps reporting version 0
+    cfg = small_config(tmp_path, eval={"before_training": False})
+    try:
+        with pytest.raises(WeightSyncError, match="pushed 1, server reports 0"):
+            train_graph(graph(), ParityEnv(), cfg, policies={"solver": policy, "verifier": policy},
+                        train_models={"sg": local})
+    finally:
+        policy.close()
+    assert double.updates == 1 and policy.version == 0
+    assert "reward/team_mean" not in (tmp_path / "run" / "metrics.jsonl").read_text()  # step 0 never completed
+
+
+def test_episodes_routed_to_a_dead_server_are_counted_as_failed(tmp_path, ckpt, double):
+    dead = f"http://127.0.0.1:{free_port()}"
+    verifier = SGLangPolicy([double.url, dead], AutoTokenizer.from_pretrained(ckpt), name="sg", max_retries=0)
+    solver = tiny_policy(seed=0, sampling=SamplingParams(max_new_tokens=6))
+    cfg = small_config(tmp_path, agents={"verifier": {"model": "sg", "frozen": True, "sampling": SHORT}})
+    try:
+        result = train_graph(graph(), ParityEnv(), cfg, policies={"solver": solver, "verifier": verifier})
+    finally:
+        verifier.close()
+        solver.close()
+    # new episodes alternate between the two servers: half of every batch (and of every evaluation) fails
+    assert [(r["failed_episodes"], r["episodes"]) for r in result.history] == [(4, 4), (4, 4)]
+    assert [e["failed_episodes"] for e in result.evals] == [2, 2]
+    assert all(r["time/sync_s"] == 0.0 for r in result.history) and double.updates == 0  # frozen: never synced
+    with TraceStore(tmp_path / "run" / "traces.db", readonly=True) as store:
+        failed = store.episodes(failed=True)
+        assert len(failed) == 12 and "ServerUnavailableError" in store.load_episode(failed[0].id).error
+
+
+def test_launch_starts_a_server_from_path_and_close_stops_it(tmp_path, ckpt):
+    # launch_sglang runs `<python> -m sglang.launch_server ARGS`; this interpreter serves the double instead
+    python = tmp_path / "python"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    python.write_text(f"#!/bin/sh\nshift 2\ncd {root} && exec {sys.executable} -m tests.sglang_double \"$@\"\n")
+    python.chmod(python.stat().st_mode | stat.S_IEXEC)
+    cfg = served_config(tmp_path, ckpt, {"engine": "sglang", "launch": True, "python": str(python)}, steps=1,
+                        eval={"k": 1, "n_tasks": 1, "before_training": False})
+    trainer = Trainer(graph(), ParityEnv(), cfg)
+    try:
+        (server,) = trainer.model_policies["m"].servers
+        assert server.argv[server.argv.index("--model-path") + 1] == ckpt
+        trainer.run()
+        info = httpx.get(server.url + "/model_info").json()
+        assert info["weight_version"] == "1" and info["model_path"] == str(tmp_path.resolve() / "run" / "sync" / "m")
+    finally:
+        trainer.close()
+    assert not server.alive()
+
+
+def test_construction_errors_say_what_to_do(tmp_path, ckpt):
+    served = SGLangPolicy("http://127.0.0.1:9", AutoTokenizer.from_pretrained(ckpt), name="sg")  # no I/O yet
+    embedded = tiny_policy(seed=0)
+    try:
+        with pytest.raises(ConfigError, match=r"'sg' \(SGLangPolicy.*no local weights to train.*train_models="):
+            train_graph(graph(), ParityEnv(), small_config(tmp_path), policies={"solver": served, "verifier": served})
+        with pytest.raises(ConfigError, match=r"train_models\['tiny-llama-v512-s0'\]: names no served policy"):
+            train_graph(graph(), ParityEnv(), small_config(tmp_path), policies={"solver": embedded, "verifier": served},
+                        train_models={embedded.name: embedded.model})
+        with pytest.raises(ConfigError, match=r"models.m.serve: .*exactly one of `urls`"):
+            train_graph(graph(), ParityEnv(), small_config(tmp_path), models={"m": {"path": ckpt, "serve": {"engine": "sglang"}}})
+        with pytest.raises(ConfigError, match=r"models.m: .*`serve` needs `path`"):
+            train_graph(graph(), ParityEnv(), small_config(tmp_path),
+                        models={"m": {"tiny": {}, "serve": {"engine": "sglang", "launch": True}}})
+    finally:
+        served.close()
+        embedded.close()
