@@ -26,3 +26,14 @@ def test_importing_the_package_does_not_load_torch():
     code = "import sys, drmas_graph; drmas_graph.TraceStore; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
+
+
+def test_readme_documents_every_config_field():
+    import importlib.util
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("gen", root / "scripts" / "gen_config_table.py")
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    assert gen.table() in (root / "README.md").read_text(), "run: python scripts/gen_config_table.py"
