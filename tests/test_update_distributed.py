@@ -1,0 +1,72 @@
+"""Two processes (torchrun, gloo, DeepSpeed ZeRO-2) each given part of the samples take exactly the step of
+one process given all of them."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from drmas_graph.update import ModelUpdater, UpdateSettings
+from tests._dist_worker import AGENT_SETTINGS, SETTINGS, build_model, checksum, make_samples
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def update_in_process(backend: str, zero_stage: int):
+    """The update of one process given all seven samples: (metrics, parameters)."""
+    model = build_model()
+    samples = make_samples(model)
+    settings = UpdateSettings(**{**vars(SETTINGS), "backend": backend, "zero_stage": zero_stage})
+    metrics = ModelUpdater(model, name="m", settings=settings, agent_settings=AGENT_SETTINGS).update(samples)
+    return metrics.to_dict(), {k: v.detach().clone() for k, v in model.state_dict().items()}, checksum(model)
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:.*torch.jit.script_method.*:DeprecationWarning")
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed")
+def test_two_process_zero2_update_equals_one_process_update(tmp_path):
+    # In-process references first: the DeepSpeed one also builds DeepSpeed's shared-memory op (once, ~60 s on
+    # a fresh machine), so the two workers below load it instead of racing to build it.
+    ds_metrics, ds_params, _ = update_in_process("deepspeed", 2)
+    want, want_params, want_checksum = update_in_process("torch", 0)
+    initial = build_model().state_dict()
+    assert max((want_params[k] - initial[k]).abs().max().item() for k in initial) > 1e-4  # the step moved
+    for key, value in want_params.items():
+        torch.testing.assert_close(ds_params[key], value, atol=1e-6, rtol=0, msg=key)
+
+    # torchrun sets the rendezvous variables for its workers; drop any left by in-process DeepSpeed.
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    env["OMP_NUM_THREADS"] = "1"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+           str(ROOT / "tests" / "_dist_worker.py"), str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-8000:]
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["world_size"] == 2
+
+    got_params = torch.load(tmp_path / "params.pt", weights_only=True)
+    for key, value in want_params.items():
+        torch.testing.assert_close(got_params[key], value, atol=1e-5, rtol=0, msg=key)
+    assert result["checksum"] == pytest.approx(want_checksum, rel=1e-6)
+    got = result["metrics"]
+    assert set(got) == set(want) == set(ds_metrics)
+    assert got["model/m/n_samples"] == 7 and got["agent/b/n_samples"] == 3
+    for key in want:  # loss, pre-clip grad norm and every per-agent metric, over both processes
+        assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-5), key
+        assert ds_metrics[key] == pytest.approx(want[key], rel=1e-4, abs=1e-5), key
