@@ -16,7 +16,9 @@ Loss of one mini-batch M, with l_bt the per-token loss (PPO clipped surrogate wi
 where agg is the aggregation ``loss_agg`` and n counts what agg averages over: valid tokens for
 "token-mean", sequences for the "seq-mean-*" modes. Then L_M equals agg over the whole mini-batch whatever
 the micro-batch size. Samples of agents with loss weight 0 are not counted in n(M) (they only feed
-metrics). With P processes, n(M) is summed over all of them and each loss is multiplied by P (DeepSpeed
+metrics). With KL and entropy off, samples whose advantage is exactly 0 (zero-variance groups) are not
+forwarded at all: their gradient is exactly 0, and they still count in n(M), so the step is unchanged
+(per-token metrics such as entropy then cover the forwarded samples). With P processes, n(M) is summed over all of them and each loss is multiplied by P (DeepSpeed
 and the torch backend average gradients over processes), so P processes each given 1/P of the samples
 take exactly the step of one process given all of them.
 
@@ -603,6 +605,7 @@ class ModelUpdater:
         self.n_updates = 0
         self._ref_model = _frozen_copy(model) if settings.kl_coef > 0 else None
         self._by_tokens = settings.loss_agg == "token-mean"
+        self._skip_zero_advantage = settings.kl_coef == 0 and settings.entropy_coef == 0
         self._engine = _ENGINES[settings.backend](model, settings)
         pad_id = getattr(getattr(model, "config", None), "pad_token_id", None)
         self._pad_id = int(pad_id) if pad_id is not None else 0
@@ -699,7 +702,15 @@ class ModelUpdater:
                 for m, norm, n in zip(micro, norms, passes) if n > 0]
 
     def _micro_batches(self, rows: Sequence[int], samples: Sequence[Sample]) -> list[list[int]]:
-        """Rows grouped by agent (agents in order of first appearance), cut by each agent's micro_batch_size."""
+        """Rows grouped by agent (agents in order of first appearance), cut by each agent's micro_batch_size.
+
+        With KL and entropy off, a sample with advantage exactly 0 has loss 0 and gradient 0 (every PPO
+        branch is -A * ratio), so it is not forwarded; it still counts in n(M). One row is always kept, so
+        the optimizer step (AdamW decay and moments) happens exactly as if every sample had been forwarded.
+        """
+        if self._skip_zero_advantage and rows:
+            kept = [i for i in rows if samples[i].advantage != 0.0]
+            rows = kept or list(rows[:1])
         by_agent: dict[str, list[int]] = {}
         for i in rows:
             by_agent.setdefault(samples[i].agent, []).append(i)

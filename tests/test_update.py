@@ -404,3 +404,34 @@ def test_metrics_to_dict_keys(rollout):
     # hand-checked: solver samples have advantages +1, -1, -1, +1 (i = 0, 1, 3, 4)
     assert flat["agent/solver/advantage_mean"] == 0.0 and flat["agent/solver/advantage_std"] == 1.0
     assert all(isinstance(v, float) for v in flat.values())
+
+
+def test_zero_advantage_samples_are_skipped_without_changing_the_step():
+    """Samples with A = 0 are not forwarded (KL/entropy off), yet the step equals forwarding them all."""
+    from drmas_graph.testing import tiny_policy
+    from drmas_graph.types import SamplingParams
+    from drmas_graph.update import ModelUpdater, UpdateSettings
+
+    def run(skip):
+        policy = tiny_policy(seed=3)
+        prompts = [policy.render([HumanMessage(f"q{i}")]) for i in range(6)]
+        samples = []
+        for i, p in enumerate(prompts):
+            g = policy.generate(p, SamplingParams(max_new_tokens=5, seed=i))
+            samples.append(Sample(prompt_ids=tuple(p), response_ids=g.token_ids, old_logprobs=g.logprobs,
+                                  advantage=[1.0, 0.0, -1.0, 0.0, 0.0, 0.5][i], agent="a"))
+        updater = ModelUpdater(policy.model, name="m",
+                               settings=UpdateSettings(lr=1e-2, backend="torch", weight_decay=0.1))
+        updater._skip_zero_advantage = skip
+        forwarded = []
+        real = updater._micro_batch_loss
+        updater._micro_batch_loss = lambda ss, *a, **k: (forwarded.extend(ss), real(ss, *a, **k))[1]
+        metrics = updater.update(samples)
+        return policy.model.state_dict(), metrics, len(forwarded)
+
+    p_skip, m_skip, n_skip = run(True)
+    p_all, m_all, n_all = run(False)
+    assert (n_skip, n_all) == (3, 6)
+    assert m_skip.grad_norm == pytest.approx(m_all.grad_norm, rel=1e-5)
+    for k, v in p_all.items():
+        torch.testing.assert_close(p_skip[k], v, atol=1e-5, rtol=0)  # lr 1e-2: steps agree to 1e-3 of a step
