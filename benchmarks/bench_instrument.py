@@ -13,38 +13,22 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 import warnings
-from typing import TypedDict
+from pathlib import Path
 
 warnings.filterwarnings("ignore")
 
-from langchain_core.language_models.chat_models import BaseChatModel  # noqa: E402
 from langchain_core.messages import HumanMessage, SystemMessage  # noqa: E402
 from langgraph.graph import END, START, StateGraph  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks._apps import QA, AppModel, solver_verifier  # noqa: E402
 from drmas_graph import SamplingParams, instrument  # noqa: E402
 from drmas_graph.testing import tiny_policy  # noqa: E402
 
 MSGS = [SystemMessage("You are a careful solver."), HumanMessage("What is 12 + 30? Reply with just the number.")]
-
-
-class QA(TypedDict, total=False):
-    question: str
-    answer: str
-    verdict: str
-    n: int
-
-
-class AppModel(BaseChatModel):
-    """Stands for the app's own model; never called inside an instrumented run."""
-
-    @property
-    def _llm_type(self) -> str:
-        return "app-model"
-
-    def _generate(self, *a, **k):
-        raise AssertionError("the app's model must not be called inside an instrumented run")
 
 
 def overhead(n_calls: int) -> dict[str, float]:
@@ -78,21 +62,7 @@ def overhead(n_calls: int) -> dict[str, float]:
 
 
 def batching(n_episodes: int, rounds: int) -> dict[str, float]:
-    llm = AppModel()
-
-    def solver(state):
-        return {"answer": llm.invoke([HumanMessage(state["question"])]).content}
-
-    def verifier(state):
-        return {"verdict": llm.invoke([HumanMessage(f"Check: {state['question']} {state['answer']}")]).content}
-
-    g = StateGraph(QA)
-    g.add_node("solver", solver)
-    g.add_node("verifier", verifier)
-    g.add_edge(START, "solver")
-    g.add_edge("solver", "verifier")
-    g.add_edge("verifier", END)
-    graph = g.compile()
+    graph = solver_verifier()
     results = {}
     for label, max_batch in (("one_at_a_time", 1), ("dynamic", 32)):
         policy = tiny_policy(seed=0, sampling=SamplingParams(max_new_tokens=32), max_batch_size=max_batch)

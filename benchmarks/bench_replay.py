@@ -11,46 +11,18 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import tempfile
 import time
 import warnings
 from pathlib import Path
-from typing import TypedDict
 
 warnings.filterwarnings("ignore")
 
-from langchain_core.language_models.chat_models import BaseChatModel  # noqa: E402
-from langchain_core.messages import HumanMessage  # noqa: E402
-from langgraph.graph import END, START, StateGraph  # noqa: E402
-
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks._apps import solver_verifier  # noqa: E402
 from drmas_graph import SamplingParams, TraceStore, instrument, replay  # noqa: E402
 from drmas_graph.testing import tiny_policy  # noqa: E402
-
-
-class AppModel(BaseChatModel):
-    @property
-    def _llm_type(self) -> str:
-        return "app-model"
-
-    def _generate(self, *a, **k):
-        raise AssertionError("never called inside instrumented runs or replays")
-
-
-class QA(TypedDict, total=False):
-    question: str
-    answer: str
-    verdict: str
-
-
-def build_graph():
-    llm = AppModel()
-    g = StateGraph(QA)
-    g.add_node("solver", lambda s: {"answer": llm.invoke([HumanMessage(s["question"])]).content})
-    g.add_node("verifier", lambda s: {"verdict": llm.invoke([HumanMessage(f"{s['question']} {s['answer']}")]).content})
-    g.add_edge(START, "solver")
-    g.add_edge("solver", "verifier")
-    g.add_edge("verifier", END)
-    return g.compile()
 
 
 def main() -> None:
@@ -58,7 +30,7 @@ def main() -> None:
     ap.add_argument("--episodes", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=32)
     args = ap.parse_args()
-    graph = build_graph()
+    graph = solver_verifier()
     policy = tiny_policy(seed=0, sampling=SamplingParams(max_new_tokens=args.new_tokens))
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "run.db"

@@ -30,8 +30,20 @@ _EXPORTS: dict[str, str] = {
     "replay": "drmas_graph.replay",
     "ReplayResult": "drmas_graph.replay",
     "Divergence": "drmas_graph.replay",
-    # algorithm
+    # training
+    "train_graph": "drmas_graph.trainer",
+    "TrainResult": "drmas_graph.trainer",
+    "TrainConfig": "drmas_graph.config",
+    "Env": "drmas_graph.env",
+    "Task": "drmas_graph.env",
     "compute_advantages": "drmas_graph.advantages",
+    "ModelUpdater": "drmas_graph.update",
+    "UpdateSettings": "drmas_graph.update",
+    "LossSettings": "drmas_graph.update",
+    # serving
+    "SGLangPolicy": "drmas_graph.served",
+    "VLLMPolicy": "drmas_graph.served",
+    "PolicyChatModel": "drmas_graph.chat_model",
     # errors
     "DrmasError": "drmas_graph.errors",
     "ConfigError": "drmas_graph.errors",
@@ -61,6 +73,12 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # for type checkers and IDEs
     from drmas_graph.advantages import compute_advantages
+    from drmas_graph.chat_model import PolicyChatModel
+    from drmas_graph.config import TrainConfig
+    from drmas_graph.env import Env, Task
+    from drmas_graph.served import SGLangPolicy, VLLMPolicy
+    from drmas_graph.trainer import TrainResult, train_graph
+    from drmas_graph.update import LossSettings, ModelUpdater, UpdateSettings
     from drmas_graph.errors import (
         ConfigError,
         DrmasError,

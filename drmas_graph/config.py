@@ -108,7 +108,7 @@ class LoggingConfig(_Strict):
     progress: bool = Field(True, description="Show a progress bar (step, reward per agent, ETA).")
     tensorboard: bool = Field(True, description="Write TensorBoard scalars under run_dir/tensorboard (needs the tensorboard package).")
     wandb: bool = Field(False, description="Log to Weights & Biases (needs wandb and a login).")
-    weave: bool = Field(False, description="Trace episodes with W&B Weave (needs weave and a server).")
+    weave: bool = Field(False, description="Trace episodes with W&B Weave: not implemented yet, true is refused.")
 
 
 class TrainConfig(_Strict):

@@ -283,10 +283,9 @@ class InstrumentedGraph:
     def batch(self, inputs: Sequence[Any], config: Any = None, *, return_exceptions: bool = False,
               **kwargs: Any) -> list[Any]:
         """`invoke` on each input concurrently in threads (`max_concurrency` in the config bounds them)."""
-        configs = list(config) if isinstance(config, list) else [config] * len(inputs)
-        limit = (configs[0] or {}).get("max_concurrency") if configs else None
         if not inputs:
             return []
+        configs, limit = _per_input_configs(inputs, config)
         with concurrent.futures.ThreadPoolExecutor(max_workers=limit or len(inputs)) as pool:
             futures = [pool.submit(contextvars.copy_context().run, self.invoke, x, c, **kwargs)
                        for x, c in zip(inputs, configs)]
@@ -294,8 +293,7 @@ class InstrumentedGraph:
 
     async def abatch(self, inputs: Sequence[Any], config: Any = None, *, return_exceptions: bool = False,
                      **kwargs: Any) -> list[Any]:
-        configs = list(config) if isinstance(config, list) else [config] * len(inputs)
-        limit = (configs[0] or {}).get("max_concurrency") if configs else None
+        configs, limit = _per_input_configs(inputs, config)
         gate = asyncio.Semaphore(limit or max(len(inputs), 1))
 
         async def one(x: Any, c: Any) -> Any:
@@ -304,6 +302,12 @@ class InstrumentedGraph:
 
         return await asyncio.gather(*(one(x, c) for x, c in zip(inputs, configs)),
                                     return_exceptions=return_exceptions)
+
+
+def _per_input_configs(inputs: Sequence[Any], config: Any) -> tuple[list[Any], int | None]:
+    """One config per input (a list is taken as is), and the `max_concurrency` of the first."""
+    configs = list(config) if isinstance(config, list) else [config] * len(inputs)
+    return configs, ((configs[0] or {}).get("max_concurrency") if configs else None)
 
 
 def _result(future: concurrent.futures.Future, return_exceptions: bool) -> Any:

@@ -163,6 +163,9 @@ class Trainer:
     def __init__(self, graph: Any, env: Any, cfg: TrainConfig, *, policies: Mapping[str, Policy] | None = None,
                  train_models: Mapping[str, Any] | None = None, train: bool = True):
         self.cfg, self.env = cfg, env
+        if cfg.logging.weave:
+            raise ConfigError("logging.weave is not implemented yet (episodes are traced in run_dir/traces.db); "
+                              "set logging.weave: false")
         self.run_dir = Path(cfg.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.train_models: dict[str, Any] = {}

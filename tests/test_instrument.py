@@ -169,7 +169,6 @@ def test_subgraph_paths_globs_and_drmas_agent_metadata():
 
 
 def test_chatopenai_and_init_chat_model_never_leave_the_machine(policy, monkeypatch):
-    from langchain.chat_models import init_chat_model  # noqa: F401  (optional dependency)
     from langchain_openai import ChatOpenAI
 
     monkeypatch.setenv("OPENAI_API_KEY", "sk-not-used")

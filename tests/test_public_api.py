@@ -10,7 +10,8 @@ def test_every_exported_name_resolves():
     for name in drmas_graph.__all__:
         assert getattr(drmas_graph, name) is not None, name
     assert {"instrument", "InstrumentedGraph", "Policy", "TransformersPolicy", "Episode", "Turn", "TraceStore",
-            "replay", "compute_advantages"} <= set(drmas_graph.__all__)
+            "replay", "compute_advantages", "train_graph", "TrainConfig", "Env", "SGLangPolicy",
+            "VLLMPolicy"} <= set(drmas_graph.__all__)
 
 
 def test_errors_subclass_the_stdlib_types_they_replace():
