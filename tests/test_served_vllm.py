@@ -135,6 +135,20 @@ def test_weight_sync_after_a_training_step(policy, ckpt, tmp_path):
     assert again.token_ids == before.token_ids and again.policy_version == 2
 
 
+def _wait_until_running(url: str, timeout_s: float = 30.0) -> None:
+    """Poll vLLM's Prometheus metrics until a request is being generated."""
+    import re
+
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        text = httpx.get(url + "/metrics", timeout=10).text
+        running = [float(v) for v in re.findall(r"^vllm:num_requests_running\{[^}]*\} ([0-9.e+]+)$", text, re.M)]
+        if running and max(running) >= 1:
+            return
+        time.sleep(0.02)
+    raise AssertionError("the request never showed up as running in /metrics")
+
+
 def test_request_aborted_by_a_pause_is_retried(policy, server):
     out = {}
     params = SamplingParams(temperature=1.0, max_new_tokens=3000)
@@ -143,7 +157,7 @@ def test_request_aborted_by_a_pause_is_retried(policy, server):
     try:
         worker = threading.Thread(target=lambda: out.update(gen=p.generate([5, 6, 7], params)))
         worker.start()
-        time.sleep(0.5)
+        _wait_until_running(server.url)  # pause only once the request is in flight (a fast CPU may finish early)
         assert httpx.post(server.url + "/pause", params={"mode": "abort"}, timeout=30).json() == {"status": "paused"}
         httpx.post(server.url + "/resume", timeout=30)
         worker.join(120)
