@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from drmas_graph.errors import ConfigError
 
@@ -49,6 +49,15 @@ class UpdateConfig(_Strict):
     entropy_coef: float = Field(0.0, ge=0, description="Weight of the entropy bonus; 0 = off.")
     backend: Literal["deepspeed", "torch"] = Field("deepspeed", description="deepspeed (ZeRO) or plain torch AdamW (same numbers).")
     zero_stage: Literal[0, 1, 2] = Field(0, description="DeepSpeed ZeRO stage.")
+
+    @field_validator("loss_agg")
+    @classmethod
+    def _known_agg(cls, value: str) -> str:
+        from drmas_graph.losses import LOSS_AGGREGATIONS
+
+        if value not in LOSS_AGGREGATIONS:
+            raise ValueError(f"unknown loss_agg {value!r}; valid: {sorted(LOSS_AGGREGATIONS)}")
+        return value
 
 
 class ServeConfig(_Strict):
@@ -140,6 +149,15 @@ class TrainConfig(_Strict):
     resume: bool = Field(False, description="Continue from the latest checkpoint in run_dir.")
     eval: EvalConfig = Field(default_factory=EvalConfig, description="Evaluation settings.")
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Logging settings.")
+
+    @field_validator("estimator")
+    @classmethod
+    def _known_estimator(cls, value: str) -> str:
+        from drmas_graph.advantages import ADVANTAGE_ESTIMATORS
+
+        if value not in ADVANTAGE_ESTIMATORS:
+            raise ValueError(f"unknown estimator {value!r}; valid: {sorted(ADVANTAGE_ESTIMATORS)}")
+        return value
 
     # ---- YAML ---------------------------------------------------------------------------------
     def to_yaml(self, path: str | Path | None = None) -> str:

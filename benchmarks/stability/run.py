@@ -2,13 +2,16 @@
 
     python benchmarks/stability/run.py [--steps 40] [--seeds 0 1] [--out benchmarks/stability]
 
-The setting has the paper's condition: the two agents' reward distributions differ. A solver and a
-verifier (separate tiny random-weight models, so each model's gradient norm is its agent's) answer
-prompts; the team reward is 1 when the solver's first token falls in a target quarter of the vocabulary
-(learnable from scratch, ~25% at the start). The verifier must answer in at most 3 tokens, which the
-random model almost never does, so nearly every verifier turn pays the invalid-turn penalty c = 0.5:
-its per-sample rewards sit ~0.5 below the solver's. Same seeds, tasks and initial weights for every
-estimator; only `estimator` changes.
+The setting has the paper's condition: the agents' reward distributions differ. A solver and a
+verifier (separate tiny random-weight models, so each model's gradient norm is its agent's) act on
+prompts: the solver drafts DRAFTS times per episode, the verifier answers once. The team reward is the
+fraction of drafts whose first token falls in a target quarter of the vocabulary (learnable from
+scratch, ~0.25 at the start, small spread). The verifier must answer in at most 3 tokens, which the
+random model almost never does, so nearly every verifier turn pays the invalid-turn penalty c = 1: its
+samples sit ~1 below the solver's, and they are outnumbered DRAFTS to 1 in a pooled group. Pooled
+statistics (step_global) then give the verifier E[A^2] = (sigma_k^2 + (mu_k - mu)^2) / sigma^2 >> 1;
+per-agent statistics (agent) give ~1; episode_global shares one advantage per episode. Same seeds,
+tasks and initial weights for every estimator; only `estimator` changes.
 
 Writes grad_norm.png, reward.png and results.json next to this file (or --out) and prints the table
 that benchmarks/stability/README.md reports. Spike = a step whose grad norm exceeds 5x the running
@@ -29,17 +32,38 @@ from pathlib import Path
 warnings.filterwarnings("ignore")
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks._apps import solver_verifier  # noqa: E402
+from langchain_core.messages import HumanMessage  # noqa: E402
+from langgraph.graph import END, START, StateGraph  # noqa: E402
+
+from benchmarks._apps import QA, AppModel  # noqa: E402
 from drmas_graph import SamplingParams  # noqa: E402
 from drmas_graph.env import Task  # noqa: E402
 from drmas_graph.testing import tiny_policy  # noqa: E402
 from drmas_graph.trainer import train_graph  # noqa: E402
 
 ESTIMATORS = ("episode_global", "step_global", "agent")
+DRAFTS = 6
+
+
+def build_graph():
+    """solver (DRAFTS calls) -> verifier (one call): an ordinary LangGraph app."""
+    llm = AppModel()
+
+    def solver(state):
+        drafts = [llm.invoke([HumanMessage(f"{state['question']} (draft {i})")]).content for i in range(DRAFTS)]
+        return {"answer": " | ".join(drafts)}
+
+    g = StateGraph(QA)
+    g.add_node("solver", solver)
+    g.add_node("verifier", lambda s: {"verdict": llm.invoke([HumanMessage(f"{s['question']} -> {s['answer']}")]).content})
+    g.add_edge(START, "solver")
+    g.add_edge("solver", "verifier")
+    g.add_edge("verifier", END)
+    return g.compile()
 
 
 class QuarterEnv:
-    invalid_penalty = 0.5
+    invalid_penalty = 1.0
 
     def __init__(self, vocab: int) -> None:
         self.vocab = vocab
@@ -50,8 +74,11 @@ class QuarterEnv:
         return self._tasks[split]
 
     def reward(self, task, episode):
-        first = next(t for t in episode.turns if t.agent == "solver").response_ids[0]
-        return 1.0 if first < self.vocab // 4 else 0.0
+        drafts = [t.response_ids[0] < self.vocab // 4 for t in episode.turns if t.agent == "solver"]
+        return sum(drafts) / len(drafts)
+
+    def is_success(self, task, episode):
+        return self.reward(task, episode) >= 0.5
 
     def turn_is_valid(self, task, turn):
         return turn.agent != "verifier" or len(turn.response_ids) <= 3
@@ -62,7 +89,7 @@ def run(estimator: str, seed: int, steps: int, tmp: Path) -> dict:
     verifier = tiny_policy(seed=seed + 100, name="verifier-model", sampling=SamplingParams(max_new_tokens=4))
     env = QuarterEnv(len(solver.tokenizer))
     t0 = time.time()
-    result = train_graph(solver_verifier(), env, policies={"solver": solver, "verifier": verifier},
+    result = train_graph(build_graph(), env, policies={"solver": solver, "verifier": verifier},
                          run_dir=str(tmp / f"{estimator}-{seed}"), seed=seed, steps=steps, tasks_per_step=4,
                          group_size=8, estimator=estimator, update={"lr": 3e-4, "backend": "torch", "grad_clip": 1.0},
                          eval={"k": 4, "n_tasks": 16, "before_training": False},
