@@ -31,7 +31,7 @@ from drmas_graph.errors import PolicyError
 from drmas_graph.policy import Policy
 from drmas_graph.types import Generation, SamplingParams
 
-__all__ = ["TransformersPolicy", "sample_token"]
+__all__ = ["TransformersPolicy", "sample_batch", "sample_token"]
 
 
 @dataclass
@@ -52,31 +52,46 @@ class BatchStats:
     forward_passes: int = 0
 
 
-def sample_token(logits_V: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> tuple[int, float]:
-    """Sample one token id from a row of logits; return (id, log_softmax(logits / T)[id]).
-
-    Top-k then top-p (nucleus, Holtzman et al. 2020) restrict the support; the logprob reported is taken
-    from the untruncated distribution at temperature T, so it is what a trainer recomputes from logits.
-    """
-    logits_V = logits_V.float()
-    if params.temperature == 0:
-        token = int(torch.argmax(logits_V))
-        return token, float(torch.log_softmax(logits_V, -1)[token])
-    scaled_V = logits_V / params.temperature
-    logp_V = torch.log_softmax(scaled_V, -1)
+def _keep_mask(scaled_V: torch.Tensor, logp_V: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Tokens allowed by top-k, then top-p (nucleus, Holtzman et al. 2020; the top token is always kept)."""
     keep_V = torch.ones_like(scaled_V, dtype=torch.bool)
     if 0 < params.top_k < scaled_V.numel():
-        kth = torch.topk(scaled_V, params.top_k).values[-1]
-        keep_V &= scaled_V >= kth
+        keep_V &= scaled_V >= torch.topk(scaled_V, params.top_k).values[-1]
     if params.top_p < 1.0:
         sorted_logp, order = torch.sort(logp_V, descending=True)
-        cum = torch.cumsum(sorted_logp.exp(), -1)
-        # keep a token if the mass strictly before it is < top_p (the top token is always kept)
-        keep_sorted = (cum - sorted_logp.exp()) < params.top_p
-        keep_V &= torch.zeros_like(keep_V).scatter(0, order, keep_sorted)
-    probs_V = torch.softmax(scaled_V.masked_fill(~keep_V, float("-inf")), -1)
-    token = int(torch.multinomial(probs_V, 1, generator=generator))
-    return token, float(logp_V[token])
+        mass_before = torch.cumsum(sorted_logp.exp(), -1) - sorted_logp.exp()
+        keep_V &= torch.zeros_like(keep_V).scatter(0, order, mass_before < params.top_p)
+    return keep_V
+
+
+def sample_batch(logits_BV: torch.Tensor, params: Sequence[SamplingParams],
+                 generators: Sequence[torch.Generator]) -> tuple[list[int], list[float]]:
+    """Sample one token per row; return the ids and log_softmax(logits / T) at them.
+
+    Gumbel-max: argmax(logits / T - log E) with E ~ Exp(1) drawn from the row's own generator samples
+    exactly from softmax(logits / T) over the tokens top-k/top-p keep, and a row's draws never depend on
+    the other rows of the batch. Temperature 0 rows take the argmax and report logprobs at T = 1. The
+    logprob is taken from the untruncated distribution, which is what a trainer recomputes from logits.
+    """
+    logits_BV = logits_BV.float()
+    temps_B = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params])
+    scaled_BV = logits_BV / temps_B[:, None]
+    logp_BV = torch.log_softmax(scaled_BV, -1)
+    noise_BV = torch.ones_like(scaled_BV)
+    for i, p in enumerate(params):
+        if p.temperature == 0:
+            continue
+        noise_BV[i].exponential_(generator=generators[i])
+        if 0 < p.top_k < scaled_BV.shape[-1] or p.top_p < 1.0:
+            noise_BV[i].masked_fill_(~_keep_mask(scaled_BV[i], logp_BV[i], p), float("inf"))
+    tokens_B = (scaled_BV - noise_BV.log()).argmax(-1)
+    return tokens_B.tolist(), logp_BV.gather(1, tokens_B[:, None]).squeeze(1).tolist()
+
+
+def sample_token(logits_V: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> tuple[int, float]:
+    """`sample_batch` for one row: (id, log_softmax(logits / T)[id])."""
+    tokens, logprobs = sample_batch(logits_V[None], [params], [generator])
+    return tokens[0], logprobs[0]
 
 
 class TransformersPolicy(Policy):
@@ -270,16 +285,14 @@ class TransformersPolicy(Policy):
             self.stats.forward_passes += 1
             past = getattr(out, cache_kw)
             logits_BV = out.logits[:, -1, :].float().cpu()
-            next_ids = []
-            for i, r in enumerate(reqs):
-                if reason[i] is not None:
-                    next_ids.append(self._pad_id)
-                    continue
-                tok, lp = sample_token(logits_BV[i], r.params, gens[i])
+            live = [i for i in range(B) if reason[i] is None]
+            tokens, logprobs = sample_batch(logits_BV[live], [reqs[i].params for i in live], [gens[i] for i in live])
+            next_ids = [self._pad_id] * B
+            for i, tok, lp in zip(live, tokens, logprobs):
                 out_ids[i].append(tok)
                 out_lp[i].append(lp)
-                reason[i] = self._finish_reason(tok, out_ids[i], r.params, stop_ids[i])
-                next_ids.append(tok)
+                reason[i] = self._finish_reason(tok, out_ids[i], reqs[i].params, stop_ids[i])
+                next_ids[i] = tok
             if all(x is not None for x in reason):
                 break
             step_ids = torch.tensor(next_ids, dtype=torch.long, device=self.device).view(B, 1)
