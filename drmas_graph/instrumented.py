@@ -230,13 +230,18 @@ class InstrumentedGraph:
         self._finish(episode, output, require_calls=False)
         return output
 
-    def stream(self, input: Any, config: Any = None, **kwargs: Any) -> Iterator[Any]:
-        """The graph's `stream`, recorded as one episode. Each step runs in the episode's own context."""
+    def _episode_context(self, input: Any, config: Any) -> tuple[Episode, _EpisodeRecorder, contextvars.Context]:
+        """A new episode, its recorder, and a context in which the recorder is the active handler."""
         episode = self._new_episode(input, config, None, None)
         recorder = _EpisodeRecorder(self, episode)
         ctx = contextvars.copy_context()
         ctx.run(ACTIVE_HANDLER.set, recorder)
         episode._start_clock()
+        return episode, recorder, ctx
+
+    def stream(self, input: Any, config: Any = None, **kwargs: Any) -> Iterator[Any]:
+        """The graph's `stream`, recorded as one episode. Each step runs in the episode's own context."""
+        episode, recorder, ctx = self._episode_context(input, config)
         chunks = ctx.run(self.graph.stream, input, config, **kwargs)
         try:
             while True:
@@ -255,11 +260,7 @@ class InstrumentedGraph:
 
     async def astream(self, input: Any, config: Any = None, **kwargs: Any) -> AsyncIterator[Any]:
         """The graph's `astream`, recorded as one episode. Each step runs as a task in the episode's context."""
-        episode = self._new_episode(input, config, None, None)
-        recorder = _EpisodeRecorder(self, episode)
-        ctx = contextvars.copy_context()
-        ctx.run(ACTIVE_HANDLER.set, recorder)
-        episode._start_clock()
+        episode, recorder, ctx = self._episode_context(input, config)
         chunks = self.graph.astream(input, config, **kwargs)
 
         async def step() -> Any:
