@@ -98,10 +98,10 @@ def _cmd_eval(args: argparse.Namespace, console: Console) -> int:
     if args.checkpoint is not None:
         if not args.checkpoint.is_dir():
             raise ConfigError(f"checkpoint {str(args.checkpoint)!r} is not a folder")
-        for name, model in cfg.models.items():
+        for name, model in list(cfg.models.items()):
             path = args.checkpoint / name / "model"
             if model.trainable and path.is_dir():
-                model.path, model.gguf_file, model.tiny = str(path), None, None
+                cfg.models[name] = model.model_copy(update={"path": str(path), "gguf_file": None, "tiny": None})
     cfg.run_dir = str(Path(cfg.run_dir) / "eval")
     graph, env = build_graph_and_env(cfg)
     trainer = Trainer(graph, env, cfg, train=False)

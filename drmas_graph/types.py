@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import time
 import uuid
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -189,10 +188,6 @@ class Episode:
         self.timings["end"] = end
         self.timings["wall_s"] = end - self.timings.get("start", end)
         self.timings["llm_s"] = sum(t.latency_s for t in self.turns)
-
-
-def as_tuple(values: Sequence[Any] | None) -> tuple:
-    return tuple(values) if values is not None else ()
 
 
 @dataclass(frozen=True)

@@ -147,10 +147,9 @@ def test_task_order_is_seeded_and_covers_the_split(tmp_path):
 
 
 def test_config_errors_name_the_field(tmp_path):
-    with pytest.raises(ConfigError, match="estimator"):
+    with pytest.raises(ConfigError, match=r"estimator.*unknown estimator 'per-agent'; valid: \['agent'"):
         policy = tiny_policy()
-        train_graph(graph(), ParityEnv(), small_config(tmp_path, estimator="per-agent"),
-                    policies={"solver": policy, "verifier": policy})
+        train_graph(graph(), ParityEnv(), estimator="per-agent", policies={"solver": policy, "verifier": policy})
     bad = tmp_path / "bad.yaml"
     bad.write_text("steps: 3\ngroup_sise: 4\n")
     with pytest.raises(ConfigError, match="group_sise"):
