@@ -38,3 +38,19 @@ def test_readme_documents_every_config_field():
     gen = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gen)
     assert gen.table() in (root / "README.md").read_text(), "run: python scripts/gen_config_table.py"
+
+
+def test_readme_training_example_runs(tmp_path, monkeypatch):
+    """The README's "Training your graph" example runs as written (in a scratch folder)."""
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme[readme.index("## Training your graph"):]
+    start = section.index("```python\n") + len("```python\n")
+    code = section[start:section.index("\n```", start)]
+    monkeypatch.chdir(tmp_path)
+    namespace: dict = {}
+    exec(compile(code, "README.md", "exec"), namespace)  # noqa: S102 - our own documentation
+    result = namespace["result"]
+    assert [r["step"] for r in result.history] == [0, 1, 2]
+    assert (tmp_path / "runs" / "readme-example" / "metrics.jsonl").exists()
