@@ -55,9 +55,7 @@ class UpdateConfig(_Strict):
     def _known_agg(cls, value: str) -> str:
         from drmas_graph.losses import LOSS_AGGREGATIONS
 
-        if value not in LOSS_AGGREGATIONS:
-            raise ValueError(f"unknown loss_agg {value!r}; valid: {sorted(LOSS_AGGREGATIONS)}")
-        return value
+        return _known_name("loss_agg", value, LOSS_AGGREGATIONS)
 
 
 class ServeConfig(_Strict):
@@ -155,9 +153,7 @@ class TrainConfig(_Strict):
     def _known_estimator(cls, value: str) -> str:
         from drmas_graph.advantages import ADVANTAGE_ESTIMATORS
 
-        if value not in ADVANTAGE_ESTIMATORS:
-            raise ValueError(f"unknown estimator {value!r}; valid: {sorted(ADVANTAGE_ESTIMATORS)}")
-        return value
+        return _known_name("estimator", value, ADVANTAGE_ESTIMATORS)
 
     # ---- YAML ---------------------------------------------------------------------------------
     def to_yaml(self, path: str | Path | None = None) -> str:
@@ -256,3 +252,10 @@ def config_reference() -> list[tuple[str, str, str]]:
 
 def _is_model(obj: Any) -> bool:
     return isinstance(obj, type) and issubclass(obj, BaseModel)
+
+
+def _known_name(field: str, value: str, registry: Any) -> str:
+    """`value` if the registry has it, else the error that lists the valid names."""
+    if value not in registry:
+        raise ValueError(f"unknown {field} {value!r}; valid: {sorted(registry)}")
+    return value
