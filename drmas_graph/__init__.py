@@ -26,7 +26,7 @@ _EXPORTS: dict[str, str] = {
     "SamplingParams": "drmas_graph.types",
     # traces and replay
     "TraceStore": "drmas_graph.store",
-    "rescore": "drmas_graph.store",
+    "rescore": "drmas_graph.rescore",
     "replay": "drmas_graph.replay",
     "ReplayResult": "drmas_graph.replay",
     "Divergence": "drmas_graph.replay",
@@ -92,6 +92,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs
     from drmas_graph.instrumented import InstrumentedGraph, instrument
     from drmas_graph.policy import Policy
     from drmas_graph.replay import Divergence, ReplayResult, replay
-    from drmas_graph.store import TraceStore, rescore
+    from drmas_graph.rescore import rescore
+    from drmas_graph.store import TraceStore
     from drmas_graph.transformers_policy import TransformersPolicy
     from drmas_graph.types import Episode, Generation, SamplingParams, Turn

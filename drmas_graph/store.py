@@ -27,9 +27,7 @@ turn's ``step`` is the LangGraph superstep of the node that made the call (`Turn
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
-import numbers
 import sqlite3
 import threading
 import time
@@ -53,11 +51,9 @@ from drmas_graph.types import Episode
 __all__ = [
     "SCHEMA_VERSION",
     "EpisodeSummary",
-    "Rescored",
     "StoreStats",
     "TraceStore",
     "TraceStoreWarning",
-    "rescore",
 ]
 
 SCHEMA_VERSION = 1
@@ -568,129 +564,3 @@ def _summary(row: Sequence[Any]) -> EpisodeSummary:
     values["agents"] = tuple(json.loads(values["agents"]))
     values["rewards"] = json.loads(values["rewards"])
     return EpisodeSummary(**values)
-
-
-# -- rescoring ---------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Rescored:
-    """New rewards and advantages of one stored episode (`rescore`)."""
-
-    rewards: dict[str, float]
-    """Reward per agent, from the new reward function."""
-    turn_rewards: list[float]
-    """Per-turn reward R_i (the reward of the turn's agent), aligned with the episode's turns."""
-    advantages: list[float]
-    """Per-turn advantage, aligned with the turns; 0.0 for turns that are not trainable."""
-
-
-def rescore(
-    store: TraceStore | str | Path,
-    reward_fn: Callable[[Episode], float | Mapping[str, float]],
-    *,
-    estimator: str = "agent",
-    norm_by_std: bool = True,
-    eps: float = 1e-6,
-    step: int | None = None,
-    out: str | Path | None = None,
-) -> dict[str, Rescored]:
-    """Recompute the rewards and advantages of a stored run with another reward function or estimator,
-    without any model. Returns {episode id: Rescored}; with ``out``, also writes a new store holding the
-    episodes with their new rewards and advantages (the source store is never modified).
-
-    ``reward_fn(episode)`` returns one team reward (given to every agent) or a reward per agent (it must
-    name every agent of the episode). Samples are the trainable turns: sample i gets R_i = reward of its
-    agent, group = the episode's group_id (else its task_id), turn id = how many calls its agent made
-    before it in the episode; ``compute_advantages`` does the rest. ``step`` restricts to one training
-    step. No invalid-turn penalty is applied.
-    """
-    from drmas_graph.advantages import compute_advantages
-
-    source = store if isinstance(store, TraceStore) else TraceStore(store, readonly=True)
-    try:
-        episodes = list(source.iter_episodes(step=step))
-        steps = {s.id: s.step for s in source.episodes(step=step)}
-        source_path, source_config = source.path, source.config
-    finally:
-        if source is not store:
-            source.close()
-
-    rewards_N: list[float] = []
-    group_ids: list[str] = []
-    agent_ids: list[str] = []
-    episode_ids: list[str] = []
-    turn_ids: list[int] = []
-    rewards_by_episode: dict[str, dict[str, float]] = {}
-    for episode in episodes:
-        rewards = _agent_rewards(episode, reward_fn(episode))
-        rewards_by_episode[episode.id] = rewards
-        group = episode.group_id if episode.group_id is not None else episode.task_id
-        if group is None:
-            raise ConfigError(f"episode {episode.id} has neither group_id nor task_id; cannot group it")
-        calls_so_far: dict[str, int] = {}
-        for turn in episode.turns:
-            k = calls_so_far.get(turn.agent, 0)
-            calls_so_far[turn.agent] = k + 1
-            if turn.trainable:
-                rewards_N.append(rewards[turn.agent])
-                group_ids.append(group)
-                agent_ids.append(turn.agent)
-                episode_ids.append(episode.id)
-                turn_ids.append(k)
-
-    advantages_N = (
-        compute_advantages(
-            rewards_N, group_ids=group_ids, agent_ids=agent_ids, episode_ids=episode_ids, turn_ids=turn_ids,
-            estimator=estimator, norm_by_std=norm_by_std, eps=eps,
-        ).tolist()
-        if rewards_N
-        else []
-    )  # fmt: skip
-    next_advantage = iter(advantages_N)
-    result: dict[str, Rescored] = {}
-    for episode in episodes:
-        rewards = rewards_by_episode[episode.id]
-        result[episode.id] = Rescored(
-            rewards=rewards,
-            turn_rewards=[rewards[t.agent] for t in episode.turns],
-            advantages=[next(next_advantage) if t.trainable else 0.0 for t in episode.turns],
-        )
-
-    if out is not None:
-        config = {
-            "rescored_from": str(source_path),
-            "estimator": estimator,
-            "norm_by_std": norm_by_std,
-            "eps": eps,
-            "reward_fn": getattr(reward_fn, "__qualname__", repr(reward_fn)),
-            "source_config": source_config,
-        }
-        with TraceStore(out, config=config) as target:
-            for episode in episodes:
-                new = result[episode.id]
-                target.write_episode(
-                    dataclasses.replace(
-                        episode, rewards=new.rewards, turn_rewards=new.turn_rewards, advantages=new.advantages
-                    ),
-                    step=steps[episode.id],
-                )
-    return result
-
-
-def _agent_rewards(episode: Episode, reward: float | Mapping[str, float]) -> dict[str, float]:
-    """reward_fn's answer as {agent: reward} covering every agent of the episode."""
-    if isinstance(reward, numbers.Real):
-        return {agent: float(reward) for agent in episode.agents}
-    if not isinstance(reward, Mapping):
-        raise ConfigError(
-            f"reward_fn returned {type(reward).__name__} for episode {episode.id}; "
-            "return a float or a dict {agent: float}"
-        )
-    missing = [agent for agent in episode.agents if agent not in reward]
-    if missing:
-        raise ConfigError(
-            f"reward_fn gave no reward to agent(s) {', '.join(map(repr, missing))} of episode {episode.id}; "
-            "return a reward for every agent that made a call"
-        )
-    return {agent: float(r) for agent, r in reward.items()}

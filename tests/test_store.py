@@ -28,7 +28,8 @@ from drmas_graph.errors import (
     StoreNotFoundError,
     TraceStoreError,
 )
-from drmas_graph.store import SCHEMA_VERSION, TraceStore, TraceStoreWarning, rescore
+from drmas_graph.rescore import rescore
+from drmas_graph.store import SCHEMA_VERSION, TraceStore, TraceStoreWarning
 from drmas_graph.types import Episode, SamplingParams, Turn
 
 # Logprobs chosen to catch any lossy encoding: a float32 round trip changes all but -0.5 and -inf.
