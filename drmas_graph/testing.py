@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from drmas_graph.losses import token_logprobs
 from drmas_graph.transformers_policy import TransformersPolicy
 from drmas_graph.types import Generation, SamplingParams
 
@@ -144,8 +145,7 @@ class ScriptedPolicy(TransformersPolicy):
             ids = (ids + [self.tokenizer.eos_token_id])[: r.params.max_new_tokens]
             full = torch.tensor([r.prompt_ids + ids], device=self.device)
             logits = self.model(input_ids=full).logits[0, len(r.prompt_ids) - 1: -1].float()
-            temperature = r.params.temperature or 1.0
-            logp = torch.log_softmax(logits / temperature, -1).gather(1, torch.tensor(ids).view(-1, 1)).view(-1)
+            logp = token_logprobs(logits, torch.tensor(ids, device=self.device), r.params.temperature or 1.0)
             reason = "stop" if ids[-1] == self.tokenizer.eos_token_id else "length"
             out.append(Generation(token_ids=ids, logprobs=logp.tolist(), finish_reason=reason,
                                   policy_version=self.version))

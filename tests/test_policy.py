@@ -9,16 +9,9 @@ from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, Tool
 from drmas_graph import Generation, PolicyError, SamplingParams
 from drmas_graph._chat import parse_hermes
 from drmas_graph.testing import scripted_policy, tiny_policy
+from tests._logprobs import recompute_logprobs
 
 MSGS = [SystemMessage("You are a solver."), HumanMessage("What is 2+3?")]
-
-
-def recompute_logprobs(policy, prompt_ids, response_ids, temperature):
-    ids = torch.tensor([list(prompt_ids) + list(response_ids)])
-    with torch.no_grad():
-        logits = policy.model(input_ids=ids).logits[0, len(prompt_ids) - 1: -1].float()
-    t = temperature or 1.0
-    return torch.log_softmax(logits / t, -1).gather(1, torch.tensor(response_ids).view(-1, 1)).view(-1)
 
 
 def test_generation_ids_and_logprobs_are_exact(policy):
@@ -27,7 +20,7 @@ def test_generation_ids_and_logprobs_are_exact(policy):
     assert len(gen.token_ids) == len(gen.logprobs) == 12
     assert gen.finish_reason == "length" and gen.policy_version == 0
     # logprobs recorded while sampling equal a fresh full forward pass: log_softmax(logits / T)
-    expected = recompute_logprobs(policy, prompt, gen.token_ids, 0.7)
+    expected = torch.tensor(recompute_logprobs(policy.model, prompt, gen.token_ids, 0.7))
     torch.testing.assert_close(torch.tensor(gen.logprobs), expected, atol=1e-4, rtol=0)
 
 
@@ -162,7 +155,7 @@ def test_scripted_policy_teacher_forces_real_logprobs():
     prompt = p.render(MSGS)
     gen = p.generate(prompt, SamplingParams(max_new_tokens=32))
     assert p.decode(gen.token_ids) == "Answer: 5" and gen.token_ids[-1] == p.tokenizer.eos_token_id
-    torch.testing.assert_close(torch.tensor(gen.logprobs), recompute_logprobs(p, prompt, gen.token_ids, 1.0),
+    torch.testing.assert_close(torch.tensor(gen.logprobs), torch.tensor(recompute_logprobs(p.model, prompt, gen.token_ids, 1.0)),
                                atol=1e-5, rtol=0)
 
 

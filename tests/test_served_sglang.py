@@ -15,7 +15,6 @@ import time
 
 import httpx
 import pytest
-import torch
 
 from drmas_graph import RolloutError, SamplingParams, instrument
 from drmas_graph.errors import PolicyError
@@ -25,6 +24,7 @@ from drmas_graph.testing import tiny_model, tiny_tokenizer
 from tests import _graphs
 from tests.sglang_double import SGLangDouble
 from tests.test_instrument import Unreachable
+from tests._logprobs import recompute_logprobs
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=6)
 
@@ -61,17 +61,6 @@ def policy(double, tokenizer):
     p.close()
 
 
-def _recompute(path, prompt_ids, response_ids, temperature):
-    """log_softmax(logits / T) at the response ids, from the same weights the server loaded."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    with torch.inference_mode():
-        logits = model(input_ids=torch.tensor([list(prompt_ids) + list(response_ids)])).logits[0].float()
-    logits = logits[len(prompt_ids) - 1: -1] / (temperature or 1.0)
-    return torch.log_softmax(logits, -1).gather(1, torch.tensor(response_ids).view(-1, 1)).view(-1).tolist()
-
-
 def test_instrumented_graph_records_exactly_what_the_server_sampled(policy, double, tokenizer, ckpts):
     app = instrument(_graphs.solver_verifier(Unreachable()).compile(), {"solver": policy, "verifier": policy})
     episode = app.rollout({"question": "2+3?"}, task_id="t1")
@@ -83,7 +72,7 @@ def test_instrumented_graph_records_exactly_what_the_server_sampled(policy, doub
         assert turn.response_logprobs == tuple(served["logprobs"])
         assert turn.response_text == tokenizer.decode(served["output_ids"], skip_special_tokens=True)
         assert turn.policy == "sg" and turn.policy_version == 0
-        ours = _recompute(ckpts[0], turn.prompt_ids, turn.response_ids, 0.8)
+        ours = recompute_logprobs(ckpts[0], turn.prompt_ids, turn.response_ids, 0.8)
         assert turn.response_logprobs == pytest.approx(ours, abs=1e-4)
     # the wire format: documented keys only, eos as a stop token id, logprobs requested
     _, body = next(r for r in double.requests if r[0] == "POST /generate")
@@ -146,7 +135,7 @@ def test_weight_sync_changes_version_and_outputs(policy, double, ckpts):
     after = policy.generate(prompt, GREEDY)
     assert before.policy_version == 0 and after.policy_version == 3
     assert after.token_ids != before.token_ids
-    assert after.logprobs == pytest.approx(_recompute(ckpts[1], prompt, after.token_ids, 1.0), abs=1e-4)
+    assert after.logprobs == pytest.approx(recompute_logprobs(ckpts[1], prompt, after.token_ids, 1.0), abs=1e-4)
     calls = [(path, body) for path, body in double.requests if path.startswith("POST /") and "generate" not in path
              or path == "GET /model_info"]
     assert calls == [("POST /pause_generation", {}),

@@ -15,6 +15,7 @@ from drmas_graph.served import VLLMPolicy, launch_vllm
 from drmas_graph.testing import tiny_model, tiny_tokenizer
 from tests import _graphs
 from tests.test_instrument import Unreachable
+from tests._logprobs import recompute_logprobs
 
 VLLM_PYTHON = os.environ.get("DRMAS_VLLM_PYTHON")
 pytestmark = [
@@ -54,17 +55,6 @@ def policy(server, tokenizer):
     p.close()
 
 
-def _recompute(path, prompt_ids, response_ids, temperature):
-    """log_softmax(logits / T) at the response ids, from the weights in `path` (transformers, float32)."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    with torch.inference_mode():
-        logits = model(input_ids=torch.tensor([list(prompt_ids) + list(response_ids)])).logits[0].float()
-    logits = logits[len(prompt_ids) - 1: -1] / (temperature or 1.0)
-    return torch.log_softmax(logits, -1).gather(1, torch.tensor(list(response_ids)).view(-1, 1)).view(-1).tolist()
-
-
 def test_instrumented_graph_logprobs_match_our_recomputation(policy, tokenizer, ckpt):
     app = instrument(_graphs.solver_verifier(Unreachable()).compile(), {"solver": policy, "verifier": policy})
     episode = app.rollout({"question": "What is 2 + 3?"})
@@ -73,7 +63,7 @@ def test_instrumented_graph_logprobs_match_our_recomputation(policy, tokenizer, 
         assert len(turn.response_ids) == len(turn.response_logprobs) > 0
         assert turn.response_text == tokenizer.decode(list(turn.response_ids), skip_special_tokens=True)
         assert turn.policy_version == 0
-        ours = _recompute(ckpt, turn.prompt_ids, turn.response_ids, 0.7)
+        ours = recompute_logprobs(ckpt, turn.prompt_ids, turn.response_ids, 0.7)
         assert turn.response_logprobs == pytest.approx(ours, abs=1e-4)  # measured: ~1e-6
 
 
@@ -81,7 +71,7 @@ def test_instrumented_graph_logprobs_match_our_recomputation(policy, tokenizer, 
 def test_logprobs_follow_our_temperature_convention(policy, ckpt, temperature):
     prompt = [5, 6, 7, 8, 9]
     gen = policy.generate(prompt, SamplingParams(temperature=temperature, max_new_tokens=16, seed=3))
-    assert gen.logprobs == pytest.approx(_recompute(ckpt, prompt, gen.token_ids, temperature), abs=1e-4)
+    assert gen.logprobs == pytest.approx(recompute_logprobs(ckpt, prompt, gen.token_ids, temperature), abs=1e-4)
 
 
 def test_stop_token_is_kept_and_top_p_is_refused(policy):
@@ -125,7 +115,7 @@ def test_weight_sync_after_a_training_step(policy, ckpt, tmp_path):
     assert policy.version == 1 and policy.server_versions() == {policy.base_urls[0]: "1"}
     after = policy.generate(prompt, greedy)
     assert after.policy_version == 1 and after.token_ids != before.token_ids
-    assert after.logprobs == pytest.approx(_recompute(step1, prompt, after.token_ids, 0.0), abs=1e-4)
+    assert after.logprobs == pytest.approx(recompute_logprobs(step1, prompt, after.token_ids, 0.0), abs=1e-4)
     print(f"vLLM weight sync (tiny model): {result['seconds']:.3f} s")
     policy.sync_weights(ckpt, version=2)  # back to the start weights: the same greedy output again
     again = policy.generate(prompt, greedy)
