@@ -77,48 +77,116 @@ def _init_process_group(deepspeed: Any) -> None:
 
 
 def _adamw(model: torch.nn.Module, s: UpdateSettings) -> torch.optim.AdamW:
-    params = [p for p in model.parameters() if p.requires_grad]
-    return torch.optim.AdamW(params, lr=s.lr, betas=s.betas, weight_decay=s.weight_decay, eps=1e-8)
+    return _adamw_over([p for p in model.parameters() if p.requires_grad], s)
+
+
+def _adamw_over(params: list[torch.Tensor], s: UpdateSettings) -> torch.optim.AdamW:
+    return torch.optim.AdamW(params, lr=s.lr, betas=tuple(s.betas), weight_decay=s.weight_decay, eps=1e-8)
+
+
+class _LossScale:
+    """Dynamic loss scaling for float16 gradients (Micikevicius et al. 2018, "Mixed Precision Training"):
+    the loss is multiplied by ``scale`` before backward so small gradients survive float16; a step whose
+    unscaled gradients are not finite is skipped and halves the scale; 1000 good steps in a row double it.
+    The constants are DeepSpeed's fp16 defaults (initial_scale_power 16, loss_scale_window 1000)."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.scale = 2.0**16 if enabled else 1.0
+        self.enabled = enabled
+        self.good_steps = 0
+
+    def update(self, finite: bool) -> None:
+        if not self.enabled:
+            return
+        if not finite:
+            self.scale, self.good_steps = max(self.scale / 2, 1.0), 0
+            return
+        self.good_steps += 1
+        if self.good_steps % 1000 == 0:
+            self.scale *= 2
 
 
 class _TorchEngine:
-    """Plain AdamW; gradients are averaged over processes by hand when torch.distributed runs."""
+    """Plain AdamW; gradients are averaged over processes by hand when torch.distributed runs.
+
+    Low-precision (bfloat16/float16) parameters get a float32 master copy, as DeepSpeed's bf16/fp16
+    optimizers keep: every backward adds the low-precision gradients into float32 master gradients (and
+    frees them), AdamW steps the masters, and the masters are cast back into the module's parameters.
+    Without masters, AdamW on bfloat16 weights rounds away every update smaller than 2^-8 of the weight
+    (at lr 1e-6 almost all of them). float16 gradients are computed from a dynamically scaled loss.
+    """
 
     def __init__(self, model: torch.nn.Module, settings: UpdateSettings) -> None:
         self.module = model
-        self.optimizer = _adamw(model, settings)
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        # float32 parameters are their own master; the others get a float32 copy
+        self.masters = [p if p.dtype == torch.float32 else p.detach().float().clone().requires_grad_(True)
+                        for p in self.params]
+        self.optimizer = _adamw_over(self.masters, settings)
         self.grad_clip = settings.grad_clip
+        self.loss_scale = _LossScale(enabled=any(p.dtype == torch.float16 for p in self.params))
 
     def forward(self, *, is_last: bool, **inputs: Any) -> Any:
         return self.module(**inputs)
 
     def backward(self, loss: torch.Tensor) -> None:
-        loss.backward()
+        (loss * self.loss_scale.scale).backward()
+        with torch.no_grad():
+            for p, master in zip(self.params, self.masters):
+                if master is p or p.grad is None:
+                    continue
+                grad = p.grad.float()
+                master.grad = grad if master.grad is None else master.grad.add_(grad)
+                p.grad = None
 
     def step(self) -> float:
-        """Average gradients over processes, clip, step; returns the pre-clip global grad norm."""
-        params = [p for p in self.module.parameters() if p.grad is not None]
+        """Average gradients over processes, unscale, clip, step; returns the pre-clip global grad norm
+        (inf for a float16 step skipped because of an overflow)."""
+        grads = [m.grad for m in self.masters if m.grad is not None]
         if _world_size() > 1:
-            for p in params:
-                torch.distributed.all_reduce(p.grad)
-                p.grad.div_(_world_size())
+            for g in grads:
+                torch.distributed.all_reduce(g)
+                g.div_(_world_size())
+        if self.loss_scale.scale != 1.0:
+            for g in grads:
+                g.div_(self.loss_scale.scale)
         max_norm = self.grad_clip if self.grad_clip is not None else math.inf
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm) if params else torch.zeros(())
-        self.optimizer.step()
+        params = [m for m in self.masters if m.grad is not None]
+        norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm)) if params else 0.0
+        finite = math.isfinite(norm)
+        self.loss_scale.update(finite)
+        if finite or not self.loss_scale.enabled:
+            self.optimizer.step()
+            self._copy_masters_to_params()
         self.optimizer.zero_grad(set_to_none=True)
-        return float(norm)
+        return norm
+
+    @torch.no_grad()
+    def _copy_masters_to_params(self) -> None:
+        for p, master in zip(self.params, self.masters):
+            if master is not p:
+                p.copy_(master)
 
     def lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
 
     def save(self, directory: Path) -> None:
         if _rank() == 0:
-            torch.save({"optimizer": self.optimizer.state_dict()}, directory / "optimizer.pt")
+            masters = [None if m is p else m.detach() for p, m in zip(self.params, self.masters)]
+            torch.save({"optimizer": self.optimizer.state_dict(), "masters": masters,
+                        "loss_scale": (self.loss_scale.scale, self.loss_scale.good_steps)},
+                       directory / "optimizer.pt")
 
     def load(self, directory: Path) -> None:
         _load_hf_weights(self.module, directory / "model")
         state = torch.load(directory / "optimizer.pt", map_location="cpu", weights_only=True)
         self.optimizer.load_state_dict(state["optimizer"])
+        with torch.no_grad():
+            for p, master, saved in zip(self.params, self.masters, state.get("masters") or []):
+                if saved is not None and master is not p:
+                    master.copy_(saved)
+        self.loss_scale.scale, self.loss_scale.good_steps = state.get("loss_scale", (self.loss_scale.scale, 0))
+        self._copy_masters_to_params()
 
 
 def _load_hf_weights(model: torch.nn.Module, path: Path) -> None:
@@ -139,14 +207,16 @@ def _import_deepspeed() -> Any:
 
 
 def _deepspeed_config(model: torch.nn.Module, s: UpdateSettings) -> dict[str, Any]:
-    param = next(model.parameters())
-    if param.dtype == torch.bfloat16 and param.device.type == "cuda":
-        bf16 = True
-    elif param.dtype == torch.float32:
-        bf16 = False
-    else:
-        raise ConfigError(f"backend='deepspeed' trains float32 models, or bfloat16 models on CUDA; this model is "
-                          f"{param.dtype} on {param.device.type}: cast it (model.float()) or use backend='torch'")
+    dtypes = {p.dtype for p in model.parameters() if p.requires_grad}
+    if dtypes - {torch.float32, torch.bfloat16} or len(dtypes) > 1:
+        raise ConfigError(f"backend='deepspeed' trains float32 or bfloat16 models (one dtype; DeepSpeed keeps float32 "
+                          f"master weights for bfloat16); this model has {sorted(map(str, dtypes))}: cast it "
+                          "(model.to(torch.bfloat16)) or use backend='torch' (float16 with dynamic loss scaling)")
+    bf16 = dtypes == {torch.bfloat16}
+    if bf16 and s.zero_stage == 0:
+        raise ConfigError("backend='deepspeed' with zero_stage=0 accumulates bfloat16 gradients in bfloat16 (its "
+                          "DDP_BFLOAT16 path); set zero_stage 1 or 2 (float32 gradient accumulation and master "
+                          "weights, the same numbers as backend='torch'), or train in float32")
     return {
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,  # we accumulate a variable number of micro-batches by hand

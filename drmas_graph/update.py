@@ -28,6 +28,11 @@ Backends, chosen by `UpdateSettings.backend`:
   a rollout policy serving the same module sees the new weights without any copy.
 - "torch": plain AdamW and ``clip_grad_norm_``; numerically the same step as DeepSpeed on one process.
 
+Precision: a bfloat16/float16 model keeps its dtype (the rollout policy serves it), and the optimizer keeps
+float32 master weights and accumulates gradients in float32 (DeepSpeed ZeRO-1/2 in bf16; the torch backend
+does the same, plus dynamic loss scaling for float16). ``autocast="bf16"`` runs a float32 model's forward
+passes in bfloat16; the rollout-vs-trainer gap it causes shows in the ``logprob_mismatch`` metric.
+
 Departures from verl (the reference implementation of Dr. MAS):
 - Loss weights per agent and micro-batches of one agent each (verl mixes agents of one model).
 - The number of micro-batches varies per mini-batch; processes with fewer run zero-loss backward passes so
@@ -74,6 +79,7 @@ __all__ = [
 
 BACKENDS = ("deepspeed", "torch")
 ZERO_STAGES = (0, 1, 2)
+AUTOCAST_DTYPES: Mapping[str | None, torch.dtype | None] = {None: None, "bf16": torch.bfloat16}
 
 # Axis suffixes: _B rows (samples) of a micro-batch, _L prompt+response positions, _T response tokens,
 # _V vocabulary.
@@ -139,6 +145,8 @@ class UpdateSettings:
     """"deepspeed" (needs the `deepspeed` extra) or "torch" (plain AdamW)."""
     zero_stage: int = 0
     """DeepSpeed ZeRO stage, 0, 1 or 2 (only with backend="deepspeed")."""
+    autocast: str | None = None
+    """"bf16": run the trainer's forward passes of a float32 model under bfloat16 autocast; None = off."""
     seed: int = 0
     """Seeds the shuffle that splits samples into mini-batches."""
 
@@ -166,6 +174,8 @@ class UpdateSettings:
                  f"UpdateSettings.backend: unknown backend {self.backend!r}; valid: {', '.join(BACKENDS)}")
         _require(self.zero_stage in ZERO_STAGES, f"UpdateSettings.zero_stage must be one of {ZERO_STAGES}, got "
                  f"{self.zero_stage!r} (ZeRO-3 shards parameters, which the rollout policy cannot serve from)")
+        _require(self.autocast in AUTOCAST_DTYPES, f"UpdateSettings.autocast must be one of "
+                 f"{sorted(AUTOCAST_DTYPES, key=str)}, got {self.autocast!r}")
         _require(self.backend == "deepspeed" or self.zero_stage == 0,
                  f"UpdateSettings.zero_stage={self.zero_stage} needs backend='deepspeed'; set zero_stage=0 for "
                  "backend='torch'")
@@ -411,10 +421,17 @@ class ModelUpdater:
         self._ref_model = _frozen_copy(model) if settings.kl_coef > 0 else None
         self._by_tokens = settings.loss_agg == "token-mean"
         self._skip_zero_advantage = settings.kl_coef == 0 and settings.entropy_coef == 0
+        self._autocast_dtype = _check_autocast(model, settings.autocast)
         self._engine = _ENGINES[settings.backend](model, settings)
         pad_id = getattr(getattr(model, "config", None), "pad_token_id", None)
         self._pad_id = int(pad_id) if pad_id is not None else 0
         model.eval()
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        """bfloat16 autocast of the forward passes when ``settings.autocast`` asks for it."""
+        if self._autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=self._autocast_dtype)
 
     @property
     def device(self) -> torch.device:
@@ -455,7 +472,8 @@ class ModelUpdater:
         out: list[torch.Tensor | None] = [None] * len(samples)
         for rows in self._micro_batches(list(range(len(samples))), samples):
             batch = _collate([samples[i] for i in rows], pad_id=self._pad_id, device=self.device)
-            logprobs_BT = token_logprobs(_response_logits(self.model, batch), batch.response_ids_BT)
+            with self._autocast():
+                logprobs_BT = token_logprobs(_response_logits(self.model, batch), batch.response_ids_BT)
             for b, i in enumerate(rows):
                 out[i] = logprobs_BT[b, : len(samples[i].response_ids)].cpu()
         return out  # type: ignore[return-value]
@@ -551,7 +569,8 @@ class ModelUpdater:
         """This micro-batch's share of the mini-batch loss, w_a * agg(l) * n(m) / n(M) (module docstring)."""
         s, loss_settings = self.settings, self.loss_settings(samples[0].agent)
         batch = _collate(samples, pad_id=self._pad_id, device=self.device)
-        logits_BTV = _response_logits(functools.partial(self._engine.forward, is_last=is_last), batch)
+        with self._autocast():
+            logits_BTV = _response_logits(functools.partial(self._engine.forward, is_last=is_last), batch)
         logprobs_BT = token_logprobs(logits_BTV, batch.response_ids_BT)
         pg_loss, stats = policy_loss(
             logprobs_BT, batch.old_logprobs_BT, batch.advantages_B, batch.mask_BT,
@@ -574,7 +593,9 @@ class ModelUpdater:
 
     @torch.no_grad()
     def _ref_logprobs(self, batch: _Batch) -> torch.Tensor:
-        return token_logprobs(_response_logits(self._ref_model, batch), batch.response_ids_BT)
+        with self._autocast():
+            logits_BTV = _response_logits(self._ref_model, batch)
+        return token_logprobs(logits_BTV, batch.response_ids_BT)
 
     def _tally_micro_batch(self, tally: _Tally, batch: _Batch, stats: Any, logprobs_BT: torch.Tensor,
                            entropy_BT: torch.Tensor, kl_BT: torch.Tensor | None, n_micro: float,
@@ -617,6 +638,16 @@ class ModelUpdater:
 
 
 _DEFAULT_LOSS = LossSettings()
+
+
+def _check_autocast(model: torch.nn.Module, autocast: str | None) -> torch.dtype | None:
+    """The autocast dtype; autocast is for float32 models (a bfloat16 model already computes in bfloat16)."""
+    dtype = AUTOCAST_DTYPES[autocast]
+    if dtype is not None:
+        dtypes = {p.dtype for p in model.parameters() if p.requires_grad}
+        _require(dtypes == {torch.float32}, f"UpdateSettings.autocast={autocast!r} is for float32 models; this model "
+                 f"has {sorted(map(str, dtypes))} parameters (it already computes in low precision): set autocast=None")
+    return dtype
 
 
 def _frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
