@@ -7,10 +7,11 @@ Both expose forward/backward/step/lr/save/load; `update.ModelUpdater` picks one 
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import socket
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -228,6 +229,51 @@ def _deepspeed_config(model: torch.nn.Module, s: UpdateSettings) -> dict[str, An
     }
 
 
+def _model_device(model: torch.nn.Module) -> torch.device:
+    devices = {p.device for p in model.parameters()}
+    if len(devices) != 1:
+        raise ConfigError(f"backend='deepspeed' trains a model on one device; this model's parameters are on "
+                          f"{sorted(map(str, devices))}: move it with model.to(device)")
+    return devices.pop()
+
+
+def _deepspeed_device(local_rank: int) -> torch.device:
+    """The device DeepSpeed puts the model of local rank ``local_rank`` on (its accelerator's)."""
+    from deepspeed.accelerator import get_accelerator
+
+    return torch.device(get_accelerator().device_name(local_rank))
+
+
+@contextlib.contextmanager
+def _local_rank_of(device: torch.device) -> Iterator[None]:
+    """Make DeepSpeed keep the model on ``device``, where the rollout policy serves it.
+
+    ``deepspeed.initialize`` moves the model to the accelerator device of LOCAL_RANK (it offers no
+    ``dont_change_device``). With one process, LOCAL_RANK is pointed at the model's GPU for the call (and
+    restored); with several, each process must hold its model on its local rank's device. A model on a
+    device DeepSpeed would not train on is refused here, before anything moved.
+    """
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if _world_size() == 1 and device.type != "cpu" and device.index is not None:
+        local_rank = device.index
+    target = _deepspeed_device(local_rank)
+    if target != device:
+        raise ConfigError(
+            f"backend='deepspeed' would move this model from {device} (where its policy serves it) to {target}: "
+            + ("put the model on the GPU of this process's local rank (models.<name>.device), " if _world_size() > 1
+               else "use backend='torch' for a CPU model on a machine with GPUs, or move the model to a GPU, ")
+            + "or select DeepSpeed's accelerator with DS_ACCELERATOR (cpu / cuda)")
+    saved = os.environ.get("LOCAL_RANK")
+    os.environ["LOCAL_RANK"] = str(local_rank)
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("LOCAL_RANK", None)
+        else:
+            os.environ["LOCAL_RANK"] = saved
+
+
 class _DeepSpeedEngine:
     """``deepspeed.initialize`` around the model with a client AdamW; manual gradient accumulation."""
 
@@ -237,8 +283,12 @@ class _DeepSpeedEngine:
         deepspeed = _import_deepspeed()
         _init_process_group(deepspeed)
         config = _deepspeed_config(model, settings)
-        self.engine, self.optimizer, _, _ = deepspeed.initialize(
-            model=model, optimizer=_adamw(model, settings), config=config)
+        device = _model_device(model)
+        with _local_rank_of(device):
+            self.engine, self.optimizer, _, _ = deepspeed.initialize(
+                model=model, optimizer=_adamw(model, settings), config=config)
+        if _model_device(model) != device:  # a DeepSpeed behaviour the checks above did not foresee
+            raise ConfigError(f"DeepSpeed moved the model from {device} to {_model_device(model)}; please report this")
         self.module = self.engine.module
         self.zero_stage = settings.zero_stage
 

@@ -32,23 +32,30 @@ class SamplingConfig(_Strict):
 
 
 class LossConfig(_Strict):
-    clip_low: float = Field(0.2, ge=0, description="PPO clip: ratio lower bound is 1 - clip_low.")
+    """How one agent's samples enter the loss (`drmas_graph.update.LossSettings` is this model)."""
+
+    clip_low: float = Field(0.2, ge=0, lt=1, description="PPO clip: ratio lower bound is 1 - clip_low.")
     clip_high: float = Field(0.2, ge=0, description="PPO clip: ratio upper bound is 1 + clip_high.")
-    dual_clip: float | None = Field(3.0, description="Dual-clip constant c > 1 for negative advantages; null disables.")
-    loss_weight: float = Field(1.0, ge=0, description="Multiplies this agent's loss (0 = the agent is served but not trained).")
+    dual_clip: float | None = Field(3.0, gt=1, description="Dual-clip constant c > 1 for negative advantages; null disables.")
+    loss_weight: float = Field(1.0, ge=0, allow_inf_nan=False, description="Multiplies this agent's loss (0 = the agent is served but not trained).")
     micro_batch_size: int = Field(4, ge=1, description="Samples per forward/backward pass.")
 
 
 class UpdateConfig(_Strict):
-    lr: float = Field(1e-6, gt=0, description="AdamW learning rate.")
+    """Optimizer and loss settings of one trainable model (`drmas_graph.update.UpdateSettings` adds the seed)."""
+
+    lr: float = Field(1e-6, gt=0, allow_inf_nan=False, description="AdamW learning rate.")
     weight_decay: float = Field(0.01, ge=0, description="AdamW weight decay.")
-    grad_clip: float = Field(1.0, gt=0, description="Clip the global gradient norm to this value.")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW moment decay rates, each in [0, 1).")
+    grad_clip: float | None = Field(1.0, gt=0, description="Clip the global gradient norm to this value; null = no clipping.")
     n_minibatches: int = Field(1, ge=1, description="Optimizer steps per training step (the samples are split this many ways).")
     loss_agg: str = Field("token-mean", description="token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm.")
-    kl_coef: float = Field(0.0, ge=0, description="Weight of the KL penalty to the frozen initial model (low-variance k3); 0 = off.")
-    entropy_coef: float = Field(0.0, ge=0, description="Weight of the entropy bonus; 0 = off.")
+    norm_len: int | None = Field(None, ge=1, description="The constant length L_norm of seq-mean-token-sum-norm (e.g. the max response length); required there.")
+    kl_coef: float = Field(0.0, ge=0, allow_inf_nan=False, description="Weight of the KL penalty to the frozen initial model (low-variance k3); 0 = off.")
+    entropy_coef: float = Field(0.0, ge=0, allow_inf_nan=False, description="Weight of the entropy bonus; 0 = off.")
     backend: Literal["deepspeed", "torch"] = Field("deepspeed", description="deepspeed (ZeRO) or plain torch AdamW (same numbers).")
     zero_stage: Literal[0, 1, 2] = Field(0, description="DeepSpeed ZeRO stage.")
+    autocast: Literal["bf16"] | None = Field(None, description="bf16: the trainer's forward passes of a float32 model run under bfloat16 autocast (see the logprob_mismatch metric); null = off.")
 
     @field_validator("loss_agg")
     @classmethod
@@ -56,6 +63,23 @@ class UpdateConfig(_Strict):
         from drmas_graph.losses import LOSS_AGGREGATIONS
 
         return _known_name("loss_agg", value, LOSS_AGGREGATIONS)
+
+    @field_validator("betas")
+    @classmethod
+    def _betas_in_range(cls, value: tuple[float, float]) -> tuple[float, float]:
+        if not all(0.0 <= b < 1.0 for b in value):
+            raise ValueError(f"betas must be two numbers in [0, 1), got {value}")
+        return value
+
+    @model_validator(mode="after")
+    def _consistent(self) -> UpdateConfig:
+        if self.loss_agg == "seq-mean-token-sum-norm" and self.norm_len is None:
+            raise ValueError("norm_len must be set for loss_agg='seq-mean-token-sum-norm' (a constant such as the "
+                             "max response length)")
+        if self.backend != "deepspeed" and self.zero_stage != 0:
+            raise ValueError(f"zero_stage={self.zero_stage} needs backend='deepspeed'; set zero_stage=0 for "
+                             f"backend={self.backend!r}")
+        return self
 
 
 class ServeConfig(_Strict):

@@ -47,6 +47,7 @@ import functools
 import math
 import os
 import random
+import typing
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -54,11 +55,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from pydantic import ConfigDict, Field, ValidationError
 
 from drmas_graph._engines import _ENGINES, _all_reduce, _barrier, _rank, _world_size
+from drmas_graph.config import LossConfig, UpdateConfig
 from drmas_graph.errors import ConfigError
 from drmas_graph.losses import (
-    LOSS_AGGREGATIONS,
     agg_loss,
     entropy_from_logits,
     kl_penalty,
@@ -77,7 +79,7 @@ __all__ = [
     "UpdateSettings",
 ]
 
-BACKENDS = ("deepspeed", "torch")
+BACKENDS = tuple(_ENGINES)
 ZERO_STAGES = (0, 1, 2)
 AUTOCAST_DTYPES: Mapping[str | None, torch.dtype | None] = {None: None, "bf16": torch.bfloat16}
 
@@ -93,92 +95,49 @@ def _require(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
-@dataclass(frozen=True)
-class LossSettings:
-    """How the samples of one agent enter the loss."""
-
-    clip_low: float = 0.2
-    """PPO lower clip: the ratio is clipped at 1 - clip_low."""
-    clip_high: float = 0.2
-    """PPO upper clip: the ratio is clipped at 1 + clip_high."""
-    dual_clip: float | None = 3.0
-    """Dual-clip constant c > 1 for negative advantages (Ye et al. 2020); None disables it."""
-    loss_weight: float = 1.0
-    """Multiplies this agent's loss; 0 trains nothing on its samples (they are still measured)."""
-    micro_batch_size: int = 4
-    """Samples per forward/backward pass."""
-
-    def __post_init__(self) -> None:
-        _require(0.0 <= self.clip_low < 1.0, f"LossSettings.clip_low must be in [0, 1), got {self.clip_low}")
-        _require(self.clip_high >= 0.0, f"LossSettings.clip_high must be >= 0, got {self.clip_high}")
-        _require(self.dual_clip is None or self.dual_clip > 1.0,
-                 f"LossSettings.dual_clip must be > 1, or None to disable it; got {self.dual_clip}")
-        _require(math.isfinite(self.loss_weight) and self.loss_weight >= 0.0,
-                 f"LossSettings.loss_weight must be a finite number >= 0, got {self.loss_weight}")
-        _require(isinstance(self.micro_batch_size, int) and self.micro_batch_size >= 1,
-                 f"LossSettings.micro_batch_size must be an int >= 1, got {self.micro_batch_size!r}")
+def _settings_error(cls: type, exc: ValidationError) -> ConfigError:
+    """A ConfigError naming each invalid field as ``Class.field: problem (got value)``."""
+    lines = [f"invalid {cls.__name__}:"]
+    for err in exc.errors():
+        msg = err["msg"].removeprefix("Value error, ")
+        if not err["loc"]:
+            lines.append(f"  {cls.__name__}: {msg}")
+            continue
+        field = cls.model_fields.get(str(err["loc"][0]))
+        optional = field is not None and type(None) in typing.get_args(field.annotation)
+        hint = "; None disables it" if optional and err["type"] != "literal_error" else ""
+        lines.append(f"  {cls.__name__}.{'.'.join(map(str, err['loc']))}: {msg} (got {err['input']!r}){hint}")
+    return ConfigError("\n".join(lines))
 
 
-@dataclass(frozen=True)
-class UpdateSettings:
-    """Optimizer and loss settings of one trainable model."""
+class LossSettings(LossConfig):
+    """How the samples of one agent enter the loss: the config's `agents.<a>.loss` section (one source)."""
 
-    lr: float = 1e-6
-    """AdamW learning rate (constant)."""
-    weight_decay: float = 0.01
-    """AdamW decoupled weight decay, applied to every parameter."""
-    betas: tuple[float, float] = (0.9, 0.999)
-    """AdamW moment decay rates."""
-    grad_clip: float | None = 1.0
-    """Clip the global gradient 2-norm to this value before each step; None disables clipping."""
-    n_minibatches: int = 1
-    """Optimizer steps per `update` call: the shuffled samples are split into this many mini-batches."""
-    loss_agg: str = "token-mean"
-    """Loss aggregation, one of `drmas_graph.losses.LOSS_AGGREGATIONS`."""
-    norm_len: int | None = None
-    """The constant L_norm of "seq-mean-token-sum-norm" (e.g. the max response length); required there."""
-    kl_coef: float = 0.0
-    """Weight of the k3 KL penalty to a frozen copy of the initial model; 0 builds no copy."""
-    entropy_coef: float = 0.0
-    """Weight of the entropy bonus (loss -= entropy_coef * entropy)."""
-    backend: str = "deepspeed"
-    """"deepspeed" (needs the `deepspeed` extra) or "torch" (plain AdamW)."""
-    zero_stage: int = 0
-    """DeepSpeed ZeRO stage, 0, 1 or 2 (only with backend="deepspeed")."""
-    autocast: str | None = None
-    """"bf16": run the trainer's forward passes of a float32 model under bfloat16 autocast; None = off."""
-    seed: int = 0
-    """Seeds the shuffle that splits samples into mini-batches."""
+    model_config = ConfigDict(frozen=True)
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "betas", tuple(self.betas))
-        _require(math.isfinite(self.lr) and self.lr > 0, f"UpdateSettings.lr must be a number > 0, got {self.lr}")
-        _require(self.weight_decay >= 0, f"UpdateSettings.weight_decay must be >= 0, got {self.weight_decay}")
-        _require(len(self.betas) == 2 and all(0.0 <= b < 1.0 for b in self.betas),
-                 f"UpdateSettings.betas must be two numbers in [0, 1), got {self.betas}")
-        _require(self.grad_clip is None or self.grad_clip > 0,
-                 f"UpdateSettings.grad_clip must be > 0, or None to disable clipping; got {self.grad_clip}")
-        _require(isinstance(self.n_minibatches, int) and self.n_minibatches >= 1,
-                 f"UpdateSettings.n_minibatches must be an int >= 1, got {self.n_minibatches!r}")
-        _require(self.loss_agg in LOSS_AGGREGATIONS, f"UpdateSettings.loss_agg: unknown aggregation "
-                 f"{self.loss_agg!r}; valid: {', '.join(LOSS_AGGREGATIONS)}")
-        _require(self.loss_agg != "seq-mean-token-sum-norm" or self.norm_len is not None,
-                 "UpdateSettings.norm_len must be set for loss_agg='seq-mean-token-sum-norm' "
-                 "(a constant such as the max response length)")
-        _require(self.norm_len is None or (isinstance(self.norm_len, int) and self.norm_len >= 1),
-                 f"UpdateSettings.norm_len must be an int >= 1 or None, got {self.norm_len!r}")
-        for name in ("kl_coef", "entropy_coef"):
-            value = getattr(self, name)
-            _require(math.isfinite(value) and value >= 0, f"UpdateSettings.{name} must be a number >= 0, got {value}")
-        _require(self.backend in BACKENDS,
-                 f"UpdateSettings.backend: unknown backend {self.backend!r}; valid: {', '.join(BACKENDS)}")
-        _require(self.zero_stage in ZERO_STAGES, f"UpdateSettings.zero_stage must be one of {ZERO_STAGES}, got "
-                 f"{self.zero_stage!r} (ZeRO-3 shards parameters, which the rollout policy cannot serve from)")
-        _require(self.autocast in AUTOCAST_DTYPES, f"UpdateSettings.autocast must be one of "
-                 f"{sorted(AUTOCAST_DTYPES, key=str)}, got {self.autocast!r}")
-        _require(self.backend == "deepspeed" or self.zero_stage == 0,
-                 f"UpdateSettings.zero_stage={self.zero_stage} needs backend='deepspeed'; set zero_stage=0 for "
-                 "backend='torch'")
+    def __init__(self, **data: Any) -> None:
+        try:
+            super().__init__(**data)
+        except ValidationError as exc:
+            raise _settings_error(type(self), exc) from None
+
+
+class UpdateSettings(UpdateConfig):
+    """Optimizer and loss settings of one trainable model: the config's `update` section plus the run's seed.
+
+    The fields and their checks live in `drmas_graph.config.UpdateConfig` (one source for YAML configs and
+    for code); invalid values raise `ConfigError` naming the field.
+    """
+
+    model_config = ConfigDict(frozen=True)
+
+    seed: int = Field(0, description="Seeds the shuffle that splits samples into mini-batches.")
+
+    def __init__(self, **data: Any) -> None:
+        try:
+            super().__init__(**data)
+        except ValidationError as exc:
+            raise _settings_error(type(self), exc) from None
 
 
 # --- metrics -----------------------------------------------------------------------------------------------
@@ -469,14 +428,14 @@ class ModelUpdater:
         """log_softmax(logits / T) at each response token under the current weights, one 1-D float32 CPU
         tensor per sample, in order. Batched by agent with each agent's micro-batch size."""
         _check_samples(samples)
-        out: list[torch.Tensor | None] = [None] * len(samples)
-        for rows in self._micro_batches(list(range(len(samples))), samples):
+        out: list[torch.Tensor] = [torch.empty(0)] * len(samples)
+        for rows in self._micro_batches(list(range(len(samples))), samples, skip_zero_advantage=False):
             batch = _collate([samples[i] for i in rows], pad_id=self._pad_id, device=self.device)
             with self._autocast():
                 logprobs_BT = token_logprobs(_response_logits(self.model, batch), batch.response_ids_BT)
             for b, i in enumerate(rows):
                 out[i] = logprobs_BT[b, : len(samples[i].response_ids)].cpu()
-        return out  # type: ignore[return-value]
+        return out
 
     def save(self, directory: str | os.PathLike) -> None:
         """Write ``directory/model`` (Hugging Face format, safetensors) and the optimizer and RNG state.
@@ -524,14 +483,16 @@ class ModelUpdater:
         return [_MiniBatch(micro=[[samples[i] for i in rows] for rows in m], norm=norm, n_passes=int(n))
                 for m, norm, n in zip(micro, norms, passes) if n > 0]
 
-    def _micro_batches(self, rows: Sequence[int], samples: Sequence[Sample]) -> list[list[int]]:
+    def _micro_batches(self, rows: Sequence[int], samples: Sequence[Sample], *,
+                       skip_zero_advantage: bool = True) -> list[list[int]]:
         """Rows grouped by agent (agents in order of first appearance), cut by each agent's micro_batch_size.
 
-        With KL and entropy off, a sample with advantage exactly 0 has loss 0 and gradient 0 (every PPO
-        branch is -A * ratio), so it is not forwarded; it still counts in n(M). One row is always kept, so
-        the optimizer step (AdamW decay and moments) happens exactly as if every sample had been forwarded.
+        For training (``skip_zero_advantage``) with KL and entropy off, a sample with advantage exactly 0 has
+        loss 0 and gradient 0 (every PPO branch is -A * ratio), so it is not forwarded; it still counts in
+        n(M). One row is always kept, so the optimizer step (AdamW decay and moments) happens exactly as if
+        every sample had been forwarded.
         """
-        if self._skip_zero_advantage and rows:
+        if skip_zero_advantage and self._skip_zero_advantage and rows:
             kept = [i for i in rows if samples[i].advantage != 0.0]
             rows = kept or list(rows[:1])
         by_agent: dict[str, list[int]] = {}

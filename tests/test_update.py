@@ -351,16 +351,19 @@ def test_load_of_a_missing_checkpoint_names_the_file(tmp_path):
 
 
 @pytest.mark.parametrize(("changes", "pattern"), [
-    ({"loss_agg": "sum"}, r"loss_agg.*'sum'.*token-mean, seq-mean-token-sum, seq-mean-token-mean"),
-    ({"backend": "fsdp"}, r"backend.*'fsdp'.*deepspeed, torch"),
-    ({"zero_stage": 3}, r"zero_stage.*\(0, 1, 2\).*3"),
-    ({"zero_stage": 2, "backend": "torch"}, r"zero_stage=2 needs backend='deepspeed'"),
+    ({"loss_agg": "sum"}, r"UpdateSettings.loss_agg: unknown loss_agg 'sum'; valid: .*'token-mean'"),
+    ({"backend": "fsdp"}, r"UpdateSettings.backend: Input should be 'deepspeed' or 'torch' \(got 'fsdp'\)"),
+    ({"zero_stage": 4}, r"UpdateSettings.zero_stage: Input should be 0, 1 or 2 \(got 4\)"),
+    ({"zero_stage": 2, "backend": "torch"}, r"UpdateSettings: zero_stage=2 needs backend='deepspeed'"),
     ({"loss_agg": "seq-mean-token-sum-norm"}, r"norm_len must be set"),
-    ({"lr": 0.0}, r"UpdateSettings.lr"),
-    ({"grad_clip": 0.0}, r"grad_clip.*None to disable"),
+    ({"lr": 0.0}, r"UpdateSettings.lr: .*greater than 0"),
+    ({"lr": math.nan}, r"UpdateSettings.lr: .*finite"),
+    ({"grad_clip": 0.0}, r"grad_clip.*None disables it"),
     ({"n_minibatches": 0}, r"n_minibatches"),
     ({"betas": (0.9, 1.5)}, r"betas"),
     ({"kl_coef": -1.0}, r"kl_coef"),
+    ({"autocast": "fp8"}, r"UpdateSettings.autocast: Input should be 'bf16'"),
+    ({"lr_typo": 1.0}, r"UpdateSettings.lr_typo: Extra inputs are not permitted"),
 ])
 def test_invalid_update_settings_name_the_field(changes, pattern):
     with pytest.raises(ConfigError, match=pattern):
@@ -370,7 +373,7 @@ def test_invalid_update_settings_name_the_field(changes, pattern):
 @pytest.mark.parametrize(("changes", "pattern"), [
     ({"micro_batch_size": 0}, "micro_batch_size"),
     ({"clip_low": 1.0}, "clip_low"),
-    ({"dual_clip": 1.0}, "dual_clip.*None to disable"),
+    ({"dual_clip": 1.0}, "dual_clip.*None disables it"),
     ({"loss_weight": -1.0}, "loss_weight"),
 ])
 def test_invalid_loss_settings_name_the_field(changes, pattern):
@@ -533,3 +536,64 @@ def test_bf16_autocast_of_a_float32_model_shows_as_logprob_mismatch(rollout):
     assert 1e-5 < cast.agents["solver"].logprob_mismatch < 1e-2
     with pytest.raises(ConfigError, match=r"autocast='bf16' is for float32 models.*torch.bfloat16"):
         ModelUpdater(fresh_model().to(torch.bfloat16), name="m", settings=settings(autocast="bf16"))
+
+
+# --- one settings source; compute_logprobs of every sample ------------------------------------------------
+
+
+def test_settings_are_the_config_sections():
+    from drmas_graph.config import AgentConfig, LossConfig, TrainConfig, UpdateConfig, merge_overrides
+
+    assert issubclass(UpdateSettings, UpdateConfig) and issubclass(LossSettings, LossConfig)
+    assert set(UpdateSettings.model_fields) == set(UpdateConfig.model_fields) | {"seed"}
+    assert set(LossSettings.model_fields) == set(LossConfig.model_fields)
+    # rev_b: a config with loss_agg seq-mean-token-sum-norm builds the updater's settings (trainer.py's line)
+    cfg = TrainConfig.model_validate({"update": {"loss_agg": "seq-mean-token-sum-norm", "norm_len": 512,
+                                                 "backend": "torch", "grad_clip": None, "betas": [0.9, 0.95]}})
+    s = UpdateSettings(**cfg.update.model_dump(), seed=7)
+    assert (s.loss_agg, s.norm_len, s.grad_clip, s.betas, s.seed) == ("seq-mean-token-sum-norm", 512, None,
+                                                                      (0.9, 0.95), 7)
+    loss = LossSettings(**AgentConfig(model="m", loss={"dual_clip": None}).loss.model_dump())
+    assert loss.dual_clip is None
+    # ...and the config itself refuses what the updater would refuse, at load time
+    with pytest.raises(ConfigError, match=r"update: .*norm_len must be set"):
+        merge_overrides(None, {"update": {"loss_agg": "seq-mean-token-sum-norm"}})
+    with pytest.raises(ConfigError, match=r"agents.a.loss.dual_clip: Input should be greater than 1"):
+        merge_overrides(None, {"agents": {"a": {"model": "m", "loss": {"dual_clip": 0.5}}}})
+
+
+def test_seq_mean_token_sum_norm_from_a_config_trains(rollout):
+    from drmas_graph.config import UpdateConfig
+
+    uc = UpdateConfig(loss_agg="seq-mean-token-sum-norm", norm_len=16, backend="torch", lr=1e-3)
+    samples = [dataclasses.replace(s, advantage=0.5 * i - 1.0) for i, s in enumerate(rollout)]
+    metrics = ModelUpdater(fresh_model(), name="m", settings=UpdateSettings(**uc.model_dump(), seed=0)).update(samples)
+    # hand-check: with ratio 1 the loss is mean_b(-A_b * |o_b| / 16)
+    expected = sum(-s.advantage * len(s.response_ids) / 16 for s in samples) / len(samples)
+    assert abs(expected) > 0.1
+    assert metrics.loss == pytest.approx(expected, rel=1e-4)
+
+
+def test_compute_logprobs_covers_zero_advantage_samples(rollout):
+    # rev_a: samples with advantage 0 are skipped in training, but compute_logprobs must return them all.
+    samples = [dataclasses.replace(s, advantage=0.0 if i % 2 else 1.0) for i, s in enumerate(rollout)]
+    updater = ModelUpdater(fresh_model(), name="m", settings=settings())
+    out = updater.compute_logprobs(samples)
+    assert [tuple(t.shape) for t in out] == [(len(s.response_ids),) for s in samples]
+    for s, logprobs in zip(samples, out):
+        assert_close(logprobs, torch.tensor(s.old_logprobs), atol=1e-4, rtol=0)
+
+
+@needs_deepspeed
+def test_deepspeed_refuses_to_move_the_model_off_its_device(monkeypatch):
+    import drmas_graph._engines as engines
+
+    # a machine whose DeepSpeed accelerator is a GPU, with the policy's model on the CPU
+    monkeypatch.setattr(engines, "_deepspeed_device", lambda local_rank: torch.device("cuda", local_rank))
+    model = fresh_model()
+    with pytest.raises(ConfigError, match=r"would move this model from cpu .* to cuda:0.*backend='torch'"):
+        ModelUpdater(model, name="m", settings=settings(("deepspeed", 1)))
+    assert {p.device.type for p in model.parameters()} == {"cpu"}
+    model.lm_head.to("meta")
+    with pytest.raises(ConfigError, match=r"one device.*\['cpu', 'meta'\]"):
+        ModelUpdater(model, name="m", settings=settings(("deepspeed", 1)))
