@@ -55,6 +55,7 @@ class UpdateConfig(_Strict):
     entropy_coef: float = Field(0.0, ge=0, allow_inf_nan=False, description="Weight of the entropy bonus; 0 = off.")
     backend: Literal["deepspeed", "torch"] = Field("deepspeed", description="deepspeed (ZeRO) or plain torch AdamW (same numbers).")
     zero_stage: Literal[0, 1, 2] = Field(0, description="DeepSpeed ZeRO stage.")
+    logprob_chunk_tokens: int = Field(512, ge=0, description="The LM head runs on response tokens only, this many at a time (peak memory ~ this x vocab floats); 0 = the model's full logits.")
     autocast: Literal["bf16"] | None = Field(None, description="bf16: the trainer's forward passes of a float32 model run under bfloat16 autocast (see the logprob_mismatch metric); null = off.")
 
     @field_validator("loss_agg")

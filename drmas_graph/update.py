@@ -58,14 +58,13 @@ import torch
 from pydantic import ConfigDict, Field, ValidationError
 
 from drmas_graph._engines import _ENGINES, _all_reduce, _barrier, _rank, _world_size
+from drmas_graph._logprobs import Batch, check_chunked_head, collate, response_token_stats
 from drmas_graph.config import LossConfig, UpdateConfig
 from drmas_graph.errors import ConfigError
 from drmas_graph.losses import (
     agg_loss,
-    entropy_from_logits,
     kl_penalty,
     policy_loss,
-    token_logprobs,
 )
 from drmas_graph.types import Sample
 
@@ -159,8 +158,8 @@ class AgentUpdateMetrics:
     """Mean of old_logprob - logprob (k1 estimate of KL(old || new)), at the time of each forward pass."""
     ratio_max: float
     """Largest importance ratio seen."""
-    entropy: float
-    """Mean entropy of the sampling distribution softmax(logits / T)."""
+    entropy: float | None
+    """Mean entropy of the sampling distribution softmax(logits / T) (only when entropy_coef > 0)."""
     response_length: float
     """Mean response length in tokens."""
     advantage_mean: float
@@ -255,7 +254,7 @@ def _tally_samples(tally: _Tally, samples: Sequence[Sample]) -> None:
         tally.add(("agent", s.agent, "advantage_sq"), s.advantage**2)
 
 
-def _agent_metrics(tally: _Tally, agent: str, with_kl: bool) -> AgentUpdateMetrics:
+def _agent_metrics(tally: _Tally, agent: str, with_kl: bool, with_entropy: bool) -> AgentUpdateMetrics:
     def mean(name: str) -> float:
         return tally.mean(("agent", agent, name))
 
@@ -263,7 +262,7 @@ def _agent_metrics(tally: _Tally, agent: str, with_kl: bool) -> AgentUpdateMetri
     return AgentUpdateMetrics(
         n_samples=int(tally.sums[("agent", agent, "n_samples")]), pg_loss=mean("pg_loss"),
         clip_frac=mean("clip_frac"), dual_clip_frac=mean("dual_clip_frac"), approx_kl=mean("approx_kl"),
-        ratio_max=tally.maxima.get(("agent", agent, "ratio_max"), 0.0), entropy=mean("entropy"),
+        ratio_max=tally.maxima.get(("agent", agent, "ratio_max"), 0.0), entropy=mean("entropy") if with_entropy else None,
         response_length=mean("response_length"), advantage_mean=adv_mean,
         advantage_std=math.sqrt(max(mean("advantage_sq") - adv_mean**2, 0.0)),
         logprob_mismatch=mean("logprob_mismatch"), kl_ref=mean("kl_ref") if with_kl else None,
@@ -271,61 +270,6 @@ def _agent_metrics(tally: _Tally, agent: str, with_kl: bool) -> AgentUpdateMetri
 
 
 # --- batches -----------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class _Batch:
-    """A right-padded micro-batch of one agent: row b is prompt + response of sample b."""
-
-    agent: str
-    input_ids_BL: torch.Tensor
-    attention_mask_BL: torch.Tensor
-    logit_index_BT: torch.Tensor
-    """Position whose logits predict response token t: len(prompt) - 1 + t."""
-    response_ids_BT: torch.Tensor
-    old_logprobs_BT: torch.Tensor
-    mask_BT: torch.Tensor
-    advantages_B: torch.Tensor
-    temperatures_B: torch.Tensor
-
-    @property
-    def n_tokens(self) -> int:
-        return int(self.mask_BT.sum())
-
-
-def _collate(samples: Sequence[Sample], *, pad_id: int, device: torch.device) -> _Batch:
-    B = len(samples)
-    L = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
-    T = max(1, max(len(s.response_ids) for s in samples))
-    input_ids_BL = torch.full((B, L), pad_id, dtype=torch.long)
-    attention_mask_BL = torch.zeros((B, L), dtype=torch.long)
-    response_ids_BT = torch.full((B, T), pad_id, dtype=torch.long)
-    old_logprobs_BT = torch.zeros((B, T), dtype=torch.float32)
-    mask_BT = torch.zeros((B, T), dtype=torch.bool)
-    logit_index_BT = torch.zeros((B, T), dtype=torch.long)
-    for b, s in enumerate(samples):
-        P, R = len(s.prompt_ids), len(s.response_ids)
-        input_ids_BL[b, : P + R] = torch.tensor(s.prompt_ids + s.response_ids, dtype=torch.long)
-        attention_mask_BL[b, : P + R] = 1
-        response_ids_BT[b, :R] = torch.tensor(s.response_ids, dtype=torch.long)
-        old_logprobs_BT[b, :R] = torch.tensor(s.old_logprobs, dtype=torch.float32)
-        mask_BT[b, :R] = True
-        logit_index_BT[b] = (P - 1 + torch.arange(T)).clamp(max=L - 1)
-    return _Batch(
-        agent=samples[0].agent,
-        input_ids_BL=input_ids_BL.to(device), attention_mask_BL=attention_mask_BL.to(device),
-        logit_index_BT=logit_index_BT.to(device), response_ids_BT=response_ids_BT.to(device),
-        old_logprobs_BT=old_logprobs_BT.to(device), mask_BT=mask_BT.to(device),
-        advantages_B=torch.tensor([s.advantage for s in samples], dtype=torch.float32, device=device),
-        temperatures_B=torch.tensor([s.temperature or 1.0 for s in samples], dtype=torch.float32, device=device),
-    )
-
-
-def _response_logits(forward: Callable[..., Any], batch: _Batch) -> torch.Tensor:
-    """Logits / T at the response positions, float32, [B, T, V]: softmax of them is the sampling law."""
-    logits_BLV = forward(input_ids=batch.input_ids_BL, attention_mask=batch.attention_mask_BL, use_cache=False).logits
-    index_BTV = batch.logit_index_BT.unsqueeze(-1).expand(-1, -1, logits_BLV.shape[-1])
-    return logits_BLV.gather(1, index_BTV).float() / batch.temperatures_B[:, None, None]
 
 
 def _check_samples(samples: Sequence[Sample]) -> None:
@@ -381,6 +325,9 @@ class ModelUpdater:
         self._by_tokens = settings.loss_agg == "token-mean"
         self._skip_zero_advantage = settings.kl_coef == 0 and settings.entropy_coef == 0
         self._autocast_dtype = _check_autocast(model, settings.autocast)
+        self._lm_head = check_chunked_head(model) if settings.logprob_chunk_tokens > 0 else None
+        self._ref_lm_head = (self._ref_model.get_output_embeddings()
+                             if self._ref_model is not None and self._lm_head is not None else None)
         self._engine = _ENGINES[settings.backend](model, settings)
         pad_id = getattr(getattr(model, "config", None), "pad_token_id", None)
         self._pad_id = int(pad_id) if pad_id is not None else 0
@@ -430,9 +377,8 @@ class ModelUpdater:
         _check_samples(samples)
         out: list[torch.Tensor] = [torch.empty(0)] * len(samples)
         for rows in self._micro_batches(list(range(len(samples))), samples, skip_zero_advantage=False):
-            batch = _collate([samples[i] for i in rows], pad_id=self._pad_id, device=self.device)
-            with self._autocast():
-                logprobs_BT = token_logprobs(_response_logits(self.model, batch), batch.response_ids_BT)
+            batch = collate([samples[i] for i in rows], pad_id=self._pad_id, device=self.device)
+            logprobs_BT, _ = self._token_stats(self.model, batch, with_entropy=False)
             for b, i in enumerate(rows):
                 out[i] = logprobs_BT[b, : len(samples[i].response_ids)].cpu()
         return out
@@ -529,18 +475,16 @@ class ModelUpdater:
                           is_last: bool) -> torch.Tensor:
         """This micro-batch's share of the mini-batch loss, w_a * agg(l) * n(m) / n(M) (module docstring)."""
         s, loss_settings = self.settings, self.loss_settings(samples[0].agent)
-        batch = _collate(samples, pad_id=self._pad_id, device=self.device)
-        with self._autocast():
-            logits_BTV = _response_logits(functools.partial(self._engine.forward, is_last=is_last), batch)
-        logprobs_BT = token_logprobs(logits_BTV, batch.response_ids_BT)
+        batch = collate(samples, pad_id=self._pad_id, device=self.device)
+        with_entropy = s.entropy_coef > 0
+        logprobs_BT, entropy_BT = self._token_stats(functools.partial(self._engine.forward, is_last=is_last), batch,
+                                                    with_entropy=with_entropy)
         pg_loss, stats = policy_loss(
             logprobs_BT, batch.old_logprobs_BT, batch.advantages_B, batch.mask_BT,
             clip_low=loss_settings.clip_low, clip_high=loss_settings.clip_high,
             dual_clip=loss_settings.dual_clip, agg=s.loss_agg, norm_len=s.norm_len)
         loss = pg_loss
-        with torch.set_grad_enabled(s.entropy_coef > 0):
-            entropy_BT = entropy_from_logits(logits_BTV)
-        if s.entropy_coef > 0:
+        if entropy_BT is not None:
             loss = loss - s.entropy_coef * agg_loss(entropy_BT, batch.mask_BT, s.loss_agg, norm_len=s.norm_len)
         kl_BT = None
         if self._ref_model is not None:
@@ -553,13 +497,18 @@ class ModelUpdater:
         return loss * (loss_settings.loss_weight * n_micro / max(norm, 1.0))
 
     @torch.no_grad()
-    def _ref_logprobs(self, batch: _Batch) -> torch.Tensor:
-        with self._autocast():
-            logits_BTV = _response_logits(self._ref_model, batch)
-        return token_logprobs(logits_BTV, batch.response_ids_BT)
+    def _ref_logprobs(self, batch: Batch) -> torch.Tensor:
+        return self._token_stats(self._ref_model, batch, with_entropy=False, lm_head=self._ref_lm_head)[0]
 
-    def _tally_micro_batch(self, tally: _Tally, batch: _Batch, stats: Any, logprobs_BT: torch.Tensor,
-                           entropy_BT: torch.Tensor, kl_BT: torch.Tensor | None, n_micro: float,
+    def _token_stats(self, forward: Callable[..., Any], batch: Batch, *, with_entropy: bool,
+                     lm_head: torch.nn.Module | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(logprobs_BT, entropy_BT or None) under this updater's autocast and logprob path."""
+        with self._autocast():
+            return response_token_stats(forward, batch, lm_head=lm_head or self._lm_head, with_entropy=with_entropy,
+                                        chunk_tokens=self.settings.logprob_chunk_tokens)
+
+    def _tally_micro_batch(self, tally: _Tally, batch: Batch, stats: Any, logprobs_BT: torch.Tensor,
+                           entropy_BT: torch.Tensor | None, kl_BT: torch.Tensor | None, n_micro: float,
                            first: bool) -> None:
         agent, n_tokens, mask_BT = batch.agent, float(batch.n_tokens), batch.mask_BT
 
@@ -570,7 +519,8 @@ class ModelUpdater:
         for name in ("clip_frac", "dual_clip_frac", "approx_kl"):
             tally.add(("agent", agent, name), getattr(stats, name), weight=n_tokens)
         tally.max(("agent", agent, "ratio_max"), stats.ratio_max)
-        tally.add(("agent", agent, "entropy"), token_mean(entropy_BT), weight=n_tokens)
+        if entropy_BT is not None:
+            tally.add(("agent", agent, "entropy"), token_mean(entropy_BT), weight=n_tokens)
         tally.count(("model", "n_tokens"), n_tokens)
         if kl_BT is not None:
             tally.add(("agent", agent, "kl_ref"), token_mean(kl_BT), weight=n_tokens)
@@ -594,7 +544,8 @@ class ModelUpdater:
             grad_norm=sum(grad_norms) / max(n_steps, 1), grad_norm_max=max(grad_norms, default=0.0),
             lr=self._engine.lr(), n_samples=int(sum(tally.sums[("agent", a, "n_samples")] for a in agents)),
             n_tokens=int(tally.sums[("model", "n_tokens")]), n_minibatches=n_steps,
-            agents={a: _agent_metrics(tally, a, self._ref_model is not None) for a in agents},
+            agents={a: _agent_metrics(tally, a, self._ref_model is not None, self.settings.entropy_coef > 0)
+                    for a in agents},
         )
 
 

@@ -62,7 +62,7 @@ def test_shared_model_two_agents_metrics_traces_and_checkpoint(tmp_path):
     assert [x["step"] for x in train_lines] == [0, 1]
     for x in train_lines:
         for key in ("agent/solver/adv_mean", "agent/verifier/adv_std", "agent/solver/pg_loss", "time/rollout_s",
-                    "time/update_s", "rollout/tokens_per_s", "adv/zero_variance_pools", "agent/verifier/entropy",
+                    "time/update_s", "rollout/tokens_per_s", "adv/zero_variance_pools", "agent/verifier/logprob_mismatch",
                     "agent/solver/clip_frac", "agent/verifier/invalid_rate"):
             assert key in x, key
         # agent-wise normalization: each agent's advantages have mean ~0 within every non-degenerate pool

@@ -202,13 +202,13 @@ def test_micro_batch_size_does_not_change_the_step(rollout, agg):
         metrics = ModelUpdater(model, name="m", settings=settings(loss_agg=agg, grad_clip=None),
                                agent_settings=agents).update(samples)
         # Both agents are in the mini-batch, so even size 8 accumulates two micro-batches.
-        assert metrics.loss == pytest.approx(reference_loss, rel=1e-5, abs=1e-7)
+        assert metrics.loss == pytest.approx(reference_loss, rel=1e-5, abs=5e-7)  # here the loss is ~0
         assert metrics.grad_norm == pytest.approx(reference_norm, rel=1e-5)
         results.append(snapshot(model))
     # AdamW's first step is lr * g / (|g| + eps): on the few coordinates with |g| ~ eps = 1e-8 the float32
-    # roundoff of a different summation order (~1e-10 here) shows as up to a few % of lr. A wrongly weighted
+    # roundoff of a different summation order and LM-head chunking shows as up to ~8% of lr. A wrongly weighted
     # micro-batch flips signs (differences ~2 lr); the loss and grad norm checks above are the exact ones.
-    assert max_diff(*results) < 0.05 * 1e-3
+    assert max_diff(*results) < 0.1 * 1e-3
 
 
 def test_minibatches_take_one_step_each_on_a_seeded_split(rollout):
@@ -401,9 +401,10 @@ def test_metrics_to_dict_keys(rollout):
     flat = metrics.to_dict()
     for key in ("grad_norm", "grad_norm_max", "lr", "n_samples", "n_tokens", "n_minibatches", "loss"):
         assert f"model/policy-a/{key}" in flat
-    for key in ("pg_loss", "clip_frac", "dual_clip_frac", "approx_kl", "entropy", "response_length",
+    for key in ("pg_loss", "clip_frac", "dual_clip_frac", "approx_kl", "response_length",
                 "n_samples", "advantage_mean", "advantage_std", "logprob_mismatch"):
         assert f"agent/solver/{key}" in flat and f"agent/verifier/{key}" in flat
+    assert "agent/solver/entropy" not in flat  # computed only when entropy_coef > 0
     # hand-checked: solver samples have advantages +1, -1, -1, +1 (i = 0, 1, 3, 4)
     assert flat["agent/solver/advantage_mean"] == 0.0 and flat["agent/solver/advantage_std"] == 1.0
     assert all(isinstance(v, float) for v in flat.values())
@@ -596,4 +597,71 @@ def test_deepspeed_refuses_to_move_the_model_off_its_device(monkeypatch):
     assert {p.device.type for p in model.parameters()} == {"cpu"}
     model.lm_head.to("meta")
     with pytest.raises(ConfigError, match=r"one device.*\['cpu', 'meta'\]"):
-        ModelUpdater(model, name="m", settings=settings(("deepspeed", 1)))
+        ModelUpdater(model, name="m", settings=settings(("deepspeed", 1), logprob_chunk_tokens=0))
+
+
+# --- logprobs without full logits: the LM head on response tokens, in chunks -------------------------------
+
+
+def _batch_with_temperatures(samples, temperatures):
+    from drmas_graph._logprobs import collate
+
+    batch = collate(samples, pad_id=0, device=torch.device("cpu"))
+    return dataclasses.replace(batch, temperatures_B=torch.tensor(temperatures))
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 512])
+def test_chunked_lm_head_gives_the_full_logits_numbers_and_gradients(chunk):
+    from drmas_graph._logprobs import check_chunked_head, response_token_stats
+
+    samples = synthetic_samples()
+    batch = _batch_with_temperatures(samples, [0.7, 1.0, 1.3, 0.5, 1.0, 0.9])
+    mask = batch.mask_BT
+    results = []
+    for chunk_tokens in (0, chunk):
+        model = fresh_model()
+        head = check_chunked_head(model) if chunk_tokens else None
+        logprobs, entropy = response_token_stats(model, batch, lm_head=head, chunk_tokens=chunk_tokens,
+                                                 with_entropy=True)
+        weights = torch.linspace(-1, 1, mask.numel()).reshape(mask.shape)
+        (torch.where(mask, logprobs * weights + 0.3 * entropy, 0.0).sum()).backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        results.append((logprobs.detach(), entropy.detach(), grads))
+    (lp_full, h_full, g_full), (lp, h, g) = results
+    assert_close(lp[mask], lp_full[mask], atol=2e-6, rtol=0)
+    assert_close(h[mask], h_full[mask], atol=2e-6, rtol=0)
+    assert (lp[~mask] == 0).all() and (h[~mask] == 0).all()
+    for name in g_full:
+        assert_close(g[name], g_full[name], atol=1e-6, rtol=1e-5)
+    assert lp_full[mask].std() > 0.1  # real numbers, not a degenerate case
+
+
+@pytest.mark.parametrize("coefs", [{}, {"entropy_coef": 0.1, "kl_coef": 0.1}])
+def test_update_with_chunked_head_equals_full_logits(rollout, coefs):
+    runs = []
+    for chunk_tokens in (0, 4):
+        model = fresh_model()
+        updater = ModelUpdater(model, name="m", settings=settings(logprob_chunk_tokens=chunk_tokens, **coefs))
+        metrics = [updater.update(rollout) for _ in range(2)]
+        runs.append((metrics, snapshot(model)))
+    (m_full, p_full), (m_chunk, p_chunk) = runs
+    for a, b in zip(m_full, m_chunk):
+        assert b.grad_norm == pytest.approx(a.grad_norm, rel=1e-5)
+        assert b.loss == pytest.approx(a.loss, rel=1e-4, abs=1e-6)
+        if coefs:
+            assert b.agents["solver"].entropy == pytest.approx(a.agents["solver"].entropy, rel=1e-5)
+            assert b.agents["solver"].kl_ref == pytest.approx(a.agents["solver"].kl_ref, rel=1e-3, abs=1e-7)
+        else:
+            assert a.agents["solver"].entropy is None and b.agents["solver"].entropy is None
+    assert max_diff(p_full, p_chunk) < 0.1 * 1e-3  # see test_micro_batch_size_does_not_change_the_step
+
+
+def test_chunked_head_refuses_a_model_with_logit_softcapping():
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    config = Gemma2Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                          num_attention_heads=2, num_key_value_heads=1, head_dim=8, final_logit_softcapping=0.05)
+    model = Gemma2ForCausalLM(config)
+    with pytest.raises(ConfigError, match=r"not its LM head applied to the last hidden state.*logprob_chunk_tokens: 0"):
+        ModelUpdater(model, name="m", settings=settings())
+    ModelUpdater(model, name="m", settings=settings(logprob_chunk_tokens=0))  # the full-logits path works
