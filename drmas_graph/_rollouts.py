@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,7 +27,9 @@ from drmas_graph.types import Episode, new_id
 
 __all__ = ["EpisodeJob", "RolloutBatch", "episode_config", "run_episodes"]
 
-log = logging.getLogger(__name__)
+BACKSTOP_GRACE_S = 1.0
+"""An episode past rollout.timeout_s is stopped at its next LLM call; one that starts none within this many
+seconds more (stuck in a tool, or in a long generation) is cancelled."""
 
 
 @dataclass(frozen=True)
@@ -108,13 +109,13 @@ async def _run_one(app: Any, job: EpisodeJob, *, phase: str, step: int, run_seed
     run = app.arollout(job.task.input, episode_config(base_config, rollout), task_id=job.task.id,
                        group_id=job.group_id, metadata=metadata)
     try:
-        episode = await (run if rollout.timeout_s is None else asyncio.wait_for(run, rollout.timeout_s))
+        episode = await (run if rollout.timeout_s is None else asyncio.wait_for(run, rollout.timeout_s + BACKSTOP_GRACE_S))
     except RolloutError as exc:
         return exc
     except TimeoutError:  # stuck between LLM calls (a hung tool, a slow server): the backstop
         return EpisodeLimitError(f"an episode of task {job.task.id!r} ({job.group_id}) ran past "
-                                 f"rollout.timeout_s={rollout.timeout_s:g} without starting another LLM call "
-                                 "and was cancelled")
+                                 f"rollout.timeout_s={rollout.timeout_s:g} (+{BACKSTOP_GRACE_S:g} s) without starting "
+                                 "another LLM call and was cancelled (it is not in the trace store)")
     if episode.error:  # the app swallowed an exception that must fail the episode (e.g. EpisodeLimitError)
         return RolloutError(f"episode {episode.id} (task {episode.task_id}) failed after {len(episode.turns)} LLM "
                             f"call(s): {episode.error}", episode)

@@ -393,6 +393,9 @@ class Trainer:
                              max_concurrency=self.cfg.max_concurrency, rollout=self.cfg.rollout,
                              base_config=self.rollout_config)
         self.rollout_errors = batch.errors
+        if batch.errors:
+            log.warning("%s step %d: %d of %d episodes failed; the first: %s", phase, step, len(batch.errors),
+                        len(jobs), batch.errors[0])
         return batch.runs, batch.counts
 
     def _score(self, runs: list[tuple[Any, Episode]], counts: dict[str, int]) -> list[tuple[Any, Episode, EpisodeScore]]:
