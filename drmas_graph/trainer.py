@@ -544,7 +544,8 @@ def evaluate(trainer: Trainer, *, step: int, split: str | None = None) -> dict[s
     tasks = list(trainer.env.tasks(split))[: ec.n_tasks]
     saved = dict(trainer.app.sampling)
     trainer.app.sampling.update({
-        a: saved.get(a, policy.sampling).replace(temperature=ec.temperature, top_p=ec.top_p, top_k=0)
+        a: saved.get(a, policy.sampling).replace(temperature=ec.temperature, top_p=ec.top_p, top_k=0,
+                                                 train_logprobs=False)  # never trained on: truncation is fine
         for a, policy in trainer.agent_policies.items()})
     try:
         runs, counts = trainer._rollouts(tasks, step, ec.k, phase="eval")
