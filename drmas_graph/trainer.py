@@ -138,6 +138,21 @@ def _build_model(name: str, mc: ModelConfig, seed: int) -> tuple[Policy, Any]:
     return served, policy.model
 
 
+def _check_policy_names(given: Mapping[str, Policy]) -> None:
+    """Distinct policy objects must have distinct names: a name keys its model's updater, checkpoint folder,
+    weight sync and traces, so two models with one name would silently become one (rev_n)."""
+    first: dict[str, tuple[str, Policy]] = {}
+    for agent, policy in given.items():
+        other_agent, other = first.setdefault(policy.name, (agent, policy))
+        if other is not policy:
+            raise ConfigError(
+                f"policies[{other_agent!r}] and policies[{agent!r}] are different Policy objects with the same name "
+                f"{policy.name!r} (e.g. two copies of one base checkpoint); the name keys each model's updater, "
+                f"checkpoints and traces. Give each its own name (tiny_policy(..., name={agent + '-model'!r}), "
+                f"TransformersPolicy.from_pretrained(path, name=...)), or pass the same object to both agents to "
+                "share one model")
+
+
 def _resolve_path(path: str) -> str:
     if path == "smollm2":
         from drmas_graph.models import smollm2_path
@@ -211,6 +226,7 @@ class Trainer:
         """agent -> Policy and model name -> Policy, from config `models`/`agents` and `policies=`; fills
         `train_models` (model name -> module to train)."""
         given = dict(given or {})
+        _check_policy_names(given)
         models = {}
         for name, mc in self.cfg.models.items():
             if not any(p.name == name for p in given.values()):

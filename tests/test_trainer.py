@@ -267,3 +267,17 @@ def test_evaluate_avg_and_pass_at_k_per_agent_stats(tmp_path):
     assert record["verifier/response_len"] == 4.0  # max_new_tokens, the tiny model never stops
     # evaluation sampling does not leak into training sampling
     assert "solver" not in trainer.app.sampling and policy.sampling.temperature == 1.0
+
+
+def test_distinct_policies_with_one_name_are_refused_naming_both_agents(tmp_path):
+    solver, verifier = tiny_policy(seed=0), tiny_policy(seed=0)  # one base checkpoint -> one default name (rev_n)
+    with pytest.raises(ConfigError, match=r"policies\['solver'\] and policies\['verifier'\] are different Policy "
+                                          r"objects with the same name 'tiny-llama-v512-s0'.*name="):
+        train_graph(graph(), ParityEnv(), small_config(tmp_path), policies={"solver": solver, "verifier": verifier})
+    solver.name, verifier.name = "solver-model", "verifier-model"  # the fix the error names
+    for p in (solver, verifier):
+        p.sampling = SamplingParams(max_new_tokens=4)
+    cfg = small_config(tmp_path, steps=1, eval={"k": 1, "n_tasks": 1, "before_training": False})
+    result = train_graph(graph(), ParityEnv(), cfg, policies={"solver": solver, "verifier": verifier})
+    assert solver.version == verifier.version == 1  # two models, two updaters
+    assert sorted(p.name for p in result.checkpoint.iterdir() if p.is_dir()) == ["solver-model", "verifier-model"]
