@@ -204,8 +204,10 @@ class Trainer:
             self.agent_policies, self.model_policies = self._policies(policies, train_models)
             self.agent_cfgs = {a: cfg.agents.get(a) or AgentConfig(model=self._model_of(a)) for a in self.agent_policies}
             self.train_tasks = self._tasks("train")
-            # a resumed run appends to its own store (its config may differ in `steps`, `resume`)
-            self.store = TraceStore(self.run_dir / "traces.db", config=None if cfg.resume else cfg.model_dump(mode="json"))
+            # a resumed run appends to its own store (its config may differ in `steps`, `resume`); so does an
+            # evaluation-only Trainer (train=False), which adds eval episodes to whatever run the folder holds
+            pinned = not cfg.resume and (train or not (self.run_dir / "traces.db").exists())
+            self.store = TraceStore(self.run_dir / "traces.db", config=cfg.model_dump(mode="json") if pinned else None)
             self.app = InstrumentedGraph(graph, self.agent_policies, agents=cfg.node_agents, strict=cfg.strict,
                                          store=self.store)
             # configured agents sample as configured; others keep their policy's own defaults
@@ -217,7 +219,8 @@ class Trainer:
         except BaseException:
             self._close_built()  # e.g. servers launched for a run that never starts
             raise
-        cfg.to_yaml(self.run_dir / "config.yaml")
+        if train or not (self.run_dir / "config.yaml").exists():  # never overwrite a training run's config
+            cfg.to_yaml(self.run_dir / "config.yaml")
         self.result = TrainResult(run_dir=self.run_dir)
 
     # ---- construction -----------------------------------------------------------------------
