@@ -212,12 +212,15 @@ class Trainer:
                                          store=self.store)
             # configured agents sample as configured; others keep their policy's own defaults
             self.app.sampling.update({a: _sampling(c) for a, c in cfg.agents.items() if a in self.agent_policies})
+            self._check_sampling()
             self.updaters = self._updaters() if train else {}
             self.invalid_penalty = cfg.invalid_penalty if cfg.invalid_penalty is not None else float(
                 getattr(env, "invalid_penalty", 0.0))
             self.start_step = self._resume() if cfg.resume else 0
         except BaseException:
             self._close_built()  # e.g. servers launched for a run that never starts
+            if getattr(self, "store", None) is not None:
+                self.store.close()
             raise
         if train or not (self.run_dir / "config.yaml").exists():  # never overwrite a training run's config
             cfg.to_yaml(self.run_dir / "config.yaml")
@@ -253,6 +256,16 @@ class Trainer:
             raise ConfigError("no agents to train: give policies={agent: Policy} or `agents` + `models` in the config")
         by_id = {id(p): name for name, p in models.items()}
         return agents, {by_id[id(p)]: p for p in agents.values()}
+
+    def _check_sampling(self) -> None:
+        """Refuse now, not at the first request, training sampling a backend would refuse (vLLM: top-p/top-k)."""
+        for agent, policy in self.agent_policies.items():
+            check = getattr(policy, "check_sampling", None)
+            if check is not None:
+                try:
+                    check(self.app.sampling.get(agent, policy.sampling))
+                except ConfigError as exc:
+                    raise ConfigError(f"agents.{agent}.sampling: {exc}") from None
 
     def _model_of(self, agent: str) -> str:
         policy = self.agent_policies[agent]

@@ -50,3 +50,13 @@ def test_vllm_training_requests_still_refuse_truncated_sampling():
     with pytest.raises(ConfigError, match="training request"):
         policy.completion_body([1, 2, 3], SamplingParams(top_k=5))
     policy.close()
+
+
+def test_truncated_training_sampling_for_vllm_is_refused_at_construction(tmp_path):
+    policy = RecordingVLLM("http://127.0.0.1:9", tiny_tokenizer(), name="m", model="m")
+    cfg = small_config(tmp_path, agents={"solver": {"model": "m", "sampling": {"top_p": 0.9}},
+                                         "verifier": {"model": "m"}})
+    with pytest.raises(ConfigError, match=r"agents.solver.sampling: policy 'm': top_k=0, top_p=0.9 in a training"):
+        Trainer(graph(), ParityEnv(), cfg, policies={"solver": policy, "verifier": policy}, train=False)
+    assert policy.bodies == []
+    policy.close()

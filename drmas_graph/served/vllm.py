@@ -64,7 +64,8 @@ class VLLMPolicy(ServedPolicy):
         self.model = model
         self.allow_truncated_logprobs = allow_truncated_logprobs
 
-    def completion_body(self, prompt_ids: list[int], params: SamplingParams) -> dict[str, Any]:
+    def check_sampling(self, params: SamplingParams) -> None:
+        """Raise `ConfigError` for sampling this policy refuses: top-k/top-p in a training request."""
         truncated = params.top_k > 0 or params.top_p < 1.0
         if truncated and params.train_logprobs and not self.allow_truncated_logprobs:
             raise ConfigError(
@@ -72,6 +73,9 @@ class VLLMPolicy(ServedPolicy):
                 "processed logprobs would be those of the truncated distribution, not log_softmax(logits / T); "
                 "train with top_k=0, top_p=1.0 (evaluation requests, train_logprobs=False, may truncate) or pass "
                 "allow_truncated_logprobs=True")
+
+    def completion_body(self, prompt_ids: list[int], params: SamplingParams) -> dict[str, Any]:
+        self.check_sampling(params)
         body: dict[str, Any] = {
             "model": self.model, "prompt": prompt_ids, "max_tokens": params.max_new_tokens,
             "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k if params.top_k > 0 else -1,
