@@ -18,7 +18,6 @@ calls are dropped from their group and counted, never silently trained on.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import random
@@ -29,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from drmas_graph._old_logprobs import with_trainer_logprobs
 from drmas_graph._rollouts import EpisodeJob, episode_config, run_episodes
 from drmas_graph.advantages import compute_advantages
 from drmas_graph.config import AgentConfig, ModelConfig, TrainConfig, merge_overrides
@@ -370,32 +370,16 @@ class Trainer:
         return self._step_record(step, scored, samples, counts, adv_stats, update_metrics, (t0, t1, t2, t3), sync_s)
 
     def _old_logprobs(self, name: str, samples: list[Sample], metrics: dict[str, float]) -> list[Sample]:
-        """Model `name`'s samples with the PPO ratio's old logprobs chosen by `cfg.old_logprobs`.
-
-        `trainer` (auto: embedded policies) recomputes them with the updater's model, which holds the weights
-        that generated them: an embedded policy's logprobs differ from the trainer's only by floating-point
-        noise that depends on which requests the batcher decoded together, i.e. on timing. Recomputed ones
-        make the update, and so the weights, independent of max_concurrency. The gap is reported as
-        `agent/<a>/rollout_logprob_gap` (token mean of |rollout - trainer|).
-        """
+        """Model `name`'s samples with the PPO ratio's old logprobs chosen by `cfg.old_logprobs` (auto:
+        recomputed by the trainer for embedded policies, see `_old_logprobs`; as rolled out for served ones)."""
         mode = self.cfg.old_logprobs
         if mode == "auto":
             mode = "rollout" if _is_served(self.model_policies[name]) else "trainer"
         if mode == "rollout" or not samples:
             return samples
-        recomputed = self.updaters[name].compute_logprobs(samples)
-        gaps: dict[str, list[float]] = {}
-        out = []
-        for s, lp in zip(samples, recomputed):
-            if lp is None:  # a sample the updater does not forward (advantage 0): its ratio never matters
-                out.append(s)
-                continue
-            new = tuple(lp.tolist())
-            gaps.setdefault(s.agent, []).extend(abs(a - b) for a, b in zip(s.old_logprobs, new))
-            out.append(dataclasses.replace(s, old_logprobs=new))
-        for agent, gap in gaps.items():
-            metrics[f"agent/{agent}/rollout_logprob_gap"] = sum(gap) / max(len(gap), 1)
-        return out
+        samples, gaps = with_trainer_logprobs(samples, self.updaters[name].compute_logprobs(samples))
+        metrics.update(gaps)
+        return samples
 
     def sync_weights(self, name: str, *, version: int) -> float:
         """Push model `name`'s trained weights to its servers; return the seconds it took (write + load).

@@ -205,6 +205,8 @@ def test_weights_are_identical_at_any_max_concurrency(tmp_path):
     assert all(torch.equal(w1[k], w8[k]) for k in w1)
     assert [h["reward/team_mean"] for h in r1.history] == [h["reward/team_mean"] for h in r8.history]
     assert r1.evals[-1]["avg@k"] == r8.evals[-1]["avg@k"]
+    for h in r8.history:  # the recomputed old logprobs differ from the rollout's by batching noise only
+        assert 0 <= h["agent/solver/rollout_logprob_gap"] < 1e-5 and h["agent/solver/logprob_mismatch"] < 1e-6
     with TraceStore(tmp_path / "c1" / "traces.db", readonly=True) as a, \
             TraceStore(tmp_path / "c8" / "traces.db", readonly=True) as b:
         for step in (0, 1):
