@@ -19,7 +19,7 @@ from rich.table import Table
 from drmas_graph.config import TrainConfig, config_reference, load_config
 from drmas_graph.errors import ConfigError
 
-__all__ = ["add_train_commands", "StandInChatModel", "build_graph_and_env"]
+__all__ = ["add_train_commands", "StandInChatModel", "build_graph_and_env", "eval_dir"]
 
 
 class StandInChatModel(BaseChatModel):
@@ -102,7 +102,7 @@ def _cmd_eval(args: argparse.Namespace, console: Console) -> int:
             path = args.checkpoint / name / "model"
             if model.trainable and path.is_dir():
                 cfg.models[name] = model.model_copy(update={"path": str(path), "gguf_file": None, "tiny": None})
-    cfg.run_dir = str(Path(cfg.run_dir) / "eval")
+    cfg.run_dir = str(eval_dir(Path(cfg.run_dir), args.checkpoint, args.split or cfg.eval.split, cfg.eval.k))
     graph, env = build_graph_and_env(cfg)
     trainer = Trainer(graph, env, cfg, train=False)
     try:
@@ -116,7 +116,20 @@ def _cmd_eval(args: argparse.Namespace, console: Console) -> int:
         if key not in ("step", "split"):
             table.add_row(key.replace("@k", f"@{record['k']}"), f"{value:.3f}" if isinstance(value, float) else str(value))
     console.print(table)
+    console.print(f"episodes and config: {cfg.run_dir}", markup=False)
     return 0
+
+
+def eval_dir(run_dir: Path, checkpoint: Path | None, split: str, k: int) -> Path:
+    """A new folder per `drmas-graph eval`: run_dir/eval/<checkpoint|base>-<split>-k<k>[-2, -3, ...] (each with its
+    own traces.db and config.yaml, so evaluations with other settings never collide)."""
+    label = f"{checkpoint.name if checkpoint is not None else 'base'}-{split}-k{k}"
+    root = run_dir / "eval"
+    path, n = root / label, 1
+    while path.exists():
+        n += 1
+        path = root / f"{label}-{n}"
+    return path
 
 
 def _cmd_config_doc(args: argparse.Namespace, console: Console) -> int:

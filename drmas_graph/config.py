@@ -16,7 +16,7 @@ from drmas_graph.errors import ConfigError
 
 __all__ = [
     "TrainConfig", "ModelConfig", "ServeConfig", "AgentConfig", "SamplingConfig", "LossConfig", "UpdateConfig",
-    "EvalConfig", "LoggingConfig", "load_config", "apply_overrides", "config_reference",
+    "EvalConfig", "RolloutConfig", "LoggingConfig", "load_config", "apply_overrides", "config_reference",
 ]
 
 
@@ -136,6 +136,20 @@ class EvalConfig(_Strict):
     before_training: bool = Field(True, description="Also evaluate the initial policies (step 0).")
 
 
+class RolloutConfig(_Strict):
+    recursion_limit: int | None = Field(None, ge=1, description="LangGraph recursion_limit of every episode (supersteps before GraphRecursionError); null = LangGraph's default (25).")
+    max_llm_calls: int | None = Field(None, ge=1, description="Stop an episode at its next LLM call once it made this many (counted as failed); null = no cap.")
+    timeout_s: float | None = Field(None, gt=0, description="Stop an episode that runs longer than this many seconds (counted as failed); null = no cap.")
+    configurable: dict[str, Any] = Field(default_factory=dict, description="`configurable` entries of every episode's config; each episode gets its own `thread_id` (graphs with a checkpointer).")
+
+    @field_validator("configurable")
+    @classmethod
+    def _no_thread_id(cls, value: dict[str, Any]) -> dict[str, Any]:
+        if "thread_id" in value:
+            raise ValueError("thread_id is set per episode by the trainer (one thread per rollout); remove it")
+        return value
+
+
 class LoggingConfig(_Strict):
     progress: bool = Field(True, description="Show a progress bar (step, reward per agent, ETA).")
     tensorboard: bool = Field(True, description="Write TensorBoard scalars under run_dir/tensorboard (needs the tensorboard package).")
@@ -165,12 +179,14 @@ class TrainConfig(_Strict):
     estimator: str = Field("agent", description="Advantage estimator: agent (Dr. MAS) | episode_global (vanilla GRPO) | step_global | agent_turn.")
     norm_by_std: bool = Field(True, description="Divide advantages by the pool's std (false = mean-only, Dr.GRPO style).")
     adv_eps: float = Field(1e-6, gt=0, description="eps in (R - mu) / (sigma + eps).")
+    old_logprobs: Literal["auto", "rollout", "trainer"] = Field("auto", description="Logprobs in the PPO ratio's denominator: rollout = as the rollout backend returned them; trainer = recomputed by the trainer's model before the update (one forward pass per sample; the update then does not depend on how requests were batched, so weights are identical at any max_concurrency); auto = trainer for embedded policies, rollout for served ones.")
     invalid_penalty: float | None = Field(None, description="Reward subtracted per invalid turn; null = the environment's `invalid_penalty` (0 if none).")
     success_threshold: float = Field(1.0, description="An episode succeeds (avg@k, pass@k) when its team reward is >= this.")
     checkpoint_every: int = Field(0, ge=0, description="Save a checkpoint every N steps (and at the end); 0 = only at the end.")
     keep_checkpoints: int = Field(2, ge=1, description="Most recent checkpoints kept.")
     resume: bool = Field(False, description="Continue from the latest checkpoint in run_dir.")
     eval: EvalConfig = Field(default_factory=EvalConfig, description="Evaluation settings.")
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="Per-episode graph config and limits.")
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Logging settings.")
 
     @field_validator("estimator")

@@ -57,12 +57,17 @@ class EpisodeScore:
 
 
 class BadRewardError(ValueError):
-    """The environment returned a reward that cannot be trained on (None, NaN, missing agent)."""
+    """The environment returned a reward that cannot be trained on (None, NaN, missing agent), or its `reward`
+    or `turn_is_valid` raised (the exception is the `__cause__`)."""
 
 
 def score_episode(env: Any, task: Any, episode: Episode, *, invalid_penalty: float) -> EpisodeScore:
-    """Call the environment's reward and validity check for one finished episode."""
-    raw = env.reward(task, episode)
+    """Call the environment's reward and validity check for one finished episode.
+
+    Raises `BadRewardError` for an unusable reward and when `env.reward` or `env.turn_is_valid` raises
+    (chained), so one bad episode costs its group a sample, never the run.
+    """
+    raw = _call_env(env.reward, task, episode)
     agents = episode.agents
     if isinstance(raw, Mapping):
         missing = [a for a in agents if a not in raw]
@@ -74,9 +79,18 @@ def score_episode(env: Any, task: Any, episode: Episode, *, invalid_penalty: flo
         team = _finite(raw, task, "team")
         rewards = {a: team for a in agents}
     check = getattr(env, "turn_is_valid", None)
-    invalid = [bool(check is not None and not check(task, t)) for t in episode.turns]
+    invalid = [bool(check is not None and not _call_env(check, task, t)) for t in episode.turns]
     turn_rewards = [rewards[t.agent] - invalid_penalty * bad for t, bad in zip(episode.turns, invalid)]
     return EpisodeScore(rewards=rewards, turn_rewards=turn_rewards, invalid=invalid, team=team)
+
+
+def _call_env(fn: Any, task: Any, arg: Any) -> Any:
+    try:
+        return fn(task, arg)
+    except Exception as exc:
+        where = getattr(fn, "__qualname__", getattr(fn, "__name__", repr(fn)))
+        raise BadRewardError(f"env {where}() raised on task {getattr(task, 'id', task)!r}: "
+                             f"{type(exc).__name__}: {exc}") from exc
 
 
 def _finite(value: Any, task: Any, who: str) -> float:

@@ -24,6 +24,8 @@ from langchain_core.outputs import ChatGeneration, ChatResult
 
 from drmas_graph._chat import ParsedResponse, _text
 from drmas_graph._intercept import ACTIVE_HANDLER, CallSite, install
+from drmas_graph._limits import enforce_limits
+from drmas_graph._seeds import seeded
 from drmas_graph.errors import ConfigError, NoLLMCallError, RolloutError, StrictModeError, UnknownAgentError
 from drmas_graph.policy import Policy
 from drmas_graph.types import Episode, Generation, SamplingParams, Turn
@@ -337,6 +339,7 @@ class _EpisodeRecorder:
             self._next_index += 1
             nci = self._per_key.get(site.call_key, 0)
             self._per_key[site.call_key] = nci + 1
+        enforce_limits(self.episode, index)  # rollout.max_llm_calls / timeout_s (set by the trainer)
         return index, nci
 
     def _add(self, turn: Turn) -> None:
@@ -358,7 +361,7 @@ class _EpisodeRecorder:
             return result
         with policy.announce():
             prompt_ids = policy.render(site.messages, site.tools)
-            params = self.app._sampling_for(agent, policy, site.stop)
+            params = seeded(self.app._sampling_for(agent, policy, site.stop), self.episode.metadata, site.call_key, nci)
         generation = policy.generate(prompt_ids, params)
         return self._served(site, agent, policy, index, nci, prompt_ids, params, generation, start)
 
@@ -372,7 +375,7 @@ class _EpisodeRecorder:
             return result
         with policy.announce():
             prompt_ids = policy.render(site.messages, site.tools)
-            params = self.app._sampling_for(agent, policy, site.stop)
+            params = seeded(self.app._sampling_for(agent, policy, site.stop), self.episode.metadata, site.call_key, nci)
         generation = await policy.agenerate(prompt_ids, params)
         return self._served(site, agent, policy, index, nci, prompt_ids, params, generation, start)
 

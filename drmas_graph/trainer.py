@@ -18,9 +18,8 @@ calls are dropped from their group and counted, never silently trained on.
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 import json
+import logging
 import random
 import shutil
 import time
@@ -29,10 +28,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from drmas_graph._old_logprobs import with_trainer_logprobs
+from drmas_graph._rollouts import EpisodeJob, episode_config, run_episodes
 from drmas_graph.advantages import compute_advantages
 from drmas_graph.config import AgentConfig, ModelConfig, TrainConfig, merge_overrides
 from drmas_graph.env import BadRewardError, EpisodeScore, is_success, score_episode, trainable_agent_turns
-from drmas_graph.errors import ConfigError, NoLLMCallError, RolloutError
+from drmas_graph.errors import ConfigError, RolloutError
 from drmas_graph.instrumented import InstrumentedGraph
 from drmas_graph.metrics import RunLogger, mean_std
 from drmas_graph.policy import Policy
@@ -40,6 +41,8 @@ from drmas_graph.store import TraceStore
 from drmas_graph.types import Episode, Sample, SamplingParams
 
 __all__ = ["train_graph", "TrainResult", "Trainer", "evaluate"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -80,7 +83,7 @@ class TrainResult:
 
 def train_graph(graph: Any, env: Any, config: TrainConfig | None = None, *,
                 policies: Mapping[str, Policy] | None = None, train_models: Mapping[str, Any] | None = None,
-                **overrides: Any) -> TrainResult:
+                rollout_config: Mapping[str, Any] | None = None, **overrides: Any) -> TrainResult:
     """Train the policies behind `graph` on `env` with agent-wise GRPO.
 
     Args:
@@ -92,6 +95,9 @@ def train_graph(graph: Any, env: Any, config: TrainConfig | None = None, *,
         train_models: policy name -> the Hugging Face model to train for a *served* policy given in
             `policies` (its local copy, with the weights the servers started from; it never generates).
             After each update it is pushed to the servers. Embedded policies train their own `.model`.
+        rollout_config: a LangGraph RunnableConfig merged into every episode's config (`configurable`,
+            `recursion_limit`, `callbacks`, ...); each episode still gets its own `configurable.thread_id`
+            (see the config's `rollout` section for limits per episode).
 
     Served models, from a config (`models.<name>.serve`, see `ServeConfig`) or from Python:
 
@@ -100,7 +106,7 @@ def train_graph(graph: Any, env: Any, config: TrainConfig | None = None, *,
         train_graph(graph, env, cfg, policies={"solver": policy}, train_models={"qwen": local})
     """
     cfg = merge_overrides(config, overrides)
-    trainer = Trainer(graph, env, cfg, policies=policies, train_models=train_models)
+    trainer = Trainer(graph, env, cfg, policies=policies, train_models=train_models, rollout_config=rollout_config)
     try:
         return trainer.run()
     finally:
@@ -132,6 +138,21 @@ def _build_model(name: str, mc: ModelConfig, seed: int) -> tuple[Policy, Any]:
     return served, policy.model
 
 
+def _check_policy_names(given: Mapping[str, Policy]) -> None:
+    """Distinct policy objects must have distinct names: a name keys its model's updater, checkpoint folder,
+    weight sync and traces, so two models with one name would silently become one (rev_n)."""
+    first: dict[str, tuple[str, Policy]] = {}
+    for agent, policy in given.items():
+        other_agent, other = first.setdefault(policy.name, (agent, policy))
+        if other is not policy:
+            raise ConfigError(
+                f"policies[{other_agent!r}] and policies[{agent!r}] are different Policy objects with the same name "
+                f"{policy.name!r} (e.g. two copies of one base checkpoint); the name keys each model's updater, "
+                f"checkpoints and traces. Give each its own name (tiny_policy(..., name={agent + '-model'!r}), "
+                f"TransformersPolicy.from_pretrained(path, name=...)), or pass the same object to both agents to "
+                "share one model")
+
+
 def _resolve_path(path: str) -> str:
     if path == "smollm2":
         from drmas_graph.models import smollm2_path
@@ -161,8 +182,16 @@ class Trainer:
     """Holds the run's pieces; `run()` is the loop. Build it through `train_graph`."""
 
     def __init__(self, graph: Any, env: Any, cfg: TrainConfig, *, policies: Mapping[str, Policy] | None = None,
-                 train_models: Mapping[str, Any] | None = None, train: bool = True):
+                 train_models: Mapping[str, Any] | None = None, train: bool = True,
+                 rollout_config: Mapping[str, Any] | None = None):
         self.cfg, self.env = cfg, env
+        self.rollout_config = dict(rollout_config or {})
+        episode_config(self.rollout_config, cfg.rollout)  # refuse a shared thread_id now, not mid-run
+        self.rollout_errors: list[RolloutError] = []
+        """Errors of the failed episodes of the last `_rollouts` call, in job order."""
+        self.reward_errors: list[BadRewardError] = []
+        """Errors of the bad-reward episodes of the last `_score` call."""
+        self._reward_raise_logged = False
         if cfg.logging.weave:
             raise ConfigError("logging.weave is not implemented yet (episodes are traced in run_dir/traces.db); "
                               "set logging.weave: false")
@@ -175,20 +204,26 @@ class Trainer:
             self.agent_policies, self.model_policies = self._policies(policies, train_models)
             self.agent_cfgs = {a: cfg.agents.get(a) or AgentConfig(model=self._model_of(a)) for a in self.agent_policies}
             self.train_tasks = self._tasks("train")
-            # a resumed run appends to its own store (its config may differ in `steps`, `resume`)
-            self.store = TraceStore(self.run_dir / "traces.db", config=None if cfg.resume else cfg.model_dump(mode="json"))
+            # a resumed run appends to its own store (its config may differ in `steps`, `resume`); so does an
+            # evaluation-only Trainer (train=False), which adds eval episodes to whatever run the folder holds
+            pinned = not cfg.resume and (train or not (self.run_dir / "traces.db").exists())
+            self.store = TraceStore(self.run_dir / "traces.db", config=cfg.model_dump(mode="json") if pinned else None)
             self.app = InstrumentedGraph(graph, self.agent_policies, agents=cfg.node_agents, strict=cfg.strict,
                                          store=self.store)
             # configured agents sample as configured; others keep their policy's own defaults
             self.app.sampling.update({a: _sampling(c) for a, c in cfg.agents.items() if a in self.agent_policies})
+            self._check_sampling()
             self.updaters = self._updaters() if train else {}
             self.invalid_penalty = cfg.invalid_penalty if cfg.invalid_penalty is not None else float(
                 getattr(env, "invalid_penalty", 0.0))
             self.start_step = self._resume() if cfg.resume else 0
         except BaseException:
             self._close_built()  # e.g. servers launched for a run that never starts
+            if getattr(self, "store", None) is not None:
+                self.store.close()
             raise
-        cfg.to_yaml(self.run_dir / "config.yaml")
+        if train or not (self.run_dir / "config.yaml").exists():  # never overwrite a training run's config
+            cfg.to_yaml(self.run_dir / "config.yaml")
         self.result = TrainResult(run_dir=self.run_dir)
 
     # ---- construction -----------------------------------------------------------------------
@@ -197,6 +232,7 @@ class Trainer:
         """agent -> Policy and model name -> Policy, from config `models`/`agents` and `policies=`; fills
         `train_models` (model name -> module to train)."""
         given = dict(given or {})
+        _check_policy_names(given)
         models = {}
         for name, mc in self.cfg.models.items():
             if not any(p.name == name for p in given.values()):
@@ -220,6 +256,16 @@ class Trainer:
             raise ConfigError("no agents to train: give policies={agent: Policy} or `agents` + `models` in the config")
         by_id = {id(p): name for name, p in models.items()}
         return agents, {by_id[id(p)]: p for p in agents.values()}
+
+    def _check_sampling(self) -> None:
+        """Refuse now, not at the first request, training sampling a backend would refuse (vLLM: top-p/top-k)."""
+        for agent, policy in self.agent_policies.items():
+            check = getattr(policy, "check_sampling", None)
+            if check is not None:
+                try:
+                    check(self.app.sampling.get(agent, policy.sampling))
+                except ConfigError as exc:
+                    raise ConfigError(f"agents.{agent}.sampling: {exc}") from None
 
     def _model_of(self, agent: str) -> str:
         policy = self.agent_policies[agent]
@@ -299,17 +345,19 @@ class Trainer:
     def train_step(self, step: int) -> dict[str, Any]:
         t0 = time.perf_counter()
         tasks = self.batch_tasks(step)
-        self._reseed(step)
         runs, counts = self._rollouts(tasks, step, self.cfg.group_size, phase="train")
         t1 = time.perf_counter()
         scored = self._score(runs, counts)
+        if not scored:
+            raise self._nothing_to_train(step, len(tasks) * self.cfg.group_size)
         samples, adv_stats = self._advantages(scored)
         t2 = time.perf_counter()
         update_metrics: dict[str, float] = {}
         sync_s = 0.0
         for name, updater in self.updaters.items():
             policy = self.model_policies[name]
-            model_samples = [s for s in samples if self.agent_policies[s.agent] is policy]
+            model_samples = self._old_logprobs(name, [s for s in samples if self.agent_policies[s.agent] is policy],
+                                               update_metrics)
             if _is_served(policy):
                 update_metrics.update(updater.update(model_samples).to_dict())
                 update_metrics[f"model/{name}/sync_s"] = self.sync_weights(name, version=step + 1)
@@ -320,6 +368,18 @@ class Trainer:
         t3 = time.perf_counter()
         self.store.record_training(step, [ep for _, ep, _ in scored])
         return self._step_record(step, scored, samples, counts, adv_stats, update_metrics, (t0, t1, t2, t3), sync_s)
+
+    def _old_logprobs(self, name: str, samples: list[Sample], metrics: dict[str, float]) -> list[Sample]:
+        """Model `name`'s samples with the PPO ratio's old logprobs chosen by `cfg.old_logprobs` (auto:
+        recomputed by the trainer for embedded policies, see `_old_logprobs`; as rolled out for served ones)."""
+        mode = self.cfg.old_logprobs
+        if mode == "auto":
+            mode = "rollout" if _is_served(self.model_policies[name]) else "trainer"
+        if mode == "rollout" or not samples:
+            return samples
+        samples, gaps = with_trainer_logprobs(samples, self.updaters[name].compute_logprobs(samples))
+        metrics.update(gaps)
+        return samples
 
     def sync_weights(self, name: str, *, version: int) -> float:
         """Push model `name`'s trained weights to its servers; return the seconds it took (write + load).
@@ -339,51 +399,52 @@ class Trainer:
         self.model_policies[name].sync_weights(str(final), version=version)
         return time.perf_counter() - start
 
-    def _reseed(self, step: int) -> None:
-        for name, policy in self.model_policies.items():
-            rng = getattr(policy, "_seed_rng", None)
-            if rng is not None:
-                rng.seed(f"{self.cfg.seed}:{name}:{step}")
-
     def _rollouts(self, tasks: Sequence[Any], step: int, group_size: int, *, phase: str
                   ) -> tuple[list[tuple[Any, Episode]], dict[str, int]]:
-        """G rollouts per task, concurrently. Failed episodes are counted (and stored), not returned."""
-        counts = {"failed_episodes": 0, "no_llm_call_episodes": 0}
-
-        async def main() -> list[Any]:
-            # sync graph nodes run in the loop's default executor: size it so every episode can be in flight
-            asyncio.get_running_loop().set_default_executor(
-                concurrent.futures.ThreadPoolExecutor(self.cfg.max_concurrency, thread_name_prefix="rollout"))
-            gate = asyncio.Semaphore(self.cfg.max_concurrency)
-
-            async def one(task: Any, group: str) -> tuple[Any, Episode] | None:
-                async with gate:
-                    try:
-                        return task, await self.app.arollout(task.input, task_id=task.id, group_id=group,
-                                                              metadata={"phase": phase, "step": step})
-                    except NoLLMCallError:
-                        counts["no_llm_call_episodes"] += 1
-                    except RolloutError:
-                        counts["failed_episodes"] += 1
-                    return None
-
-            return await asyncio.gather(*(one(t, f"{phase}:{step}:{t.id}") for t in tasks for _ in range(group_size)))
-
-        results = asyncio.run(main())
-        return [r for r in results if r is not None], counts
+        """G rollouts per task, concurrently (see `_rollouts.run_episodes`: per-episode config, seed and limits).
+        Failed episodes are counted (and stored), not returned; their errors go to `self.rollout_errors`."""
+        jobs = [EpisodeJob(task, f"{phase}:{step}:{task.id}", b, j)
+                for b, task in enumerate(tasks) for j in range(group_size)]
+        batch = run_episodes(self.app, jobs, phase=phase, step=step, run_seed=self.cfg.seed,
+                             max_concurrency=self.cfg.max_concurrency, rollout=self.cfg.rollout,
+                             base_config=self.rollout_config)
+        self.rollout_errors = batch.errors
+        if batch.errors:
+            log.warning("%s step %d: %d of %d episodes failed; the first: %s", phase, step, len(batch.errors),
+                        len(jobs), batch.errors[0])
+        return batch.runs, batch.counts
 
     def _score(self, runs: list[tuple[Any, Episode]], counts: dict[str, int]) -> list[tuple[Any, Episode, EpisodeScore]]:
         scored, counts["bad_reward_episodes"] = [], 0
+        self.reward_errors = []
         for task, episode in runs:
             try:
                 score = score_episode(self.env, task, episode, invalid_penalty=self.invalid_penalty)
             except BadRewardError as exc:
                 counts["bad_reward_episodes"] += 1
                 episode.error = f"BadRewardError: {exc}"
+                self.reward_errors.append(exc)
+                self._log_reward_raise(exc)
                 continue
             episode.rewards, episode.turn_rewards = score.rewards, score.turn_rewards
             scored.append((task, episode, score))
         return scored
+
+    def _log_reward_raise(self, exc: BadRewardError) -> None:
+        """The first env.reward / turn_is_valid exception of the run, with its traceback (later ones are counted)."""
+        if exc.__cause__ is not None and not self._reward_raise_logged:
+            self._reward_raise_logged = True
+            log.warning("%s; the episode counts as a bad-reward episode (metric bad_reward_episodes); later "
+                        "exceptions of the environment are counted, not logged", exc, exc_info=exc.__cause__)
+
+    def _nothing_to_train(self, step: int, n: int) -> RolloutError:
+        """The error that stops a run whose step lost every episode (raised with the first failure chained)."""
+        first = (self.rollout_errors or self.reward_errors or [None])[0]
+        err = RolloutError(f"step {step}: all {n} episodes failed or got no usable reward, nothing to train on; "
+                           f"the first: {first}. Fix the graph or the environment (failed episodes are in "
+                           f"{self.run_dir / 'traces.db'}, with their error)", getattr(first, "episode", None))
+        err.__cause__ = first
+        return err
 
     def _advantages(self, scored: list[tuple[Any, Episode, EpisodeScore]]) -> tuple[list[Sample], Any]:
         """Advantages for every policy-served turn; Samples for the turns of trained agents."""
@@ -499,7 +560,8 @@ def evaluate(trainer: Trainer, *, step: int, split: str | None = None) -> dict[s
     tasks = list(trainer.env.tasks(split))[: ec.n_tasks]
     saved = dict(trainer.app.sampling)
     trainer.app.sampling.update({
-        a: saved.get(a, policy.sampling).replace(temperature=ec.temperature, top_p=ec.top_p, top_k=0)
+        a: saved.get(a, policy.sampling).replace(temperature=ec.temperature, top_p=ec.top_p, top_k=0,
+                                                 train_logprobs=False)  # never trained on: truncation is fine
         for a, policy in trainer.agent_policies.items()})
     try:
         runs, counts = trainer._rollouts(tasks, step, ec.k, phase="eval")

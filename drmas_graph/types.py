@@ -40,6 +40,9 @@ class SamplingParams:
     """Extra token ids that end generation, besides the tokenizer's end-of-sequence ids."""
     seed: int | None = None
     """Seed of this request's sampler; None draws one from the policy's own seeded generator."""
+    train_logprobs: bool = True
+    """Whether the response's logprobs feed a training update; False (evaluation) lets a backend whose logprobs
+    would be those of the truncated distribution (vLLM with top-p/top-k) serve the request."""
 
     def __post_init__(self) -> None:
         if self.temperature < 0:

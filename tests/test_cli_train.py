@@ -52,3 +52,21 @@ def test_config_doc_lists_every_field(capsys):
     out = capsys.readouterr().out
     for field in ("estimator", "group_size", "agents.<name>.loss.clip_high", "models.<name>.serve.engine"):
         assert field in out
+
+
+def test_eval_twice_in_one_run_folder_gets_a_folder_each(tmp_path, capsys):
+    from drmas_graph.store import TraceStore
+
+    cfg = write_config(tmp_path)
+    assert main(["eval", str(cfg), "--k", "1", "--n-tasks", "1"]) == 0
+    assert main(["eval", str(cfg), "--k", "2", "--n-tasks", "1"]) == 0  # rev_c: refused before (store config)
+    assert main(["eval", str(cfg), "--k", "2", "--n-tasks", "1"]) == 0
+    out = capsys.readouterr().out
+    folders = sorted(p.name for p in (tmp_path / "run" / "eval").iterdir())
+    assert folders == ["base-test-k1", "base-test-k2", "base-test-k2-2"]
+    for name, k in (("base-test-k1", 1), ("base-test-k2", 2), ("base-test-k2-2", 2)):
+        assert str(tmp_path / "run" / "eval" / name) in out
+        with TraceStore(tmp_path / "run" / "eval" / name / "traces.db", readonly=True) as store:
+            assert len(store.episodes()) == k
+            assert store.config["eval"]["k"] == k
+        assert yaml.safe_load((tmp_path / "run" / "eval" / name / "config.yaml").read_text())["eval"]["k"] == k

@@ -83,6 +83,8 @@ def test_stop_token_is_kept_and_top_p_is_refused(policy):
     assert cut.token_ids == free.token_ids[: len(cut.token_ids)] and len(cut.logprobs) == len(cut.token_ids)
     with pytest.raises(ConfigError, match="truncated distribution"):
         policy.generate(prompt, SamplingParams(top_p=0.9))
+    evaluation = policy.generate(prompt, SamplingParams(top_p=0.9, max_new_tokens=8, train_logprobs=False))
+    assert len(evaluation.token_ids) == len(evaluation.logprobs) > 0  # evaluation may truncate (rev_v)
 
 
 def test_stop_string_keeps_the_completing_token(policy, tokenizer):

@@ -84,7 +84,8 @@ def test_shared_model_two_agents_metrics_traces_and_checkpoint(tmp_path):
     assert "reward solver" in result.summary() and "avg@2" in result.summary()
 
 
-def test_bad_rewards_failing_tasks_and_idle_agents_are_counted_not_fatal(tmp_path):
+def _boom_graph():
+    """solver (raises on the question 'boom') -> verifier (never calls an LLM)."""
     from langchain_core.messages import HumanMessage
     from langgraph.graph import END, START, StateGraph
 
@@ -101,24 +102,67 @@ def test_bad_rewards_failing_tasks_and_idle_agents_are_counted_not_fatal(tmp_pat
     g.add_edge(START, "solver")
     g.add_edge("solver", "verifier")
     g.add_edge("verifier", END)
-    env = ParityEnv(n_train=2, bad_reward={"train-1"})
-    env.train[0] = type(env.train[0])(id="train-0", input={"question": "boom"})
+    return g.compile()
+
+
+class RaisingRewardEnv(ParityEnv):
+    """train-0 makes the graph raise, train-1 gets a NaN reward, train-2's reward raises, train-3's
+    turn_is_valid raises; the rest are fine."""
+
+    def __init__(self, **kw):
+        super().__init__(bad_reward={"train-1"}, **kw)
+        self.train[0] = type(self.train[0])(id="train-0", input={"question": "boom"})
+
+    def reward(self, task, episode):
+        if task.id == "train-2":
+            raise ZeroDivisionError("the reward function has a bug")
+        return super().reward(task, episode)
+
+    def turn_is_valid(self, task, turn):
+        if task.id == "train-3":
+            raise KeyError("turn_is_valid has a bug too")
+        return super().turn_is_valid(task, turn)
+
+
+def test_bad_rewards_failing_tasks_and_idle_agents_are_counted_not_fatal(tmp_path, caplog):
+    env = RaisingRewardEnv(n_train=5)
     policy = tiny_policy(seed=0, sampling=SamplingParams(max_new_tokens=4))
-    cfg = small_config(tmp_path, steps=1, eval={"k": 1, "n_tasks": 1, "before_training": False})
-    result = train_graph(g.compile(), env, cfg, policies={"solver": policy, "verifier": policy})
+    cfg = small_config(tmp_path, steps=1, tasks_per_step=5, eval={"k": 1, "n_tasks": 1, "before_training": False})
+    with caplog.at_level("WARNING", logger="drmas_graph.trainer"):
+        result = train_graph(_boom_graph(), env, cfg, policies={"solver": policy, "verifier": policy})
     rec = result.history[0]
-    assert rec["failed_episodes"] == 4 and rec["bad_reward_episodes"] == 4 and rec["episodes"] == 0
+    # 5 tasks x G=4: train-0 fails in the graph; train-1 (NaN), train-2 and train-3 (raising env) are bad rewards
+    assert rec["failed_episodes"] == 4 and rec["bad_reward_episodes"] == 12 and rec["episodes"] == 4
     assert rec["agent/verifier/calls"] == 0 and rec["agent/verifier/never_acted"] == 1
+    raised = [r for r in caplog.records if "raised on task" in r.getMessage()]
+    assert len(raised) == 1 and raised[0].exc_info is not None  # logged once, with the traceback
+    assert isinstance(raised[0].exc_info[1], (ZeroDivisionError, KeyError))
     with TraceStore(tmp_path / "run" / "traces.db", readonly=True) as store:
         failed = store.episodes(failed=True)
         assert len(failed) >= 4 and "this task makes the graph raise" in store.load_episode(failed[0].id).error
+
+
+def test_a_step_whose_every_episode_fails_stops_the_run_with_the_first_error(tmp_path):
+    from drmas_graph.errors import RolloutError
+
+    env = ParityEnv(n_train=1)
+    env.train[0] = type(env.train[0])(id="train-0", input={"question": "boom"})
+    policy = tiny_policy(seed=0, sampling=SamplingParams(max_new_tokens=4))
+    cfg = small_config(tmp_path, steps=3, tasks_per_step=1, eval={"k": 1, "n_tasks": 1, "before_training": False})
+    with pytest.raises(RolloutError, match=r"step 0: all 4 episodes failed .*this task makes the graph raise") as info:
+        train_graph(_boom_graph(), env, cfg, policies={"solver": policy, "verifier": policy})
+    first = info.value.__cause__
+    assert isinstance(first, RolloutError) and first.episode.task_id == "train-0"
+    assert isinstance(first.__cause__, ValueError)  # the graph's own exception, chained
+    assert policy.version == 0  # no update ran on an empty batch
+    assert not (tmp_path / "run" / "checkpoints").exists()
 
 
 def test_kill_and_resume_gives_the_same_batches_and_weights(tmp_path):
     def run(run_dir, steps, resume=False, seed_policy=0):
         policy = tiny_policy(seed=seed_policy, sampling=SamplingParams(max_new_tokens=4))
         cfg = small_config(tmp_path, run_dir=str(run_dir), steps=steps, resume=resume, checkpoint_every=1,
-                           max_concurrency=1, eval={"k": 1, "n_tasks": 1, "before_training": False})
+                           max_concurrency=8, eval={"k": 1, "n_tasks": 1, "before_training": False})
         result = train_graph(graph(), ParityEnv(n_train=5), cfg, policies={"solver": policy, "verifier": policy})
         return result, policy
 
@@ -130,10 +174,57 @@ def test_kill_and_resume_gives_the_same_batches_and_weights(tmp_path):
             TraceStore(tmp_path / "b" / "traces.db", readonly=True) as b:
         for step in (2, 3):
             assert sorted(e.task_id for e in a.episodes(step=step)) == sorted(e.task_id for e in b.episodes(step=step))
+            assert _sampled(a, step) == _sampled(b, step)  # the same tokens, with 8 episodes in flight
     for k, v in p_straight.model.state_dict().items():
-        torch.testing.assert_close(p_resumed.model.state_dict()[k], v, atol=1e-6, rtol=0)
+        assert torch.equal(p_resumed.model.state_dict()[k], v), k  # bit for bit
     lines = [json.loads(x)["step"] for x in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
     assert sorted(s for s in lines) == [0, 1, 2, 3, 4]  # steps 0,1 + 2,3 + final eval at 4
+
+
+def _sampled(store, step):
+    """(task, group, seed, response ids) of every trained call of a step, in a canonical order."""
+    out = []
+    for ref in store.episodes(step=step):
+        ep = store.load_episode(ref.id)
+        out += [(ep.task_id, ep.metadata["seed"], t.call_key, t.node_call_index, t.sampling.seed, t.response_ids)
+                for t in ep.turns]
+    return sorted(out)
+
+
+def test_weights_are_identical_at_any_max_concurrency(tmp_path):
+    """Seeds come from each call's identity (run seed, step, group, episode, call_key, node_call_index), not
+    from arrival order, and the update recomputes old logprobs: 1 or 8 episodes in flight give the same run."""
+    def run(conc):
+        policy = tiny_policy(seed=0, sampling=SamplingParams(max_new_tokens=4))
+        cfg = small_config(tmp_path, run_dir=str(tmp_path / f"c{conc}"), steps=2, tasks_per_step=4,
+                           max_concurrency=conc, eval={"k": 2, "n_tasks": 2, "before_training": False})
+        result = train_graph(graph(), ParityEnv(), cfg, policies={"solver": policy, "verifier": policy})
+        return result, params(policy)
+
+    (r1, w1), (r8, w8) = run(1), run(8)
+    assert all(torch.equal(w1[k], w8[k]) for k in w1)
+    assert [h["reward/team_mean"] for h in r1.history] == [h["reward/team_mean"] for h in r8.history]
+    assert r1.evals[-1]["avg@k"] == r8.evals[-1]["avg@k"]
+    for h in r8.history:  # the recomputed old logprobs differ from the rollout's by batching noise only
+        assert 0 <= h["agent/solver/rollout_logprob_gap"] < 1e-5 and h["agent/solver/logprob_mismatch"] < 1e-6
+    with TraceStore(tmp_path / "c1" / "traces.db", readonly=True) as a, \
+            TraceStore(tmp_path / "c8" / "traces.db", readonly=True) as b:
+        for step in (0, 1):
+            calls = _sampled(a, step)
+            assert calls == _sampled(b, step) and len(calls) == 32
+            # every call has its own seed: the G episodes of a group sample differently
+            assert len({c[4] for c in calls}) == 32 and len({c[1] for c in calls}) == 16
+
+
+def test_call_seeds_are_stable_across_processes():
+    from drmas_graph._seeds import call_seed, episode_seed, stable_seed
+
+    # pinned values: blake2b of the parts, not Python's per-process salted hash()
+    assert stable_seed("episode", 0, "train", 0, 0, 0) == episode_seed(0, "train", 0, 0, 0)
+    assert episode_seed(0, "train", 3, 1, 2) == 336580226
+    assert call_seed(12345, "solver", 0) == 241304889
+    assert call_seed(12345, "solver", 0) != call_seed(12345, "solver", 1) != call_seed(12345, "verifier", 1)
+    assert 0 <= call_seed(1, "x", 0) < 2**31
 
 
 def test_task_order_is_seeded_and_covers_the_split(tmp_path):
@@ -178,3 +269,17 @@ def test_evaluate_avg_and_pass_at_k_per_agent_stats(tmp_path):
     assert record["verifier/response_len"] == 4.0  # max_new_tokens, the tiny model never stops
     # evaluation sampling does not leak into training sampling
     assert "solver" not in trainer.app.sampling and policy.sampling.temperature == 1.0
+
+
+def test_distinct_policies_with_one_name_are_refused_naming_both_agents(tmp_path):
+    solver, verifier = tiny_policy(seed=0), tiny_policy(seed=0)  # one base checkpoint -> one default name (rev_n)
+    with pytest.raises(ConfigError, match=r"policies\['solver'\] and policies\['verifier'\] are different Policy "
+                                          r"objects with the same name 'tiny-llama-v512-s0'.*name="):
+        train_graph(graph(), ParityEnv(), small_config(tmp_path), policies={"solver": solver, "verifier": verifier})
+    solver.name, verifier.name = "solver-model", "verifier-model"  # the fix the error names
+    for p in (solver, verifier):
+        p.sampling = SamplingParams(max_new_tokens=4)
+    cfg = small_config(tmp_path, steps=1, eval={"k": 1, "n_tasks": 1, "before_training": False})
+    result = train_graph(graph(), ParityEnv(), cfg, policies={"solver": solver, "verifier": verifier})
+    assert solver.version == verifier.version == 1  # two models, two updaters
+    assert sorted(p.name for p in result.checkpoint.iterdir() if p.is_dir()) == ["solver-model", "verifier-model"]

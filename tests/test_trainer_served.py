@@ -178,3 +178,26 @@ def test_construction_errors_say_what_to_do(tmp_path, ckpt):
     finally:
         served.close()
         embedded.close()
+
+
+def test_served_runs_are_identical_at_any_max_concurrency(tmp_path, ckpt):
+    """Every request carries a seed derived from the call's identity (not drawn in arrival order), so a served
+    run samples the same tokens with 1 or 8 episodes in flight and trains to the same weights."""
+    def run(conc):
+        double = SGLangDouble(ckpt, weight_version="0").start()
+        cfg = served_config(tmp_path, ckpt, {"engine": "sglang", "urls": [double.url]}, steps=2,
+                            max_concurrency=conc, run_dir=str(tmp_path / f"c{conc}"),
+                            eval={"k": 1, "n_tasks": 1, "before_training": False})
+        trainer = Trainer(graph(), ParityEnv(), cfg)
+        try:
+            trainer.run()
+            weights = {k: v.clone() for k, v in trainer.train_models["m"].state_dict().items()}
+        finally:
+            trainer.close()
+            double.stop()
+        seeds = sorted(b["sampling_params"]["sampling_seed"] for p, b in double.requests if p == "POST /generate")
+        return weights, seeds
+
+    (w1, s1), (w8, s8) = run(1), run(8)
+    assert len(s1) == 2 * 16 + 2 and len(set(s1)) == len(s1) and s1 == s8
+    assert all(torch.equal(w1[k], w8[k]) for k in w1)

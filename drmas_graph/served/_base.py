@@ -72,8 +72,9 @@ class ServedPolicy(Policy, abc.ABC):
         max_retries: retries after the first attempt for retryable failures.
         backoff_s: first retry delay; doubles each retry (capped at 8x).
         servers: `ServerProcess`es this policy owns; `close()` stops them.
-        seed: seeds the generator that draws a per-request sampling seed for requests without one (the
-            trainer reseeds it each step, as for the embedded policy); None sends no seed (server randomness).
+        seed: seeds the generator that draws a sampling seed for direct requests without one (in arrival
+            order); None sends none (server randomness). Calls of instrumented rollouts started by the trainer
+            always carry a seed derived from the call's identity (`drmas_graph._seeds`), so they never use it.
         extra_sampling_params: engine-specific sampling keys sent with every request as they are
             (e.g. `{"repetition_penalty": 1.1}`); the server rejects unknown ones (`BadRequestError`).
     """

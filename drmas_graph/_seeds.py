@@ -1,0 +1,49 @@
+"""Seeds derived from what a call *is*, never from the order calls arrive in.
+
+A training run's sampling must not depend on thread scheduling: with several episodes in flight, the
+n-th request to reach a policy is a different call from run to run. So every LLM call of an instrumented
+rollout gets its seed from its identity,
+
+    episode seed = H(run seed, phase, step, group index in the step, episode index in the group)
+    call seed    = H(episode seed, call_key, node_call_index)
+
+where H is a keyed hash that is stable across processes and Python versions (blake2b over the parts'
+reprs; Python's `hash()` is salted per process). The trainer puts the episode seed in the rollout's
+metadata (`"seed"`); the instrumented call handler derives the call seed (`seeded`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+from drmas_graph.types import SamplingParams
+
+__all__ = ["stable_seed", "episode_seed", "call_seed", "seeded", "SEED_BITS"]
+
+SEED_BITS = 31
+"""Seeds lie in [0, 2**31): every backend (torch generators, vLLM, SGLang) accepts them."""
+
+
+def stable_seed(*parts: Any) -> int:
+    """A seed in [0, 2**SEED_BITS) from `parts` (ints and strings), the same in every process."""
+    digest = hashlib.blake2b("\x1f".join(repr(p) for p in parts).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") % (1 << SEED_BITS)
+
+
+def episode_seed(run_seed: int, phase: str, step: int, group: int, index: int) -> int:
+    """Seed of episode `index` of group `group` (position in the step's task batch) at `step` of `phase`."""
+    return stable_seed("episode", run_seed, phase, step, group, index)
+
+
+def call_seed(episode: int, call_key: str, node_call_index: int) -> int:
+    """Seed of the `node_call_index`-th call with `call_key` in the episode seeded `episode`."""
+    return stable_seed("call", episode, call_key, node_call_index)
+
+
+def seeded(params: SamplingParams, metadata: dict[str, Any], call_key: str, node_call_index: int) -> SamplingParams:
+    """`params` with the call's derived seed, when the episode carries a seed and the params fix none."""
+    base = metadata.get("seed")
+    if base is None or params.seed is not None:
+        return params
+    return params.replace(seed=call_seed(int(base), call_key, node_call_index))
