@@ -252,3 +252,23 @@ def test_update_state_running_an_llm_router_is_refused_in_strict_mode(policy):
     with pytest.raises(StrictModeError, match="update_state"):
         app.update_state({"configurable": {"thread_id": "t"}}, {"q": "x"}, as_node="solver")
     assert model.calls == 0
+
+
+@pytest.mark.filterwarnings("ignore::langchain_core._api.beta_decorator.LangChainBetaWarning")
+def test_chat_model_stream_events_v3_inside_a_node_is_served(policy, monkeypatch):
+    """The content-block streaming protocol drives the model without `_generate_with_cache`; it is served too."""
+    from langchain_openai import ChatOpenAI
+
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-not-used")
+    llm = ChatOpenAI(model="gpt-4o-mini", base_url="http://127.0.0.1:9/v1", max_retries=0, timeout=2)
+
+    def node(state):
+        return {"a": [llm.stream_events([HumanMessage(state["q"])], version="v3").output.text]}
+
+    async def anode(state):
+        return {"a": [(await (await llm.astream_events([HumanMessage(state["q"])], version="v3"))).text]}
+
+    for episode in (instrument(one_node(node), {"solver": policy}, strict=True).rollout({"q": "hi"}),
+                    asyncio.run(instrument(one_node(anode), {"solver": policy}, strict=True).arollout({"q": "hi"}))):
+        turn, = episode.turns
+        assert turn.trainable and episode.final_state["a"] == [turn.response_text.strip()]
