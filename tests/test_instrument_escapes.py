@@ -272,3 +272,30 @@ def test_chat_model_stream_events_v3_inside_a_node_is_served(policy, monkeypatch
                     asyncio.run(instrument(one_node(anode), {"solver": policy}, strict=True).arollout({"q": "hi"}))):
         turn, = episode.turns
         assert turn.trainable and episode.final_state["a"] == [turn.response_text.strip()]
+
+
+def test_app_models_marks_deliberate_calls_to_the_apps_own_model(policy):
+    """An LLM judge next to active runs (a reward function) is neither refused nor warned inside app_models()."""
+    import warnings
+
+    from drmas_graph import app_models
+
+    judge_model = Unreachable()
+    seen = {}
+
+    def node(state):
+        def judge():
+            with app_models():
+                seen["reply"] = judge_model.invoke([HumanMessage("grade")]).content
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            t = threading.Thread(target=judge)
+            t.start()
+            t.join()
+        return {"a": [policy_model.invoke([HumanMessage(state["q"])]).content]}
+
+    policy_model = Unreachable()
+    episode = instrument(one_node(node), {"solver": policy}, strict=True).rollout({"q": "q"})
+    assert seen["reply"] == "original model" and judge_model.calls == 1 and policy_model.calls == 0
+    assert [t.agent for t in episode.turns] == ["solver"]

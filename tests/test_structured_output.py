@@ -121,3 +121,15 @@ def test_response_format_round_trips_through_the_trace_store(openai_llm, tmp_pat
     assert policy.render(loaded.turns[0].messages, loaded.turns[0].tools,
                          loaded.turns[0].response_format) == list(episode.turns[0].prompt_ids)
     store.close()
+
+
+def test_policy_chat_model_honours_structured_output_outside_runs():
+    """A trained checkpoint run as a plain chat model (no instrumented run) answers structured requests too."""
+    from drmas_graph import PolicyChatModel
+
+    policy = scripted_policy(['{"ok": true}', "not json"])
+    model = PolicyChatModel(policy=policy)
+    assert model.with_structured_output(Verdict).invoke("is 2+2=4?") == Verdict(ok=True)
+    with pytest.raises(StructuredOutputError, match=r"PolicyChatModel\(policy 'scripted-s0'\).*'Verdict'"):
+        model.with_structured_output(Verdict).invoke("again?")
+    policy.close()
