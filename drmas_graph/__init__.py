@@ -17,6 +17,7 @@ _EXPORTS: dict[str, str] = {
     # instrumenting an app
     "instrument": "drmas_graph.instrumented",
     "InstrumentedGraph": "drmas_graph.instrumented",
+    "app_models": "drmas_graph.instrumented",
     "Policy": "drmas_graph.policy",
     "TransformersPolicy": "drmas_graph.transformers_policy",
     # core types
@@ -49,6 +50,8 @@ _EXPORTS: dict[str, str] = {
     "ConfigError": "drmas_graph.errors",
     "UnknownAgentError": "drmas_graph.errors",
     "StrictModeError": "drmas_graph.errors",
+    "StructuredOutputError": "drmas_graph.errors",
+    "UnservedCallWarning": "drmas_graph.errors",
     "PolicyError": "drmas_graph.errors",
     "RolloutError": "drmas_graph.errors",
     "NoLLMCallError": "drmas_graph.errors",
@@ -86,10 +89,12 @@ if TYPE_CHECKING:  # for type checkers and IDEs
         PolicyError,
         RolloutError,
         StrictModeError,
+        StructuredOutputError,
         TraceStoreError,
         UnknownAgentError,
+        UnservedCallWarning,
     )
-    from drmas_graph.instrumented import InstrumentedGraph, instrument
+    from drmas_graph.instrumented import InstrumentedGraph, app_models, instrument
     from drmas_graph.policy import Policy
     from drmas_graph.replay import Divergence, ReplayResult, replay
     from drmas_graph.rescore import rescore

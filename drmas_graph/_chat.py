@@ -22,7 +22,7 @@ from langchain_core.utils.function_calling import convert_to_openai_tool
 
 from drmas_graph.errors import ConfigError
 
-__all__ = ["to_chat_dicts", "normalize_tools", "ParsedResponse", "TOOL_PARSERS", "get_tool_parser"]
+__all__ = ["to_chat_dicts", "with_system_note", "normalize_tools", "ParsedResponse", "TOOL_PARSERS", "get_tool_parser"]
 
 
 def _text(content: Any) -> str:
@@ -65,6 +65,16 @@ def to_chat_dicts(messages: Sequence[BaseMessage]) -> list[dict[str, Any]]:
         else:
             raise ConfigError(f"cannot render a message of type {type(m).__name__} for a chat template")
     return out
+
+
+def with_system_note(dicts: list[dict[str, Any]], note: str | None) -> list[dict[str, Any]]:
+    """`note` appended to the leading system message (one is added when the prompt has none)."""
+    if not note:
+        return dicts
+    if dicts and dicts[0]["role"] == "system":
+        head = dicts[0]["content"]
+        return [{**dicts[0], "content": f"{head}\n\n{note}" if head else note}, *dicts[1:]]
+    return [{"role": "system", "content": note}, *dicts]
 
 
 def normalize_tools(tools: Any) -> list[dict[str, Any]]:

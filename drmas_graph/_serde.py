@@ -252,6 +252,7 @@ CREATE TABLE IF NOT EXISTS turns (
     message_id TEXT,              -- id of the AIMessage returned to the node
     turn_reward REAL,             -- Episode.turn_rewards[position]; NULL until training fills it
     advantage REAL,               -- Episode.advantages[position]; NULL until training fills it
+    response_format TEXT,         -- JSON Turn.response_format (structured output asked for); NULL for free text
     PRIMARY KEY (episode_id, position)
 );
 CREATE INDEX IF NOT EXISTS turns_by_agent ON turns (agent, episode_id);
@@ -268,6 +269,7 @@ TURN_COLUMNS = (
     "messages", "prompt_ids", "response_ids", "response_logprobs", "n_prompt_tokens", "n_response_tokens",
     "response_text", "tool_calls", "finish_reason", "policy", "policy_version", "trainable", "latency_s",
     "sampling", "tools", "message_id", "turn_reward", "advantage",
+    "response_format",
 )  # fmt: skip
 
 
@@ -346,6 +348,7 @@ def _turn_row(episode: Episode, position: int, turn: Turn) -> tuple:
         turn.message_id,
         None if episode.turn_rewards is None else float(episode.turn_rewards[position]),
         None if episode.advantages is None else float(episode.advantages[position]),
+        None if turn.response_format is None else to_json(turn.response_format, f"{where} response_format"),
     )
 
 
@@ -371,6 +374,7 @@ def _turn_from_row(row: Mapping[str, Any]) -> Turn:
         sampling=sampling_from_json(row["sampling"]),
         tools=tuple(json.loads(row["tools"])),
         message_id=row["message_id"],
+        response_format=None if row.get("response_format") is None else json.loads(row["response_format"]),
     )
 
 

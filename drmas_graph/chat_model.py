@@ -15,6 +15,9 @@ from langchain_core.outputs import ChatGeneration, ChatResult
 from langchain_core.utils.function_calling import convert_to_openai_tool
 from pydantic import ConfigDict
 
+from drmas_graph._chat import normalize_tools
+from drmas_graph._recorder import _cut_at_stop
+from drmas_graph._structured import apply_spec, output_spec
 from drmas_graph.policy import Policy
 
 __all__ = ["PolicyChatModel"]
@@ -37,10 +40,16 @@ class PolicyChatModel(BaseChatModel):
         params = self.policy.sampling
         if stop:
             params = params.replace(stop=tuple(params.stop) + tuple(stop))
-        prompt_ids = self.policy.render(messages, kwargs.get("tools"))
+        tools = normalize_tools(kwargs.get("tools"))
+        where = f"PolicyChatModel(policy {self.policy.name!r})"
+        spec, model_class = output_spec(kwargs, tools, where)  # with_structured_output / tool_choice
+        prompt_ids = self.policy.render(messages, tools, spec)
         gen = self.policy.generate(prompt_ids, params)
-        parsed = self.policy.parse(self.policy.decode(gen.token_ids))
+        text = _cut_at_stop(self.policy.decode(gen.token_ids), params.stop)
+        parsed, extra = (self.policy.parse(text), {}) if spec is None else apply_spec(
+            spec, model_class, text, self.policy.parse, where)
+        finish = "tool_calls" if parsed.tool_calls and gen.finish_reason == "stop" else gen.finish_reason
         message = AIMessage(content=parsed.content, tool_calls=parsed.tool_calls,
-                            invalid_tool_calls=parsed.invalid_tool_calls,
-                            response_metadata={"finish_reason": gen.finish_reason, "model_name": self.policy.name})
+                            invalid_tool_calls=parsed.invalid_tool_calls, additional_kwargs=extra,
+                            response_metadata={"finish_reason": finish, "model_name": self.policy.name})
         return ChatResult(generations=[ChatGeneration(message=message)])

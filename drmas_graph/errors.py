@@ -11,6 +11,8 @@ __all__ = [
     "ConfigError",
     "UnknownAgentError",
     "StrictModeError",
+    "UnservedCallWarning",
+    "StructuredOutputError",
     "PolicyError",
     "RolloutError",
     "NoLLMCallError",
@@ -31,6 +33,16 @@ class UnknownAgentError(ConfigError):
 
 class StrictModeError(DrmasError, LookupError):
     """``strict=True`` and a node made an LLM call that no policy serves."""
+
+
+class UnservedCallWarning(UserWarning):
+    """A chat-model call made while an instrumented run was active could not be attributed to it; the app's
+    own model answered (a strict run would have refused it with `StrictModeError`)."""
+
+
+class StructuredOutputError(DrmasError, ValueError):
+    """A call asked for structured output (`with_structured_output`, a forced `tool_choice`) that cannot be
+    honoured, or the policy's reply does not satisfy it (the reply's Turn is recorded first)."""
 
 
 class PolicyError(DrmasError, RuntimeError):

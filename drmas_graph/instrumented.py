@@ -4,33 +4,42 @@ The graph is not modified. Each run (`invoke`, `stream`, `rollout`, ...) install
 in a context variable (see `_intercept`); every chat-model call made inside the run is attributed to an
 agent (`drmas_agent` run metadata > first matching `agents` glob > node path), rendered with that agent's
 policy's chat template, generated, parsed back into an `AIMessage`, and recorded as a `Turn`.
+
+`InstrumentedGraph` is a LangChain `Runnable`: every way of running it (`with_config`, `with_retry`,
+`with_listeners`, `batch`, `astream_events`, `astream_log`, `|` ...) ends in its own `invoke`/`ainvoke`/
+`stream`/`astream`, so each run is an instrumented episode. Only read-only attributes of the graph are
+forwarded (`get_state`, `get_graph`, `nodes`, ...); `app.graph` is the uninstrumented graph.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import contextvars
 import fnmatch
 import functools
-import threading
-import time
+import warnings
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from typing import Any
 
-from langchain_core.messages import AIMessage
-from langchain_core.outputs import ChatGeneration, ChatResult
+from langchain_core.outputs import ChatResult
+from langchain_core.runnables import Runnable
 
-from drmas_graph._chat import ParsedResponse, _text
-from drmas_graph._intercept import ACTIVE_HANDLER, CallSite, install
-from drmas_graph._limits import enforce_limits
-from drmas_graph._seeds import seeded
-from drmas_graph.errors import ConfigError, NoLLMCallError, RolloutError, StrictModeError, UnknownAgentError
+from drmas_graph._intercept import ACTIVE_HANDLER, CallSite, app_models, install, register_run, unregister_run
+from drmas_graph._recorder import _cut_at_stop, _EpisodeRecorder, served_message, structured_parts  # noqa: F401
+from drmas_graph.errors import (
+    ConfigError,
+    NoLLMCallError,
+    RolloutError,
+    StrictModeError,
+    UnknownAgentError,
+    UnservedCallWarning,
+)
 from drmas_graph.policy import Policy
-from drmas_graph.types import Episode, Generation, SamplingParams, Turn
+from drmas_graph.types import Episode, SamplingParams
 
-__all__ = ["instrument", "InstrumentedGraph"]
+__all__ = ["instrument", "InstrumentedGraph", "app_models", "served_message",
+           "structured_parts"]
 
 
 def instrument(graph: Any = None, policies: Mapping[str, Policy] | None = None, *,
@@ -40,11 +49,16 @@ def instrument(graph: Any = None, policies: Mapping[str, Policy] | None = None, 
     Args:
         graph: a compiled LangGraph graph, or a `StateGraph` builder (compiled here). Omit it to use
             `instrument` as a decorator on a function that builds and returns the graph.
-        policies: agent name -> Policy. One Policy object may serve several agents (a shared model).
+        policies: agent name -> Policy. One Policy object may serve several agents (a shared model);
+            distinct policies need distinct names. An agent that is no node path is reached by calls
+            carrying `with_config(metadata={"drmas_agent": name})` (a warning after the first episode
+            if it never acted).
         agents: node-path glob -> agent name (first match wins), e.g. {"research/*": "researcher"}.
             Without a match the agent is the node path itself ('outer/inner' inside subgraphs).
-        strict: raise `StrictModeError` when a call's agent has no policy (default: the app's own model
-            answers it and the turn is recorded as non-trainable).
+        strict: raise `StrictModeError` when a call's agent has no policy, or when a call made while this
+            run is active cannot be attributed to it (a plain thread); the episode fails even if the app
+            catches the error. Default: the app's own model answers (the turn is recorded as
+            non-trainable; an unattributable call warns with `UnservedCallWarning`).
         store: a `TraceStore`; every finished episode (ok or failed) is written to it.
     """
     if policies is None:
@@ -66,13 +80,39 @@ def graph_node_paths(graph: Any) -> list[str]:
         ids = list(graph.get_graph(xray=True).nodes)
     except Exception:  # noqa: BLE001 - a graph that cannot draw itself still has top-level nodes
         ids = list(getattr(graph, "nodes", {}))
-    return [i.replace(":", "/") for i in ids if i not in ("__start__", "__end__")]
+    paths = [i.replace(":", "/") for i in ids]
+    return [p for p in paths if p.rsplit("/", 1)[-1] not in ("__start__", "__end__")]
 
 
-class InstrumentedGraph:
-    """A compiled graph whose LLM calls are served by policies. Same run methods as the graph, plus
-    `rollout`/`arollout`, which return the run as an `Episode`. Other attributes pass through to the graph
-    (`get_state`, `get_graph`, ...)."""
+_READ_ONLY = frozenset({
+    "get_state", "aget_state", "get_state_history", "aget_state_history", "get_subgraphs", "aget_subgraphs",
+    "aget_graph", "nodes", "channels", "builder", "checkpointer", "store", "cache", "stream_mode", "stream_eager",
+    "stream_channels", "output_channels", "input_channels", "interrupt_before_nodes", "interrupt_after_nodes",
+    "debug", "config", "step_timeout", "retry_policy", "cache_policy", "context_schema", "trigger_to_nodes",
+    "get_context_jsonschema", "stream_channels_list", "stream_channels_asis", "name",
+})
+"""Graph attributes an InstrumentedGraph forwards: they read the graph or its checkpoints and run no node."""
+
+
+def check_unique_policy_names(policies: Mapping[str, Any]) -> None:
+    """Two distinct policy objects must not share a name: names key traces (`Turn.policy`), checkpoints and
+    the trainer's models, so the second would silently stand for the first."""
+    seen: dict[str, tuple[str, Any]] = {}
+    for agent, policy in policies.items():
+        first = seen.setdefault(getattr(policy, "name", None), (agent, policy))
+        if first[1] is not policy:
+            raise ConfigError(
+                f"policies[{first[0]!r}] and policies[{agent!r}] are two different policy objects with the same name "
+                f"{policy.name!r}; policy names key traces, checkpoints and trained models, so they must be unique. "
+                f"Name each one (e.g. TransformersPolicy.from_pretrained(path, name={agent!r})), or pass the same "
+                "object for both agents to share one model.")
+
+
+class InstrumentedGraph(Runnable):
+    """A compiled graph whose LLM calls are served by policies. A LangChain Runnable with the graph's run
+    methods (every one records an episode: `invoke`, `stream`, `batch`, `with_config(...)`, `with_retry()`,
+    `astream_events`, ...), plus `rollout`/`arollout`, which return the run as an `Episode`. Read-only
+    attributes pass through to the graph (`get_state`, `get_graph`, `nodes`, ...); `.graph` is the graph."""
 
     def __init__(self, graph: Any, policies: Mapping[str, Policy], *, agents: Mapping[str, str] | None = None,
                  strict: bool = False, store: Any = None) -> None:
@@ -89,32 +129,84 @@ class InstrumentedGraph:
         self._agent_of_node: dict[str, str] = {}
         self.sampling: dict[str, SamplingParams] = {}
         """Per-agent sampling overrides; an agent without one uses its policy's `sampling`."""
+        self._unbound: set[str] = set()
+        """Agents named in `policies` that no node path or `agents` entry leads to (only `drmas_agent` can)."""
+        self._first_episode_checked = False
         self._validate()
         install()
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self.graph, name)
+        if name in _READ_ONLY and "graph" in self.__dict__:
+            return getattr(self.graph, name)
+        raise AttributeError(
+            f"{type(self).__name__} has no attribute {name!r}: it forwards only read-only graph attributes "
+            f"({', '.join(sorted(_READ_ONLY))}), so that nothing runs the graph outside the instrumentation. "
+            f"Use app.graph.{name} to reach the uninstrumented graph on purpose.")
 
     def __repr__(self) -> str:
         return f"InstrumentedGraph(agents={sorted(self.policies)}, nodes={self.nodes})"
 
+    # ---- the graph's introspection (Runnable defines these for itself; here they describe the graph) ----
+    def get_graph(self, *args: Any, **kwargs: Any) -> Any:
+        return self.graph.get_graph(*args, **kwargs)
+
+    def get_name(self, *args: Any, **kwargs: Any) -> str:
+        return self.graph.get_name(*args, **kwargs)
+
+    @property
+    def InputType(self) -> Any:  # noqa: N802 - LangChain's name
+        return self.graph.InputType
+
+    @property
+    def OutputType(self) -> Any:  # noqa: N802 - LangChain's name
+        return self.graph.OutputType
+
+    @property
+    def input_schema(self) -> Any:
+        return self.graph.input_schema
+
+    @property
+    def output_schema(self) -> Any:
+        return self.graph.output_schema
+
+    @property
+    def config_specs(self) -> Any:
+        return self.graph.config_specs
+
+    def get_input_schema(self, config: Any = None) -> Any:
+        return self.graph.get_input_schema(config)
+
+    def get_output_schema(self, config: Any = None) -> Any:
+        return self.graph.get_output_schema(config)
+
+    def get_input_jsonschema(self, config: Any = None) -> Any:
+        return self.graph.get_input_jsonschema(config)
+
+    def get_output_jsonschema(self, config: Any = None) -> Any:
+        return self.graph.get_output_jsonschema(config)
+
+    def config_schema(self, *, include: Sequence[str] | None = None) -> Any:
+        return self.graph.config_schema(include=include)
+
+    def get_config_jsonschema(self, *, include: Sequence[str] | None = None) -> Any:
+        return self.graph.get_config_jsonschema(include=include)
+
     # ---- validation and routing -------------------------------------------------------------
     def _validate(self) -> None:
         for pattern, agent in self.agents.items():
-            if not any(fnmatch.fnmatchcase(n, pattern) for n in self.nodes):
+            if not any(fnmatch.fnmatchcase(n, pattern) or _under_node(n, pattern) for n in self.nodes):
                 raise UnknownAgentError(
                     f"agents: pattern {pattern!r} (agent {agent!r}) matches no node; nodes found: {self.nodes}. "
-                    "Patterns are globs over node paths ('outer/inner' inside subgraphs).")
-        known = set(self.nodes) | set(self.agents.values())
+                    "Patterns are globs over node paths ('outer/inner' inside subgraphs, also for a subgraph "
+                    "that a node's function invokes).")
         for name, policy in self.policies.items():
             if not isinstance(policy, Policy):
                 raise ConfigError(f"policies[{name!r}] is a {type(policy).__name__}, not a drmas_graph Policy; "
                                   "wrap the model, e.g. TransformersPolicy.from_pretrained(path)")
-            if name not in known:
-                raise UnknownAgentError(
-                    f"policies: agent {name!r} is neither a node of the graph nor mapped by `agents`; "
-                    f"nodes found: {self.nodes}; agents mapped: {sorted(set(self.agents.values()))}. "
-                    f"Name the agent after a node path, or map nodes to it: agents={{'<node glob>': {name!r}}}.")
+        check_unique_policy_names(self.policies)
+        known = set(self.nodes) | set(self.agents.values())
+        self._unbound = {name for name in self.policies
+                         if name not in known and not any(_under_node(n, name) for n in self.nodes)}
 
     def agent_for_node(self, node: str) -> str:
         """The agent of calls made by `node` (without a `drmas_agent` override)."""
@@ -140,19 +232,36 @@ class InstrumentedGraph:
             params = params.replace(stop=tuple(params.stop) + tuple(s for s in stop if s not in params.stop))
         return params
 
+    def _check_unbound(self, episode: Episode) -> None:
+        """After the first episode: warn about agents that only `drmas_agent` metadata could reach and that
+        did not act (a typo in `policies=` shows up here)."""
+        if self._first_episode_checked or not self._unbound:
+            return
+        self._first_episode_checked = True
+        idle = sorted(self._unbound - set(episode.agents))
+        if idle:
+            warnings.warn(
+                f"policies: agent(s) {idle} made no LLM call in the first episode. They are neither node paths "
+                f"(nodes: {self.nodes}) nor mapped by agents=, so only calls carrying "
+                "with_config(metadata={'drmas_agent': <name>}) reach them; check the names.", UserWarning,
+                stacklevel=4)
+
     # ---- running ----------------------------------------------------------------------------
     @contextlib.contextmanager
     def _recording(self, episode: Episode) -> Iterator[_EpisodeRecorder]:
         recorder = _EpisodeRecorder(self, episode)
         token = ACTIVE_HANDLER.set(recorder)
+        register_run(recorder)
         episode._start_clock()
         try:
             yield recorder
+            _raise_swallowed_refusal(recorder)
         except BaseException as exc:
             episode.error = f"{type(exc).__name__}: {exc}"
             raise
         finally:
             ACTIVE_HANDLER.reset(token)
+            unregister_run(recorder)
             recorder.finish()
 
     def _finish(self, episode: Episode, output: Any, *, require_calls: bool) -> Episode:
@@ -174,6 +283,7 @@ class InstrumentedGraph:
     def _write(self, episode: Episode) -> None:
         if self.store is not None:
             self.store.write_episode(episode)
+        self._check_unbound(episode)
 
     @staticmethod
     def _new_episode(input: Any, config: Any, task_id: str | None, group_id: str | None,
@@ -188,8 +298,9 @@ class InstrumentedGraph:
                 group_id: str | None = None, metadata: dict[str, Any] | None = None) -> Episode:
         """Run the graph once and return the run as an Episode (final_state = what invoke returns).
 
-        Raises `RolloutError` (with `.episode`, also written to the store) if the graph raises, and
-        `NoLLMCallError` if the run made no LLM call. `metadata` is stored with the episode.
+        Raises `RolloutError` (with `.episode`, also written to the store) if the graph raises (or refused a
+        call in strict mode, even if the app caught that error), and `NoLLMCallError` if the run made no LLM
+        call. `metadata` is stored with the episode.
         """
         episode = self._new_episode(input, config, task_id, group_id, metadata)
         try:
@@ -238,196 +349,149 @@ class InstrumentedGraph:
         recorder = _EpisodeRecorder(self, episode)
         ctx = contextvars.copy_context()
         ctx.run(ACTIVE_HANDLER.set, recorder)
+        register_run(recorder)
         episode._start_clock()
         return episode, recorder, ctx
 
+    def _end_stream(self, episode: Episode, recorder: _EpisodeRecorder, cancelled: bool) -> None:
+        """A stream its consumer closed early is no episode (the run did not finish): nothing is stored."""
+        unregister_run(recorder)
+        recorder.finish()
+        if cancelled:
+            episode.error = "cancelled: the consumer closed the stream before the run finished"
+        else:
+            self._write(episode)
+
     def stream(self, input: Any, config: Any = None, **kwargs: Any) -> Iterator[Any]:
-        """The graph's `stream`, recorded as one episode. Each step runs in the episode's own context."""
+        """The graph's `stream`, recorded as one episode. Each step runs in the episode's own context.
+        Closing the stream early (a `break`) cancels the run; no episode is stored for it."""
         episode, recorder, ctx = self._episode_context(input, config)
-        chunks = ctx.run(self.graph.stream, input, config, **kwargs)
+        cancelled = False
         try:
-            while True:
-                try:
-                    chunk = ctx.run(next, chunks)
-                except StopIteration:
-                    break
-                yield chunk
+            chunks = ctx.run(self.graph.stream, input, config, **kwargs)
+            try:
+                while True:
+                    try:
+                        chunk = ctx.run(next, chunks)
+                    except StopIteration:
+                        break
+                    yield chunk
+                _raise_swallowed_refusal(recorder)
+            finally:
+                ctx.run(chunks.close)
+        except GeneratorExit:
+            cancelled = True
+            raise
         except BaseException as exc:
             episode.error = f"{type(exc).__name__}: {exc}"
             raise
         finally:
-            ctx.run(chunks.close)
-            recorder.finish()
-            self._write(episode)
+            self._end_stream(episode, recorder, cancelled)
 
     async def astream(self, input: Any, config: Any = None, **kwargs: Any) -> AsyncIterator[Any]:
-        """The graph's `astream`, recorded as one episode. Each step runs as a task in the episode's context."""
+        """The graph's `astream`, recorded as one episode. Each step runs as a task in the episode's context.
+        Closing the stream early cancels the run; no episode is stored for it."""
         episode, recorder, ctx = self._episode_context(input, config)
         chunks = self.graph.astream(input, config, **kwargs)
+        cancelled = False
 
         async def step() -> Any:
             return await chunks.__anext__()
 
         try:
-            while True:
-                try:
-                    chunk = await asyncio.get_running_loop().create_task(step(), context=ctx)
-                except StopAsyncIteration:
-                    break
-                yield chunk
+            try:
+                while True:
+                    try:
+                        chunk = await asyncio.get_running_loop().create_task(step(), context=ctx)
+                    except StopAsyncIteration:
+                        break
+                    yield chunk
+                _raise_swallowed_refusal(recorder)
+            finally:
+                await chunks.aclose()
+        except (GeneratorExit, asyncio.CancelledError):
+            cancelled = True
+            raise
         except BaseException as exc:
             episode.error = f"{type(exc).__name__}: {exc}"
             raise
         finally:
-            await chunks.aclose()
-            recorder.finish()
-            self._write(episode)
+            self._end_stream(episode, recorder, cancelled)
 
-    def batch(self, inputs: Sequence[Any], config: Any = None, *, return_exceptions: bool = False,
-              **kwargs: Any) -> list[Any]:
-        """`invoke` on each input concurrently in threads (`max_concurrency` in the config bounds them)."""
-        if not inputs:
-            return []
-        configs, limit = _per_input_configs(inputs, config)
-        with concurrent.futures.ThreadPoolExecutor(max_workers=limit or len(inputs)) as pool:
-            futures = [pool.submit(contextvars.copy_context().run, self.invoke, x, c, **kwargs)
-                       for x, c in zip(inputs, configs)]
-            return [_result(f, return_exceptions) for f in futures]
+    def stream_events(self, input: Any, config: Any = None, *, version: str = "v2", **kwargs: Any) -> Any:
+        _no_v3(version)
+        return super().stream_events(input, config, version=version, **kwargs)
 
-    async def abatch(self, inputs: Sequence[Any], config: Any = None, *, return_exceptions: bool = False,
-                     **kwargs: Any) -> list[Any]:
-        configs, limit = _per_input_configs(inputs, config)
-        gate = asyncio.Semaphore(limit or max(len(inputs), 1))
+    def astream_events(self, input: Any, config: Any = None, *, version: str = "v2", **kwargs: Any) -> Any:
+        _no_v3(version)
+        return super().astream_events(input, config, version=version, **kwargs)
 
-        async def one(x: Any, c: Any) -> Any:
-            async with gate:
-                return await self.ainvoke(x, c, **kwargs)
+    # ---- state edits: they run no node, but may run conditional edges (routers) ------------------
+    def update_state(self, *args: Any, **kwargs: Any) -> Any:
+        with _outside_episode(self, "update_state"):
+            return self.graph.update_state(*args, **kwargs)
 
-        return await asyncio.gather(*(one(x, c) for x, c in zip(inputs, configs)),
-                                    return_exceptions=return_exceptions)
+    async def aupdate_state(self, *args: Any, **kwargs: Any) -> Any:
+        with _outside_episode(self, "aupdate_state"):
+            return await self.graph.aupdate_state(*args, **kwargs)
 
+    def bulk_update_state(self, *args: Any, **kwargs: Any) -> Any:
+        with _outside_episode(self, "bulk_update_state"):
+            return self.graph.bulk_update_state(*args, **kwargs)
 
-def _per_input_configs(inputs: Sequence[Any], config: Any) -> tuple[list[Any], int | None]:
-    """One config per input (a list is taken as is), and the `max_concurrency` of the first."""
-    configs = list(config) if isinstance(config, list) else [config] * len(inputs)
-    return configs, ((configs[0] or {}).get("max_concurrency") if configs else None)
+    async def abulk_update_state(self, *args: Any, **kwargs: Any) -> Any:
+        with _outside_episode(self, "abulk_update_state"):
+            return await self.graph.abulk_update_state(*args, **kwargs)
 
 
-def _result(future: concurrent.futures.Future, return_exceptions: bool) -> Any:
-    try:
-        return future.result()
-    except Exception as exc:
-        if return_exceptions:
-            return exc
-        raise
+def _under_node(node: str, pattern: str) -> bool:
+    """True when `pattern` names something inside `node`: a node's function may invoke a compiled subgraph,
+    whose calls are recorded as 'node/inner' although `get_graph` cannot list 'inner'."""
+    head = pattern.split("/", 1)[0]
+    return "/" in pattern and "/" not in node and fnmatch.fnmatchcase(node, head)
 
 
-class _EpisodeRecorder:
-    """The CallHandler of one episode: serves calls from policies and collects Turns (thread-safe)."""
+def _no_v3(version: str) -> None:
+    if version == "v3":
+        raise ConfigError("stream_events/astream_events(version='v3') is not supported on an instrumented graph "
+                          "(LangGraph's experimental protocol drives the graph's own stream); use version='v2', "
+                          "stream() or astream()")
 
-    def __init__(self, app: InstrumentedGraph, episode: Episode) -> None:
-        self.app = app
-        self.episode = episode
-        self._lock = threading.Lock()
-        self._next_index = 0
-        self._per_key: dict[str, int] = {}
-        self._turns: list[Turn] = []
 
-    def _begin(self, site: CallSite) -> tuple[int, int]:
-        with self._lock:
-            index = self._next_index
-            self._next_index += 1
-            nci = self._per_key.get(site.call_key, 0)
-            self._per_key[site.call_key] = nci + 1
-        enforce_limits(self.episode, index)  # rollout.max_llm_calls / timeout_s (set by the trainer)
-        return index, nci
+def _raise_swallowed_refusal(recorder: _EpisodeRecorder) -> None:
+    """A refused call fails its episode even when the application caught the StrictModeError."""
+    if recorder.refusal is not None:
+        raise StrictModeError(f"{recorder.refusal} (the application caught this error and went on; the episode "
+                              "fails anyway)") from recorder.refusal
 
-    def _add(self, turn: Turn) -> None:
-        with self._lock:
-            self._turns.append(turn)
 
-    def finish(self) -> None:
-        with self._lock:
-            self.episode.turns = sorted(self._turns, key=lambda t: t.index)
-        self.episode._stop_clock()
+class _OutsideEpisode:
+    """Handler for graph code that runs outside any episode (`update_state` runs routing functions): an LLM
+    call there is refused in strict mode, and answered by the app's model with a warning otherwise."""
+
+    def __init__(self, app: InstrumentedGraph, method: str) -> None:
+        self.app, self.method = app, method
+
+    def _check(self, site: CallSite) -> None:
+        message = (f"an LLM call from {site.node or 'a routing function'!r} during {self.method}(), which is not "
+                   "an episode: no policy serves it")
+        if self.app.strict:
+            raise StrictModeError(message + " (strict=True)")
+        warnings.warn(UnservedCallWarning(message + "; the app's own model answers it"), stacklevel=6)
 
     def handle(self, site: CallSite, original: Callable[[], ChatResult]) -> ChatResult:
-        agent, policy = self.app._route(site)
-        index, nci = self._begin(site)
-        start = time.perf_counter()
-        if policy is None:
-            result = original()
-            self._add(self._untrained_turn(site, agent, index, nci, result, time.perf_counter() - start))
-            return result
-        with policy.announce():
-            prompt_ids = policy.render(site.messages, site.tools)
-            params = seeded(self.app._sampling_for(agent, policy, site.stop), self.episode.metadata, site.call_key, nci)
-        generation = policy.generate(prompt_ids, params)
-        return self._served(site, agent, policy, index, nci, prompt_ids, params, generation, start)
+        self._check(site)
+        return original()
 
     async def ahandle(self, site: CallSite, original: Callable[[], Any]) -> ChatResult:
-        agent, policy = self.app._route(site)
-        index, nci = self._begin(site)
-        start = time.perf_counter()
-        if policy is None:
-            result = await original()
-            self._add(self._untrained_turn(site, agent, index, nci, result, time.perf_counter() - start))
-            return result
-        with policy.announce():
-            prompt_ids = policy.render(site.messages, site.tools)
-            params = seeded(self.app._sampling_for(agent, policy, site.stop), self.episode.metadata, site.call_key, nci)
-        generation = await policy.agenerate(prompt_ids, params)
-        return self._served(site, agent, policy, index, nci, prompt_ids, params, generation, start)
-
-    def _served(self, site: CallSite, agent: str, policy: Policy, index: int, nci: int, prompt_ids: list[int],
-                params: SamplingParams, gen: Generation, start: float) -> ChatResult:
-        text = policy.decode(gen.token_ids)
-        parsed = policy.parse(_cut_at_stop(text, params.stop))
-        finish = "tool_calls" if parsed.tool_calls and gen.finish_reason == "stop" else gen.finish_reason
-        message = served_message(parsed, finish=finish, policy_name=policy.name, policy_version=gen.policy_version,
-                                 agent=agent, index=index, n_prompt=len(prompt_ids), n_response=len(gen.token_ids),
-                                 message_id=self._message_id(index))
-        self._add(Turn(
-            agent=agent, node=site.node, step=site.step, index=index, messages=tuple(site.messages),
-            prompt_ids=tuple(prompt_ids), response_ids=gen.token_ids, response_logprobs=gen.logprobs,
-            response_text=text, tool_calls=tuple(parsed.tool_calls), finish_reason=finish, policy=policy.name,
-            policy_version=gen.policy_version, trainable=True, latency_s=time.perf_counter() - start,
-            call_key=site.call_key, node_call_index=nci, sampling=params, tools=tuple(site.tools),
-            message_id=message.id,
-        ))
-        return ChatResult(generations=[ChatGeneration(message=message)])
-
-    def _message_id(self, index: int) -> str:
-        return f"drmas-{self.episode.id}-{index}"
-
-    def _untrained_turn(self, site: CallSite, agent: str, index: int, nci: int, result: ChatResult,
-                        latency: float) -> Turn:
-        message = result.generations[0].message
-        if message.id is None:  # LangChain would pick a random run id; ours lets replay return the same one
-            message.id = self._message_id(index)
-        return Turn(
-            agent=agent, node=site.node, step=site.step, index=index, messages=tuple(site.messages), prompt_ids=(),
-            response_ids=(), response_logprobs=(), response_text=_text(message.content),
-            tool_calls=tuple(getattr(message, "tool_calls", ()) or ()),
-            finish_reason=str((message.response_metadata or {}).get("finish_reason", "stop")), policy=None,
-            policy_version=None, trainable=False, latency_s=latency, call_key=site.call_key, node_call_index=nci,
-            tools=tuple(site.tools), message_id=message.id,
-        )
+        self._check(site)
+        return await original()
 
 
-def served_message(parsed: ParsedResponse, *, finish: str, policy_name: str | None, policy_version: int | None,
-                   agent: str, index: int, n_prompt: int, n_response: int, message_id: str | None) -> AIMessage:
-    """The AIMessage a node receives for a policy-served call (replay rebuilds it from the Turn)."""
-    return AIMessage(
-        content=parsed.content, tool_calls=parsed.tool_calls, invalid_tool_calls=parsed.invalid_tool_calls,
-        id=message_id,
-        response_metadata={"finish_reason": finish, "model_name": policy_name, "policy_version": policy_version,
-                           "drmas_agent": agent, "drmas_turn": index},
-        usage_metadata={"input_tokens": n_prompt, "output_tokens": n_response, "total_tokens": n_prompt + n_response},
-    )
-
-
-def _cut_at_stop(text: str, stops: Sequence[str]) -> str:
-    """Message content ends before the first stop string (OpenAI semantics); the Turn keeps the full text."""
-    cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
-    return text if cut < 0 else text[:cut]
+@contextlib.contextmanager
+def _outside_episode(app: InstrumentedGraph, method: str) -> Iterator[None]:
+    token = ACTIVE_HANDLER.set(_OutsideEpisode(app, method))
+    try:
+        yield
+    finally:
+        ACTIVE_HANDLER.reset(token)

@@ -16,7 +16,8 @@ from typing import Any
 
 from langchain_core.messages import BaseMessage
 
-from drmas_graph._chat import ParsedResponse, get_tool_parser, normalize_tools, to_chat_dicts
+from drmas_graph._chat import ParsedResponse, get_tool_parser, normalize_tools, to_chat_dicts, with_system_note
+from drmas_graph._structured import instruction
 from drmas_graph.errors import PolicyError
 from drmas_graph.types import Generation, SamplingParams
 
@@ -80,12 +81,15 @@ class Policy(abc.ABC):
             self._loop = None
 
     # ---- chat rendering ---------------------------------------------------------------------
-    def render(self, messages: Sequence[BaseMessage], tools: Sequence[Any] | None = None) -> list[int]:
-        """Prompt token ids for LangChain messages (and bound tool schemas), generation prompt appended."""
-        text = self.render_text(messages, tools)
+    def render(self, messages: Sequence[BaseMessage], tools: Sequence[Any] | None = None,
+               response_format: dict | None = None) -> list[int]:
+        """Prompt token ids for LangChain messages (and bound tool schemas, and a structured-output request
+        as recorded in `Turn.response_format`), generation prompt appended."""
+        text = self.render_text(messages, tools, response_format)
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
-    def render_text(self, messages: Sequence[BaseMessage], tools: Sequence[Any] | None = None) -> str:
+    def render_text(self, messages: Sequence[BaseMessage], tools: Sequence[Any] | None = None,
+                    response_format: dict | None = None) -> str:
         template = self.chat_template or getattr(self.tokenizer, "chat_template", None)
         if not template:
             raise PolicyError(
@@ -93,8 +97,8 @@ class Policy(abc.ABC):
                 "to the policy or use an instruct model's tokenizer"
             )
         return self.tokenizer.apply_chat_template(
-            to_chat_dicts(messages), tools=normalize_tools(tools) or None, chat_template=template,
-            add_generation_prompt=True, tokenize=False,
+            with_system_note(to_chat_dicts(messages), instruction(response_format)),
+            tools=normalize_tools(tools) or None, chat_template=template, add_generation_prompt=True, tokenize=False,
         )
 
     def decode(self, token_ids: Sequence[int]) -> str:

@@ -126,6 +126,11 @@ class Turn:
     """Tool schemas bound to the model for this call (OpenAI function format)."""
     message_id: str | None = None
     """Id of the AIMessage returned to the node (replay returns the same id, so states compare equal)."""
+    response_format: dict | None = None
+    """Structured output the call asked for and the prompt carried (`with_structured_output`, a forced
+    `tool_choice`): {'type': 'json_schema'|'tool', 'name', 'schema'}, {'type': 'json_object'} or
+    {'type': 'any_tool', 'names'}; None for free text. `Policy.render(messages, tools, response_format)`
+    reproduces prompt_ids."""
 
     @property
     def n_prompt_tokens(self) -> int:

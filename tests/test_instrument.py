@@ -98,8 +98,11 @@ def test_builder_is_compiled_and_decorator_form_works(policy):
 def test_unknown_agents_and_bad_policies_are_named():
     graph = _graphs.solver_verifier(Unreachable()).compile()
     p = tiny_policy()
-    with pytest.raises(UnknownAgentError, match=r"agent 'solvr'.*nodes found: \['solver', 'verifier'\]"):
-        instrument(graph, {"solvr": p})
+    # a name that is no node path is accepted (drmas_agent metadata may reach it); a typo is named after the
+    # first episode, in which it did not act
+    app = instrument(graph, {"solvr": p})
+    with pytest.warns(UserWarning, match=r"agent\(s\) \['solvr'\] made no LLM call.*nodes: \['solver', 'verifier'\]"):
+        app.invoke({"question": "q"})
     with pytest.raises(UnknownAgentError, match=r"pattern 'research/\*'.*matches no node"):
         instrument(graph, {"solver": p}, agents={"research/*": "researcher"})
     with pytest.raises(ConfigError, match=r"policies\['solver'\] is a str"):
