@@ -23,6 +23,7 @@ from langchain_core.messages import AIMessage
 from langchain_core.outputs import ChatGeneration, ChatResult
 
 from drmas_graph._chat import ParsedResponse, _text
+from drmas_graph import _threads
 from drmas_graph._intercept import ACTIVE_HANDLER, CallSite, install
 from drmas_graph.errors import ConfigError, NoLLMCallError, RolloutError, StrictModeError, UnknownAgentError
 from drmas_graph.policy import Policy
@@ -173,13 +174,15 @@ class InstrumentedGraph:
         if self.store is not None:
             self.store.write_episode(episode)
 
-    @staticmethod
-    def _new_episode(input: Any, config: Any, task_id: str | None, group_id: str | None,
+    def _new_episode(self, input: Any, config: Any, task_id: str | None, group_id: str | None,
                      metadata: dict[str, Any] | None = None) -> Episode:
         thread_id = ((config or {}).get("configurable") or {}).get("thread_id")
         metadata = dict(metadata or {})
         if thread_id is not None:
             metadata["thread_id"] = thread_id
+        start = _threads.thread_start(self.graph, config)  # the thread checkpoint replay starts from
+        if start is not None:
+            metadata["thread_start"] = start
         return Episode(task_id=task_id, group_id=group_id, input=input, metadata=metadata)
 
     def rollout(self, input: Any, config: Any = None, *, task_id: str | None = None,
