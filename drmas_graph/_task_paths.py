@@ -86,5 +86,6 @@ def register(active: Callable[[], bool]) -> None:
     """Add `TaskPaths` to every callback manager configured while `active()` is true (once per process)."""
     global _registered
     if not _registered:
-        register_configure_hook(_WhileActive(active), inheritable=True, handle_class=TaskPaths)  # type: ignore[arg-type]
+        hook = _WhileActive(active)  # duck-typed: LangChain only calls the hook variable's get()
+        register_configure_hook(hook, inheritable=True, handle_class=TaskPaths)  # type: ignore[arg-type]
         _registered = True

@@ -77,7 +77,8 @@ def _writes_by_task(found: Any) -> dict[str, list[tuple[str, Any]]]:
 
 
 def _new_thread(start: Mapping[str, Any]) -> dict[str, Any]:
-    return {"configurable": {"thread_id": f"replay-{uuid.uuid4().hex}", "checkpoint_ns": start.get("checkpoint_ns") or ""}}
+    ns = start.get("checkpoint_ns") or ""
+    return {"configurable": {"thread_id": f"replay-{uuid.uuid4().hex}", "checkpoint_ns": ns}}
 
 
 def fork_config(graph: Any, start: Mapping[str, Any] | None) -> tuple[dict[str, Any] | None, str | None]:

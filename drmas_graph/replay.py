@@ -101,6 +101,10 @@ class _StopReplay(DrmasError):
     pass
 
 
+class AsyncOnlyGraphError(ConfigError):
+    """`replay` was given a graph with async-only nodes: use `areplay`."""
+
+
 def render_prompt(messages: Sequence[BaseMessage], tools: Sequence[dict] = ()) -> str:
     """A prompt as readable lines: one 'role: content' block per message, tool calls and tool names."""
     lines = []
@@ -271,7 +275,7 @@ def _stopped(exc: BaseException) -> bool:
     if _caused_by(exc, _StopReplay):
         return True
     if isinstance(exc, TypeError) and "No synchronous function provided" in str(exc):
-        raise ConfigError(f"the graph has async-only nodes ({exc}); replay it with `await areplay(...)` or "
+        raise AsyncOnlyGraphError(f"the graph has async-only nodes ({exc}); replay it with `await areplay(...)` or "
                           "`await areplay_episode(...)`") from exc
     return False
 

@@ -267,3 +267,26 @@ def test_replay_starts_from_the_thread_checkpoint_the_rollout_continued(tmp_path
     assert lost.stopped and lost.divergences[0].kind == "prompt_changed"
     fresh = replay(elsewhere, tmp_path / "r.db", first.id)
     assert fresh.unreproducible is None and fresh.divergences == [] and fresh.state_matches
+
+
+def test_cli_replays_async_graphs_and_says_what_cannot_be_reproduced(tmp_path, capsys, monkeypatch):
+    from drmas_graph.cli import main as cli_main
+
+    with TraceStore(tmp_path / "r.db") as store:
+        app = instrument(_graphs.async_solver_verifier(Unreachable()),
+                         {"solver": echo_policy(), "verifier": echo_policy()}, store=store)
+        async_episode = asyncio.run(app.arollout({"question": "2+3?"}))
+        chat = instrument(chat_graph(Unreachable(), InMemorySaver()), {"agent": echo_policy()}, store=store)
+        thread = {"configurable": {"thread_id": "t1"}}
+        chat.rollout({"messages": [HumanMessage("one")]}, thread)
+        continued = chat.rollout({"messages": [HumanMessage("two")]}, thread)
+    (tmp_path / "my_graphs.py").write_text(
+        "from langgraph.checkpoint.memory import InMemorySaver\nfrom tests import _graphs\n"
+        "from tests.test_instrument import Unreachable\nfrom tests.test_replay_identity import chat_graph\n"
+        "solver = _graphs.async_solver_verifier(Unreachable())\nchat = chat_graph(Unreachable(), InMemorySaver())\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert cli_main(["traces", "replay", str(tmp_path / "r.db"), async_episode.id, "--graph", "my_graphs:solver"]) == 0
+    assert "matched all 2 calls and reproduced the recorded final state" in capsys.readouterr().out
+    assert cli_main(["traces", "replay", str(tmp_path / "r.db"), continued.id, "--graph", "my_graphs:chat"]) == 1
+    out = capsys.readouterr().out
+    assert f"episode {continued.id} cannot be reproduced exactly: the episode continued thread 't1'" in out
