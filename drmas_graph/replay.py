@@ -161,10 +161,11 @@ class _ReplayHandler:
         """The n-th recorded call of this node instance if it has the same prompt and tools; else an unused
         recorded call of the instance that does (calls a node makes concurrently arrive in any order)."""
         expected = self.by_key.get((site.call_key, n))
-        candidates = [expected] if expected is not None and (site.call_key, n) not in self.used else []
-        candidates += [t for (key, i), t in sorted(self.by_key.items(), key=lambda kv: kv[0][1])
-                       if key == site.call_key and (key, i) not in self.used and t is not expected]
-        return next((t for t in candidates if _same_prompt(t, site)), None)
+        if expected is not None and (site.call_key, n) not in self.used and _same_prompt(expected, site):
+            return expected
+        others = (t for (key, i), t in sorted(self.by_key.items(), key=lambda kv: kv[0][1])
+                  if key == site.call_key and (key, i) not in self.used)
+        return next((t for t in others if _same_prompt(t, site)), None)
 
     def _divergence(self, site: CallSite, n: int) -> Divergence:
         turn = self.by_key.get((site.call_key, n))

@@ -66,8 +66,8 @@ def send_into_subgraph(llm, n=4, inner=0):
 
 
 def echo_policy(seed=0):
-    """Replies with the prompt's last line, so every call's answer names its own Send instance."""
-    return scripted_policy(lambda prompt: "re " + prompt.strip().splitlines()[-1][-12:], seed=seed)
+    """Replies 're <last user message>', so every call's answer names the call it answers."""
+    return scripted_policy(lambda prompt: "re " + prompt.rsplit("user\n", 1)[-1].split("<|im_end|>")[0], seed=seed)
 
 
 # -- call_key carries every ancestor's Send index (repros rev_r.py, rev_r2.py, rev_r3.py) ----------------
@@ -80,6 +80,7 @@ def test_send_into_a_subgraph_replays_every_time():
         (f"research[{i}]/search", 0) for i in range(4)]
     for turn in episode.turns:  # each key names the Send instance whose prompt it recorded
         assert turn.messages[-1].content == f"search item {turn.call_key[9]}"
+        assert turn.response_text.startswith(f"re search item {turn.call_key[9]}")
     outcomes = [replay_episode(graph, episode) for _ in range(12)]
     assert [r.divergences for r in outcomes] == [[]] * 12
     assert all(r.state_matches and not r.stopped for r in outcomes)
@@ -290,3 +291,25 @@ def test_cli_replays_async_graphs_and_says_what_cannot_be_reproduced(tmp_path, c
     assert cli_main(["traces", "replay", str(tmp_path / "r.db"), continued.id, "--graph", "my_graphs:chat"]) == 1
     out = capsys.readouterr().out
     assert f"episode {continued.id} cannot be reproduced exactly: the episode continued thread 't1'" in out
+
+
+def test_concurrent_calls_inside_one_node_are_matched_by_prompt():
+    llm = Unreachable()
+
+    async def ask(text):
+        await asyncio.sleep(random.random() * 0.01)
+        return (await llm.ainvoke([HumanMessage(text)])).content
+
+    async def panel(state):  # three calls at once from one node instance: they arrive in any order
+        return {"notes": list(await asyncio.gather(*(ask(f"expert {k}: {state['question']}") for k in range(3))))}
+
+    g = StateGraph(Fan)
+    g.add_node("panel", panel)
+    g.add_edge(START, "panel")
+    g.add_edge("panel", END)
+    graph = g.compile()
+    episode = asyncio.run(instrument(graph, {"panel": echo_policy()}).arollout({"question": "q"}))
+    for _ in range(8):
+        result = asyncio.run(areplay_episode(graph, episode))
+        assert result.divergences == [] and result.state_matches
+        assert result.final_state["notes"] == [f"re expert {k}: q" for k in range(3)]
