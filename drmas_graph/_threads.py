@@ -15,34 +15,62 @@ from collections import defaultdict
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["thread_start", "fork_config", "afork_config"]
+__all__ = ["thread_start", "athread_start", "fork_config", "afork_config", "LOOK_UP"]
+
+LOOK_UP = object()
+"""Marker: the thread start is still to be looked up (with the sync API)."""
 
 def _checkpointer(graph: Any) -> Any:
     saver = getattr(graph, "checkpointer", None)
     return saver if hasattr(saver, "get_tuple") else None
 
 
-def thread_start(graph: Any, config: Mapping[str, Any] | None) -> dict[str, Any] | None:
-    """The thread checkpoint a run with `config` starts from, as JSON data; None when the run uses no
-    checkpointed thread. ``checkpoint_id`` None means the thread was empty (the input alone reproduces
-    the run); ``error`` says why the checkpoint could not be read."""
+def _start(graph: Any, config: Mapping[str, Any] | None) -> tuple[Any, dict[str, Any] | None]:
     configurable = dict((config or {}).get("configurable") or {})
     thread_id = configurable.get("thread_id")
     saver = _checkpointer(graph)
     if thread_id is None or saver is None:
-        return None
-    start: dict[str, Any] = {"thread_id": str(thread_id), "checkpoint_ns": configurable.get("checkpoint_ns", ""),
-                             "checkpoint_id": configurable.get("checkpoint_id")}
-    try:
-        found = saver.get_tuple({"configurable": {k: v for k, v in start.items() if v is not None}})
-    except Exception as exc:  # e.g. an async-only saver read from its own event loop
-        start["error"] = f"{type(exc).__name__}: {exc}"
-        return start
+        return None, None
+    return saver, {"thread_id": str(thread_id), "checkpoint_ns": configurable.get("checkpoint_ns", ""),
+                   "checkpoint_id": configurable.get("checkpoint_id")}
+
+
+def _lookup(start: dict[str, Any]) -> dict[str, Any]:
+    return {"configurable": {k: v for k, v in start.items() if v is not None}}
+
+
+def _found(start: dict[str, Any], found: Any) -> dict[str, Any]:
     if found is not None:
         start["checkpoint_id"] = found.config["configurable"]["checkpoint_id"]
     elif start["checkpoint_id"] is not None:
-        start["error"] = f"checkpoint {start['checkpoint_id']} is not in thread {thread_id!r}"
+        start["error"] = f"checkpoint {start['checkpoint_id']} is not in thread {start['thread_id']!r}"
     return start
+
+
+def thread_start(graph: Any, config: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """The thread checkpoint a run with `config` starts from, as JSON data; None when the run uses no
+    checkpointed thread. ``checkpoint_id`` None means the thread was empty (the input alone reproduces
+    the run); ``error`` says why the checkpoint could not be read."""
+    saver, start = _start(graph, config)
+    if start is None:
+        return None
+    try:
+        return _found(start, saver.get_tuple(_lookup(start)))
+    except Exception as exc:  # e.g. an async-only saver read from its own event loop
+        start["error"] = f"{type(exc).__name__}: {exc}"
+        return start
+
+
+async def athread_start(graph: Any, config: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """`thread_start` with the checkpointer's async method (async runs; async-only savers)."""
+    saver, start = _start(graph, config)
+    if start is None:
+        return None
+    try:
+        return _found(start, await saver.aget_tuple(_lookup(start)))
+    except Exception as exc:
+        start["error"] = f"{type(exc).__name__}: {exc}"
+        return start
 
 
 def _source(graph: Any, start: Mapping[str, Any] | None) -> tuple[Any, dict[str, Any] | None, str | None]:
@@ -69,6 +97,11 @@ def _missing(start: Mapping[str, Any]) -> str:
             "compile the graph with the checkpointer the run used")
 
 
+def _unreadable(start: Mapping[str, Any], exc: Exception) -> str:
+    return (f"the episode continued thread {start.get('thread_id')!r} from checkpoint {start['checkpoint_id']}, "
+            f"which the graph's checkpointer could not read ({type(exc).__name__}: {exc})")
+
+
 def _writes_by_task(found: Any) -> dict[str, list[tuple[str, Any]]]:
     by_task: dict[str, list[tuple[str, Any]]] = defaultdict(list)
     for task_id, channel, value in found.pending_writes or ():
@@ -87,7 +120,10 @@ def fork_config(graph: Any, start: Mapping[str, Any] | None) -> tuple[dict[str, 
     saver, source, reason = _source(graph, start)
     if source is None:
         return None, reason
-    found = saver.get_tuple(source)
+    try:
+        found = saver.get_tuple(source)
+    except Exception as exc:  # an async-only saver: `areplay` reads it
+        return None, f"{_unreadable(start, exc)}; async-only checkpointers need `areplay`"
     if found is None:
         return None, _missing(start)
     target = saver.put(_new_thread(start), found.checkpoint, found.metadata, found.checkpoint["channel_versions"])
@@ -101,7 +137,10 @@ async def afork_config(graph: Any, start: Mapping[str, Any] | None) -> tuple[dic
     saver, source, reason = _source(graph, start)
     if source is None:
         return None, reason
-    found = await saver.aget_tuple(source)
+    try:
+        found = await saver.aget_tuple(source)
+    except Exception as exc:
+        return None, _unreadable(start, exc)
     if found is None:
         return None, _missing(start)
     target = await saver.aput(_new_thread(start), found.checkpoint, found.metadata,

@@ -175,12 +175,13 @@ class InstrumentedGraph:
             self.store.write_episode(episode)
 
     def _new_episode(self, input: Any, config: Any, task_id: str | None, group_id: str | None,
-                     metadata: dict[str, Any] | None = None) -> Episode:
+                     metadata: dict[str, Any] | None = None, *, start: Any = _threads.LOOK_UP) -> Episode:
         thread_id = ((config or {}).get("configurable") or {}).get("thread_id")
         metadata = dict(metadata or {})
         if thread_id is not None:
             metadata["thread_id"] = thread_id
-        start = _threads.thread_start(self.graph, config)  # the thread checkpoint replay starts from
+        if start is _threads.LOOK_UP:  # the thread checkpoint replay starts from (async runs pass it)
+            start = _threads.thread_start(self.graph, config)
         if start is not None:
             metadata["thread_start"] = start
         return Episode(task_id=task_id, group_id=group_id, input=input, metadata=metadata)
@@ -203,7 +204,8 @@ class InstrumentedGraph:
     async def arollout(self, input: Any, config: Any = None, *, task_id: str | None = None,
                        group_id: str | None = None, metadata: dict[str, Any] | None = None) -> Episode:
         """Async `rollout`: many can run concurrently in one event loop without cross-talk."""
-        episode = self._new_episode(input, config, task_id, group_id, metadata)
+        episode = self._new_episode(input, config, task_id, group_id, metadata,
+                                    start=await _threads.athread_start(self.graph, config))
         try:
             with self._recording(episode):
                 output = await self.graph.ainvoke(input, config)
@@ -223,7 +225,7 @@ class InstrumentedGraph:
         return output
 
     async def ainvoke(self, input: Any, config: Any = None, **kwargs: Any) -> Any:
-        episode = self._new_episode(input, config, None, None)
+        episode = self._new_episode(input, config, None, None, start=await _threads.athread_start(self.graph, config))
         try:
             with self._recording(episode):
                 output = await self.graph.ainvoke(input, config, **kwargs)

@@ -313,3 +313,41 @@ def test_concurrent_calls_inside_one_node_are_matched_by_prompt():
         result = asyncio.run(areplay_episode(graph, episode))
         assert result.divergences == [] and result.state_matches
         assert result.final_state["notes"] == [f"re expert {k}: q" for k in range(3)]
+
+
+class AsyncOnlySaver(InMemorySaver):
+    """A checkpointer with only the async API working (like AsyncSqliteSaver read from its event loop)."""
+
+    def get_tuple(self, config):
+        raise asyncio.InvalidStateError("use the async API")
+
+    async def aget_tuple(self, config):
+        return InMemorySaver.get_tuple(self, config)
+
+
+def test_async_rollouts_record_the_thread_start_of_async_only_checkpointers():
+    llm = Unreachable()
+
+    async def agent(state):
+        return {"messages": [await llm.ainvoke(state["messages"])]}
+
+    g = StateGraph(MessagesState)
+    g.add_node("agent", agent)
+    g.add_edge(START, "agent")
+    g.add_edge("agent", END)
+    graph = g.compile(checkpointer=AsyncOnlySaver())
+    app = instrument(graph, {"agent": echo_policy()})
+    thread = {"configurable": {"thread_id": "a1"}}
+
+    async def two_turns():
+        await app.arollout({"messages": [HumanMessage("one")]}, thread)
+        return await app.arollout({"messages": [HumanMessage("two")]}, thread)
+
+    second = asyncio.run(two_turns())
+    assert "error" not in second.metadata["thread_start"] and second.metadata["thread_start"]["checkpoint_id"]
+    result = asyncio.run(areplay_episode(graph, second))
+    assert result.unreproducible is None and result.divergences == [] and result.state_matches
+    from drmas_graph._threads import fork_config
+
+    forked, reason = fork_config(graph, second.metadata["thread_start"])  # the sync API cannot read it: said
+    assert forked is None and "could not read" in reason and "areplay" in reason
