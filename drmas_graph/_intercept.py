@@ -76,8 +76,9 @@ def node_path(metadata: dict[str, Any]) -> str:
 
 def call_key(metadata: dict[str, Any], node: str, task_paths: Mapping[str, tuple] | None = None) -> str:
     """The node instance of a call, stable across runs whatever the scheduling order: the node path with
-    '[i]' after every task that was the i-th `Send` of its step, the call's own task and each enclosing
-    one ('research[2]/search' for a call in subgraph node 'search' of the third Send to 'research').
+    '[i]' after every task that was the i-th `Send` of its step (or the i-th `@task` call of its parent),
+    the call's own task and each enclosing one ('research[2]/search' for a call in subgraph node 'search'
+    of the third Send to 'research').
 
     The call's own task path is `langgraph_path` in `metadata`; the enclosing tasks' paths come from
     `task_paths` (namespace -> task path, recorded by `_task_paths.TaskPaths` during the run), matched

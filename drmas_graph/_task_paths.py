@@ -47,9 +47,15 @@ class TaskPaths(BaseCallbackHandler):
 
 
 def send_index(path: Any) -> int | None:
-    """i when the task path is ``('__pregel_push', i, ...)`` (the i-th `Send` of its step), else None."""
-    if isinstance(path, (list, tuple)) and len(path) >= 2 and path[0] == _PUSH and isinstance(path[1], int):
+    """i when the task was pushed as the i-th of its kind: a `Send` (path ``('__pregel_push', i, ...)``,
+    the i-th Send of its step) or a functional-API `@task` call (``('__pregel_push', <parent task path>,
+    i, ...)``, the i-th call its parent made); None for a task of a graph edge."""
+    if not isinstance(path, (list, tuple)) or len(path) < 2 or path[0] != _PUSH:
+        return None
+    if isinstance(path[1], int):
         return path[1]
+    if isinstance(path[1], (list, tuple)) and len(path) >= 3 and isinstance(path[2], int):
+        return path[2]
     return None
 
 

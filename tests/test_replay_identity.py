@@ -351,3 +351,25 @@ def test_async_rollouts_record_the_thread_start_of_async_only_checkpointers():
 
     forked, reason = fork_config(graph, second.metadata["thread_start"])  # the sync API cannot read it: said
     assert forked is None and "could not read" in reason and "areplay" in reason
+
+
+def test_functional_api_task_calls_are_keyed_by_call_order():
+    from langgraph.func import entrypoint, task
+
+    llm = Unreachable()
+
+    @task
+    def work(i):
+        _jitter()
+        return llm.invoke([HumanMessage(f"work {i}")]).content
+
+    @entrypoint()
+    def main(n):
+        return [f.result() for f in [work(i) for i in range(n)]]
+
+    episode = instrument(main, {"worker": echo_policy()}, agents={"main*": "worker"}).rollout(3)
+    assert sorted((t.call_key, t.messages[-1].content) for t in episode.turns) == [
+        (f"main/work[{i}]", f"work {i}") for i in range(3)]
+    for _ in range(6):
+        result = replay_episode(main, episode)
+        assert result.divergences == [] and result.final_state == [f"re work {i}" for i in range(3)]
