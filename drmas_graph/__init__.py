@@ -29,6 +29,7 @@ _EXPORTS: dict[str, str] = {
     "TraceStore": "drmas_graph.store",
     "rescore": "drmas_graph.rescore",
     "replay": "drmas_graph.replay",
+    "areplay": "drmas_graph.replay",
     "ReplayResult": "drmas_graph.replay",
     "Divergence": "drmas_graph.replay",
     # training
@@ -96,7 +97,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs
     )
     from drmas_graph.instrumented import InstrumentedGraph, app_models, instrument
     from drmas_graph.policy import Policy
-    from drmas_graph.replay import Divergence, ReplayResult, replay
+    from drmas_graph.replay import Divergence, ReplayResult, areplay, replay
     from drmas_graph.rescore import rescore
     from drmas_graph.store import TraceStore
     from drmas_graph.transformers_policy import TransformersPolicy

@@ -33,7 +33,7 @@ import contextlib
 import functools
 import threading
 import warnings
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -43,6 +43,7 @@ from langchain_core.messages import BaseMessage
 from langchain_core.outputs import ChatResult
 from langchain_core.runnables.config import ensure_config
 
+from drmas_graph import _task_paths
 from drmas_graph._chat import normalize_tools
 from drmas_graph.errors import StrictModeError, UnservedCallWarning
 
@@ -148,12 +149,28 @@ def node_path(metadata: dict[str, Any]) -> str:
     return str(metadata.get("langgraph_node", ""))
 
 
-def call_key(metadata: dict[str, Any], node: str) -> str:
-    """Node path plus '[i]' when the task was the i-th `Send` (`langgraph_path` = ('__pregel_push', i, ...))."""
-    path = metadata.get("langgraph_path") or ()
-    if len(path) >= 2 and path[0] == "__pregel_push" and isinstance(path[1], int):
-        return f"{node}[{path[1]}]"
-    return node
+def call_key(metadata: dict[str, Any], node: str, task_paths: Mapping[str, tuple] | None = None) -> str:
+    """The node instance of a call, stable across runs whatever the scheduling order: the node path with
+    '[i]' after every task that was the i-th `Send` of its step (or the i-th `@task` call of its parent),
+    the call's own task and each enclosing one ('research[2]/search' for a call in subgraph node 'search'
+    of the third Send to 'research').
+
+    The call's own task path is `langgraph_path` in `metadata`; the enclosing tasks' paths come from
+    `task_paths` (namespace -> task path, recorded by `_task_paths.TaskPaths` during the run), matched
+    through `langgraph_checkpoint_ns`. A task id never enters the key: LangGraph draws it from the
+    checkpoint id, which is new every run.
+    """
+    ns = metadata.get("langgraph_checkpoint_ns")
+    if not ns:
+        index = _task_paths.send_index(metadata.get("langgraph_path"))
+        return node if index is None else f"{node}[{index}]"
+    own_ns, own_path = str(ns), metadata.get("langgraph_path")
+    parts = []
+    for name, task_ns in _task_paths.ancestor_namespaces(own_ns):
+        path = own_path if task_ns == own_ns else (task_paths or {}).get(task_ns)
+        index = _task_paths.send_index(path)
+        parts.append(name if index is None else f"{name}[{index}]")
+    return "/".join(parts)
 
 
 def _site(model: BaseChatModel, messages: list[BaseMessage], stop: list[str] | None, run_manager: Any,
@@ -166,7 +183,8 @@ def _site(model: BaseChatModel, messages: list[BaseMessage], stop: list[str] | N
     step = metadata.get("langgraph_step", -1)
     return CallSite(model=model, messages=list(messages), stop=list(stop) if stop else None,
                     tools=normalize_tools(kwargs.get("tools")), metadata=metadata, node=node,
-                    step=int(step) if isinstance(step, int) else -1, call_key=call_key(metadata, node),
+                    step=int(step) if isinstance(step, int) else -1,
+                    call_key=call_key(metadata, node, _task_paths.task_paths_of(run_manager)),
                     kwargs=dict(kwargs))
 
 
@@ -247,6 +265,7 @@ def install() -> None:
             return orig_submit(self, _carried(handler, fn), *args, **kwargs)
 
         concurrent.futures.ThreadPoolExecutor.submit = submit
+        _task_paths.register(lambda: ACTIVE_HANDLER.get() is not None)  # Send indices of enclosing tasks
         _installed = True
 
 

@@ -217,7 +217,8 @@ CREATE TABLE IF NOT EXISTS episodes (
     final_state TEXT,             -- JSON (see to_json)
     timings TEXT NOT NULL,
     metadata TEXT NOT NULL,
-    created REAL NOT NULL
+    created REAL NOT NULL,
+    trained REAL                  -- Unix time update_training recorded `step`; NULL otherwise (old stores too)
 );
 CREATE TABLE IF NOT EXISTS rewards (
     episode_id TEXT NOT NULL REFERENCES episodes (id),
@@ -262,8 +263,14 @@ CREATE INDEX IF NOT EXISTS episodes_by_task ON episodes (task_id);
 
 EPISODE_COLUMNS = (
     "id", "task_id", "group_id", "step", "error", "n_turns", "n_prompt_tokens", "n_response_tokens",
-    "agents", "reward", "rewards", "input", "final_state", "timings", "metadata", "created",
+    "agents", "reward", "rewards", "input", "final_state", "timings", "metadata", "created", "trained",
 )  # fmt: skip
+ADDED_COLUMNS: tuple[tuple[str, str, str], ...] = (
+    ("episodes", "trained", "REAL"),
+)
+"""Columns added to the layout after schema version 1 was released: (table, column, SQL type), each
+nullable. They keep the schema version: opening an older store to write adds them (NULL in old rows),
+opening one read-only reads them as NULL (`absent_columns`, `select_list`). Add new columns here."""
 TURN_COLUMNS = (
     "episode_id", "position", "call_index", "agent", "node", "step", "call_key", "node_call_index",
     "messages", "prompt_ids", "response_ids", "response_logprobs", "n_prompt_tokens", "n_response_tokens",
@@ -271,6 +278,29 @@ TURN_COLUMNS = (
     "sampling", "tools", "message_id", "turn_reward", "advantage",
     "response_format",
 )  # fmt: skip
+
+
+def absent_columns(conn: Any) -> set[tuple[str, str]]:
+    """The `ADDED_COLUMNS` an (older) store lacks, as (table, column)."""
+    present: dict[str, set[str]] = {}
+    for table in {t for t, _, _ in ADDED_COLUMNS}:
+        present[table] = {row[1] for row in conn.execute(f"PRAGMA table_info({table})")}
+    return {(t, c) for t, c, _ in ADDED_COLUMNS if c not in present[t]}
+
+
+def add_absent_columns(conn: Any) -> list[str]:
+    """Add the `ADDED_COLUMNS` an older store lacks (inside the caller's write transaction); their names."""
+    added = []
+    for table, column, sql_type in ADDED_COLUMNS:
+        if (table, column) in absent_columns(conn):
+            conn.execute(f"ALTER TABLE {table} ADD COLUMN {column} {sql_type}")
+            added.append(f"{table}.{column}")
+    return added
+
+
+def select_list(table: str, columns: Sequence[str], absent: set[tuple[str, str]]) -> str:
+    """`columns` for a SELECT, with NULL in place of the ones an older store lacks."""
+    return ", ".join(f"NULL AS {c}" if (table, c) in absent else c for c in columns)
 
 
 # -- episodes <-> rows -------------------------------------------------------------------------------
@@ -314,6 +344,7 @@ def episode_rows(episode: Episode, step: int | None) -> tuple[tuple, list[tuple]
         to_json(dict(episode.timings), "timings"),
         to_json(dict(episode.metadata), "metadata"),
         time.time(),
+        None,  # trained: set by TraceStore.update_training/record_training, never guessed at write time
     )
     reward_rows = [(episode.id, agent, float(r)) for agent, r in episode.rewards.items()]
     return episode_row, turn_rows, reward_rows

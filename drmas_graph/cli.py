@@ -9,6 +9,7 @@ the parser's ``func`` default. A new group (``train``, ``eval``) adds its functi
     drmas-graph traces stats PATH
     drmas-graph traces export PATH --format jsonl|parquet [--out FILE] [--agent A] [--step N]
     drmas-graph traces replay PATH EPISODE --graph module:attr
+    drmas-graph traces rescore PATH --reward module:attr [--episodes trained|ok|all] [--step N] [--out FILE]
     drmas-graph train CONFIG.yaml [--set key=value ...]
     drmas-graph eval CONFIG.yaml [--checkpoint DIR] [--split S] [--k K] [--n-tasks N]
     drmas-graph config-doc
@@ -114,6 +115,43 @@ def _add_traces_commands(groups: Any) -> None:
     p.add_argument("episode", help="episode id (see `traces list`)")
     p.add_argument("--graph", required=True, metavar="MODULE:ATTR", help="the compiled graph to replay into")
     p.set_defaults(func=_cmd_replay)
+    _add_rescore_command(commands)
+
+
+def _add_rescore_command(commands: Any) -> None:
+    from drmas_graph.rescore import POOLS
+
+    p = commands.add_parser(
+        "rescore", help="new rewards and advantages for a stored run from another reward function, no model",
+        description="Recompute rewards and advantages of the pooled episodes (advantages are normalised over "
+                    "them, group by group). Pools: " + "; ".join(f"{k}: {v}" for k, v in POOLS.items()) + ".")
+    p.add_argument("path", help="trace store (.sqlite) of a run")
+    p.add_argument("--reward", required=True, metavar="MODULE:ATTR",
+                   help="reward function: episode -> float (team reward) or {agent: float}")
+    p.add_argument("--episodes", choices=list(POOLS), default="trained",
+                   help="which episodes to pool (default: trained = the episodes training used in the latest "
+                        "run; eval, failed, bad-reward and pre-resume episodes are left out)")
+    p.add_argument("--step", type=int, help="only the episodes of this training step")
+    p.add_argument("--estimator", default="agent", help="advantage estimator (default: agent)")
+    p.add_argument("--no-norm-by-std", action="store_false", dest="norm_by_std",
+                   help="do not divide advantages by the group's std")
+    p.add_argument("--out", type=Path, help="write the rescored episodes to this new trace store")
+    p.set_defaults(func=_cmd_rescore)
+
+
+def _cmd_rescore(args: argparse.Namespace, console: Console) -> int:
+    from drmas_graph.rescore import rescore
+
+    result = rescore(args.path, _import_object(args.reward), estimator=args.estimator,
+                     norm_by_std=args.norm_by_std, step=args.step, episodes=args.episodes, out=args.out)
+    totals: dict[str, list[float]] = {}
+    for rescored in result.values():
+        for agent, reward in rescored.rewards.items():
+            totals.setdefault(agent, []).append(reward)
+    means = ", ".join(f"{a} {sum(r) / len(r):.4f}" for a, r in sorted(totals.items()))
+    console.print(f"rescored {len(result)} episodes (pool: {args.episodes}); mean reward: {means or '-'}"
+                  + (f"; wrote {args.out}" if args.out else ""), markup=False)
+    return 0
 
 
 def _cmd_list(args: argparse.Namespace, console: Console) -> int:
@@ -186,19 +224,28 @@ def _cmd_export(args: argparse.Namespace, console: Console) -> int:
 
 def _cmd_replay(args: argparse.Namespace, console: Console) -> int:
     """Replay one stored episode into ``--graph``; exit status 1 if it diverged from the recording."""
-    from drmas_graph.replay import replay_episode
+    import asyncio
+
+    from drmas_graph.replay import AsyncOnlyGraphError, areplay_episode, replay_episode
 
     graph = _import_object(args.graph)
     if callable(graph) and not hasattr(graph, "invoke") and not hasattr(graph, "compile"):
         graph = graph()  # a factory that builds the graph
     with TraceStore(args.path, readonly=True) as store:
         episode = store.load_episode(args.episode)
-    result = replay_episode(graph, episode)
+    try:
+        result = replay_episode(graph, episode)
+    except AsyncOnlyGraphError:
+        result = asyncio.run(areplay_episode(graph, episode))
+    if result.unreproducible:
+        console.print(f"episode {episode.id} cannot be reproduced exactly: {result.unreproducible}", markup=False)
     divergences = list(result.divergences)
     if not divergences:
         same = "the recorded final state" if result.state_matches else "a DIFFERENT final state"
         console.print(f"episode {episode.id}: replay matched all {len(episode.turns)} calls and reproduced {same} "
                       f"in {result.wall_s:.3f}s", markup=False)
+        if not result.state_matches:
+            console.print(result.state_diff, markup=False)
         return 0 if result.state_matches else 1
     console.print(f"episode {episode.id}: {len(divergences)} divergence(s)", markup=False)
     for divergence in divergences:

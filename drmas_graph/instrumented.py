@@ -25,6 +25,7 @@ from typing import Any
 from langchain_core.outputs import ChatResult
 from langchain_core.runnables import Runnable
 
+from drmas_graph import _threads
 from drmas_graph._intercept import ACTIVE_HANDLER, CallSite, app_models, install, register_run, unregister_run
 from drmas_graph._recorder import _cut_at_stop, _EpisodeRecorder, served_message, structured_parts  # noqa: F401
 from drmas_graph.errors import (
@@ -285,13 +286,16 @@ class InstrumentedGraph(Runnable):
             self.store.write_episode(episode)
         self._check_unbound(episode)
 
-    @staticmethod
-    def _new_episode(input: Any, config: Any, task_id: str | None, group_id: str | None,
-                     metadata: dict[str, Any] | None = None) -> Episode:
+    def _new_episode(self, input: Any, config: Any, task_id: str | None, group_id: str | None,
+                     metadata: dict[str, Any] | None = None, *, start: Any = _threads.LOOK_UP) -> Episode:
         thread_id = ((config or {}).get("configurable") or {}).get("thread_id")
         metadata = dict(metadata or {})
         if thread_id is not None:
             metadata["thread_id"] = thread_id
+        if start is _threads.LOOK_UP:  # the thread checkpoint replay starts from (async runs pass it)
+            start = _threads.thread_start(self.graph, config)
+        if start is not None:
+            metadata["thread_start"] = start
         return Episode(task_id=task_id, group_id=group_id, input=input, metadata=metadata)
 
     def rollout(self, input: Any, config: Any = None, *, task_id: str | None = None,
@@ -313,7 +317,8 @@ class InstrumentedGraph(Runnable):
     async def arollout(self, input: Any, config: Any = None, *, task_id: str | None = None,
                        group_id: str | None = None, metadata: dict[str, Any] | None = None) -> Episode:
         """Async `rollout`: many can run concurrently in one event loop without cross-talk."""
-        episode = self._new_episode(input, config, task_id, group_id, metadata)
+        episode = self._new_episode(input, config, task_id, group_id, metadata,
+                                    start=await _threads.athread_start(self.graph, config))
         try:
             with self._recording(episode):
                 output = await self.graph.ainvoke(input, config)
@@ -333,7 +338,7 @@ class InstrumentedGraph(Runnable):
         return output
 
     async def ainvoke(self, input: Any, config: Any = None, **kwargs: Any) -> Any:
-        episode = self._new_episode(input, config, None, None)
+        episode = self._new_episode(input, config, None, None, start=await _threads.athread_start(self.graph, config))
         try:
             with self._recording(episode):
                 output = await self.graph.ainvoke(input, config, **kwargs)

@@ -1,14 +1,21 @@
 """Deterministic replay: re-run a graph with every LLM call answered from a recorded episode.
 
 No model is loaded and nothing leaves the machine. Calls are matched by node instance (`call_key`: node
-path, plus the `Send` index) and their order within it, never by global arrival order, so parallel
-branches and `Send` fan-outs replay exactly. When the graph has changed, the first call whose prompt
-differs from the recording (or that has no recording, or whose recording is never asked for) is reported
-as a `Divergence` with a readable diff; replay then stops, or, with `policies=`, continues live.
+path with the `Send` index of the call's task and of every enclosing task) and their order within it,
+never by global arrival order, so parallel branches and `Send` fan-outs (into subgraphs too) replay
+exactly; calls made concurrently inside one node instance are matched by prompt. When the graph has
+changed, the first call whose prompt differs from the recording (or that has no recording, or whose
+recording is never asked for) is reported as a `Divergence` with a readable diff; replay then stops
+(every later call stops too), or, with `policies=`, continues live.
+
+An episode that continued a checkpointed thread starts from the thread's recorded checkpoint, copied to a
+new thread (`drmas_graph._threads`); when that checkpoint is not available the result says so
+(`ReplayResult.unreproducible`). `areplay` runs graphs whose nodes are async-only.
 """
 
 from __future__ import annotations
 
+import asyncio
 import difflib
 import json
 import threading
@@ -21,6 +28,7 @@ from typing import Any, Literal
 from langchain_core.messages import BaseMessage
 from langchain_core.outputs import ChatGeneration, ChatResult
 
+from drmas_graph import _threads
 from drmas_graph._chat import ParsedResponse, _text, parse_hermes
 from drmas_graph._intercept import ACTIVE_HANDLER, CallSite, install
 from drmas_graph.errors import ConfigError, DrmasError
@@ -28,7 +36,8 @@ from drmas_graph.instrumented import InstrumentedGraph, _cut_at_stop, _EpisodeRe
 from drmas_graph.policy import Policy
 from drmas_graph.types import Episode, Turn
 
-__all__ = ["replay", "replay_episode", "ReplayResult", "Divergence", "render_prompt"]
+__all__ = ["replay", "areplay", "replay_episode", "areplay_episode", "ReplayResult", "Divergence", "render_prompt",
+           "comparable"]
 
 
 @dataclass(frozen=True)
@@ -58,7 +67,7 @@ class ReplayResult:
     """Outcome of a replay."""
 
     final_state: Any
-    """What the graph returned (None when replay stopped at a divergence)."""
+    """What the graph returned (None when it raised because replay stopped at a divergence)."""
     turns: list[Turn]
     """The calls of the re-run: recorded answers, then live ones after a divergence (with policies=)."""
     divergences: list[Divergence] = field(default_factory=list)
@@ -66,18 +75,34 @@ class ReplayResult:
     recorded: Episode | None = None
     """The episode that was replayed."""
     stopped: bool = False
-    """True when replay stopped at the first divergence."""
+    """True when replay stopped at the first divergence (in stop mode; also when the graph caught the stop
+    and carried on: every call it made afterwards was refused too)."""
     wall_s: float = 0.0
     """Time the re-run took."""
+    unreproducible: str | None = None
+    """Why the recorded run cannot be reproduced (it continued a thread whose starting checkpoint is not
+    available, or its input could not be stored); None when replay started where the recording did."""
 
     @property
     def state_matches(self) -> bool:
-        """The re-run returned the recorded final state (message ids that LangGraph draws at random ignored)."""
+        """The re-run returned the recorded final state, up to generated ids (see `comparable`)."""
         return self.recorded is not None and comparable(self.final_state) == comparable(self.recorded.final_state)
+
+    @property
+    def state_diff(self) -> str:
+        """Unified diff of the recorded and the new final state (generated ids renumbered); '' when equal."""
+        if self.recorded is None or self.state_matches:
+            return ""
+        return _diff(_state_text(self.recorded.final_state), _state_text(self.final_state),
+                     "recorded final state", "new final state")
 
 
 class _StopReplay(DrmasError):
     pass
+
+
+class AsyncOnlyGraphError(ConfigError):
+    """`replay` was given a graph with async-only nodes: use `areplay`."""
 
 
 def render_prompt(messages: Sequence[BaseMessage], tools: Sequence[dict] = ()) -> str:
@@ -92,9 +117,8 @@ def render_prompt(messages: Sequence[BaseMessage], tools: Sequence[dict] = ()) -
     return "\n".join(lines)
 
 
-def _diff(recorded: str, new: str) -> str:
-    return "\n".join(difflib.unified_diff(recorded.splitlines(), new.splitlines(), "recorded prompt", "new prompt",
-                                          lineterm=""))
+def _diff(recorded: str, new: str, old_name: str = "recorded prompt", new_name: str = "new prompt") -> str:
+    return "\n".join(difflib.unified_diff(recorded.splitlines(), new.splitlines(), old_name, new_name, lineterm=""))
 
 
 class _ReplayHandler:
@@ -113,31 +137,48 @@ class _ReplayHandler:
         self._lock = threading.Lock()
 
     def _match(self, site: CallSite) -> Turn | None:
-        """The recorded answer for this call, or None once the run has diverged (then the call goes live)."""
+        """The recorded answer for this call; None once the run has diverged and continues live. In stop
+        mode every call after the first divergence stops (none reaches a model)."""
         with self._lock:
             n = self._per_key.get(site.call_key, 0)
             self._per_key[site.call_key] = n + 1
             if self.divergences:
-                return None
-            turn = self.by_key.get((site.call_key, n))
-            new_prompt = render_prompt(site.messages, site.tools)
-            if turn is None:
-                d = Divergence("unrecorded_call", self.agent_of(site), site.node, site.call_key, n,
-                               _diff("", new_prompt))
-            elif render_prompt(turn.messages) != render_prompt(site.messages):
-                d = Divergence("prompt_changed", turn.agent, site.node, site.call_key, n,
-                               _diff(render_prompt(turn.messages, turn.tools), new_prompt))
-            elif [t.get("function", t) for t in turn.tools] != [t.get("function", t) for t in site.tools]:
-                d = Divergence("tools_changed", turn.agent, site.node, site.call_key, n,
-                               _diff(render_prompt(turn.messages, turn.tools), new_prompt))
-            else:
-                self.used.add((site.call_key, n))
+                if self.continue_live:
+                    return None
+                raise _StopReplay(f"replay stopped at the first divergence: {self.divergences[0]}")
+            turn = self._same_call(site, n)
+            if turn is not None:
+                self.used.add((turn.call_key, turn.node_call_index))
                 self.turns.append(turn)
                 return turn
+            d = self._divergence(site, n)
             self.divergences.append(d)
         if not self.continue_live:
             raise _StopReplay(str(d))
         return None
+
+    def _same_call(self, site: CallSite, n: int) -> Turn | None:
+        """The n-th recorded call of this node instance if it has the same prompt and tools; else an unused
+        recorded call of the instance that does (calls a node makes concurrently arrive in any order)."""
+        expected = self.by_key.get((site.call_key, n))
+        if expected is not None and (site.call_key, n) not in self.used and _same_prompt(expected, site):
+            return expected
+        others = (t for (key, i), t in sorted(self.by_key.items(), key=lambda kv: kv[0][1])
+                  if key == site.call_key and (key, i) not in self.used)
+        return next((t for t in others if _same_prompt(t, site)), None)
+
+    def _divergence(self, site: CallSite, n: int) -> Divergence:
+        turn = self.by_key.get((site.call_key, n))
+        if turn is not None and (site.call_key, n) in self.used:  # its recording went to a concurrent call
+            turn = next((t for (key, i), t in sorted(self.by_key.items())
+                         if key == site.call_key and (key, i) not in self.used), None)
+        new_prompt = render_prompt(site.messages, site.tools)
+        if turn is None:
+            return Divergence("unrecorded_call", self.agent_of(site), site.node, site.call_key, n,
+                              _diff("", new_prompt))
+        kind = "prompt_changed" if render_prompt(turn.messages) != render_prompt(site.messages) else "tools_changed"
+        return Divergence(kind, turn.agent, site.node, site.call_key, turn.node_call_index,
+                          _diff(render_prompt(turn.messages, turn.tools), new_prompt))
 
     def handle(self, site: CallSite, original: Callable[[], ChatResult]) -> ChatResult:
         turn = self._match(site)
@@ -154,6 +195,11 @@ class _ReplayHandler:
     def missing_calls(self) -> list[Divergence]:
         return [Divergence("missing_call", t.agent, t.node, t.call_key, t.node_call_index, "")
                 for key, t in sorted(self.by_key.items(), key=lambda kv: kv[1].index) if key not in self.used]
+
+
+def _same_prompt(turn: Turn, site: CallSite) -> bool:
+    return render_prompt(turn.messages) == render_prompt(site.messages) and (
+        [t.get("function", t) for t in turn.tools] == [t.get("function", t) for t in site.tools])
 
 
 def _no_original(site: CallSite) -> Callable[[], Any]:
@@ -177,10 +223,21 @@ def _recorded_answer(turn: Turn) -> ChatResult:
     return ChatResult(generations=[ChatGeneration(message=message)])
 
 
-def replay_episode(graph: Any, episode: Episode, *, policies: Mapping[str, Policy] | None = None,
-                   agents: Mapping[str, str] | None = None, on_divergence: Literal["stop", "continue"] = "stop",
-                   config: dict | None = None) -> ReplayResult:
-    """Replay an in-memory `Episode` (see `replay`)."""
+@dataclass
+class _Run:
+    """One replay in progress: what `replay_episode` and `areplay_episode` share."""
+
+    app: InstrumentedGraph
+    handler: _ReplayHandler
+    live: _EpisodeRecorder
+    live_episode: Episode
+    config: dict | None
+    unreproducible: str | None = None
+    start: float = 0.0
+
+
+def _prepare(graph: Any, episode: Episode, policies: Mapping[str, Policy] | None, agents: Mapping[str, str] | None,
+             on_divergence: str, config: dict | None) -> _Run:
     if on_divergence not in ("stop", "continue"):
         raise ConfigError(f"on_divergence must be 'stop' or 'continue', got {on_divergence!r}")
     if on_divergence == "continue" and not policies:
@@ -191,26 +248,87 @@ def replay_episode(graph: Any, episode: Episode, *, policies: Mapping[str, Polic
     live = _EpisodeRecorder(app, live_episode)
     handler = _ReplayHandler(episode, live, on_divergence == "continue",
                              lambda site: site.metadata.get("drmas_agent") or app.agent_for_node(site.node))
-    config = dict(config or {})
-    if getattr(app.graph, "checkpointer", None):  # a fresh thread, so replay never resumes the recorded one
-        config.setdefault("configurable", {}).setdefault("thread_id", f"replay-{uuid.uuid4().hex}")
-    token = ACTIVE_HANDLER.set(handler)
-    start = time.perf_counter()
+    return _Run(app, handler, live, live_episode, dict(config or {}), _unstorable_input(episode))
+
+
+def _thread_config(run: _Run, forked: dict | None, reason: str | None) -> None:
+    """Run on the fork of the recorded thread start, else on a fresh thread (never the recorded one)."""
+    run.unreproducible = run.unreproducible or reason
+    if getattr(run.app.graph, "checkpointer", None):
+        configurable = run.config.setdefault("configurable", {})
+        configurable.update(forked or {"thread_id": f"replay-{uuid.uuid4().hex}"})
+        configurable.pop("checkpoint_id", None)
+
+
+def _finish(run: _Run, episode: Episode, final_state: Any, stopped: bool) -> ReplayResult:
+    run.live.finish()
+    handler = run.handler
+    stopped = stopped or (bool(handler.divergences) and not handler.continue_live)
+    if not stopped and not handler.divergences:
+        handler.divergences.extend(handler.missing_calls())
+    return ReplayResult(final_state=final_state, turns=handler.turns + run.live_episode.turns,
+                        divergences=handler.divergences, recorded=episode, stopped=stopped,
+                        wall_s=time.perf_counter() - run.start, unreproducible=run.unreproducible)
+
+
+def _stopped(exc: BaseException) -> bool:
+    """True for the replay's own stop; re-raises anything else (a sync-only run of async nodes, explained)."""
+    if _caused_by(exc, _StopReplay):
+        return True
+    if isinstance(exc, TypeError) and "No synchronous function provided" in str(exc):
+        raise AsyncOnlyGraphError(f"the graph has async-only nodes ({exc}); replay it with `await areplay(...)` or "
+                          "`await areplay_episode(...)`") from exc
+    return False
+
+
+def replay_episode(graph: Any, episode: Episode, *, policies: Mapping[str, Policy] | None = None,
+                   agents: Mapping[str, str] | None = None, on_divergence: Literal["stop", "continue"] = "stop",
+                   config: dict | None = None) -> ReplayResult:
+    """Replay an in-memory `Episode` (see `replay`)."""
+    run = _prepare(graph, episode, policies, agents, on_divergence, config)
+    _thread_config(run, *_threads.fork_config(run.app.graph, episode.metadata.get("thread_start")))
+    token = ACTIVE_HANDLER.set(run.handler)
+    run.start = time.perf_counter()
     final_state, stopped = None, False
     try:
-        final_state = app.graph.invoke(episode.input, config or None)
+        final_state = run.app.graph.invoke(episode.input, run.config or None)
     except Exception as exc:
-        if not _caused_by(exc, _StopReplay):
+        if not _stopped(exc):
             raise
         stopped = True
     finally:
         ACTIVE_HANDLER.reset(token)
-    live.finish()
-    if not stopped and not handler.divergences:
-        handler.divergences.extend(handler.missing_calls())
-    turns = handler.turns + live_episode.turns
-    return ReplayResult(final_state=final_state, turns=turns, divergences=handler.divergences, recorded=episode,
-                        stopped=stopped, wall_s=time.perf_counter() - start)
+    return _finish(run, episode, final_state, stopped)
+
+
+async def areplay_episode(graph: Any, episode: Episode, *, policies: Mapping[str, Policy] | None = None,
+                          agents: Mapping[str, str] | None = None,
+                          on_divergence: Literal["stop", "continue"] = "stop", config: dict | None = None
+                          ) -> ReplayResult:
+    """`replay_episode` through the graph's async API (`ainvoke`): for graphs with async-only nodes."""
+    run = _prepare(graph, episode, policies, agents, on_divergence, config)
+    _thread_config(run, *await _threads.afork_config(run.app.graph, episode.metadata.get("thread_start")))
+    token = ACTIVE_HANDLER.set(run.handler)
+    run.start = time.perf_counter()
+    final_state, stopped = None, False
+    try:
+        final_state = await run.app.graph.ainvoke(episode.input, run.config or None)
+    except Exception as exc:
+        if not _stopped(exc):
+            raise
+        stopped = True
+    finally:
+        ACTIVE_HANDLER.reset(token)
+    return _finish(run, episode, final_state, stopped)
+
+
+def _load(store_or_path: Any, episode_id: str) -> Episode:
+    from drmas_graph.store import TraceStore
+
+    if isinstance(store_or_path, TraceStore):
+        return store_or_path.load_episode(episode_id)
+    with TraceStore(store_or_path, readonly=True) as store:
+        return store.load_episode(episode_id)
 
 
 def replay(graph: Any, store_or_path: Any, episode_id: str, *, policies: Mapping[str, Policy] | None = None,
@@ -225,17 +343,34 @@ def replay(graph: Any, store_or_path: Any, episode_id: str, *, policies: Mapping
         policies: live policies (agent -> Policy) that serve calls after a divergence when
             on_divergence='continue'.
         agents: node-path glob -> agent, as for `instrument`.
-        on_divergence: 'stop' (default) returns at the first divergence; 'continue' goes on live.
-    """
-    from drmas_graph.store import TraceStore
+        on_divergence: 'stop' (default) returns at the first divergence (no later call is answered or
+            reaches a model); 'continue' goes on live.
+        config: the run config (e.g. `recursion_limit`). A graph with a checkpointer runs on a new thread:
+            a copy of the thread checkpoint the recording started from, if it continued a thread.
 
-    if isinstance(store_or_path, TraceStore):
-        episode = store_or_path.load_episode(episode_id)
-    else:
-        with TraceStore(store_or_path, readonly=True) as store:
-            episode = store.load_episode(episode_id)
-    return replay_episode(graph, episode, policies=policies, agents=agents, on_divergence=on_divergence,
-                          config=config)
+    Graphs whose nodes are async-only need `areplay`; calling `replay` on them raises a ConfigError
+    saying so. From inside a running event loop, use `await areplay(...)`.
+    """
+    return replay_episode(graph, _load(store_or_path, episode_id), policies=policies, agents=agents,
+                          on_divergence=on_divergence, config=config)
+
+
+async def areplay(graph: Any, store_or_path: Any, episode_id: str, *, policies: Mapping[str, Policy] | None = None,
+                  agents: Mapping[str, str] | None = None, on_divergence: Literal["stop", "continue"] = "stop",
+                  config: dict | None = None) -> ReplayResult:
+    """`replay` through the graph's async API (`ainvoke`): for graphs whose nodes are async-only (any graph
+    works; sync nodes run in LangGraph's executor). Same arguments and result as `replay`."""
+    episode = await asyncio.to_thread(_load, store_or_path, episode_id)
+    return await areplay_episode(graph, episode, policies=policies, agents=agents, on_divergence=on_divergence,
+                                 config=config)
+
+
+def _unstorable_input(episode: Episode) -> str | None:
+    """Why the stored input cannot be replayed (a value with no JSON form, e.g. `Command(resume=...)`)."""
+    if '"__unserializable__"' in json.dumps(episode.input, default=str):
+        return ("the episode's input had no JSON form and was stored as its repr (e.g. a Command resuming an "
+                "interrupt); replay ran on that repr")
+    return None
 
 
 def _caused_by(exc: BaseException, kind: type) -> bool:
@@ -248,17 +383,41 @@ def _caused_by(exc: BaseException, kind: type) -> bool:
     return False
 
 
+_GENERATED_ID_KEYS = frozenset({"id", "tool_call_id"})
+"""Keys inside a message whose values are drawn at random: the message id (LangGraph's add_messages
+reducer, LangChain's run ids), tool-call ids (drawn by parsers and by third-party code such as
+langgraph-supervisor's handoff messages) and the ToolMessage's reference to one."""
+
+
 def comparable(value: Any) -> Any:
-    """A JSON-like form of a graph state for equality: LangChain messages as dicts without their `id`
-    (LangGraph's add_messages reducer draws ids at random for messages that have none)."""
-    if isinstance(value, BaseMessage):
-        data = value.model_dump()
-        data.pop("id", None)
-        return {"__message__": comparable(data)}
-    if isinstance(value, Mapping):
-        return {str(k): comparable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [comparable(v) for v in value]
-    if hasattr(value, "model_dump"):
-        return comparable(value.model_dump())
-    return value
+    """A JSON-like form of a graph state for equality, up to generated ids: inside LangChain messages, every
+    id (message id, tool-call id, a ToolMessage's tool_call_id) is renamed '<id:k>' in order of first
+    appearance. The renaming is consistent, so a ToolMessage still has to answer the same tool call as in
+    the recording, while two runs that drew different uuids compare equal."""
+    return _Canonical().walk(value, in_message=False)
+
+
+class _Canonical:
+    def __init__(self) -> None:
+        self.names: dict[str, str] = {}
+
+    def rename(self, generated: str) -> str:
+        return self.names.setdefault(generated, f"<id:{len(self.names)}>")
+
+    def walk(self, value: Any, in_message: bool) -> Any:
+        if isinstance(value, BaseMessage):
+            return {"__message__": self.walk(value.model_dump(), in_message=True)}
+        if isinstance(value, Mapping):
+            if len(value) == 1 and "__message__" in value:  # a message stored as data (see _serde)
+                return {"__message__": self.walk(value["__message__"], in_message=True)}
+            return {str(k): (self.rename(v) if in_message and k in _GENERATED_ID_KEYS and isinstance(v, str)
+                             else self.walk(v, in_message)) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [self.walk(v, in_message) for v in value]
+        if hasattr(value, "model_dump") and not isinstance(value, type):
+            return self.walk(value.model_dump(), in_message)
+        return value
+
+
+def _state_text(state: Any) -> str:
+    return json.dumps(comparable(state), indent=1, sort_keys=True, default=repr, ensure_ascii=False)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -12,7 +12,15 @@ from drmas_graph.errors import ConfigError
 from drmas_graph.store import TraceStore
 from drmas_graph.types import Episode
 
-__all__ = ["Rescored", "rescore"]
+__all__ = ["Rescored", "rescore", "POOLS", "pooled_episode_ids"]
+
+POOLS = {
+    "trained": "the episodes training used in the latest run: a training step set, no error, and not "
+               "superseded by a resume (eval, failed, bad-reward and pre-resume episodes left out)",
+    "ok": "every episode whose run did not fail (eval and superseded pre-resume episodes included)",
+    "all": "every stored episode, failed ones included",
+}
+"""What `rescore(episodes=...)` pools, by name."""
 
 
 @dataclass(frozen=True)
@@ -35,11 +43,19 @@ def rescore(
     norm_by_std: bool = True,
     eps: float = 1e-6,
     step: int | None = None,
+    episodes: str | Iterable[str] = "trained",
     out: str | Path | None = None,
 ) -> dict[str, Rescored]:
     """Recompute the rewards and advantages of a stored run with another reward function or estimator,
     without any model. Returns {episode id: Rescored}; with ``out``, also writes a new store holding the
     episodes with their new rewards and advantages (the source store is never modified).
+
+    Which episodes are pooled (advantages are normalised over them, group by group): ``episodes=
+    "trained"`` (default) takes the episodes training used in the latest run: those with a training step
+    and no error, less the ones a resume superseded (`TraceStore.trained_episodes`), so eval episodes,
+    failed or bad-reward ones and the steps a killed run trained before it resumed from an earlier
+    checkpoint stay out. ``"ok"`` takes every episode whose run did not fail, ``"all"`` every stored
+    episode; or pass the episode ids. ``step`` keeps only that training step.
 
     ``reward_fn(episode)`` returns one team reward (given to every agent) or a reward per agent (it must
     name every agent of the episode). Samples are the trainable turns: sample i gets R_i = reward of its
@@ -51,8 +67,14 @@ def rescore(
 
     source = store if isinstance(store, TraceStore) else TraceStore(store, readonly=True)
     try:
-        episodes = list(source.iter_episodes(step=step))
-        steps = {s.id: s.step for s in source.episodes(step=step)}
+        ids = pooled_episode_ids(source, episodes, step=step)
+        summaries = {s.id: s for s in source.episodes(step=step)}
+        missing = [i for i in ids if i not in summaries]
+        if missing:
+            raise ConfigError(f"rescore: episode(s) {', '.join(missing[:5])} are not in {source.path}"
+                              + (f" at step {step}" if step is not None else ""))
+        episodes = [source.load_episode(i) for i in ids]
+        steps = {i: summaries[i].step for i in ids}
         source_path, source_config = source.path, source.config
     finally:
         if source is not store:
@@ -118,6 +140,17 @@ def rescore(
                     step=steps[episode.id],
                 )
     return result
+
+
+def pooled_episode_ids(store: TraceStore, episodes: str | Iterable[str], *, step: int | None = None) -> list[str]:
+    """The ids `rescore` pools: a name from `POOLS` or the ids themselves (see `rescore`)."""
+    if isinstance(episodes, str):
+        if episodes not in POOLS:
+            raise ConfigError(f"rescore episodes={episodes!r}: choose one of {', '.join(POOLS)} or pass episode ids")
+        if episodes == "trained":
+            return store.trained_episodes(step=step)
+        return [s.id for s in store.episodes(step=step, failed=False if episodes == "ok" else None)]
+    return list(dict.fromkeys(episodes))
 
 
 def _agent_rewards(episode: Episode, reward: float | Mapping[str, float]) -> dict[str, float]:

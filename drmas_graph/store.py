@@ -19,6 +19,8 @@ Layout (schema version 1; `SCHEMA_VERSION`): ``meta`` (key/value: schema_version
 ``episodes`` (one row per episode, with counts and the mean reward for queries), ``rewards`` (one row
 per episode and agent, for reward queries by agent) and ``turns`` (one row per LLM call; token ids as
 int32 bytes, logprobs as float64 bytes, see `drmas_graph._serde`). Nothing is ever pickled or evaluated.
+Columns added since version 1 (`_serde.ADDED_COLUMNS`, all nullable) keep the version: opening an older
+store to write adds them, opening it read-only reads them as NULL.
 
 Two "steps" appear: an episode's ``step`` is the *training* step it was used in (None until it is), a
 turn's ``step`` is the LangGraph superstep of the node that made the call (`Turn.step`).
@@ -170,6 +172,7 @@ class TraceStore:
         try:
             self._conn = self._connect()
             meta = self._open(config)
+            self._absent = self._read(_serde.absent_columns)  # newer layouts' columns an old store lacks
         except BaseException:
             self.close()
             raise
@@ -241,6 +244,7 @@ class TraceStore:
                 ],
             )
         meta = self._read_meta(conn)
+        _serde.add_absent_columns(conn)  # a store written before a column was added gains it (NULL)
         given = None if config is None else json.loads(_serde.to_json(dict(config), "config"))
         if given is not None and given != json.loads(meta["config"]):
             raise ConfigError(
@@ -367,7 +371,7 @@ class TraceStore:
             raise EpisodeNotFoundError(f"no episode {episode_id!r} in trace store {self.path}")
         n_turns = row[0]
         if step is not None:
-            conn.execute("UPDATE episodes SET step = ? WHERE id = ?", (step, episode_id))
+            conn.execute("UPDATE episodes SET step = ?, trained = ? WHERE id = ?", (step, time.time(), episode_id))
         if rewards is not None:
             conn.execute(
                 "UPDATE episodes SET rewards = ?, reward = ? WHERE id = ?",
@@ -439,6 +443,24 @@ class TraceStore:
         rows = self._read(lambda conn: conn.execute(sql, params).fetchall())
         return [_summary(row) for row in rows]
 
+    def trained_episodes(self, *, step: int | None = None) -> list[str]:
+        """Ids of the episodes the run's training used, in the order written: those with a training step
+        and no error, less the ones a resume superseded. An episode is superseded when a rollout for its
+        step or an earlier one was made after training recorded it: the run went back to a checkpoint
+        and trained that step again. Eval, failed and never-trained episodes have no step. Stores
+        written before training times were recorded cannot tell superseded episodes apart."""
+        sql = "SELECT id, step, created, trained FROM episodes WHERE step IS NOT NULL AND error IS NULL"
+        if "trained" in {c for _, c in self._absent}:
+            sql = sql.replace("trained FROM", "NULL FROM")
+        rows = self._read(lambda conn: conn.execute(sql + " ORDER BY rowid").fetchall())
+        latest_rollout: dict[int, float] = {}  # step -> latest `created` among steps <= it
+        running = float("-inf")
+        for s, created in sorted((r[1], r[2]) for r in rows):
+            running = max(running, created)
+            latest_rollout[s] = running
+        return [i for i, s, _, trained in rows
+                if (step is None or s == step) and (trained is None or latest_rollout[s] <= trained)]
+
     def __len__(self) -> int:
         return self._read(lambda conn: conn.execute("SELECT count(*) FROM episodes").fetchone()[0])
 
@@ -459,10 +481,12 @@ class TraceStore:
 
         def read(conn: sqlite3.Connection) -> tuple[Any, list[Any]]:
             episode_row = conn.execute(
-                f"SELECT {', '.join(_serde.EPISODE_COLUMNS)} FROM episodes WHERE id = ?", (episode_id,)
+                f"SELECT {_serde.select_list('episodes', _serde.EPISODE_COLUMNS, self._absent)} FROM episodes "
+                "WHERE id = ?", (episode_id,)
             ).fetchone()
             turn_rows = conn.execute(
-                f"SELECT {', '.join(_serde.TURN_COLUMNS)} FROM turns WHERE episode_id = ? ORDER BY position",
+                f"SELECT {_serde.select_list('turns', _serde.TURN_COLUMNS, self._absent)} FROM turns "
+                "WHERE episode_id = ? ORDER BY position",
                 (episode_id,),
             ).fetchall()
             return episode_row, turn_rows

@@ -10,7 +10,7 @@ def test_every_exported_name_resolves():
     for name in drmas_graph.__all__:
         assert getattr(drmas_graph, name) is not None, name
     assert {"instrument", "InstrumentedGraph", "Policy", "TransformersPolicy", "Episode", "Turn", "TraceStore",
-            "replay", "compute_advantages", "train_graph", "TrainConfig", "Env", "SGLangPolicy",
+            "replay", "areplay", "rescore", "compute_advantages", "train_graph", "TrainConfig", "Env", "SGLangPolicy",
             "VLLMPolicy"} <= set(drmas_graph.__all__)
 
 

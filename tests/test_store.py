@@ -637,6 +637,6 @@ def test_rescore_needs_a_reward_for_every_agent(tmp_path: Path):
     path = tmp_path / "run.sqlite"
     with TraceStore(path) as s:
         episode = make_episode()
-        s.write_episode(episode)
+        s.write_episode(episode, step=0)
     with pytest.raises(ConfigError, match=rf"no reward to agent\(s\) 'verifier' of episode {episode.id}"):
         rescore(path, lambda e: {"solver": 1.0})
