@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from drmas_graph import _distributed
 from drmas_graph.advantages import compute_advantages
 from drmas_graph.config import AgentConfig, ModelConfig, TrainConfig, merge_overrides
 from drmas_graph.env import BadRewardError, EpisodeScore, is_success, score_episode, trainable_agent_turns
@@ -153,7 +154,7 @@ def _build_policy(name: str, mc: ModelConfig, seed: int) -> Policy:
     if mc.path == "smollm2":
         gguf_file = None
     return TransformersPolicy.from_pretrained(path, gguf_file=gguf_file, dtype=getattr(torch, mc.dtype),
-                                              device=mc.device, name=name, seed=seed,
+                                              device=_distributed.local_device(mc.device), name=name, seed=seed,
                                               max_batch_size=mc.max_batch_size)
 
 
@@ -166,6 +167,8 @@ class Trainer:
         if cfg.logging.weave:
             raise ConfigError("logging.weave is not implemented yet (episodes are traced in run_dir/traces.db); "
                               "set logging.weave: false")
+        _distributed.check_divisible(cfg.tasks_per_step)  # under torchrun / deepspeed: whole groups per rank
+        _distributed.init_process_group(use_deepspeed=_uses_deepspeed(cfg, policies))
         self.run_dir = Path(cfg.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.train_models: dict[str, Any] = {}
@@ -176,7 +179,8 @@ class Trainer:
             self.agent_cfgs = {a: cfg.agents.get(a) or AgentConfig(model=self._model_of(a)) for a in self.agent_policies}
             self.train_tasks = self._tasks("train")
             # a resumed run appends to its own store (its config may differ in `steps`, `resume`)
-            self.store = TraceStore(self.run_dir / "traces.db", config=None if cfg.resume else cfg.model_dump(mode="json"))
+            self.store = TraceStore(_distributed.store_path(self.run_dir),  # rank r > 0: traces.rank<r>.db
+                                    config=None if cfg.resume else cfg.model_dump(mode="json"))
             self.app = InstrumentedGraph(graph, self.agent_policies, agents=cfg.node_agents, strict=cfg.strict,
                                          store=self.store)
             # configured agents sample as configured; others keep their policy's own defaults
@@ -188,7 +192,8 @@ class Trainer:
         except BaseException:
             self._close_built()  # e.g. servers launched for a run that never starts
             raise
-        cfg.to_yaml(self.run_dir / "config.yaml")
+        if _distributed.is_main():
+            cfg.to_yaml(self.run_dir / "config.yaml")
         self.result = TrainResult(run_dir=self.run_dir)
 
     # ---- construction -----------------------------------------------------------------------
@@ -263,7 +268,7 @@ class Trainer:
     # ---- the loop -----------------------------------------------------------------------------
     def run(self) -> TrainResult:
         cfg = self.cfg
-        logger = RunLogger(self.run_dir, tensorboard=cfg.logging.tensorboard, wandb=cfg.logging.wandb,
+        logger = (RunLogger if _distributed.is_main() else _distributed.NullLogger)(self.run_dir, tensorboard=cfg.logging.tensorboard, wandb=cfg.logging.wandb,
                            progress=cfg.logging.progress, total_steps=cfg.steps, start_step=self.start_step,
                            agents=list(self.agent_policies), run_name=cfg.name, config=cfg.model_dump(mode="json"))
         try:
@@ -282,6 +287,7 @@ class Trainer:
             if self.start_step < cfg.steps:
                 self._evaluate(cfg.steps, logger)
                 self.save_checkpoint(cfg.steps)
+            _distributed.remove_rank_stores(self.run_dir, self.store.close)  # every rank's traces in traces.db
         finally:
             logger.close()
         return self.result
@@ -319,6 +325,8 @@ class Trainer:
                     update_metrics.update(updater.update(model_samples).to_dict())
         t3 = time.perf_counter()
         self.store.record_training(step, [ep for _, ep, _ in scored])
+        scored, counts, adv_stats = _distributed.merge_step(scored, counts, adv_stats)  # every rank's groups
+        _distributed.merge_traces(self.run_dir)
         return self._step_record(step, scored, samples, counts, adv_stats, update_metrics, (t0, t1, t2, t3), sync_s)
 
     def sync_weights(self, name: str, *, version: int) -> float:
@@ -367,7 +375,8 @@ class Trainer:
                         counts["failed_episodes"] += 1
                     return None
 
-            return await asyncio.gather(*(one(t, f"{phase}:{step}:{t.id}") for t in tasks for _ in range(group_size)))
+            return await asyncio.gather(*(one(t, f"{phase}:{step}:{t.id}") for _, t in _distributed.owned(tasks)
+                                          for _ in range(group_size)))
 
         results = asyncio.run(main())
         return [r for r in results if r is not None], counts
@@ -450,17 +459,24 @@ class Trainer:
         root = self.run_dir / "checkpoints"
         final = root / f"step_{step:06d}"
         tmp = root / f".tmp_step_{step:06d}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
+        main = _distributed.is_main()  # every rank saves its part (DeepSpeed); rank 0 writes the rest
+        if main:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        _distributed.barrier()
         for name, updater in self.updaters.items():
             updater.save(tmp / name)
-            self.model_policies[name].tokenizer.save_pretrained(tmp / name / "model")
+            if main:
+                self.model_policies[name].tokenizer.save_pretrained(tmp / name / "model")
         versions = {n: p.version for n, p in self.model_policies.items()}
-        (tmp / "trainer_state.json").write_text(json.dumps({"step": step, "policy_versions": versions}))
-        shutil.rmtree(final, ignore_errors=True)
-        tmp.rename(final)  # a checkpoint is complete or absent
-        for old in sorted(root.glob("step_*"))[: -self.cfg.keep_checkpoints]:
-            shutil.rmtree(old, ignore_errors=True)
+        if main:
+            (tmp / "trainer_state.json").write_text(json.dumps(
+                {"step": step, "policy_versions": versions, "world_size": _distributed.world_size()}))
+            shutil.rmtree(final, ignore_errors=True)
+            tmp.rename(final)  # a checkpoint is complete or absent
+            for old in sorted(root.glob("step_*"))[: -self.cfg.keep_checkpoints]:
+                shutil.rmtree(old, ignore_errors=True)
+        _distributed.barrier()
         self.result.checkpoint = final
         return final
 
@@ -470,6 +486,8 @@ class Trainer:
             return 0
         latest = ckpts[-1]
         state = json.loads((latest / "trainer_state.json").read_text())
+        _distributed.check_resume_world(state.get("world_size"), _distributed.world_size(), {
+            n: u.settings.zero_stage for n, u in self.updaters.items() if u.settings.backend == "deepspeed"})
         for name, updater in self.updaters.items():
             updater.load(latest / name)
             version = state["policy_versions"].get(name, 0)
@@ -485,6 +503,12 @@ class Trainer:
     def _close_built(self) -> None:
         for policy in self._built:  # the policies built from `models`; a served one stops its launched server
             policy.close()
+
+
+def _uses_deepspeed(cfg: TrainConfig, policies: Mapping[str, Policy] | None) -> bool:
+    """Whether a model may train on DeepSpeed (then DeepSpeed sets up the process group)."""
+    updates = [mc.update or cfg.update for mc in cfg.models.values() if mc.trainable]
+    return any(u.backend == "deepspeed" for u in updates + ([cfg.update] if policies else []))
 
 
 def _sampling(agent: AgentConfig) -> SamplingParams:
@@ -520,6 +544,7 @@ def evaluate(trainer: Trainer, *, step: int, split: str | None = None) -> dict[s
             stats["reward"].append(r)
             stats["invalid"].append(float(bad))
             stats["len"].append(float(len(turn.response_ids)))
+    successes, per_agent, counts, n_runs = _distributed.merge_eval(successes, per_agent, counts, len(runs))
     per_task = [sum(s) / ec.k for s in successes.values()]  # failed episodes count as failures
     record = {"step": step, "split": split, "k": ec.k, "tasks": len(tasks),
               "avg@k": sum(per_task) / len(per_task) if per_task else 0.0,
@@ -529,6 +554,6 @@ def evaluate(trainer: Trainer, *, step: int, split: str | None = None) -> dict[s
         n = len(stats["reward"])
         record[f"{agent}/reward"] = sum(stats["reward"]) / n
         record[f"{agent}/invalid_rate"] = sum(stats["invalid"]) / n
-        record[f"{agent}/calls_per_episode"] = n / max(len(runs), 1)
+        record[f"{agent}/calls_per_episode"] = n / max(n_runs, 1)
         record[f"{agent}/response_len"] = sum(stats["len"]) / n
     return record
