@@ -175,3 +175,50 @@ def test_merge_copies_each_rank_episode_once_with_its_training_data(tmp_path):
     _distributed.remove_rank_stores(tmp_path, other.close)
     assert not list(tmp_path.glob("traces.rank*")) and len(main) == 4
     main.close()
+
+
+CLI_CONFIG = """\
+name: launched
+run_dir: {run_dir}
+graph: tests._graphs:solver_verifier
+env: tests._envs:ParityEnv
+models:
+  tiny: {{tiny: {{seed: 0}}}}
+agents:
+  solver: {{model: tiny, sampling: {{max_new_tokens: 4}}}}
+  verifier: {{model: tiny, sampling: {{max_new_tokens: 4}}}}
+update: {{lr: 0.001, backend: deepspeed, zero_stage: 2}}
+steps: 1
+tasks_per_step: 2
+group_size: 2
+eval: {{k: 1, n_tasks: 2, before_training: false}}
+logging: {{progress: false, tensorboard: false}}
+"""
+
+
+@pytest.mark.slow
+@needs_deepspeed
+def test_cli_train_under_the_deepspeed_launcher_then_resumed_under_torchrun(tmp_path):
+    run_dir = tmp_path / "run"
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(CLI_CONFIG.format(run_dir=run_dir))
+    deepspeed = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port",
+                 str(free_port()), "--module", "drmas_graph.cli", "train", str(cfg)]
+    proc = subprocess.run(deepspeed, cwd=ROOT, env=launcher_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-8000:]
+    assert "'--local_rank=1', 'train'" in proc.stdout + proc.stderr  # what the launcher passes
+    assert proc.stdout.count("run folder:") == 1  # rank 0 alone reports
+    ckpt = run_dir / "checkpoints" / "step_000001" / "tiny"
+    partitions = sorted(p.name for p in (ckpt / "deepspeed" / "state").glob("*optim_states.pt"))
+    assert len(partitions) == 2, partitions  # ZeRO-2: each rank saved its optimizer partition
+    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["episodes"]) for r in records if "episodes" in r] == [(0, 4)]  # both ranks' groups
+
+    torchrun_cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+                    "-m", "drmas_graph.cli", "train", str(cfg), "--set", "resume=true", "--set", "steps=2"]
+    proc = subprocess.run(torchrun_cmd, cwd=ROOT, env=launcher_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-8000:]
+    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["episodes"]) for r in records if "episodes" in r] == [(0, 4), (1, 4)]
+    assert rows(run_dir, "SELECT step, count(*) FROM episodes GROUP BY step") == [(None, 4), (0, 4), (1, 4)]
+    assert not list(run_dir.glob("traces.rank*"))
