@@ -17,6 +17,8 @@ module decides who does what around it.
   Evaluation tasks are sharded the same way (uneven blocks allowed) and the counts gathered.
 - Reductions: the step's scored episodes (slimmed: no messages, prompts or graph state) are gathered to
   every rank, so the step record is computed over all groups, identically everywhere.
+- Served models (`serve.urls`): every rank rolls out through the same servers; after an update rank 0 writes
+  run_dir/sync/<model> and pushes it, the others wait for it (`serve.launch` is refused: one server per rank).
 - Rank 0 alone writes metrics.jsonl / TensorBoard / W&B / the progress bar (`NullLogger` elsewhere),
   config.yaml and the non-sharded parts of checkpoints; every rank takes part in saving (DeepSpeed writes
   each rank's optimizer partition).
@@ -42,7 +44,7 @@ import torch
 from drmas_graph.errors import ConfigError
 
 __all__ = [
-    "NullLogger", "barrier", "check_divisible", "check_resume_world", "gather", "init_process_group",
+    "NullLogger", "barrier", "check_divisible", "check_no_launch", "check_resume_world", "gather", "init_process_group",
     "is_main", "launched_world_size", "local_device", "local_rank", "merge_eval", "merge_step", "merge_traces",
     "owned", "rank", "rank_from_env",
     "remove_rank_stores", "store_path", "world_size",
@@ -164,6 +166,17 @@ def check_divisible(tasks_per_step: int, processes: int | None = None) -> None:
             f"process runs whole task groups, the same number on every process; set tasks_per_step to a multiple "
             f"of {processes} (e.g. {processes * max(1, round(tasks_per_step / processes))}) or launch "
             f"{' or '.join(map(str, fits))} processes")
+
+
+def check_no_launch(launch_by_model: dict[str, bool]) -> None:
+    """Under a multi-process launcher, served models attach to servers every rank shares (`serve.urls`):
+    `serve.launch` would start one server per process, and rank 0 pushes new weights to its own only."""
+    launched = sorted(name for name, launch in launch_by_model.items() if launch)
+    if launched and launched_world_size() > 1:
+        raise ConfigError(
+            f"models.{launched[0]}.serve.launch: true would start one server per process ({launched_world_size()} "
+            "processes); start the servers once and give every process their addresses in serve.urls (rank 0 "
+            "pushes the new weights to all of them after each update)")
 
 
 def check_resume_world(saved: int | None, now: int, zero_stages: dict[str, int]) -> None:

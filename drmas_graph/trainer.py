@@ -168,6 +168,7 @@ class Trainer:
             raise ConfigError("logging.weave is not implemented yet (episodes are traced in run_dir/traces.db); "
                               "set logging.weave: false")
         _distributed.check_divisible(cfg.tasks_per_step)  # under torchrun / deepspeed: whole groups per rank
+        _distributed.check_no_launch({n: mc.serve.launch for n, mc in cfg.models.items() if mc.serve is not None})
         _distributed.init_process_group(use_deepspeed=_uses_deepspeed(cfg, policies))
         self.run_dir = Path(cfg.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -339,12 +340,15 @@ class Trainer:
         start = time.perf_counter()
         root = self.run_dir.resolve() / "sync"
         final, tmp = root / name, root / f".tmp_{name}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        self.train_models[name].save_pretrained(tmp, safe_serialization=True)
-        self.model_policies[name].tokenizer.save_pretrained(tmp)
-        shutil.rmtree(final, ignore_errors=True)
-        tmp.rename(final)
-        self.model_policies[name].sync_weights(str(final), version=version)
+        if _distributed.is_main():  # several processes share the servers: rank 0 writes and pushes once
+            shutil.rmtree(tmp, ignore_errors=True)
+            self.train_models[name].save_pretrained(tmp, safe_serialization=True)
+            self.model_policies[name].tokenizer.save_pretrained(tmp)
+            shutil.rmtree(final, ignore_errors=True)
+            tmp.rename(final)
+            self.model_policies[name].sync_weights(str(final), version=version)
+        _distributed.barrier()  # no rank rolls out again before the servers hold the new weights
+        self.model_policies[name].version = version
         return time.perf_counter() - start
 
     def _reseed(self, step: int) -> None:

@@ -1,7 +1,8 @@
 """Worker of tests/test_train_distributed.py, launched with torchrun: `train_graph` runs on this rank's share
 of every step's task groups. SPEC.json lists runs done one after the other in the same processes:
 
-    {"runs": [{"run_dir": ..., "steps": 2, "resume": false, "update": {...}, "kill_in_step": null}, ...]}
+    {"runs": [{"run_dir": ..., "steps": 2, "resume": false, "update": {...}, "kill_in_step": null,
+               "config": {...more TrainConfig fields...}}, ...]}
 
 Each rank writes <run_dir>/history_rank<r>.json (the step records it returned). With "kill_in_step": s,
 rank 1 dies (os._exit) while scoring step s, as a killed job would; torchrun then stops rank 0 too.
@@ -72,20 +73,25 @@ class KillingEnv(ParityEnv):
         return super().reward(task, episode)
 
 
-def config(run_dir: str | Path, *, steps: int, resume: bool = False, update: dict | None = None) -> TrainConfig:
-    return TrainConfig.model_validate(dict(
+def config(run_dir: str | Path, *, steps: int, resume: bool = False, update: dict | None = None,
+           **extra: Any) -> TrainConfig:
+    fields = dict(
         run_dir=str(run_dir), steps=steps, resume=resume, tasks_per_step=2, group_size=4, max_concurrency=1,
         checkpoint_every=1, keep_checkpoints=3, update={"lr": 1e-3, **(update or {"backend": "torch"})},
-        eval={"k": 2, "n_tasks": 2, "before_training": True}, logging={"progress": False, "tensorboard": False}))
+        eval={"k": 2, "n_tasks": 2, "before_training": True}, logging={"progress": False, "tensorboard": False})
+    return TrainConfig.model_validate({**fields, **extra})
 
 
 def train(run_dir: str | Path, *, steps: int, resume: bool = False, update: dict | None = None,
-          kill_in_step: int | None = None):
-    """One run of the solver -> verifier graph (both agents on one tiny model); returns (result, policy)."""
-    policy = build_policy()
+          kill_in_step: int | None = None, extra: dict | None = None):
+    """One run of the solver -> verifier graph, both agents on one tiny `PromptSeeded` model (or on the
+    `models` / `agents` given in `extra` config fields); returns (result, policy or None)."""
+    extra = extra or {}
+    policy = None if "models" in extra else build_policy()
     graph = _graphs.solver_verifier(Unreachable()).compile()
-    result = train_graph(graph, KillingEnv(kill_in_step), config(run_dir, steps=steps, resume=resume, update=update),
-                         policies={"solver": policy, "verifier": policy})
+    cfg = config(run_dir, steps=steps, resume=resume, update=update, **extra)
+    result = train_graph(graph, KillingEnv(kill_in_step), cfg,
+                         policies=None if policy is None else {"solver": policy, "verifier": policy})
     return result, policy
 
 
@@ -93,7 +99,7 @@ def main(spec_path: Path) -> None:
     spec = json.loads(spec_path.read_text())
     for run in spec["runs"]:
         result, _ = train(run["run_dir"], steps=run["steps"], resume=run.get("resume", False),
-                          update=run.get("update"), kill_in_step=run.get("kill_in_step"))
+                          update=run.get("update"), kill_in_step=run.get("kill_in_step"), extra=run.get("config"))
         rank = int(os.environ["RANK"])
         (Path(run["run_dir"]) / f"history_rank{rank}.json").write_text(json.dumps(
             {"world_size": int(os.environ["WORLD_SIZE"]), "history": result.history, "evals": result.evals}))

@@ -222,3 +222,45 @@ def test_cli_train_under_the_deepspeed_launcher_then_resumed_under_torchrun(tmp_
     assert [(r["step"], r["episodes"]) for r in records if "episodes" in r] == [(0, 4), (1, 4)]
     assert rows(run_dir, "SELECT step, count(*) FROM episodes GROUP BY step") == [(None, 4), (0, 4), (1, 4)]
     assert not list(run_dir.glob("traces.rank*"))
+
+
+@pytest.mark.slow
+def test_two_processes_roll_out_through_shared_servers_and_rank_0_pushes_the_weights(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from drmas_graph.testing import tiny_model, tiny_tokenizer
+    from tests.sglang_double import SGLangDouble
+
+    tokenizer, base = tiny_tokenizer(), tmp_path / "base"
+    tiny_model(tokenizer, seed=0).save_pretrained(base)
+    tokenizer.save_pretrained(base)
+    double = SGLangDouble(str(base), weight_version="0").start()
+    try:
+        run_dir = tmp_path / "run"
+        sampling = {"max_new_tokens": 4}
+        served = {"models": {"m": {"path": str(base), "serve": {"engine": "sglang", "urls": [double.url]}}},
+                  "agents": {"solver": {"model": "m", "sampling": sampling},
+                             "verifier": {"model": "m", "sampling": sampling}},
+                  "group_size": 2, "eval": {"k": 1, "n_tasks": 2, "before_training": False}}
+        proc = torchrun(tmp_path, "served", [{"run_dir": str(run_dir), "steps": 2, "config": served}])
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-8000:]
+        pushed = [body["weight_version"] for path, body in double.requests if path == "POST /update_weights_from_disk"]
+        assert pushed == ["1", "2"]  # one push per step, by rank 0 (not one per process)
+        generated = [path for path, _ in double.requests if path == "POST /generate"]
+        assert len(generated) == 2 * (2 * 2 * 2) + 2 * 2  # steps x episodes x calls + the final eval: both ranks
+        trained = AutoModelForCausalLM.from_pretrained(run_dir / "checkpoints" / "step_000002" / "m" / "model")
+        served_weights = double.model.state_dict()
+        assert all(torch.equal(v, served_weights[k]) for k, v in trained.state_dict().items())
+        versions = rows(run_dir, "SELECT e.step, group_concat(DISTINCT t.policy_version) FROM episodes e "
+                                 "JOIN turns t ON t.episode_id = e.id WHERE e.step IS NOT NULL GROUP BY e.step")
+        assert versions == [(0, "0"), (1, "1")]  # rank 1 sampled step 1 from the weights rank 0 pushed
+    finally:
+        double.stop()
+
+
+def test_serve_launch_is_refused_under_a_multi_process_launcher(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match=r"models\.m\.serve\.launch: true would start one server per process.*"
+                                          r"serve\.urls"):
+        _distributed.check_no_launch({"m": True, "other": False})
+    _distributed.check_no_launch({"other": False})
