@@ -79,10 +79,14 @@ def _cmd_train(args: argparse.Namespace, console: Console) -> int:
     from drmas_graph.trainer import train_graph
 
     cfg = load_config(args.config, args.set)
+    from drmas_graph import _distributed
+
     graph, env = build_graph_and_env(cfg)
-    console.print(f"training {cfg.name}: run folder {cfg.run_dir}", markup=False)
+    if _distributed.rank_from_env() == 0:  # under a launcher, rank 0 alone reports
+        console.print(f"training {cfg.name}: run folder {cfg.run_dir}", markup=False)
     result = train_graph(graph, env, cfg)
-    console.print(result.summary(), markup=False)
+    if _distributed.rank_from_env() == 0:
+        console.print(result.summary(), markup=False)
     return 0
 
 

@@ -46,6 +46,8 @@ _SNIPPET_CHARS = 240
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one command; returns the exit status (0 ok, 1 replay diverged, 2 error)."""
     args = build_parser().parse_args(argv)
+    if args.local_rank is not None:  # the deepspeed launcher passes --local_rank=R (and sets LOCAL_RANK)
+        os.environ.setdefault("LOCAL_RANK", str(args.local_rank))
     console = _console()
     try:
         return args.func(args, console)
@@ -58,6 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="drmas-graph", description="Train and inspect LangGraph multi-agent apps (Dr. MAS)."
     )
+    parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)  # deepspeed launcher
     groups = parser.add_subparsers(dest="group", required=True, metavar="GROUP")
     _add_traces_commands(groups)
     from drmas_graph._cli_train import add_train_commands
@@ -337,3 +340,7 @@ def _turn_block(episode: Episode, position: int, turn: Turn) -> Panel:
         calls = ", ".join(f"{c.get('name')}({_snippet(str(c.get('args', {})), 80)})" for c in turn.tool_calls)
         body.append(Text(f"tools    {calls}"))
     return Panel(Group(*body), title=Text(title), title_align="left")
+
+
+if __name__ == "__main__":  # python -m drmas_graph.cli (torchrun -m, deepspeed --module)
+    sys.exit(main())

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from drmas_graph import _distributed
 from drmas_graph._old_logprobs import with_trainer_logprobs
 from drmas_graph._rollouts import EpisodeJob, episode_config, run_episodes
 from drmas_graph.advantages import compute_advantages
@@ -174,7 +175,7 @@ def _build_policy(name: str, mc: ModelConfig, seed: int) -> Policy:
     if mc.path == "smollm2":
         gguf_file = None
     return TransformersPolicy.from_pretrained(path, gguf_file=gguf_file, dtype=getattr(torch, mc.dtype),
-                                              device=mc.device, name=name, seed=seed,
+                                              device=_distributed.local_device(mc.device), name=name, seed=seed,
                                               max_batch_size=mc.max_batch_size)
 
 
@@ -195,6 +196,9 @@ class Trainer:
         if cfg.logging.weave:
             raise ConfigError("logging.weave is not implemented yet (episodes are traced in run_dir/traces.db); "
                               "set logging.weave: false")
+        _distributed.check_divisible(cfg.tasks_per_step)  # under torchrun / deepspeed: whole groups per rank
+        _distributed.check_no_launch({n: mc.serve.launch for n, mc in cfg.models.items() if mc.serve is not None})
+        _distributed.init_process_group(use_deepspeed=_uses_deepspeed(cfg, policies))
         self.run_dir = Path(cfg.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.train_models: dict[str, Any] = {}
@@ -207,7 +211,8 @@ class Trainer:
             # a resumed run appends to its own store (its config may differ in `steps`, `resume`); so does an
             # evaluation-only Trainer (train=False), which adds eval episodes to whatever run the folder holds
             pinned = not cfg.resume and (train or not (self.run_dir / "traces.db").exists())
-            self.store = TraceStore(self.run_dir / "traces.db", config=cfg.model_dump(mode="json") if pinned else None)
+            self.store = TraceStore(_distributed.store_path(self.run_dir),  # rank r > 0: traces.rank<r>.db
+                                    config=cfg.model_dump(mode="json") if pinned else None)
             self.app = InstrumentedGraph(graph, self.agent_policies, agents=cfg.node_agents, strict=cfg.strict,
                                          store=self.store)
             # configured agents sample as configured; others keep their policy's own defaults
@@ -222,7 +227,8 @@ class Trainer:
             if getattr(self, "store", None) is not None:
                 self.store.close()
             raise
-        if train or not (self.run_dir / "config.yaml").exists():  # never overwrite a training run's config
+        # never overwrite a training run's config; under several processes rank 0 writes it
+        if _distributed.is_main() and (train or not (self.run_dir / "config.yaml").exists()):
             cfg.to_yaml(self.run_dir / "config.yaml")
         self.result = TrainResult(run_dir=self.run_dir)
 
@@ -309,7 +315,7 @@ class Trainer:
     # ---- the loop -----------------------------------------------------------------------------
     def run(self) -> TrainResult:
         cfg = self.cfg
-        logger = RunLogger(self.run_dir, tensorboard=cfg.logging.tensorboard, wandb=cfg.logging.wandb,
+        logger = (RunLogger if _distributed.is_main() else _distributed.NullLogger)(self.run_dir, tensorboard=cfg.logging.tensorboard, wandb=cfg.logging.wandb,
                            progress=cfg.logging.progress, total_steps=cfg.steps, start_step=self.start_step,
                            agents=list(self.agent_policies), run_name=cfg.name, config=cfg.model_dump(mode="json"))
         try:
@@ -328,6 +334,7 @@ class Trainer:
             if self.start_step < cfg.steps:
                 self._evaluate(cfg.steps, logger)
                 self.save_checkpoint(cfg.steps)
+            _distributed.remove_rank_stores(self.run_dir, self.store.close)  # every rank's traces in traces.db
         finally:
             logger.close()
         return self.result
@@ -348,7 +355,7 @@ class Trainer:
         runs, counts = self._rollouts(tasks, step, self.cfg.group_size, phase="train")
         t1 = time.perf_counter()
         scored = self._score(runs, counts)
-        if not scored:
+        if not any(_distributed.gather(bool(scored))):  # every rank decides alike (one rank's loss is not fatal)
             raise self._nothing_to_train(step, len(tasks) * self.cfg.group_size)
         samples, adv_stats = self._advantages(scored)
         t2 = time.perf_counter()
@@ -367,6 +374,8 @@ class Trainer:
                     update_metrics.update(updater.update(model_samples).to_dict())
         t3 = time.perf_counter()
         self.store.record_training(step, [ep for _, ep, _ in scored])
+        scored, counts, adv_stats = _distributed.merge_step(scored, counts, adv_stats)  # every rank's groups
+        _distributed.merge_traces(self.run_dir)
         return self._step_record(step, scored, samples, counts, adv_stats, update_metrics, (t0, t1, t2, t3), sync_s)
 
     def _old_logprobs(self, name: str, samples: list[Sample], metrics: dict[str, float]) -> list[Sample]:
@@ -391,12 +400,15 @@ class Trainer:
         start = time.perf_counter()
         root = self.run_dir.resolve() / "sync"
         final, tmp = root / name, root / f".tmp_{name}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        self.train_models[name].save_pretrained(tmp, safe_serialization=True)
-        self.model_policies[name].tokenizer.save_pretrained(tmp)
-        shutil.rmtree(final, ignore_errors=True)
-        tmp.rename(final)
-        self.model_policies[name].sync_weights(str(final), version=version)
+        if _distributed.is_main():  # several processes share the servers: rank 0 writes and pushes once
+            shutil.rmtree(tmp, ignore_errors=True)
+            self.train_models[name].save_pretrained(tmp, safe_serialization=True)
+            self.model_policies[name].tokenizer.save_pretrained(tmp)
+            shutil.rmtree(final, ignore_errors=True)
+            tmp.rename(final)
+            self.model_policies[name].sync_weights(str(final), version=version)
+        _distributed.barrier()  # no rank rolls out again before the servers hold the new weights
+        self.model_policies[name].version = version
         return time.perf_counter() - start
 
     def _rollouts(self, tasks: Sequence[Any], step: int, group_size: int, *, phase: str
@@ -404,7 +416,7 @@ class Trainer:
         """G rollouts per task, concurrently (see `_rollouts.run_episodes`: per-episode config, seed and limits).
         Failed episodes are counted (and stored), not returned; their errors go to `self.rollout_errors`."""
         jobs = [EpisodeJob(task, f"{phase}:{step}:{task.id}", b, j)
-                for b, task in enumerate(tasks) for j in range(group_size)]
+                for b, task in _distributed.owned(tasks) for j in range(group_size)]
         batch = run_episodes(self.app, jobs, phase=phase, step=step, run_seed=self.cfg.seed,
                              max_concurrency=self.cfg.max_concurrency, rollout=self.cfg.rollout,
                              base_config=self.rollout_config)
@@ -511,17 +523,24 @@ class Trainer:
         root = self.run_dir / "checkpoints"
         final = root / f"step_{step:06d}"
         tmp = root / f".tmp_step_{step:06d}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
+        main = _distributed.is_main()  # every rank saves its part (DeepSpeed); rank 0 writes the rest
+        if main:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        _distributed.barrier()
         for name, updater in self.updaters.items():
             updater.save(tmp / name)
-            self.model_policies[name].tokenizer.save_pretrained(tmp / name / "model")
+            if main:
+                self.model_policies[name].tokenizer.save_pretrained(tmp / name / "model")
         versions = {n: p.version for n, p in self.model_policies.items()}
-        (tmp / "trainer_state.json").write_text(json.dumps({"step": step, "policy_versions": versions}))
-        shutil.rmtree(final, ignore_errors=True)
-        tmp.rename(final)  # a checkpoint is complete or absent
-        for old in sorted(root.glob("step_*"))[: -self.cfg.keep_checkpoints]:
-            shutil.rmtree(old, ignore_errors=True)
+        if main:
+            (tmp / "trainer_state.json").write_text(json.dumps(
+                {"step": step, "policy_versions": versions, "world_size": _distributed.world_size()}))
+            shutil.rmtree(final, ignore_errors=True)
+            tmp.rename(final)  # a checkpoint is complete or absent
+            for old in sorted(root.glob("step_*"))[: -self.cfg.keep_checkpoints]:
+                shutil.rmtree(old, ignore_errors=True)
+        _distributed.barrier()
         self.result.checkpoint = final
         return final
 
@@ -531,6 +550,8 @@ class Trainer:
             return 0
         latest = ckpts[-1]
         state = json.loads((latest / "trainer_state.json").read_text())
+        _distributed.check_resume_world(state.get("world_size"), _distributed.world_size(), {
+            n: u.settings.zero_stage for n, u in self.updaters.items() if u.settings.backend == "deepspeed"})
         for name, updater in self.updaters.items():
             updater.load(latest / name)
             version = state["policy_versions"].get(name, 0)
@@ -546,6 +567,12 @@ class Trainer:
     def _close_built(self) -> None:
         for policy in self._built:  # the policies built from `models`; a served one stops its launched server
             policy.close()
+
+
+def _uses_deepspeed(cfg: TrainConfig, policies: Mapping[str, Policy] | None) -> bool:
+    """Whether a model may train on DeepSpeed (then DeepSpeed sets up the process group)."""
+    updates = [mc.update or cfg.update for mc in cfg.models.values() if mc.trainable]
+    return any(u.backend == "deepspeed" for u in updates + ([cfg.update] if policies else []))
 
 
 def _sampling(agent: AgentConfig) -> SamplingParams:
@@ -582,6 +609,7 @@ def evaluate(trainer: Trainer, *, step: int, split: str | None = None) -> dict[s
             stats["reward"].append(r)
             stats["invalid"].append(float(bad))
             stats["len"].append(float(len(turn.response_ids)))
+    successes, per_agent, counts, n_runs = _distributed.merge_eval(successes, per_agent, counts, len(runs))
     per_task = [sum(s) / ec.k for s in successes.values()]  # failed episodes count as failures
     record = {"step": step, "split": split, "k": ec.k, "tasks": len(tasks),
               "avg@k": sum(per_task) / len(per_task) if per_task else 0.0,
@@ -591,6 +619,6 @@ def evaluate(trainer: Trainer, *, step: int, split: str | None = None) -> dict[s
         n = len(stats["reward"])
         record[f"{agent}/reward"] = sum(stats["reward"]) / n
         record[f"{agent}/invalid_rate"] = sum(stats["invalid"]) / n
-        record[f"{agent}/calls_per_episode"] = n / max(len(runs), 1)
+        record[f"{agent}/calls_per_episode"] = n / max(n_runs, 1)
         record[f"{agent}/response_len"] = sum(stats["len"]) / n
     return record

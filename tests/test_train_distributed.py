@@ -1,0 +1,266 @@
+"""Multi-process train_graph: 2 gloo processes on CPU under torchrun (and the deepspeed launcher) shard the
+task groups, train exactly like one process on the same groups, resume after a kill (at the same or another
+world size), and leave every rank's episodes in the run's trace store exactly once."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import socket
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from drmas_graph import _distributed
+from drmas_graph.errors import ConfigError
+from drmas_graph.store import TraceStore
+from drmas_graph.types import Episode, Turn
+from tests import _dist_train_worker as worker
+
+ROOT = Path(__file__).resolve().parents[1]
+needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed")
+ZERO2 = {"backend": "deepspeed", "zero_stage": 2}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def launcher_env() -> dict[str, str]:
+    """This environment without rendezvous variables (the launcher sets its workers' own)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                           "MASTER_PORT", "LOCAL_SIZE")}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    env.update(OMP_NUM_THREADS="1", WEAVE_DISABLED="true", TOKENIZERS_PARALLELISM="false")
+    return env
+
+
+def torchrun(tmp_path: Path, name: str, runs: list[dict]) -> subprocess.CompletedProcess:
+    spec = tmp_path / f"{name}.json"
+    spec.write_text(json.dumps({"runs": runs}))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+           str(ROOT / "tests" / "_dist_train_worker.py"), str(spec)]
+    return subprocess.run(cmd, cwd=ROOT, env=launcher_env(), capture_output=True, text=True, timeout=600)
+
+
+def weights(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
+    return load_file(run_dir / "checkpoints" / f"step_{step:06d}" / "tiny" / "model" / "model.safetensors")
+
+
+def assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], atol: float) -> None:
+    assert set(got) == set(want)
+    for key, value in want.items():
+        torch.testing.assert_close(got[key], value, atol=atol, rtol=0, msg=key)
+
+
+def rows(run_dir: Path, sql: str) -> list[tuple]:
+    conn = sqlite3.connect(run_dir / "traces.db")
+    try:
+        return conn.execute(sql).fetchall()
+    finally:
+        conn.close()
+
+
+@pytest.mark.slow
+@needs_deepspeed
+@pytest.mark.filterwarnings("ignore:.*torch.jit.script_method.*:DeprecationWarning")
+def test_two_processes_train_like_one_resume_after_a_kill_and_merge_their_traces(tmp_path):
+    # R: one process (this one, plain torch AdamW), 2 steps of 2 groups x 4 episodes, a checkpoint per step.
+    ref_dir = tmp_path / "ref"
+    worker.train(ref_dir, steps=2)
+    want = weights(ref_dir, 2)
+    moved = max((want[k] - v).abs().max().item() for k, v in weights(ref_dir, 1).items())
+    assert moved > 1e-4  # step 2 changed the weights: the comparisons below are not vacuous
+    # C: R killed after its first checkpoint; two processes resume it below (world size 1 -> 2).
+    shutil.copytree(ref_dir, tmp_path / "c")
+    shutil.rmtree(tmp_path / "c" / "checkpoints" / "step_000002")
+
+    # Launch 1: A, two processes on DeepSpeed ZeRO-2, 2 steps; then B, the same, but rank 1 dies in step 2.
+    a_dir, b_dir, c_dir = tmp_path / "a", tmp_path / "b", tmp_path / "c"
+    first = torchrun(tmp_path, "first", [{"run_dir": str(a_dir), "steps": 2, "update": ZERO2},
+                                         {"run_dir": str(b_dir), "steps": 2, "update": ZERO2, "kill_in_step": 1}])
+    assert first.returncode != 0 and "exitcode  : 3" in first.stderr, first.stderr[-5000:]
+    assert (b_dir / "checkpoints" / "step_000001").is_dir() and not (b_dir / "checkpoints" / "step_000002").exists()
+    assert (b_dir / "traces.rank1.db").exists()  # rank 1's episodes of the killed step, not merged yet
+    # Launch 2: B resumed by two processes; C resumed by two processes.
+    second = torchrun(tmp_path, "second", [{"run_dir": str(b_dir), "steps": 2, "resume": True, "update": ZERO2},
+                                           {"run_dir": str(c_dir), "steps": 2, "resume": True}])
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-8000:]
+
+    # Weights: 2 processes == 1 process on the same groups; killed-and-resumed == uninterrupted.
+    assert_same(weights(a_dir, 2), want, atol=1e-5)
+    assert_same(weights(b_dir, 2), weights(a_dir, 2), atol=1e-6)
+    assert_same(weights(c_dir, 2), want, atol=1e-5)
+
+    # Metrics are reduced over both ranks, identical on both, and written once by rank 0.
+    histories = [json.loads((a_dir / f"history_rank{r}.json").read_text()) for r in (0, 1)]
+    assert [h["world_size"] for h in histories] == [2, 2]
+    for h in histories:
+        assert [r["episodes"] for r in h["history"]] == [8, 8]  # 2 groups x 4, one group per rank
+        assert [(e["step"], e["tasks"]) for e in h["evals"]] == [(0, 2), (2, 2)]
+        assert h["history"][0]["agent/solver/calls"] == 8
+    for key in ("reward/team_mean", "agent/solver/adv_std", "model/tiny/grad_norm", "agent/verifier/pg_loss"):
+        assert histories[0]["history"][1][key] == histories[1]["history"][1][key], key
+    lines = [json.loads(x) for x in (a_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines if "episodes" in x] == [0, 1]
+    assert [x["step"] for x in lines if "eval/avg@k" in x] == [0, 2]
+
+    # Traces: every episode of both ranks in traces.db exactly once, the rank files merged and removed.
+    for run in (a_dir, b_dir, c_dir):
+        assert not list(run.glob("traces.rank*")), run
+    for step in (0, 1):
+        groups = rows(a_dir, f"SELECT group_id, count(*) FROM episodes WHERE step = {step} GROUP BY group_id")
+        assert len(groups) == 2 and all(n == 4 for _, n in groups)  # rank 0's group and rank 1's group
+    assert rows(a_dir, "SELECT count(*), count(DISTINCT id) FROM episodes") == [(8 + 8 + 2 * 4, 8 + 8 + 2 * 4)]
+    assert rows(a_dir, "SELECT count(*) FROM turns") == [(2 * 24,)]  # solver + verifier per episode
+    with TraceStore(a_dir / "traces.db", readonly=True) as store:  # training data came along with the copy
+        rank1_group = max(g for g, _ in rows(a_dir, "SELECT group_id, 1 FROM episodes WHERE step = 1"))
+        episode = next(store.iter_episodes(step=1, task_id=rank1_group.split(":")[-1]))
+        assert episode.advantages is not None and len(episode.advantages) == 2 and episode.rewards
+    # B: the killed step's episodes of both ranks are kept (untrained), the resumed ones trained once.
+    assert rows(b_dir, "SELECT step, count(*) FROM episodes WHERE step IS NOT NULL GROUP BY step") == [(0, 8), (1, 8)]
+    killed_rank1 = rows(b_dir, "SELECT count(*) FROM episodes WHERE step IS NULL AND group_id LIKE 'train:1:%'")
+    assert killed_rank1[0][0] >= 1
+
+
+def test_tasks_per_step_must_divide_over_the_processes(monkeypatch, tmp_path):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(ConfigError, match=r"tasks_per_step=6 is not divisible by the number of processes \(4\).*"
+                                          r"multiple of 4 \(e\.g\. 8\) or launch 1 or 2 or 3 or 6 processes"):
+        worker.train_graph(None, None, worker.config(tmp_path / "run", steps=1), tasks_per_step=6)
+
+
+def test_resume_at_another_world_size_is_refused_only_for_partitioned_optimizer_state():
+    _distributed.check_resume_world(2, 1, {"m": 0})  # whole optimizer state on every rank: any world size
+    _distributed.check_resume_world(None, 2, {})  # checkpoints without a world size were saved by 1 process
+    _distributed.check_resume_world(2, 2, {"m": 2})
+    with pytest.raises(ConfigError, match=r"saved by 2 processes and this run has 1.*m \(zero_stage=2\).*"
+                                          r"resume with 2 processes"):
+        _distributed.check_resume_world(2, 1, {"m": 2, "other": 0})
+
+
+def _episode(group: str) -> Episode:
+    turn = Turn(agent="a", node="n", step=1, index=0, messages=(), prompt_ids=(1, 2), response_ids=(3,),
+                response_logprobs=(-0.5,), response_text="x")
+    return Episode(task_id=group.split(":")[-1], group_id=group, turns=[turn])
+
+
+def test_merge_copies_each_rank_episode_once_with_its_training_data(tmp_path):
+    main, other = TraceStore(tmp_path / "traces.db"), TraceStore(tmp_path / "traces.rank1.db")
+    mine, theirs = _episode("train:0:t0"), [_episode("train:0:t1"), _episode("train:0:t1")]
+    main.write_episode(mine)
+    for ep in theirs:
+        other.write_episode(ep)
+        ep.rewards, ep.turn_rewards, ep.advantages = {"a": 1.0}, [1.0], [0.5]
+    other.record_training(0, theirs)
+    assert _distributed.merge_traces(tmp_path) == 2
+    late = _episode("eval:1:t2")
+    other.write_episode(late)
+    assert _distributed.merge_traces(tmp_path) == 1  # only what is new
+    assert _distributed.merge_traces(tmp_path) == 0
+    assert [e.id for e in main.episodes()] == [mine.id, theirs[0].id, theirs[1].id, late.id]
+    copied = main.load_episode(theirs[1].id)
+    assert copied.advantages == [0.5] and copied.rewards == {"a": 1.0} and copied.turns[0].response_ids == (3,)
+    assert main.summary(theirs[0].id).step == 0
+    other.close()  # a leftover rank file (e.g. of a killed run): merged and removed at the end of a run
+    _distributed.remove_rank_stores(tmp_path, other.close)
+    assert not list(tmp_path.glob("traces.rank*")) and len(main) == 4
+    main.close()
+
+
+CLI_CONFIG = """\
+name: launched
+run_dir: {run_dir}
+graph: tests._graphs:solver_verifier
+env: tests._envs:ParityEnv
+models:
+  tiny: {{tiny: {{seed: 0}}}}
+agents:
+  solver: {{model: tiny, sampling: {{max_new_tokens: 4}}}}
+  verifier: {{model: tiny, sampling: {{max_new_tokens: 4}}}}
+update: {{lr: 0.001, backend: deepspeed, zero_stage: 2}}
+steps: 1
+tasks_per_step: 2
+group_size: 2
+eval: {{k: 1, n_tasks: 2, before_training: false}}
+logging: {{progress: false, tensorboard: false}}
+"""
+
+
+@pytest.mark.slow
+@needs_deepspeed
+def test_cli_train_under_the_deepspeed_launcher_then_resumed_under_torchrun(tmp_path):
+    run_dir = tmp_path / "run"
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(CLI_CONFIG.format(run_dir=run_dir))
+    deepspeed = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port",
+                 str(free_port()), "--module", "drmas_graph.cli", "train", str(cfg)]
+    proc = subprocess.run(deepspeed, cwd=ROOT, env=launcher_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-8000:]
+    assert "'--local_rank=1', 'train'" in proc.stdout + proc.stderr  # what the launcher passes
+    assert proc.stdout.count("run folder:") == 1  # rank 0 alone reports
+    ckpt = run_dir / "checkpoints" / "step_000001" / "tiny"
+    partitions = sorted(p.name for p in (ckpt / "deepspeed" / "state").glob("*optim_states.pt"))
+    assert len(partitions) == 2, partitions  # ZeRO-2: each rank saved its optimizer partition
+    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["episodes"]) for r in records if "episodes" in r] == [(0, 4)]  # both ranks' groups
+
+    torchrun_cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+                    "-m", "drmas_graph.cli", "train", str(cfg), "--set", "resume=true", "--set", "steps=2"]
+    proc = subprocess.run(torchrun_cmd, cwd=ROOT, env=launcher_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-8000:]
+    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["episodes"]) for r in records if "episodes" in r] == [(0, 4), (1, 4)]
+    assert rows(run_dir, "SELECT step, count(*) FROM episodes GROUP BY step") == [(None, 4), (0, 4), (1, 4)]
+    assert not list(run_dir.glob("traces.rank*"))
+
+
+@pytest.mark.slow
+def test_two_processes_roll_out_through_shared_servers_and_rank_0_pushes_the_weights(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from drmas_graph.testing import tiny_model, tiny_tokenizer
+    from tests.sglang_double import SGLangDouble
+
+    tokenizer, base = tiny_tokenizer(), tmp_path / "base"
+    tiny_model(tokenizer, seed=0).save_pretrained(base)
+    tokenizer.save_pretrained(base)
+    double = SGLangDouble(str(base), weight_version="0").start()
+    try:
+        run_dir = tmp_path / "run"
+        sampling = {"max_new_tokens": 4}
+        served = {"models": {"m": {"path": str(base), "serve": {"engine": "sglang", "urls": [double.url]}}},
+                  "agents": {"solver": {"model": "m", "sampling": sampling},
+                             "verifier": {"model": "m", "sampling": sampling}},
+                  "group_size": 2, "eval": {"k": 1, "n_tasks": 2, "before_training": False}}
+        proc = torchrun(tmp_path, "served", [{"run_dir": str(run_dir), "steps": 2, "config": served}])
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-8000:]
+        pushed = [body["weight_version"] for path, body in double.requests if path == "POST /update_weights_from_disk"]
+        assert pushed == ["1", "2"]  # one push per step, by rank 0 (not one per process)
+        generated = [path for path, _ in double.requests if path == "POST /generate"]
+        assert len(generated) == 2 * (2 * 2 * 2) + 2 * 2  # steps x episodes x calls + the final eval: both ranks
+        trained = AutoModelForCausalLM.from_pretrained(run_dir / "checkpoints" / "step_000002" / "m" / "model")
+        served_weights = double.model.state_dict()
+        assert all(torch.equal(v, served_weights[k]) for k, v in trained.state_dict().items())
+        versions = rows(run_dir, "SELECT e.step, group_concat(DISTINCT t.policy_version) FROM episodes e "
+                                 "JOIN turns t ON t.episode_id = e.id WHERE e.step IS NOT NULL GROUP BY e.step")
+        assert versions == [(0, "0"), (1, "1")]  # rank 1 sampled step 1 from the weights rank 0 pushed
+    finally:
+        double.stop()
+
+
+def test_serve_launch_is_refused_under_a_multi_process_launcher(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match=r"models\.m\.serve\.launch: true would start one server per process.*"
+                                          r"serve\.urls"):
+        _distributed.check_no_launch({"m": True, "other": False})
+    _distributed.check_no_launch({"other": False})
