@@ -132,6 +132,16 @@ def _build_model(name: str, mc: ModelConfig, seed: int) -> tuple[Policy, Any]:
     return served, policy.model
 
 
+def _attach_adapters(policy: Policy, model: Any, name: str, cfg: TrainConfig) -> Any:
+    """Wrap model `name` in one LoRA adapter per agent adapter; an embedded policy generates with it."""
+    from drmas_graph.lora import attach_adapters, model_adapters
+
+    peft_model = attach_adapters(model, cfg.models[name].lora, model_adapters(name, cfg.agents), seed=cfg.seed)
+    if getattr(policy, "model", None) is model:
+        policy.model = peft_model
+    return peft_model
+
+
 def _resolve_path(path: str) -> str:
     if path == "smollm2":
         from drmas_graph.models import smollm2_path
@@ -201,6 +211,8 @@ class Trainer:
         for name, mc in self.cfg.models.items():
             if not any(p.name == name for p in given.values()):
                 models[name], self.train_models[name] = _build_model(name, mc, self.cfg.seed)
+                if mc.lora is not None:
+                    self.train_models[name] = _attach_adapters(models[name], self.train_models[name], name, self.cfg)
                 self._built.append(models[name])
         models.update({p.name: p for p in given.values()})
         for name, model in (train_models or {}).items():
@@ -235,7 +247,8 @@ class Trainer:
         return tasks
 
     def _updaters(self) -> dict[str, Any]:
-        from drmas_graph.update import LossSettings, ModelUpdater, UpdateSettings
+        from drmas_graph.lora import build_updater
+        from drmas_graph.update import LossSettings, UpdateSettings
 
         updaters = {}
         for name, policy in self.model_policies.items():
@@ -250,8 +263,8 @@ class Trainer:
                 raise ConfigError(f"model {name!r} ({type(policy).__name__}, agents {agents}) has no local weights to "
                                   f"train: for a served policy pass train_models={{{name!r}: <HF model with the served "
                                   "weights>} or configure it with `models.<name>.serve`; else freeze its agents")
-            updaters[name] = ModelUpdater(self.train_models[name], name=name, settings=settings,
-                                          agent_settings=agent_settings)
+            updaters[name] = build_updater(self.train_models[name], name=name, settings=settings,
+                                           agent_settings=agent_settings, agent_cfgs=self.agent_cfgs)
         if not updaters:
             raise ConfigError("every agent is frozen or served by a non-trainable model: nothing to train")
         return updaters
@@ -489,7 +502,8 @@ class Trainer:
 
 def _sampling(agent: AgentConfig) -> SamplingParams:
     s = agent.sampling
-    return SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_new_tokens=s.max_new_tokens)
+    return SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_new_tokens=s.max_new_tokens,
+                          adapter=agent.adapter)
 
 
 def evaluate(trainer: Trainer, *, step: int, split: str | None = None) -> dict[str, Any]:

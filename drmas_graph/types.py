@@ -40,6 +40,8 @@ class SamplingParams:
     """Extra token ids that end generation, besides the tokenizer's end-of-sequence ids."""
     seed: int | None = None
     """Seed of this request's sampler; None draws one from the policy's own seeded generator."""
+    adapter: str | None = None
+    """LoRA adapter that generates this response (`drmas_graph.lora`); None = the model's own weights."""
 
     def __post_init__(self) -> None:
         if self.temperature < 0:

@@ -144,7 +144,7 @@ class UpdateSettings:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "betas", tuple(self.betas))
-        _require(math.isfinite(self.lr) and self.lr > 0, f"UpdateSettings.lr must be a number > 0, got {self.lr}")
+        _require(math.isfinite(self.lr) and self.lr >= 0, f"UpdateSettings.lr must be a number >= 0, got {self.lr}")
         _require(self.weight_decay >= 0, f"UpdateSettings.weight_decay must be >= 0, got {self.weight_decay}")
         _require(len(self.betas) == 2 and all(0.0 <= b < 1.0 for b in self.betas),
                  f"UpdateSettings.betas must be two numbers in [0, 1), got {self.betas}")
@@ -620,7 +620,12 @@ _DEFAULT_LOSS = LossSettings()
 
 
 def _frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
-    """The reference policy for the KL penalty: a copy of the initial weights, eval mode, no gradients."""
+    """The reference policy for the KL penalty: a copy of the initial weights, eval mode, no gradients.
+    A LoRA model's reference is its own base with the adapters disabled (no copy)."""
+    from drmas_graph.lora import base_forward, is_peft_model
+
+    if is_peft_model(model):
+        return base_forward(model)
     ref = copy.deepcopy(model).eval()
     ref.requires_grad_(False)
     return ref

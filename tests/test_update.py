@@ -356,7 +356,7 @@ def test_load_of_a_missing_checkpoint_names_the_file(tmp_path):
     ({"zero_stage": 3}, r"zero_stage.*\(0, 1, 2\).*3"),
     ({"zero_stage": 2, "backend": "torch"}, r"zero_stage=2 needs backend='deepspeed'"),
     ({"loss_agg": "seq-mean-token-sum-norm"}, r"norm_len must be set"),
-    ({"lr": 0.0}, r"UpdateSettings.lr"),
+    ({"lr": -1.0}, r"UpdateSettings.lr"),
     ({"grad_clip": 0.0}, r"grad_clip.*None to disable"),
     ({"n_minibatches": 0}, r"n_minibatches"),
     ({"betas": (0.9, 1.5)}, r"betas"),
