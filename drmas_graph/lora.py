@@ -35,8 +35,9 @@ if TYPE_CHECKING:
     from drmas_graph.types import Sample
     from drmas_graph.update import LossSettings, UpdateMetrics, UpdateSettings
 
-__all__ = ["attach_adapters", "adapter_kwargs", "base_forward", "build_updater", "is_peft_model",
-           "LoraUpdater", "LoraUpdateMetrics", "resolve_adapters", "save_adapter", "load_adapter_weights"]
+__all__ = ["attach_adapters", "adapter_kwargs", "base_forward", "build_updater", "is_peft_model", "LoraUpdater",
+           "LoraUpdateMetrics", "load_adapter_weights", "merged_state_dict", "resolve_adapters", "save_for_sync",
+           "save_merged", "serve_adapters", "served_adapter"]
 
 BASE = "__base__"
 """peft's mixed-batch name for rows that use no adapter."""
@@ -159,18 +160,6 @@ class base_forward:  # noqa: N801 - used like a function: base_forward(model)(**
 # --- saving and loading -----------------------------------------------------------------------------------
 
 
-def save_adapter(model: Any, adapter: str, directory: str | os.PathLike) -> Path:
-    """Write one adapter in peft format (adapter_config.json + adapter_model.safetensors) to ``directory``."""
-    directory = Path(directory)
-    model.save_pretrained(directory, selected_adapters=[adapter])
-    written = directory / adapter  # peft puts every adapter but "default" in a subfolder
-    if written.is_dir():
-        for item in written.iterdir():
-            os.replace(item, directory / item.name)
-        written.rmdir()
-    return directory
-
-
 def load_adapter_weights(model: Any, path: str | os.PathLike) -> None:
     """Copy every adapter saved by ``model.save_pretrained(path)`` (peft layout: one subfolder per adapter)
     into ``model``'s own parameters, in place."""
@@ -189,8 +178,103 @@ def load_adapter_weights(model: Any, path: str | os.PathLike) -> None:
             raise ConfigError(f"{file}: weights that fit no layer of adapter {adapter!r}: {unexpected[:3]}")
 
 
+def load_checkpoint_adapters(trainer: Any, checkpoint: str | os.PathLike) -> None:
+    """Load the adapters of every LoRA model from a training checkpoint (``<checkpoint>/<model>/model``) into
+    a trainer's models, and push them to the servers of served ones."""
+    for name, model in trainer.train_models.items():
+        if is_peft_model(model):
+            load_adapter_weights(model, Path(checkpoint) / name / "model")
+            policy = trainer.model_policies.get(name)
+            if policy is not None and callable(getattr(policy, "sync_weights", None)):
+                trainer.sync_weights(name, version=policy.version)
+
+
 def _device(model: Any) -> torch.device:
     return next(model.parameters()).device
+
+
+def merged_state_dict(model: Any, adapter: str) -> dict[str, torch.Tensor]:
+    """The base model's own state dict (Hugging Face keys) with ``adapter`` merged into every adapted layer,
+    W + scaling * B A; ``model`` is not modified (peft's merge_and_unload would change the base in place)."""
+    from peft.tuners.lora import LoraLayer
+
+    base = model.get_base_model()
+    out: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        for key, value in base.state_dict().items():
+            if ".lora_" not in key:
+                out[key.replace(".base_layer.", ".")] = value
+        for name, module in base.named_modules():
+            if isinstance(module, LoraLayer) and adapter in module.lora_A:
+                weight = module.get_base_layer().weight
+                merged = weight.float() + module.get_delta_weight(adapter).float()
+                out[f"{name}.weight"] = merged.to(weight.dtype)
+    return out
+
+
+def save_merged(model: Any, adapter: str, directory: str | os.PathLike) -> None:
+    """Write the base with ``adapter`` merged as a plain Hugging Face model folder (what a server loads)."""
+    model.get_base_model().save_pretrained(directory, state_dict=merged_state_dict(model, adapter),
+                                           safe_serialization=True)
+
+
+# --- served policies --------------------------------------------------------------------------------------
+
+_VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's accepted --max-lora-rank values
+
+
+def serve_adapters(policy: Any, adapters: Sequence[str], engine: str, *, model: str) -> None:
+    """Set how a served policy rolls out the adapters of model `model` (see `save_for_sync`).
+
+    vLLM loads them by name (``/v1/load_lora_adapter``; requests set ``model`` to their adapter). SGLang here
+    serves merged weights (base + the adapter), so a model's agents must share one adapter there.
+    """
+    if engine == "vllm":
+        policy.lora_by_name = tuple(adapters)
+    elif len(adapters) == 1:
+        policy.lora_merged = adapters[0]
+    else:
+        raise ConfigError(f"models.{model}: serve.engine={engine!r} serves merged weights (base + one adapter), but "
+                          f"its agents use adapters {list(adapters)}; use serve.engine='vllm' (adapters loaded by "
+                          "name), one adapter for all its agents, or one model entry per adapter")
+
+
+def vllm_launch_kwargs(lora: LoraConfig, adapters: Sequence[str]) -> dict[str, Any]:
+    """`launch_vllm` arguments that enable runtime-loaded LoRA adapters for `adapters`."""
+    rank = next((r for r in _VLLM_LORA_RANKS if r >= lora.r), None)
+    if rank is None:
+        raise ConfigError(f"lora.r = {lora.r} is above vLLM's largest --max-lora-rank {_VLLM_LORA_RANKS[-1]}")
+    return {"extra_args": ["--enable-lora", "--max-loras", str(len(adapters)), "--max-lora-rank", str(rank)],
+            "env": {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}}
+
+
+def served_adapter(policy: Any, params: Any) -> str | None:
+    """The adapter a served request names (vLLM: its ``model``), or None when the served weights are right
+    as they are (the base, or the request's adapter merged). Refuses an adapter the servers do not hold."""
+    adapter = params.adapter
+    by_name, merged = getattr(policy, "lora_by_name", ()), getattr(policy, "lora_merged", None)
+    if adapter is not None and adapter in by_name:
+        return adapter
+    if adapter == merged:
+        return None
+    served = list(by_name) or ([merged] if merged else [])
+    raise PolicyError(f"policy {policy.name!r}: request for LoRA adapter {adapter!r}, but its servers hold "
+                      f"{'adapters ' + str(served) if served else 'no adapters'}"
+                      f"{' (merged into the weights: every request must name it)' if merged else ''}")
+
+
+def save_for_sync(model: Any, policy: Any, directory: str | os.PathLike) -> None:
+    """What the trainer writes before a served policy's `sync_weights(directory, version)`: the full
+    model, or for a LoRA model either every adapter in peft format (one subfolder each, loaded by name) or
+    the base with the one served adapter merged."""
+    if not is_peft_model(model):
+        model.save_pretrained(directory, safe_serialization=True)
+    elif getattr(policy, "lora_by_name", ()):
+        model.save_pretrained(directory, selected_adapters=list(policy.lora_by_name))
+    elif getattr(policy, "lora_merged", None) is not None:
+        save_merged(model, policy.lora_merged, directory)
+    else:
+        raise ConfigError(f"policy {policy.name!r} serves a LoRA model but was not told how (serve_adapters)")
 
 
 # --- training ---------------------------------------------------------------------------------------------

@@ -34,6 +34,7 @@ from drmas_graph.config import AgentConfig, ModelConfig, TrainConfig, merge_over
 from drmas_graph.env import BadRewardError, EpisodeScore, is_success, score_episode, trainable_agent_turns
 from drmas_graph.errors import ConfigError, NoLLMCallError, RolloutError
 from drmas_graph.instrumented import InstrumentedGraph
+from drmas_graph.lora import model_adapters, save_for_sync
 from drmas_graph.metrics import RunLogger, mean_std
 from drmas_graph.policy import Policy
 from drmas_graph.store import TraceStore
@@ -112,7 +113,7 @@ def _is_served(policy: Policy) -> bool:
     return callable(getattr(policy, "sync_weights", None))
 
 
-def _build_model(name: str, mc: ModelConfig, seed: int) -> tuple[Policy, Any]:
+def _build_model(name: str, mc: ModelConfig, seed: int, adapters: Sequence[str] = ()) -> tuple[Policy, Any]:
     """The rollout policy of a configured model and the module its updater trains.
 
     Embedded: one `TransformersPolicy` that both generates and is trained. Served (`mc.serve`): the weights
@@ -122,22 +123,28 @@ def _build_model(name: str, mc: ModelConfig, seed: int) -> tuple[Policy, Any]:
     policy = _build_policy(name, mc, seed)
     if mc.serve is None:
         return policy, policy.model
+    from drmas_graph.lora import vllm_launch_kwargs
     from drmas_graph.served import SGLangPolicy, VLLMPolicy, launch_sglang, launch_vllm
 
     sc = mc.serve
     policy_cls, launch = {"sglang": (SGLangPolicy, launch_sglang), "vllm": (VLLMPolicy, launch_vllm)}[sc.engine]
-    servers = [launch(_resolve_path(mc.path), dtype=mc.dtype, python=sc.python)] if sc.launch else []
+    lora_kw = vllm_launch_kwargs(mc.lora, adapters) if mc.lora is not None and sc.engine == "vllm" else {}
+    servers = [launch(_resolve_path(mc.path), dtype=mc.dtype, python=sc.python, **lora_kw)] if sc.launch else []
     served = policy_cls([s.url for s in servers] or sc.urls, policy.tokenizer, name=name, servers=servers,
                         seed=seed, timeout_s=sc.timeout_s, max_concurrency=sc.max_concurrency)
     return served, policy.model
 
 
 def _attach_adapters(policy: Policy, model: Any, name: str, cfg: TrainConfig) -> Any:
-    """Wrap model `name` in one LoRA adapter per agent adapter; an embedded policy generates with it."""
-    from drmas_graph.lora import attach_adapters, model_adapters
+    """Wrap model `name` in one LoRA adapter per agent adapter; an embedded policy generates with it, a served
+    one is told how its servers get the adapters (`lora.serve_adapters`)."""
+    from drmas_graph.lora import attach_adapters, serve_adapters
 
-    peft_model = attach_adapters(model, cfg.models[name].lora, model_adapters(name, cfg.agents), seed=cfg.seed)
-    if getattr(policy, "model", None) is model:
+    mc, adapters = cfg.models[name], model_adapters(name, cfg.agents)
+    peft_model = attach_adapters(model, mc.lora, adapters, seed=cfg.seed)
+    if _is_served(policy):
+        serve_adapters(policy, adapters, mc.serve.engine, model=name)
+    elif getattr(policy, "model", None) is model:
         policy.model = peft_model
     return peft_model
 
@@ -195,6 +202,9 @@ class Trainer:
             self.invalid_penalty = cfg.invalid_penalty if cfg.invalid_penalty is not None else float(
                 getattr(env, "invalid_penalty", 0.0))
             self.start_step = self._resume() if cfg.resume else 0
+            if self.start_step == 0:  # adapters loaded by name must exist on the servers before the first rollout
+                for name in (n for n, p in self.model_policies.items() if getattr(p, "lora_by_name", ())):
+                    self.sync_weights(name, version=0)
         except BaseException:
             self._close_built()  # e.g. servers launched for a run that never starts
             raise
@@ -210,7 +220,8 @@ class Trainer:
         models = {}
         for name, mc in self.cfg.models.items():
             if not any(p.name == name for p in given.values()):
-                models[name], self.train_models[name] = _build_model(name, mc, self.cfg.seed)
+                models[name], self.train_models[name] = _build_model(name, mc, self.cfg.seed,
+                                                                     model_adapters(name, self.cfg.agents))
                 if mc.lora is not None:
                     self.train_models[name] = _attach_adapters(models[name], self.train_models[name], name, self.cfg)
                 self._built.append(models[name])
@@ -345,7 +356,7 @@ class Trainer:
         root = self.run_dir.resolve() / "sync"
         final, tmp = root / name, root / f".tmp_{name}"
         shutil.rmtree(tmp, ignore_errors=True)
-        self.train_models[name].save_pretrained(tmp, safe_serialization=True)
+        save_for_sync(self.train_models[name], self.model_policies[name], tmp)
         self.model_policies[name].tokenizer.save_pretrained(tmp)
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)

@@ -256,3 +256,107 @@ def test_train_graph_trains_one_adapter_per_agent_over_a_frozen_base(tmp_path):
     with TraceStore(tmp_path / "run" / "traces.db", readonly=True) as store:
         episode = store.load_episode(store.episodes(step=1)[0].id)
         assert {t.agent: t.sampling.adapter for t in episode.turns} == {"solver": "solver", "verifier": "verifier"}
+
+
+# --- served policies ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    tokenizer = tiny_tokenizer()
+    path = tmp_path_factory.mktemp("base")
+    tiny_model(tokenizer, seed=0).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+def served_config(tmp_path, ckpt, serve, adapters):
+    return config(tmp_path, models={"m": {"path": ckpt, "serve": serve, "lora": {"r": 4, "alpha": 8}}},
+                  agents={a: {"model": "m", "adapter": adapters[a], "sampling": {"max_new_tokens": 6}} for a in AGENTS})
+
+
+def test_sglang_serves_the_base_with_the_adapter_merged(tmp_path, ckpt):
+    from transformers import AutoModelForCausalLM
+
+    from drmas_graph.trainer import Trainer
+    from tests import _graphs
+    from tests._envs import ParityEnv
+    from tests.sglang_double import SGLangDouble
+    from tests.test_instrument import Unreachable
+
+    double = SGLangDouble(ckpt, weight_version="0").start()
+    cfg = served_config(tmp_path, ckpt, {"engine": "sglang", "urls": [double.url]}, {a: "shared" for a in AGENTS})
+    trainer = Trainer(_graphs.solver_verifier(Unreachable()).compile(), ParityEnv(), cfg)
+    try:
+        local = trainer.train_models["m"]
+        assert trainer.model_policies["m"].lora_merged == "shared"
+        result = trainer.run()
+    finally:
+        trainer.close()
+        double.stop()
+    base = AutoModelForCausalLM.from_pretrained(ckpt).state_dict()
+    assert all(torch.equal(base[k.replace(".base_layer.", ".")], v)
+               for k, v in local.get_base_model().state_dict().items() if ".lora_" not in k)  # the base is frozen
+    served, merged = double.model.state_dict(), copy.deepcopy(local).merge_and_unload().state_dict()
+    assert sum(not torch.equal(v, base[k]) for k, v in served.items()) > 0  # the server got new weights ...
+    assert all(torch.allclose(v, served[k], atol=1e-6) for k, v in merged.items())  # ... base + adapter merged
+    # step 1 sampled from the merged weights pushed after step 0: they equal the trainer's adapter model
+    assert result.history[1]["agent/solver/logprob_mismatch"] < 1e-4
+    assert [b["weight_version"] for p, b in double.requests if p == "POST /update_weights_from_disk"] == ["1", "2"]
+
+
+def test_sglang_with_two_adapters_and_a_served_request_for_another_adapter_are_errors(tmp_path, ckpt):
+    from drmas_graph.lora import served_adapter
+    from drmas_graph.served import SGLangPolicy
+    from drmas_graph.trainer import Trainer
+    from tests._envs import ParityEnv
+
+    cfg = served_config(tmp_path, ckpt, {"engine": "sglang", "urls": ["http://127.0.0.1:9"]},
+                        {a: a for a in AGENTS})
+    with pytest.raises(ConfigError, match=r"models.m: serve.engine='sglang' serves merged weights.*\['solver', "
+                                          r"'verifier'\].*engine='vllm'"):
+        Trainer(None, ParityEnv(), cfg)
+    policy = SGLangPolicy("http://127.0.0.1:9", tiny_tokenizer(), name="m")
+    policy.lora_merged = "solver"
+    assert served_adapter(policy, SamplingParams(adapter="solver")) is None
+    with pytest.raises(PolicyError, match=r"adapter 'verifier', but its servers hold adapters \['solver'\]"):
+        served_adapter(policy, SamplingParams(adapter="verifier"))
+    policy.lora_merged, policy.lora_by_name = None, ("solver", "verifier")
+    assert served_adapter(policy, SamplingParams(adapter="verifier")) == "verifier"
+    assert served_adapter(policy, SamplingParams()) is None  # the base model
+    policy.close()
+
+
+def test_cli_eval_of_a_checkpoint_loads_the_trained_adapters(tmp_path, capsys):
+    from drmas_graph.cli import main
+    from drmas_graph.config import load_config
+    from drmas_graph.lora import load_checkpoint_adapters
+    from drmas_graph.trainer import Trainer
+    from tests import _graphs
+    from tests._envs import ParityEnv
+    from tests.test_cli_train import write_config
+    from tests.test_instrument import Unreachable
+
+    path = write_config(tmp_path, models={"tiny": {"tiny": {"seed": 0}, "lora": {"r": 4, "alpha": 8}}})
+    assert main(["train", str(path), "--set", "eval.before_training=false"]) == 0
+    ckpt = tmp_path / "run" / "checkpoints" / "step_000001"
+    assert (ckpt / "tiny" / "model" / "solver" / "adapter_model.safetensors").exists()
+    assert main(["eval", str(path), "--checkpoint", str(ckpt), "--k", "1"]) == 0
+    assert "avg@1" in capsys.readouterr().out
+
+    from safetensors.torch import load_file
+
+    saved = load_file(ckpt / "tiny" / "model" / "verifier" / "adapter_model.safetensors")
+    cfg = load_config(path, [f"run_dir={tmp_path / 'eval'}"])
+    trainer = Trainer(_graphs.solver_verifier(Unreachable()).compile(), ParityEnv(), cfg, train=False)
+    try:
+        model = trainer.train_models["tiny"]
+        fresh = groups(model)["verifier"]
+        load_checkpoint_adapters(trainer, ckpt)
+        loaded = groups(model)["verifier"]
+    finally:
+        trainer.close()
+    assert len(saved) == len(loaded) and any(not torch.equal(fresh[k], loaded[k]) for k in loaded)
+    for key, value in saved.items():  # peft drops the adapter name from the saved keys
+        name = key.replace(".lora_A.weight", ".lora_A.verifier.weight").replace(".lora_B.weight", ".lora_B.verifier.weight")
+        assert torch.equal(loaded[name], value)
