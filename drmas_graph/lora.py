@@ -19,10 +19,9 @@ name; agents naming the same adapter share it):
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -325,15 +324,13 @@ class LoraUpdater:
         for adapter in dict.fromkeys(self.agent_adapters.values()):
             lr = (adapter_lr or {}).get(adapter, settings.lr)
             agents = {a: s for a, s in agent_settings.items() if self.agent_adapters[a] == adapter}
-            with self._active(adapter):  # the optimizer takes the trainable parameters: this adapter's
-                self.updaters[adapter] = ModelUpdater(model, name=f"{name}/{adapter}", agent_settings=agents,
-                                                      settings=dataclasses.replace(settings, lr=lr))
+            self._activate(adapter)  # the optimizer takes the trainable parameters: this adapter's
+            self.updaters[adapter] = ModelUpdater(model, name=f"{name}/{adapter}", agent_settings=agents,
+                                                  settings=dataclasses.replace(settings, lr=lr))
 
-    @contextlib.contextmanager
-    def _active(self, adapter: str) -> Iterator[None]:
-        """Make `adapter` the one that forward passes use and the only trainable parameters."""
+    def _activate(self, adapter: str) -> None:
+        """Make `adapter` the one that forward passes use and the only trainable parameters (peft)."""
         self.model.set_adapter(adapter)
-        yield
 
     @property
     def n_updates(self) -> int:
@@ -345,20 +342,20 @@ class LoraUpdater:
         by_adapter = self._split(samples)
         out = {}
         for adapter, updater in self.updaters.items():
-            with self._active(adapter):
-                out[adapter] = updater.update(by_adapter[adapter])
+            self._activate(adapter)
+            out[adapter] = updater.update(by_adapter[adapter])
         return LoraUpdateMetrics(out)
 
     @torch.no_grad()
     def compute_logprobs(self, samples: Sequence[Sample]) -> list[torch.Tensor]:
         """`ModelUpdater.compute_logprobs`, each sample under its agent's adapter."""
+        self._split(samples)  # raises for samples of unknown agents
         out: list[torch.Tensor | None] = [None] * len(samples)
         for adapter, updater in self.updaters.items():
-            rows = [i for i, s in enumerate(samples) if self.agent_adapters.get(s.agent) == adapter]
-            with self._active(adapter):
-                for i, logprobs in zip(rows, updater.compute_logprobs([samples[i] for i in rows])):
-                    out[i] = logprobs
-        self._split(samples)  # raises for samples of unknown agents
+            rows = [i for i, s in enumerate(samples) if self.agent_adapters[s.agent] == adapter]
+            self._activate(adapter)
+            for i, logprobs in zip(rows, updater.compute_logprobs([samples[i] for i in rows])):
+                out[i] = logprobs
         return out  # type: ignore[return-value]
 
     def _split(self, samples: Sequence[Sample]) -> dict[str, list[Sample]]:
@@ -375,8 +372,8 @@ class LoraUpdater:
         updater's optimizer and RNG state. Collective, like `ModelUpdater.save`."""
         directory = Path(directory)
         for adapter, updater in self.updaters.items():
-            with self._active(adapter):
-                updater.save(directory / "adapters" / adapter)
+            self._activate(adapter)
+            updater.save(directory / "adapters" / adapter)
         (directory / "model").mkdir(parents=True, exist_ok=True)
         from drmas_graph._engines import _rank
 
@@ -387,8 +384,8 @@ class LoraUpdater:
         """Restore what `save` wrote (adapters, optimizers, RNG)."""
         directory = Path(directory)
         for adapter, updater in self.updaters.items():
-            with self._active(adapter):
-                updater.load(directory / "adapters" / adapter)
+            self._activate(adapter)
+            updater.load(directory / "adapters" / adapter)
 
 
 def build_updater(model: Any, *, name: str, settings: UpdateSettings, agent_settings: Mapping[str, LossSettings],

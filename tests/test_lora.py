@@ -97,7 +97,10 @@ def test_only_the_acting_agents_adapter_moves_and_the_base_is_bit_identical(back
 
 def test_per_agent_learning_rate_scales_the_step_and_zero_does_not_move():
     model, tokenizer = lora_model()
+    randomize(model, "verifier", 3)  # the adapters differ: each sample is scored under its agent's own
     samples = samples_of(model, tokenizer, AGENTS)
+    for s, logprobs in zip(samples, updater(copy.deepcopy(model)).compute_logprobs(samples)):
+        torch.testing.assert_close(logprobs, torch.tensor(s.old_logprobs), atol=1e-5, rtol=0)
     deltas = {}
     for lr in (1e-3, 2e-3):
         trial = copy.deepcopy(model)
