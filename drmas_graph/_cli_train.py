@@ -91,6 +91,7 @@ def _cmd_train(args: argparse.Namespace, console: Console) -> int:
 
 
 def _cmd_eval(args: argparse.Namespace, console: Console) -> int:
+    from drmas_graph.lora import load_checkpoint_adapters
     from drmas_graph.trainer import Trainer, evaluate
 
     overrides = list(args.set)
@@ -104,12 +105,14 @@ def _cmd_eval(args: argparse.Namespace, console: Console) -> int:
             raise ConfigError(f"checkpoint {str(args.checkpoint)!r} is not a folder")
         for name, model in list(cfg.models.items()):
             path = args.checkpoint / name / "model"
-            if model.trainable and path.is_dir():
+            if model.trainable and path.is_dir() and model.lora is None:  # LoRA: the adapters load below
                 cfg.models[name] = model.model_copy(update={"path": str(path), "gguf_file": None, "tiny": None})
     cfg.run_dir = str(eval_dir(Path(cfg.run_dir), args.checkpoint, args.split or cfg.eval.split, cfg.eval.k))
     graph, env = build_graph_and_env(cfg)
     trainer = Trainer(graph, env, cfg, train=False)
     try:
+        if args.checkpoint is not None:
+            load_checkpoint_adapters(trainer, args.checkpoint)
         record = evaluate(trainer, step=0, split=args.split)
     finally:
         trainer.close()

@@ -192,6 +192,10 @@ class _TorchEngine:
 
 def _load_hf_weights(model: torch.nn.Module, path: Path) -> None:
     """Copy weights saved with ``save_pretrained`` into ``model``'s own parameters (in place)."""
+    from drmas_graph.lora import is_peft_model, load_adapter_weights
+
+    if is_peft_model(model):  # save_pretrained wrote the LoRA adapters only
+        return load_adapter_weights(model, path)
     dtype = next(model.parameters()).dtype
     loaded = type(model).from_pretrained(path, dtype=dtype)
     with torch.no_grad():
@@ -320,10 +324,12 @@ class _DeepSpeedEngine:
         return float(self.engine.get_lr()[0])
 
     def save(self, directory: Path) -> None:
-        self.engine.save_checkpoint(str(directory / "deepspeed"), tag=self._TAG)
+        # frozen parameters (a LoRA model's base) are not saved: they never change
+        self.engine.save_checkpoint(str(directory / "deepspeed"), tag=self._TAG, exclude_frozen_parameters=True)
 
     def load(self, directory: Path) -> None:
-        path, _ = self.engine.load_checkpoint(str(directory / "deepspeed"), tag=self._TAG,
+        frozen = any(not p.requires_grad for p in self.module.parameters())
+        path, _ = self.engine.load_checkpoint(str(directory / "deepspeed"), tag=self._TAG, load_module_strict=not frozen,
                                               load_optimizer_states=True, load_lr_scheduler_states=False)
         if path is None:
             raise ConfigError(f"no DeepSpeed checkpoint under {directory / 'deepspeed'}; was it saved with "

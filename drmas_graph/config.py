@@ -16,7 +16,8 @@ from drmas_graph.errors import ConfigError
 
 __all__ = [
     "TrainConfig", "ModelConfig", "ServeConfig", "AgentConfig", "SamplingConfig", "LossConfig", "UpdateConfig",
-    "EvalConfig", "RolloutConfig", "LoggingConfig", "load_config", "apply_overrides", "config_reference",
+    "EvalConfig", "RolloutConfig", "LoggingConfig", "LoraConfig", "load_config", "apply_overrides",
+    "config_reference",
 ]
 
 
@@ -44,7 +45,7 @@ class LossConfig(_Strict):
 class UpdateConfig(_Strict):
     """Optimizer and loss settings of one trainable model (`drmas_graph.update.UpdateSettings` adds the seed)."""
 
-    lr: float = Field(1e-6, gt=0, allow_inf_nan=False, description="AdamW learning rate.")
+    lr: float = Field(1e-6, ge=0, allow_inf_nan=False, description="AdamW learning rate (0 freezes the model).")
     weight_decay: float = Field(0.01, ge=0, description="AdamW weight decay.")
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW moment decay rates, each in [0, 1).")
     grad_clip: float | None = Field(1.0, gt=0, description="Clip the global gradient norm to this value; null = no clipping.")
@@ -98,6 +99,13 @@ class ServeConfig(_Strict):
         return self
 
 
+class LoraConfig(_Strict):
+    r: int = Field(8, ge=1, description="LoRA rank.")
+    alpha: float = Field(16.0, gt=0, description="LoRA alpha: the update is scaled by alpha / r.")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the LoRA input while training.")
+    target_modules: list[str] | str = Field("all-linear", description="Module names (or a regex) that get adapters; 'all-linear' = every linear layer but the output head.")
+
+
 class ModelConfig(_Strict):
     path: str | None = Field(None, description="Local folder of a Hugging Face model (or of a GGUF file); 'smollm2' = the bundled SmolLM2-135M-Instruct.")
     gguf_file: str | None = Field(None, description="GGUF file name inside `path`, loaded with transformers' GGUF support.")
@@ -108,6 +116,7 @@ class ModelConfig(_Strict):
     update: UpdateConfig | None = Field(None, description="Optimizer and loss settings of this model; null = the top-level `update`.")
     max_batch_size: int = Field(32, ge=1, description="Dynamic batching: most requests generated together.")
     serve: ServeConfig | None = Field(None, description="Roll out through inference servers; the trainer trains a local copy loaded from `path` on `device` and pushes it to them after every update.")
+    lora: LoraConfig | None = Field(None, description="Train one LoRA adapter per agent (`agents.<a>.adapter`) over this frozen model instead of the model itself; null = full fine-tuning.")
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelConfig:
@@ -124,6 +133,8 @@ class AgentConfig(_Strict):
     frozen: bool = Field(False, description="Serve this agent but never train on its calls.")
     sampling: SamplingConfig = Field(default_factory=SamplingConfig, description="Rollout sampling of this agent's calls.")
     loss: LossConfig = Field(default_factory=LossConfig, description="Per-agent loss settings.")
+    adapter: str | None = Field(None, description="LoRA adapter of this agent on a `lora` model (agents naming the same adapter share it); null = an adapter named after the agent.")
+    lr: float | None = Field(None, ge=0, description="Learning rate of this agent's adapter (or of its model when no other agent shares it); null = the model's `update.lr`.")
 
 
 class EvalConfig(_Strict):
@@ -188,6 +199,13 @@ class TrainConfig(_Strict):
     eval: EvalConfig = Field(default_factory=EvalConfig, description="Evaluation settings.")
     rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="Per-episode graph config and limits.")
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Logging settings.")
+
+    @model_validator(mode="after")
+    def _resolve_adapters(self) -> TrainConfig:
+        from drmas_graph.lora import resolve_adapters
+
+        resolve_adapters(self.models, self.agents)
+        return self
 
     @field_validator("estimator")
     @classmethod

@@ -36,6 +36,7 @@ from drmas_graph.config import AgentConfig, ModelConfig, TrainConfig, merge_over
 from drmas_graph.env import BadRewardError, EpisodeScore, is_success, score_episode, trainable_agent_turns
 from drmas_graph.errors import ConfigError, RolloutError
 from drmas_graph.instrumented import InstrumentedGraph
+from drmas_graph.lora import model_adapters, save_for_sync
 from drmas_graph.metrics import RunLogger, mean_std
 from drmas_graph.policy import Policy
 from drmas_graph.store import TraceStore
@@ -119,7 +120,7 @@ def _is_served(policy: Policy) -> bool:
     return callable(getattr(policy, "sync_weights", None))
 
 
-def _build_model(name: str, mc: ModelConfig, seed: int) -> tuple[Policy, Any]:
+def _build_model(name: str, mc: ModelConfig, seed: int, adapters: Sequence[str] = ()) -> tuple[Policy, Any]:
     """The rollout policy of a configured model and the module its updater trains.
 
     Embedded: one `TransformersPolicy` that both generates and is trained. Served (`mc.serve`): the weights
@@ -129,11 +130,13 @@ def _build_model(name: str, mc: ModelConfig, seed: int) -> tuple[Policy, Any]:
     policy = _build_policy(name, mc, seed)
     if mc.serve is None:
         return policy, policy.model
+    from drmas_graph.lora import vllm_launch_kwargs
     from drmas_graph.served import SGLangPolicy, VLLMPolicy, launch_sglang, launch_vllm
 
     sc = mc.serve
     policy_cls, launch = {"sglang": (SGLangPolicy, launch_sglang), "vllm": (VLLMPolicy, launch_vllm)}[sc.engine]
-    servers = [launch(_resolve_path(mc.path), dtype=mc.dtype, python=sc.python)] if sc.launch else []
+    lora_kw = vllm_launch_kwargs(mc.lora, adapters) if mc.lora is not None and sc.engine == "vllm" else {}
+    servers = [launch(_resolve_path(mc.path), dtype=mc.dtype, python=sc.python, **lora_kw)] if sc.launch else []
     served = policy_cls([s.url for s in servers] or sc.urls, policy.tokenizer, name=name, servers=servers,
                         seed=seed, timeout_s=sc.timeout_s, max_concurrency=sc.max_concurrency)
     return served, policy.model
@@ -152,6 +155,20 @@ def _check_policy_names(given: Mapping[str, Policy]) -> None:
                 f"checkpoints and traces. Give each its own name (tiny_policy(..., name={agent + '-model'!r}), "
                 f"TransformersPolicy.from_pretrained(path, name=...)), or pass the same object to both agents to "
                 "share one model")
+
+
+def _attach_adapters(policy: Policy, model: Any, name: str, cfg: TrainConfig) -> Any:
+    """Wrap model `name` in one LoRA adapter per agent adapter; an embedded policy generates with it, a served
+    one is told how its servers get the adapters (`lora.serve_adapters`)."""
+    from drmas_graph.lora import attach_adapters, serve_adapters
+
+    mc, adapters = cfg.models[name], model_adapters(name, cfg.agents)
+    peft_model = attach_adapters(model, mc.lora, adapters, seed=cfg.seed)
+    if _is_served(policy):
+        serve_adapters(policy, adapters, mc.serve.engine, model=name)
+    elif getattr(policy, "model", None) is model:
+        policy.model = peft_model
+    return peft_model
 
 
 def _resolve_path(path: str) -> str:
@@ -222,6 +239,9 @@ class Trainer:
             self.invalid_penalty = cfg.invalid_penalty if cfg.invalid_penalty is not None else float(
                 getattr(env, "invalid_penalty", 0.0))
             self.start_step = self._resume() if cfg.resume else 0
+            if self.start_step == 0:  # adapters loaded by name must exist on the servers before the first rollout
+                for name in (n for n, p in self.model_policies.items() if getattr(p, "lora_by_name", ())):
+                    self.sync_weights(name, version=0)
         except BaseException:
             self._close_built()  # e.g. servers launched for a run that never starts
             if getattr(self, "store", None) is not None:
@@ -242,7 +262,10 @@ class Trainer:
         models = {}
         for name, mc in self.cfg.models.items():
             if not any(p.name == name for p in given.values()):
-                models[name], self.train_models[name] = _build_model(name, mc, self.cfg.seed)
+                models[name], self.train_models[name] = _build_model(name, mc, self.cfg.seed,
+                                                                     model_adapters(name, self.cfg.agents))
+                if mc.lora is not None:
+                    self.train_models[name] = _attach_adapters(models[name], self.train_models[name], name, self.cfg)
                 self._built.append(models[name])
         models.update({p.name: p for p in given.values()})
         for name, model in (train_models or {}).items():
@@ -287,7 +310,8 @@ class Trainer:
         return tasks
 
     def _updaters(self) -> dict[str, Any]:
-        from drmas_graph.update import LossSettings, ModelUpdater, UpdateSettings
+        from drmas_graph.lora import build_updater
+        from drmas_graph.update import LossSettings, UpdateSettings
 
         updaters = {}
         for name, policy in self.model_policies.items():
@@ -302,8 +326,8 @@ class Trainer:
                 raise ConfigError(f"model {name!r} ({type(policy).__name__}, agents {agents}) has no local weights to "
                                   f"train: for a served policy pass train_models={{{name!r}: <HF model with the served "
                                   "weights>} or configure it with `models.<name>.serve`; else freeze its agents")
-            updaters[name] = ModelUpdater(self.train_models[name], name=name, settings=settings,
-                                          agent_settings=agent_settings)
+            updaters[name] = build_updater(self.train_models[name], name=name, settings=settings,
+                                           agent_settings=agent_settings, agent_cfgs=self.agent_cfgs)
         if not updaters:
             raise ConfigError("every agent is frozen or served by a non-trainable model: nothing to train")
         return updaters
@@ -402,7 +426,7 @@ class Trainer:
         final, tmp = root / name, root / f".tmp_{name}"
         if _distributed.is_main():  # several processes share the servers: rank 0 writes and pushes once
             shutil.rmtree(tmp, ignore_errors=True)
-            self.train_models[name].save_pretrained(tmp, safe_serialization=True)
+            save_for_sync(self.train_models[name], self.model_policies[name], tmp)
             self.model_policies[name].tokenizer.save_pretrained(tmp)
             shutil.rmtree(final, ignore_errors=True)
             tmp.rename(final)
@@ -577,7 +601,8 @@ def _uses_deepspeed(cfg: TrainConfig, policies: Mapping[str, Policy] | None) -> 
 
 def _sampling(agent: AgentConfig) -> SamplingParams:
     s = agent.sampling
-    return SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_new_tokens=s.max_new_tokens)
+    return SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_new_tokens=s.max_new_tokens,
+                          adapter=agent.adapter)
 
 
 def evaluate(trainer: Trainer, *, step: int, split: str | None = None) -> dict[str, Any]:

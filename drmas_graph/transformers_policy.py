@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from drmas_graph.errors import PolicyError
+from drmas_graph.lora import adapter_kwargs, is_peft_model
 from drmas_graph.policy import Policy
 from drmas_graph.types import Generation, SamplingParams
 
@@ -278,10 +279,11 @@ class TransformersPolicy(Policy):
         ids_BL, mask_BL, pos_BL = ids_BL.to(self.device), mask_BL.to(self.device), pos_BL.to(self.device)
         past = None
         cache_kw = self._cache_kwarg()
+        adapters = adapter_kwargs(self.model, [r.params.adapter for r in reqs], policy=self.name)  # LoRA per row
         step_ids, step_pos = ids_BL, pos_BL
         for _ in range(max(r.params.max_new_tokens for r in reqs)):
             out = self.model(input_ids=step_ids, attention_mask=mask_BL, position_ids=step_pos,
-                             use_cache=True, logits_to_keep=1, **{cache_kw: past})
+                             use_cache=True, logits_to_keep=1, **{cache_kw: past}, **adapters)
             self.stats.forward_passes += 1
             past = getattr(out, cache_kw)
             logits_BV = out.logits[:, -1, :].float().cpu()
@@ -303,7 +305,8 @@ class TransformersPolicy(Policy):
 
     def _cache_kwarg(self) -> str:
         # transformers >= 5.x names the KV cache argument `cache`; older releases `past_key_values`
-        params = inspect.signature(self.model.forward).parameters
+        model = self.model.get_base_model() if is_peft_model(self.model) else self.model
+        params = inspect.signature(model.forward).parameters
         return "cache" if "cache" in params else "past_key_values"
 
     def _finish_reason(self, token: int, ids: list[int], params: SamplingParams, stop_ids: set[int]) -> str | None:

@@ -565,7 +565,12 @@ def _check_autocast(model: torch.nn.Module, autocast: str | None) -> torch.dtype
 
 
 def _frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
-    """The reference policy for the KL penalty: a copy of the initial weights, eval mode, no gradients."""
+    """The reference policy for the KL penalty: a copy of the initial weights, eval mode, no gradients.
+    A LoRA model's reference is its own base with the adapters disabled (no copy)."""
+    from drmas_graph.lora import base_forward, is_peft_model
+
+    if is_peft_model(model):
+        return base_forward(model)
     ref = copy.deepcopy(model).eval()
     ref.requires_grad_(False)
     return ref

