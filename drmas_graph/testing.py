@@ -136,6 +136,9 @@ class ScriptedPolicy(TransformersPolicy):
         self._reply_count += 1
         return reply
 
+    def _engine_step(self, engine: Any, admit: list[Any]) -> list[tuple[Any, Generation]]:
+        return list(zip(admit, self._generate_batch(admit)))  # whole replies at once: no row keeps decoding
+
     @torch.inference_mode()
     def _generate_batch(self, reqs: list[Any]) -> list[Generation]:
         out = []

@@ -82,8 +82,7 @@ class SGLangDouble:
     def _sample(self, input_ids: list[int], sp: dict[str, Any]) -> tuple[list[int], list[float], dict]:
         params = SamplingParams(temperature=float(sp.get("temperature", 1.0)), top_p=float(sp.get("top_p", 1.0)),
                                 top_k=int(sp.get("top_k", -1)), max_new_tokens=int(sp.get("max_new_tokens", 128)))
-        gen = torch.Generator().manual_seed(int(sp["sampling_seed"]) if "sampling_seed" in sp
-                                            else int(torch.randint(0, 2**62, (1,))))
+        seed = int(sp["sampling_seed"]) if "sampling_seed" in sp else int(torch.randint(0, 2**62, (1,)))
         stop_ids = set(sp.get("stop_token_ids") or ()) | {self.tokenizer.eos_token_id}
         stops = sp.get("stop") or []
         stops = [stops] if isinstance(stops, str) else list(stops)
@@ -98,7 +97,7 @@ class SGLangDouble:
                                   "err_type": None}
             with self._model_lock:
                 logits = self.model(input_ids=torch.tensor([input_ids + ids])).logits[0, -1]
-            tok, lp = sample_token(logits, params, gen)
+            tok, lp = sample_token(logits, params, seed, len(ids))
             ids.append(tok)
             lps.append(lp)
             if tok in stop_ids:

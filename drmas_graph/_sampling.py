@@ -1,0 +1,184 @@
+"""Batched, device-side token sampling with per-request counter-based noise.
+
+Shapes: `_B` rows (requests), `_V` vocabulary, `_K` top-k candidates.
+
+Each row's randomness is a pure function of (request seed, token position, vocabulary index): a 32-bit
+integer hash (xorshift-multiply rounds on int32 tensors, whose multiplication wraps modulo 2^32; a test
+checks the result against the same hash in Python integers) gives one uniform u per (row, token), E = -log(u) ~ Exp(1), and the exponential race
+`argmax_i p_i / E_i` (equivalently Gumbel-max, argmax log p_i - log E_i) draws token i with probability
+p_i / sum_j p_j over the tokens top-k/top-p keep. A row's draw therefore never depends on the other rows of
+the batch, on the batch size, or on the device's RNG state, and no per-row generator is touched: one batch
+of tensor ops on the logits' device samples every row. Temperature 0 rows take the argmax.
+
+Logprobs are log_softmax(logits / T) at the sampled token over the *untruncated* vocabulary (T = 1 for
+greedy rows): the quantity a trainer recomputes from a forward pass.
+
+Top-k keeps the k highest logits (ties at the k-th value kept); top-p (nucleus, Holtzman et al. 2020) keeps
+the smallest set of most likely tokens whose probability under the untruncated softmax(logits / T) reaches
+top_p (the top token always); with both set a token must pass both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from drmas_graph.types import SamplingParams
+
+__all__ = ["RowParams", "hash_uniform", "mix32", "mix32_py", "row_keys", "sample_rows", "split_seed", "vocab_hash"]
+
+_MASK32 = 0xFFFFFFFF
+_MUL_A = 0x7FEB352D  # odd multipliers (bijective modulo 2^32), below 2^31 so they fit an int32
+_MUL_B = 0x68E31DA5
+_GOLDEN = 0x1E3779B9
+_TOP_P_CANDIDATES = 256  # nucleus from the top-K tokens when they hold top_p of the mass (exact), else 16x more
+
+
+def _shr(x: torch.Tensor, s: int) -> torch.Tensor:
+    """Logical right shift of the 32-bit patterns held in an int32 tensor."""
+    return (x >> s) & ((1 << (32 - s)) - 1)
+
+
+def mix32(x: torch.Tensor) -> torch.Tensor:
+    """A bijective 32-bit finalizer (xorshift-multiply) on the bit patterns of an int32 tensor."""
+    x = x ^ _shr(x, 16)
+    x = x * _MUL_A
+    x = x ^ _shr(x, 15)
+    x = x * _MUL_B
+    return x ^ _shr(x, 16)
+
+
+def mix32_py(x: int) -> int:
+    """`mix32` in Python integers, on x in [0, 2^32): the reference the tensor version is tested against."""
+    x ^= x >> 16
+    x = (x * _MUL_A) & _MASK32
+    x ^= x >> 15
+    x = (x * _MUL_B) & _MASK32
+    return x ^ (x >> 16)
+
+
+def row_keys(seeds_B: torch.Tensor, positions_B: torch.Tensor) -> torch.Tensor:
+    """An int32 key per (seed, position): seeds_B (B, 2) int32 holds the two 32-bit halves of each seed."""
+    k = mix32(positions_B.to(torch.int32) + _GOLDEN)
+    k = mix32(k ^ seeds_B[:, 1])
+    return mix32(k ^ seeds_B[:, 0])
+
+
+def hash_uniform(keys_B: torch.Tensor, vocab_hash_V: torch.Tensor) -> torch.Tensor:
+    """Uniforms in (0, 1), float32, one per (row key, vocabulary entry): 24 bits, exactly representable."""
+    h = mix32(keys_B[:, None] ^ vocab_hash_V[None, :])
+    return (_shr(h, 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+
+
+def vocab_hash(vocab_size: int, device: torch.device | str) -> torch.Tensor:
+    """The per-index half of the noise hash, computed once per vocabulary size and device."""
+    return mix32(torch.arange(vocab_size, dtype=torch.int32, device=device) * 2 + 1)
+
+
+def _as_int32(v: int) -> int:
+    return v - (1 << 32) if v >= (1 << 31) else v
+
+
+def split_seed(seed: int) -> tuple[int, int]:
+    """A Python int seed as its (low, high) 32-bit halves (modulo 2^64), as int32 bit patterns."""
+    s = int(seed) % (1 << 64)
+    return _as_int32(s & _MASK32), _as_int32(s >> 32)
+
+
+@dataclass
+class RowParams:
+    """Per-row sampling parameters as device tensors, built once per batch composition."""
+
+    inv_temp_B: torch.Tensor
+    """1 / temperature (1 for greedy rows), float32."""
+    greedy_B: torch.Tensor
+    """True where temperature is 0."""
+    top_k_B: torch.Tensor
+    """k per row (int64); 0 keeps all."""
+    top_p_B: torch.Tensor
+    """top_p per row (float32); 1 keeps all."""
+    seeds_B: torch.Tensor
+    """(B, 2) int32: low and high 32-bit halves of each row's seed."""
+    max_top_k: int
+    """Largest k among rows that use top-k (0: none)."""
+    any_top_p: bool
+    """Whether any row has top_p < 1."""
+    any_greedy: bool
+    """Whether any row is greedy."""
+
+    @staticmethod
+    def build(params: Sequence[SamplingParams], seeds: Sequence[int], vocab_size: int,
+              device: torch.device | str) -> RowParams:
+        ks = [p.top_k if 0 < p.top_k < vocab_size else 0 for p in params]
+        greedy = [p.temperature == 0 for p in params]
+        return RowParams(
+            inv_temp_B=torch.tensor([1.0 / p.temperature if p.temperature > 0 else 1.0 for p in params],
+                                    dtype=torch.float32, device=device),
+            greedy_B=torch.tensor(greedy, dtype=torch.bool, device=device),
+            top_k_B=torch.tensor(ks, dtype=torch.int64, device=device),
+            top_p_B=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
+            seeds_B=torch.tensor([split_seed(s) for s in seeds], dtype=torch.int32, device=device).view(-1, 2),
+            max_top_k=max(ks, default=0), any_top_p=any(p.top_p < 1.0 for p in params), any_greedy=any(greedy),
+        )
+
+    def select(self, rows_B: torch.Tensor, params: Sequence[SamplingParams], vocab_size: int) -> RowParams:
+        """The same parameters for a subset of rows (`params` are those rows' SamplingParams)."""
+        ks = [p.top_k if 0 < p.top_k < vocab_size else 0 for p in params]
+        return RowParams(self.inv_temp_B[rows_B], self.greedy_B[rows_B], self.top_k_B[rows_B],
+                         self.top_p_B[rows_B], self.seeds_B[rows_B], max(ks, default=0),
+                         any(p.top_p < 1.0 for p in params), any(p.temperature == 0 for p in params))
+
+    @staticmethod
+    def cat(parts: Sequence[RowParams]) -> RowParams:
+        """Rows of several parameter sets, in order."""
+        return RowParams(*(torch.cat([getattr(p, f) for p in parts]) for f in
+                           ("inv_temp_B", "greedy_B", "top_k_B", "top_p_B", "seeds_B")),
+                         max(p.max_top_k for p in parts), any(p.any_top_p for p in parts),
+                         any(p.any_greedy for p in parts))
+
+
+def _top_k_keep(scaled_BV: torch.Tensor, rp: RowParams) -> torch.Tensor:
+    """Rows with k > 0 keep logits >= their k-th largest; other rows keep all."""
+    top_BK = torch.topk(scaled_BV, rp.max_top_k, dim=-1).values
+    kth_B = top_BK.gather(1, (rp.top_k_B.clamp(min=1) - 1)[:, None]).squeeze(1)
+    kth_B = torch.where(rp.top_k_B > 0, kth_B, torch.full_like(kth_B, -float("inf")))
+    return scaled_BV >= kth_B[:, None]
+
+
+def _top_p_keep(p_BV: torch.Tensor, rp: RowParams) -> torch.Tensor:
+    """Nucleus: keep token i when the mass of the tokens ranked above it is < top_p (p_BV normalised)."""
+    V = p_BV.shape[-1]
+    K = min(_TOP_P_CANDIDATES, V)
+    while True:
+        top_p_BK, top_i_BK = torch.topk(p_BV, K, dim=-1)  # sorted, descending
+        if K == V or not bool((top_p_BK.sum(-1) < rp.top_p_B).any()):
+            break  # every row's nucleus lies inside its top K
+        K = min(16 * K, V)
+    mass_before_BK = torch.cumsum(top_p_BK, -1) - top_p_BK
+    keep_BK = mass_before_BK < rp.top_p_B[:, None]
+    return torch.zeros_like(p_BV, dtype=torch.bool).scatter_(1, top_i_BK, keep_BK)
+
+
+def sample_rows(logits_BV: torch.Tensor, rp: RowParams, positions_B: torch.Tensor,
+                vocab_hash_V: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row on the logits' device; return (ids_B int64, logprobs_B float32), both on device.
+
+    `positions_B` is each row's index of the token being sampled within its response (0 for the first).
+    """
+    scaled_BV = logits_BV.float() * rp.inv_temp_B[:, None]
+    max_B = scaled_BV.amax(-1, keepdim=True)
+    e_BV = torch.exp(scaled_BV - max_B)
+    sum_B = e_BV.sum(-1, keepdim=True)
+    weights_BV = e_BV
+    if rp.max_top_k > 0:
+        weights_BV = weights_BV * _top_k_keep(scaled_BV, rp)
+    if rp.any_top_p:
+        weights_BV = weights_BV * _top_p_keep(e_BV / sum_B, rp)
+    log_u_BV = torch.log(hash_uniform(row_keys(rp.seeds_B, positions_B), vocab_hash_V))  # -Exp(1)
+    ids_B = (weights_BV / log_u_BV).argmin(-1)  # the exponential race argmax_i w_i / E_i, E_i = -log u_i
+    if rp.any_greedy:
+        ids_B = torch.where(rp.greedy_B, scaled_BV.argmax(-1), ids_B)
+    logp_B = scaled_BV.gather(1, ids_B[:, None]).squeeze(1) - max_B.squeeze(1) - sum_B.squeeze(1).log()
+    return ids_B, logp_B

@@ -1,0 +1,218 @@
+"""The embedded engine's sampler and continuous batching: counter-based noise, top-k/top-p, joins, shared prefill."""
+
+import random
+import threading
+
+import pytest
+import torch
+from langchain_core.messages import HumanMessage
+
+from drmas_graph import SamplingParams
+from drmas_graph._decode import StopMatcher
+from drmas_graph._sampling import RowParams, hash_uniform, mix32, mix32_py, row_keys, sample_rows, vocab_hash
+from drmas_graph.transformers_policy import sample_batch
+from tests._logprobs import recompute_logprobs
+
+LOGITS_V = torch.tensor([2.0, 1.5, 1.0, 0.2, -0.5, -1.0])
+
+
+def _draws(params: SamplingParams, n: int, seed: int = 7) -> torch.Tensor:
+    """n draws of one request's noise stream (positions 0..n-1) on fixed logits, as one batch."""
+    rp = RowParams.build([params] * n, [seed] * n, LOGITS_V.numel(), "cpu")
+    ids, _ = sample_rows(LOGITS_V.expand(n, -1), rp, torch.arange(n, dtype=torch.int32), vocab_hash(6, "cpu"))
+    return ids
+
+
+def test_int32_hash_matches_python_reference():
+    rng = random.Random(0)
+    xs = [rng.randrange(2**32) for _ in range(20000)] + [0, 1, 2**31 - 1, 2**31, 2**32 - 1]
+    t = torch.tensor([x - 2**32 if x >= 2**31 else x for x in xs], dtype=torch.int32)
+    assert [v % 2**32 for v in mix32(t).tolist()] == [mix32_py(x) for x in xs]
+
+
+def test_uniforms_are_uniform_and_keyed_by_seed_and_position():
+    seeds = torch.tensor([[5, 0], [5, 0], [6, 0]], dtype=torch.int32)
+    keys = row_keys(seeds, torch.tensor([0, 1, 0], dtype=torch.int32))
+    u = hash_uniform(keys, vocab_hash(50000, "cpu"))
+    assert 0 < float(u.min()) and float(u.max()) < 1
+    assert abs(float(u.mean()) - 0.5) < 0.005 and abs(float(u.var()) - 1 / 12) < 0.002
+    assert not torch.equal(u[0], u[1]) and not torch.equal(u[0], u[2])  # position and seed both matter
+    assert torch.equal(u[0], hash_uniform(row_keys(seeds[:1], torch.tensor([0], dtype=torch.int32)),
+                                          vocab_hash(50000, "cpu"))[0])
+
+
+@pytest.mark.parametrize("params,allowed", [
+    (SamplingParams(), [0, 1, 2, 3, 4, 5]),
+    (SamplingParams(temperature=0.7, top_k=3), [0, 1, 2]),
+    (SamplingParams(top_p=0.75), [0, 1, 2]),  # p = .38 .23 .14 .06 ...: mass before token 2 is .61 < .75
+    (SamplingParams(top_k=2, top_p=0.9), [0, 1]),
+])
+def test_empirical_distribution_matches_truncated_softmax(params, allowed):
+    n = 40000
+    ids = _draws(params, n)
+    assert set(ids.tolist()) <= set(allowed)
+    p = torch.softmax(LOGITS_V / params.temperature, -1)[allowed]
+    expected = p / p.sum()
+    freq = torch.bincount(ids, minlength=6)[allowed].float() / n
+    sigma = (expected * (1 - expected) / n).sqrt()
+    assert ((freq - expected).abs() <= 5 * sigma + 1e-9).all(), (freq, expected)
+    chi2 = float(((freq - expected) ** 2 / expected).sum() * n)
+    assert chi2 < 25  # <= 5 degrees of freedom: p < 1e-4 under the null
+
+
+def test_logprobs_are_untruncated_log_softmax_at_temperature():
+    logits = torch.randn(4, 40)
+    params = [SamplingParams(temperature=0.5, top_k=5, seed=1), SamplingParams(top_p=0.3, seed=2),
+              SamplingParams(temperature=0), SamplingParams(temperature=1.3)]
+    ids, lps = sample_batch(logits, params, [1, 2, 3, 4], [0, 9, 3, 2])
+    for i, (p, tok, lp) in enumerate(zip(params, ids, lps)):
+        expected = torch.log_softmax(logits[i] / (p.temperature or 1.0), -1)[tok]
+        assert abs(lp - float(expected)) < 1e-5
+    assert ids[2] == int(logits[2].argmax())
+    assert int(logits[0].topk(5).indices.eq(ids[0]).sum()) == 1
+
+
+def test_a_rows_draw_does_not_depend_on_the_batch():
+    V = 300
+    logits = torch.randn(6, V) * 2
+    params = [SamplingParams(seed=s, top_k=[0, 20][s % 2], top_p=[1.0, 0.8][s % 3 == 0]) for s in range(6)]
+    seeds, positions = [11, 12, 13, 14, 15, 16], [0, 4, 2, 7, 1, 0]
+    batched = [sample_batch(logits, params, seeds, positions)[0] for _ in range(2)]
+    alone = [sample_batch(logits[i:i + 1], params[i:i + 1], seeds[i:i + 1], positions[i:i + 1])[0][0]
+             for i in range(6)]
+    shuffled = sample_batch(logits.flip(0), params[::-1], seeds[::-1], positions[::-1])[0][::-1]
+    assert batched[0] == batched[1] == alone == shuffled
+
+
+def test_stop_matcher_agrees_with_full_decoding(policy):
+    tok = policy.tokenizer
+    rng = random.Random(3)
+    text = "What is 7 + 8? Answer: 15. <tool_call>é café ünï</tool_call> the answer"
+    ids = tok.encode(text, add_special_tokens=False)
+    for stop in ["Answer:", "15.", "</tool", "é c", "ünï", "swer", "zzz"]:
+        m = StopMatcher(tok, [stop, "never-there"])
+        hit = next((i for i in range(len(ids)) if m.feed(ids[: i + 1])), None)
+        full = next((i for i in range(len(ids)) if stop in tok.decode(ids[: i + 1], skip_special_tokens=False)), None)
+        assert hit == full, stop
+    for trial in range(20):  # random token streams, special tokens and partial characters included
+        noise = [rng.randrange(len(tok)) for _ in range(120)]
+        for stop in ("e", "th", "an "):
+            m = StopMatcher(tok, [stop])
+            hit = next((i for i in range(120) if m.feed(noise[: i + 1])), None)
+            full = next((i for i in range(120) if stop in tok.decode(noise[: i + 1], skip_special_tokens=False)),
+                        None)
+            assert hit == full, (trial, stop)
+
+
+def test_top_k_top_p_logprobs_equal_a_fresh_forward(policy):
+    prompt = policy.render([HumanMessage("What is 2+3?")])
+    gen = policy.generate(prompt, SamplingParams(max_new_tokens=10, temperature=0.8, top_k=20, top_p=0.9, seed=3))
+    expected = recompute_logprobs(policy.model, prompt, gen.token_ids, 0.8)
+    torch.testing.assert_close(torch.tensor(gen.logprobs), torch.tensor(expected), atol=1e-4, rtol=0)
+
+
+def _singles(policy, prompts, params):
+    return [policy.generate(p, sp) for p, sp in zip(prompts, params)]
+
+
+def test_requests_joining_mid_decode_and_shared_prompts_sample_as_if_alone(policy):
+    """A long request decodes; after its 3rd forward pass three more arrive (two with the same prompt)."""
+    long_prompt = policy.render([HumanMessage("Tell me a long story about the river town.")])
+    short = policy.render([HumanMessage("What is 4 + 4?")])
+    seeds = [s for s in range(40) if policy.generate(long_prompt, SamplingParams(max_new_tokens=40, seed=s))
+             .finish_reason == "length"]
+    first = SamplingParams(max_new_tokens=40, seed=seeds[0])
+    late = [(short, SamplingParams(max_new_tokens=12, seed=1)), (short, SamplingParams(max_new_tokens=6, seed=2)),
+            (policy.render([HumanMessage("hi")]), SamplingParams(max_new_tokens=9, seed=3, temperature=0.5))]
+    alone = _singles(policy, [long_prompt] + [p for p, _ in late], [first] + [sp for _, sp in late])
+    stats_before = (policy.stats.joined_mid_decode, policy.stats.shared_prefill_rows)
+    futures, calls = [], [0]
+
+    def hook(module, args, kwargs):
+        calls[0] += 1
+        if calls[0] == 3:
+            futures.extend(policy.submit(p, sp) for p, sp in late)
+
+    handle = policy.model.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        futures.insert(0, policy.submit(long_prompt, first))
+        head = futures[0].result()
+        while len(futures) < 4:
+            threading.Event().wait(0.01)
+        results = [head] + [f.result() for f in futures[1:]]
+    finally:
+        handle.remove()
+    assert policy.stats.joined_mid_decode - stats_before[0] == 3
+    assert policy.stats.shared_prefill_rows - stats_before[1] == 1
+    for a, b in zip(alone, results):
+        assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4, rtol=0)
+
+
+def test_rows_leave_when_done_and_waiting_requests_take_their_slots():
+    from drmas_graph.testing import tiny_policy
+
+    policy = tiny_policy(seed=0, max_batch_size=2, batch_wait_s=0.2, max_batch_wait_s=0.5)
+    try:
+        prompts = [policy.render([HumanMessage(f"q{i}")]) for i in range(5)]
+        params = [SamplingParams(max_new_tokens=n, seed=i) for i, n in enumerate([3, 15, 4, 8, 2])]
+        alone = _singles(policy, prompts, params)
+        passes = policy.stats.forward_passes
+        futures = [policy.submit(p, sp) for p, sp in zip(prompts, params)]
+        results = [f.result() for f in futures]
+        assert [r.token_ids for r in results] == [a.token_ids for a in alone]
+        assert [len(a.token_ids) for a in alone] == [3, 15, 4, 8, 2]
+        # schedule: rows 0+1 prefill together; 0 ends after 3 tokens, 2 joins 1; 2 ends, 3 joins 1; 1 and 3
+        # end at 1's 15th token; 4 runs alone. 15 passes for row 1's life + 2 joining prefills + 2 for row 4.
+        assert policy.stats.max_batch == 2
+        assert policy.stats.joined_mid_decode == 2
+        assert policy.stats.forward_passes - passes == 19
+    finally:
+        policy.close()
+
+
+def test_group_of_identical_prompts_is_prefilled_once(policy):
+    prompt = policy.render([HumanMessage("What is 3 + 5?")])
+    params = [SamplingParams(max_new_tokens=8, seed=100 + g) for g in range(8)]
+    alone = _singles(policy, [prompt] * 8, params)
+    before = (policy.stats.prefill_rows, policy.stats.shared_prefill_rows, policy.stats.prefill_tokens)
+    barrier = threading.Barrier(8)
+    out = [None] * 8
+
+    def run(i):
+        barrier.wait()
+        out[i] = policy.generate(prompt, params[i])
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    rows, shared, tokens = (a - b for a, b in zip((policy.stats.prefill_rows, policy.stats.shared_prefill_rows,
+                                                   policy.stats.prefill_tokens), before))
+    assert rows + shared == 8 and shared >= 4 and tokens == rows * len(prompt)
+    assert [o.token_ids for o in out] == [a.token_ids for a in alone]
+    assert len({o.token_ids for o in out}) > 1  # different seeds, different samples from one shared prefill
+
+
+def test_weight_update_waits_for_decoding_rows():
+    from drmas_graph.testing import tiny_policy
+
+    policy = tiny_policy(seed=0)
+    try:
+        prompt = policy.render([HumanMessage("hello there")])
+        params = SamplingParams(max_new_tokens=30, temperature=0)
+        before = policy.generate(prompt, params)
+        new_state = {k: v + 0.5 * torch.randn_like(v) for k, v in policy.model.state_dict().items()}
+        started = threading.Event()
+        handle = policy.model.register_forward_pre_hook(lambda *a: started.set())
+        fut = policy.submit(prompt, params)
+        started.wait()
+        handle.remove()
+        policy.load_state_dict(new_state)  # blocks until the row finished on the old weights
+        old_run = fut.result()
+        assert old_run.policy_version == 0 and old_run.token_ids == before.token_ids
+        after = policy.generate(prompt, params)
+        assert after.policy_version == 1
+        expected = recompute_logprobs(policy.model, prompt, after.token_ids, 1.0)
+        torch.testing.assert_close(torch.tensor(after.logprobs), torch.tensor(expected), atol=1e-4, rtol=0)
+    finally:
+        policy.close()
