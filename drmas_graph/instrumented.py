@@ -330,10 +330,12 @@ class _EpisodeRecorder:
         self._next_index = 0
         self._per_key: dict[str, int] = {}
         self._turns: list[Turn] = []
+        self._starts: dict[int, float] = {}  # call index -> unix start time
 
     def _begin(self, site: CallSite) -> tuple[int, int]:
         with self._lock:
             index = self._next_index
+            self._starts[index] = time.time()
             self._next_index += 1
             nci = self._per_key.get(site.call_key, 0)
             self._per_key[site.call_key] = nci + 1
@@ -346,6 +348,7 @@ class _EpisodeRecorder:
     def finish(self) -> None:
         with self._lock:
             self.episode.turns = sorted(self._turns, key=lambda t: t.index)
+            self.episode.timings["turn_starts"] = [self._starts[t.index] for t in self.episode.turns]
         self.episode._stop_clock()
 
     def handle(self, site: CallSite, original: Callable[[], ChatResult]) -> ChatResult:

@@ -38,6 +38,7 @@ from drmas_graph.metrics import RunLogger, mean_std
 from drmas_graph.policy import Policy
 from drmas_graph.store import TraceStore
 from drmas_graph.types import Episode, Sample, SamplingParams
+from drmas_graph.weave_export import WeaveExporter, start_exporter
 
 __all__ = ["train_graph", "TrainResult", "Trainer", "evaluate"]
 
@@ -163,14 +164,13 @@ class Trainer:
     def __init__(self, graph: Any, env: Any, cfg: TrainConfig, *, policies: Mapping[str, Policy] | None = None,
                  train_models: Mapping[str, Any] | None = None, train: bool = True):
         self.cfg, self.env = cfg, env
-        if cfg.logging.weave:
-            raise ConfigError("logging.weave is not implemented yet (episodes are traced in run_dir/traces.db); "
-                              "set logging.weave: false")
         self.run_dir = Path(cfg.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.train_models: dict[str, Any] = {}
         """Model name -> the module its updater trains (the embedded policy's own, or a served model's local copy)."""
         self._built: list[Policy] = []
+        self.weave: WeaveExporter | None = None
+        """Exports episodes and evaluations to W&B Weave (`logging.weave`), off the training thread."""
         try:
             self.agent_policies, self.model_policies = self._policies(policies, train_models)
             self.agent_cfgs = {a: cfg.agents.get(a) or AgentConfig(model=self._model_of(a)) for a in self.agent_policies}
@@ -185,6 +185,7 @@ class Trainer:
             self.invalid_penalty = cfg.invalid_penalty if cfg.invalid_penalty is not None else float(
                 getattr(env, "invalid_penalty", 0.0))
             self.start_step = self._resume() if cfg.resume else 0
+            self.weave = start_exporter(cfg, self.run_dir / "traces.db")
         except BaseException:
             self._close_built()  # e.g. servers launched for a run that never starts
             raise
@@ -319,6 +320,8 @@ class Trainer:
                     update_metrics.update(updater.update(model_samples).to_dict())
         t3 = time.perf_counter()
         self.store.record_training(step, [ep for _, ep, _ in scored])
+        if self.weave is not None:
+            self.weave.submit_step(step)
         return self._step_record(step, scored, samples, counts, adv_stats, update_metrics, (t0, t1, t2, t3), sync_s)
 
     def sync_weights(self, name: str, *, version: int) -> float:
@@ -440,7 +443,10 @@ class Trainer:
 
     # ---- evaluation ---------------------------------------------------------------------------
     def _evaluate(self, step: int, logger: RunLogger) -> dict[str, Any]:
-        record = evaluate(self, step=step)
+        rollouts: list[Any] | None = [] if self.weave is not None else None
+        record = evaluate(self, step=step, rollouts=rollouts)
+        if self.weave is not None:
+            self.weave.submit_evaluation(record, rollouts)
         self.result.evals.append(record)
         logger.log({"step": step, **{f"eval/{k}": v for k, v in record.items() if k != "step"}})
         return record
@@ -479,6 +485,8 @@ class Trainer:
         return int(state["step"])
 
     def close(self) -> None:
+        if self.weave is not None:
+            self.weave.close()  # exports what is queued; never raises an export error
         self.store.close()
         self._close_built()
 
@@ -492,8 +500,10 @@ def _sampling(agent: AgentConfig) -> SamplingParams:
     return SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_new_tokens=s.max_new_tokens)
 
 
-def evaluate(trainer: Trainer, *, step: int, split: str | None = None) -> dict[str, Any]:
-    """avg@k and pass@k of the current policies on a split, with evaluation sampling."""
+def evaluate(trainer: Trainer, *, step: int, split: str | None = None,
+             rollouts: list[Any] | None = None) -> dict[str, Any]:
+    """avg@k and pass@k of the current policies on a split, with evaluation sampling. `rollouts`, when given,
+    receives (task, episode, score or None, success) for every finished rollout."""
     ec = trainer.cfg.eval
     split = split or ec.split
     tasks = list(trainer.env.tasks(split))[: ec.n_tasks]
@@ -513,8 +523,12 @@ def evaluate(trainer: Trainer, *, step: int, split: str | None = None) -> dict[s
             score = score_episode(trainer.env, task, episode, invalid_penalty=trainer.invalid_penalty)
         except BadRewardError:
             successes[task.id].append(False)
+            if rollouts is not None:
+                rollouts.append((task, episode, None, False))
             continue
         successes[task.id].append(is_success(trainer.env, task, episode, score, trainer.cfg.success_threshold))
+        if rollouts is not None:
+            rollouts.append((task, episode, score, successes[task.id][-1]))
         for turn, r, bad in zip(episode.turns, score.turn_rewards, score.invalid):
             stats = per_agent.setdefault(turn.agent, {"reward": [], "invalid": [], "len": []})
             stats["reward"].append(r)
