@@ -28,6 +28,7 @@ trace every LLM call a second time (the app's own chat model calls are what drma
 
 from __future__ import annotations
 
+import contextvars
 import datetime
 import json
 import math
@@ -311,7 +312,10 @@ class WeaveExporter:
         self._owns_client = _activate(client)
         self._store: Any = None
         self._queue: queue.Queue = queue.Queue()
-        self._thread = threading.Thread(target=self._work, name="drmas-weave-export", daemon=True)
+        # weave keeps its settings (those weave.init got) in a context variable: run the thread in this context
+        context = contextvars.copy_context()
+        self._thread = threading.Thread(target=context.run, args=(self._work,), name="drmas-weave-export",
+                                        daemon=True)
         self._thread.start()
 
     # training thread --------------------------------------------------------------------------

@@ -178,7 +178,9 @@ def test_training_exports_sampled_groups_and_evaluations(weave_env, tmp_path, mo
             assert [t.summary["drmas"]["turn_reward"] for t in kids] == pytest.approx(stored.turn_rewards)
             assert [t.summary["drmas"]["logprob_sum"] for t in kids] == pytest.approx(
                 [math.fsum(t.response_logprobs) for t in stored.turns])
-            assert [t.started_at for t in kids] == [utc(s) for s in stored.timings["turn_starts"]]
+            starts = stored.timings["turn_starts"]  # recorded by the instrumented graph as each call began
+            assert stored.timings["start"] <= starts[0] <= starts[1] <= stored.timings["end"]
+            assert [t.started_at for t in kids] == [utc(s) for s in starts]
             assert all(t.attributes["start_recorded"] for t in kids)
             assert c.started_at <= kids[0].started_at and kids[-1].ended_at <= c.ended_at + datetime.timedelta(0, 1e-3)
             usage = c.summary["usage"][stored.turns[0].policy]
@@ -254,6 +256,15 @@ def test_weave_disabled_exports_nothing_and_says_so(tmp_path, monkeypatch):
     client.finish_call(call)
     client.flush()
     assert server.calls == {}
+
+
+def test_connect_turns_weave_implicit_patching_off(monkeypatch):
+    import weave
+
+    seen = {}
+    monkeypatch.setattr(weave, "init", lambda project, **kw: seen.update(project=project, **kw) or "client")
+    assert wx.connect("e/p") == "client"
+    assert seen["project"] == "e/p" and seen["settings"]["implicitly_patch_integrations"] is False
 
 
 def test_missing_weave_names_the_extra(monkeypatch):
