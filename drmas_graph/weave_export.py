@@ -280,13 +280,6 @@ def sample_groups(group_ids: Iterable[str | None], n: int | None, *, seed: int, 
     return [g for i, g in enumerate(groups) if i in chosen]
 
 
-def _step_episodes(store: Any, step: int) -> list[Any]:
-    """Summaries of a training step's episodes: those trained on, and the failed runs of the same groups."""
-    used = store.episodes(step=step)
-    groups = {s.group_id for s in used}
-    return used + [s for s in store.episodes(failed=True) if s.step is None and s.group_id in groups]
-
-
 # -- the background exporter --------------------------------------------------------------------------------
 
 
@@ -311,6 +304,8 @@ class WeaveExporter:
         self.first_error: BaseException | None = None
         self._owns_client = _activate(client)
         self._store: Any = None
+        self._failed_by_step: dict[int, list[Episode]] = {}  # training step -> its failed rollouts not exported yet
+        self._failed_seen: set[str] = set()
         self._queue: queue.Queue = queue.Queue()
         # weave keeps its settings (those weave.init got) in a context variable: run the thread in this context
         context = contextvars.copy_context()
@@ -359,12 +354,26 @@ class WeaveExporter:
 
         if self._store is None:
             self._store = TraceStore(self.store_path, readonly=True)
-        summaries = _step_episodes(self._store, step)
-        chosen = set(sample_groups((s.group_id for s in summaries), self.sample_per_step, seed=self.seed, step=step))
-        for summary in summaries:
-            if summary.group_id in chosen:
-                export_episode(self.client, self._store.load_episode(summary.id), train_step=step, run=self.run)
-                self.exported_episodes += 1
+        self._collect_failed()
+        used = self._store.episodes(step=step)
+        failed = self._failed_by_step.pop(step, [])
+        groups = [s.group_id for s in used] + [ep.group_id for ep in failed]
+        chosen = set(sample_groups(groups, self.sample_per_step, seed=self.seed, step=step))
+        episodes = [self._store.load_episode(s.id) for s in used if s.group_id in chosen]
+        for episode in episodes + [ep for ep in failed if ep.group_id in chosen]:
+            export_episode(self.client, episode, train_step=step, run=self.run)
+            self.exported_episodes += 1
+
+    def _collect_failed(self) -> None:
+        """Sort newly stored failed training rollouts (never used in a step) by the step in their metadata."""
+        for summary in self._store.episodes(failed=True):
+            if summary.step is not None or summary.id in self._failed_seen:
+                continue
+            self._failed_seen.add(summary.id)
+            episode = self._store.load_episode(summary.id)
+            meta = episode.metadata or {}
+            if meta.get("phase") == "train" and isinstance(meta.get("step"), int):
+                self._failed_by_step.setdefault(meta["step"], []).append(episode)
 
     def _failed(self, exc: BaseException) -> None:
         self.errors += 1

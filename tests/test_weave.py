@@ -202,6 +202,43 @@ def test_training_exports_sampled_groups_and_evaluations(weave_env, tmp_path, mo
         assert {"solver_pass_at_k", "verifier_avg_at_k", "verifier_reward"} <= set(out)
 
 
+def test_failed_rollouts_of_a_step_are_exported_with_their_error(weave_env, tmp_path, monkeypatch):
+    from langchain_core.messages import HumanMessage as Human
+
+    from tests import _graphs
+    from tests.test_instrument import Unreachable
+
+    _, client = weave_env
+    monkeypatch.setattr(wx, "connect", lambda project: client)
+    llm = Unreachable()
+
+    def solver(state):
+        if state["question"] == "boom":
+            raise ValueError("this task makes the graph raise")
+        return {"answer": llm.invoke([Human(state["question"])]).content}
+
+    from langgraph.graph import END, START, StateGraph
+
+    g = StateGraph(_graphs.QA)
+    g.add_node("solver", solver)
+    g.add_edge(START, "solver")
+    g.add_edge("solver", END)
+    env = ParityEnv(n_train=2)
+    env.train[0] = type(env.train[0])(id="train-0", input={"question": "boom"})
+    policy = tiny_policy(seed=0, sampling=SamplingParams(max_new_tokens=4))
+    cfg = small_config(tmp_path, steps=1, eval={"k": 1, "n_tasks": 1, "before_training": False},
+                       logging={"progress": False, "tensorboard": False,
+                                "weave": {"project": "p", "sample_per_step": None, "evaluations": False}})
+    trainer = Trainer(g.compile(), env, cfg, policies={"solver": policy})
+    trainer.run()
+    trainer.close()
+    episodes = by_op(client, wx.EPISODE_OP)
+    failed = [c for c in episodes if c.exception]
+    assert len(episodes) == 8 and len(failed) == 4 and trainer.weave.errors == 0
+    assert {c.inputs["task_id"] for c in failed} == {"train-0"} and {c.attributes["train_step"] for c in failed} == {0}
+    assert all("this task makes the graph raise" in c.exception for c in failed)
+
+
 def test_export_errors_never_fail_training_and_are_reported_once(weave_env, tmp_path, monkeypatch):
     _, client = weave_env
     monkeypatch.setattr(wx, "connect", lambda project: client)
