@@ -36,6 +36,7 @@ class _EpisodeRecorder:
         self._next_index = 0
         self._per_key: dict[str, int] = {}
         self._turns: list[Turn] = []
+        self._starts: dict[int, float] = {}  # call index -> unix start time
 
     def refused(self, error: StrictModeError) -> None:
         with self._lock:
@@ -44,6 +45,7 @@ class _EpisodeRecorder:
     def _begin(self, site: CallSite) -> tuple[int, int]:
         with self._lock:
             index = self._next_index
+            self._starts[index] = time.time()
             self._next_index += 1
             nci = self._per_key.get(site.call_key, 0)
             self._per_key[site.call_key] = nci + 1
@@ -57,6 +59,7 @@ class _EpisodeRecorder:
     def finish(self) -> None:
         with self._lock:
             self.episode.turns = sorted(self._turns, key=lambda t: t.index)
+            self.episode.timings["turn_starts"] = [self._starts[t.index] for t in self.episode.turns]
         self.episode._stop_clock()
 
     def _route(self, site: CallSite) -> tuple[str, Policy | None]:

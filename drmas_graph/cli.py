@@ -8,6 +8,7 @@ the parser's ``func`` default. A new group (``train``, ``eval``) adds its functi
     drmas-graph traces show PATH EPISODE
     drmas-graph traces stats PATH
     drmas-graph traces export PATH --format jsonl|parquet [--out FILE] [--agent A] [--step N]
+    drmas-graph traces export --weave PROJECT RUN_DIR [--sample-per-step N]
     drmas-graph traces replay PATH EPISODE --graph module:attr
     drmas-graph traces rescore PATH --reward module:attr [--episodes trained|ok|all] [--step N] [--out FILE]
     drmas-graph train CONFIG.yaml [--set key=value ...]
@@ -111,6 +112,9 @@ def _add_traces_commands(groups: Any) -> None:
     p.add_argument("--out", type=Path, help="output file (default: PATH with the format's suffix)")
     p.add_argument("--agent", help="only this agent's calls")
     p.add_argument("--step", type=int, help="only episodes used in this training step")
+    p.add_argument("--weave", metavar="PROJECT", help="export to this W&B Weave project instead of a file "
+                   "(PATH may be the run folder); needs the `weave` extra")
+    p.add_argument("--sample-per-step", type=int, metavar="N", help="with --weave: N tasks (groups) per step")
     p.set_defaults(func=_cmd_export)
 
     p = commands.add_parser("replay", help="re-run a recorded episode through a graph and report divergences")
@@ -218,6 +222,10 @@ def _cmd_stats(args: argparse.Namespace, console: Console) -> int:
 
 
 def _cmd_export(args: argparse.Namespace, console: Console) -> int:
+    if args.weave:
+        from drmas_graph.weave_export import cli_export
+
+        return cli_export(args, console)
     out = args.out or _default_export_path(Path(args.path), args.format, args.agent)
     with TraceStore(args.path, readonly=True) as store:
         n_rows = store.export(out, args.format, agent=args.agent, step=args.step)

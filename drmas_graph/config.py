@@ -16,7 +16,7 @@ from drmas_graph.errors import ConfigError
 
 __all__ = [
     "TrainConfig", "ModelConfig", "ServeConfig", "AgentConfig", "SamplingConfig", "LossConfig", "UpdateConfig",
-    "EvalConfig", "RolloutConfig", "LoggingConfig", "LoraConfig", "load_config", "apply_overrides",
+    "EvalConfig", "RolloutConfig", "LoggingConfig", "LoraConfig", "WeaveConfig", "load_config", "apply_overrides",
     "config_reference",
 ]
 
@@ -161,11 +161,26 @@ class RolloutConfig(_Strict):
         return value
 
 
+class WeaveConfig(_Strict):
+    project: str = Field(description="Weave project, 'entity/project' or 'project' (weave.init; needs the `weave` extra and a W&B login).")
+    sample_per_step: int | None = Field(4, ge=0, description="Tasks exported per training step, each with all its G rollouts (a seeded choice); null = all.")
+    evaluations: bool = Field(True, description="Also log every evaluation (avg@k, pass@k, per-agent reward) with weave.EvaluationLogger.")
+
+
 class LoggingConfig(_Strict):
     progress: bool = Field(True, description="Show a progress bar (step, reward per agent, ETA).")
     tensorboard: bool = Field(True, description="Write TensorBoard scalars under run_dir/tensorboard (needs the tensorboard package).")
     wandb: bool = Field(False, description="Log to Weights & Biases (needs wandb and a login).")
-    weave: bool = Field(False, description="Trace episodes with W&B Weave: not implemented yet, true is refused.")
+    weave: WeaveConfig | None = Field(None, description="Export episodes and LLM calls to W&B Weave (off a background thread); null = off.")
+
+    @field_validator("weave", mode="before")
+    @classmethod
+    def _weave_section(cls, value: Any) -> Any:
+        if value is False:
+            return None
+        if value is True:
+            raise ValueError("logging.weave needs a project: `logging.weave: {project: my-project}`")
+        return value
 
 
 class TrainConfig(_Strict):

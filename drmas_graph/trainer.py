@@ -41,6 +41,7 @@ from drmas_graph.metrics import RunLogger, mean_std
 from drmas_graph.policy import Policy
 from drmas_graph.store import TraceStore
 from drmas_graph.types import Episode, Sample, SamplingParams
+from drmas_graph.weave_export import WeaveExporter, start_exporter
 
 __all__ = ["train_graph", "TrainResult", "Trainer", "evaluate"]
 
@@ -210,9 +211,6 @@ class Trainer:
         self.reward_errors: list[BadRewardError] = []
         """Errors of the bad-reward episodes of the last `_score` call."""
         self._reward_raise_logged = False
-        if cfg.logging.weave:
-            raise ConfigError("logging.weave is not implemented yet (episodes are traced in run_dir/traces.db); "
-                              "set logging.weave: false")
         _distributed.check_divisible(cfg.tasks_per_step)  # under torchrun / deepspeed: whole groups per rank
         _distributed.check_no_launch({n: mc.serve.launch for n, mc in cfg.models.items() if mc.serve is not None})
         _distributed.init_process_group(use_deepspeed=_uses_deepspeed(cfg, policies))
@@ -221,6 +219,8 @@ class Trainer:
         self.train_models: dict[str, Any] = {}
         """Model name -> the module its updater trains (the embedded policy's own, or a served model's local copy)."""
         self._built: list[Policy] = []
+        self.weave: WeaveExporter | None = None
+        """Exports episodes and evaluations to W&B Weave (`logging.weave`), off the training thread."""
         try:
             self.agent_policies, self.model_policies = self._policies(policies, train_models)
             self.agent_cfgs = {a: cfg.agents.get(a) or AgentConfig(model=self._model_of(a)) for a in self.agent_policies}
@@ -242,6 +242,8 @@ class Trainer:
             if self.start_step == 0:  # adapters loaded by name must exist on the servers before the first rollout
                 for name in (n for n, p in self.model_policies.items() if getattr(p, "lora_by_name", ())):
                     self.sync_weights(name, version=0)
+            # rank 0 exports from the merged store
+            self.weave = start_exporter(cfg, self.run_dir / "traces.db") if _distributed.is_main() else None
         except BaseException:
             self._close_built()  # e.g. servers launched for a run that never starts
             if getattr(self, "store", None) is not None:
@@ -400,6 +402,8 @@ class Trainer:
         self.store.record_training(step, [ep for _, ep, _ in scored])
         scored, counts, adv_stats = _distributed.merge_step(scored, counts, adv_stats)  # every rank's groups
         _distributed.merge_traces(self.run_dir)
+        if self.weave is not None:
+            self.weave.submit_step(step)
         return self._step_record(step, scored, samples, counts, adv_stats, update_metrics, (t0, t1, t2, t3), sync_s)
 
     def _old_logprobs(self, name: str, samples: list[Sample], metrics: dict[str, float]) -> list[Sample]:
@@ -537,7 +541,10 @@ class Trainer:
 
     # ---- evaluation ---------------------------------------------------------------------------
     def _evaluate(self, step: int, logger: RunLogger) -> dict[str, Any]:
-        record = evaluate(self, step=step)
+        rollouts: list[Any] | None = [] if self.weave is not None else None
+        record = evaluate(self, step=step, rollouts=rollouts)
+        if self.weave is not None:
+            self.weave.submit_evaluation(record, rollouts)
         self.result.evals.append(record)
         logger.log({"step": step, **{f"eval/{k}": v for k, v in record.items() if k != "step"}})
         return record
@@ -585,6 +592,8 @@ class Trainer:
         return int(state["step"])
 
     def close(self) -> None:
+        if self.weave is not None:
+            self.weave.close()  # exports what is queued; never raises an export error
         self.store.close()
         self._close_built()
 
@@ -605,8 +614,10 @@ def _sampling(agent: AgentConfig) -> SamplingParams:
                           adapter=agent.adapter)
 
 
-def evaluate(trainer: Trainer, *, step: int, split: str | None = None) -> dict[str, Any]:
-    """avg@k and pass@k of the current policies on a split, with evaluation sampling."""
+def evaluate(trainer: Trainer, *, step: int, split: str | None = None,
+             rollouts: list[Any] | None = None) -> dict[str, Any]:
+    """avg@k and pass@k of the current policies on a split, with evaluation sampling. `rollouts`, when given,
+    receives (task, episode, score or None, success) for every finished rollout."""
     ec = trainer.cfg.eval
     split = split or ec.split
     tasks = list(trainer.env.tasks(split))[: ec.n_tasks]
@@ -627,8 +638,12 @@ def evaluate(trainer: Trainer, *, step: int, split: str | None = None) -> dict[s
             score = score_episode(trainer.env, task, episode, invalid_penalty=trainer.invalid_penalty)
         except BadRewardError:
             successes[task.id].append(False)
+            if rollouts is not None:
+                rollouts.append((task, episode, None, False))
             continue
         successes[task.id].append(is_success(trainer.env, task, episode, score, trainer.cfg.success_threshold))
+        if rollouts is not None:
+            rollouts.append((task, episode, score, successes[task.id][-1]))
         for turn, r, bad in zip(episode.turns, score.turn_rewards, score.invalid):
             stats = per_agent.setdefault(turn.agent, {"reward": [], "invalid": [], "len": []})
             stats["reward"].append(r)

@@ -167,8 +167,8 @@ class Episode:
     """Per-turn advantage, aligned with turns; filled by training."""
     error: str | None = None
     """Set when the run failed: the exception type and message."""
-    timings: dict[str, float] = field(default_factory=dict)
-    """'start' and 'end' (unix time), 'wall_s', 'llm_s' (sum of call latencies)."""
+    timings: dict[str, Any] = field(default_factory=dict)
+    """'start' and 'end' (unix time), 'wall_s', 'llm_s' (sum of call latencies), 'turn_starts' (unix start of each turn)."""
     metadata: dict[str, Any] = field(default_factory=dict)
     """Free-form extras (the input, the run config's thread id, the training step, ...)."""
 
