@@ -226,7 +226,8 @@ def _deepspeed_config(model: torch.nn.Module, s: UpdateSettings) -> dict[str, An
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,  # we accumulate a variable number of micro-batches by hand
         "gradient_clipping": s.grad_clip or 0.0,
-        "zero_optimization": {"stage": s.zero_stage},
+        "zero_optimization": {"stage": s.zero_stage, **_offload(s)},
+        "zero_force_ds_cpu_optimizer": False,  # ZeRO-Offload steps the client torch AdamW on the CPU
         "zero_allow_untested_optimizer": True,  # the client torch AdamW
         "bf16": {"enabled": bf16},
         "steps_per_print": 2**31 - 1,
@@ -276,6 +277,12 @@ def _local_rank_of(device: torch.device) -> Iterator[None]:
             os.environ.pop("LOCAL_RANK", None)
         else:
             os.environ["LOCAL_RANK"] = saved
+
+
+def _offload(s: UpdateSettings) -> dict[str, Any]:
+    if not s.offload_optimizer:
+        return {}
+    return {"offload_optimizer": {"device": "cpu", "pin_memory": torch.cuda.is_available()}}
 
 
 class _DeepSpeedEngine:

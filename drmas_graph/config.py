@@ -57,6 +57,11 @@ class UpdateConfig(_Strict):
     backend: Literal["deepspeed", "torch"] = Field("deepspeed", description="deepspeed (ZeRO) or plain torch AdamW (same numbers).")
     zero_stage: Literal[0, 1, 2] = Field(0, description="DeepSpeed ZeRO stage.")
     logprob_chunk_tokens: int = Field(512, ge=0, description="The LM head runs on response tokens only, this many at a time (peak memory ~ this x vocab floats); 0 = the model's full logits.")
+    offload_optimizer: bool = Field(False, description="Keep optimizer state and float32 master weights in CPU memory and step there (DeepSpeed ZeRO-Offload; needs zero_stage >= 1).")
+    gradient_checkpointing: bool = Field(False, description="Recompute each layer's activations in the backward pass instead of keeping them (less memory, ~30% more compute).")
+    attn_implementation: str | None = Field(None, description="Attention kernel of the trained model (eager, sdpa, flash_attention_2, ...); embedded policies generate with it too. null = the model's own.")
+    max_tokens_per_micro_batch: int | None = Field(None, ge=1, description="Size micro-batches in tokens: samples sorted by length are packed while rows x longest prompt+response stays within this; null = micro_batch_size samples.")
+    kl_reference: Literal["offload", "device"] = Field("offload", description="Where the frozen KL reference copy lives (kl_coef > 0): offload = CPU memory, moved to the device for one pass per update; device = stays there.")
     autocast: Literal["bf16"] | None = Field(None, description="bf16: the trainer's forward passes of a float32 model run under bfloat16 autocast (see the logprob_mismatch metric); null = off.")
 
     @field_validator("loss_agg")
@@ -78,6 +83,8 @@ class UpdateConfig(_Strict):
         if self.loss_agg == "seq-mean-token-sum-norm" and self.norm_len is None:
             raise ValueError("norm_len must be set for loss_agg='seq-mean-token-sum-norm' (a constant such as the "
                              "max response length)")
+        if self.offload_optimizer and (self.backend != "deepspeed" or self.zero_stage == 0):
+            raise ValueError("offload_optimizer needs backend='deepspeed' and zero_stage 1, 2 or 3 (ZeRO-Offload)")
         if self.backend != "deepspeed" and self.zero_stage != 0:
             raise ValueError(f"zero_stage={self.zero_stage} needs backend='deepspeed'; set zero_stage=0 for "
                              f"backend={self.backend!r}")

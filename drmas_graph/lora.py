@@ -19,9 +19,10 @@ name; agents naming the same adapter share it):
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -154,6 +155,11 @@ class base_forward:  # noqa: N801 - used like a function: base_forward(model)(**
                 return self.model(**inputs)
         finally:
             self.model.train(was_training)
+
+    @contextlib.contextmanager
+    def on_device(self) -> Iterator[base_forward]:
+        """`drmas_graph._reference.Reference`: the base already sits on the model's device (no copy, no move)."""
+        yield self
 
     def get_output_embeddings(self) -> Any:
         """The LM head with the adapters disabled (for the chunked logprob path: hidden states -> logits)."""
@@ -337,7 +343,7 @@ class LoraUpdater:
             agents = {a: s for a, s in agent_settings.items() if self.agent_adapters[a] == adapter}
             self._activate(adapter)  # the optimizer takes the trainable parameters: this adapter's
             self.updaters[adapter] = ModelUpdater(model, name=f"{name}/{adapter}", agent_settings=agents,
-                                                  settings=_with_lr(settings, lr))
+                                                  settings=_with_lr(settings, lr), reference=base_forward(model))
 
     def _activate(self, adapter: str) -> None:
         """Make `adapter` the one that forward passes use and the only trainable parameters (peft)."""

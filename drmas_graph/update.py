@@ -42,7 +42,6 @@ Departures from verl (the reference implementation of Dr. MAS):
 from __future__ import annotations
 
 import contextlib
-import copy
 import functools
 import math
 import os
@@ -59,6 +58,7 @@ from pydantic import ConfigDict, Field, ValidationError
 
 from drmas_graph._engines import _ENGINES, _all_reduce, _barrier, _rank, _world_size
 from drmas_graph._logprobs import Batch, check_chunked_head, collate, response_token_stats
+from drmas_graph._reference import REFERENCES, Reference
 from drmas_graph.config import LossConfig, UpdateConfig
 from drmas_graph.errors import ConfigError
 from drmas_graph.losses import (
@@ -307,10 +307,13 @@ class ModelUpdater:
         settings: optimizer, aggregation and backend.
         agent_settings: per-agent `LossSettings`; None gives every agent the defaults. When given, every
             agent whose samples reach `update` must have an entry.
+        reference: the KL reference policy (`drmas_graph._reference.Reference`) when ``kl_coef > 0``; None
+            builds ``settings.kl_reference`` (a frozen copy of the initial weights, offloaded or on device).
     """
 
     def __init__(self, model: torch.nn.Module, *, name: str, settings: UpdateSettings,
-                 agent_settings: Mapping[str, LossSettings] | None = None) -> None:
+                 agent_settings: Mapping[str, LossSettings] | None = None,
+                 reference: Reference | None = None) -> None:
         if not isinstance(settings, UpdateSettings):
             raise ConfigError(f"settings must be an UpdateSettings, got {type(settings).__name__}")
         for agent, value in (agent_settings or {}).items():
@@ -321,13 +324,14 @@ class ModelUpdater:
         self.agent_settings = dict(agent_settings) if agent_settings is not None else None
         self.model = model
         self.n_updates = 0
-        self._ref_model = _frozen_copy(model) if settings.kl_coef > 0 else None
+        _prepare_model(model, settings)
+        self._reference = (reference or REFERENCES[settings.kl_reference](model)) if settings.kl_coef > 0 else None
+        self._ref_logprobs: dict[int, torch.Tensor] = {}
+        """id(sample) -> its reference logprobs, computed at the start of each `update`."""
         self._by_tokens = settings.loss_agg == "token-mean"
         self._skip_zero_advantage = settings.kl_coef == 0 and settings.entropy_coef == 0
         self._autocast_dtype = _check_autocast(model, settings.autocast)
         self._lm_head = check_chunked_head(model) if settings.logprob_chunk_tokens > 0 else None
-        self._ref_lm_head = (self._ref_model.get_output_embeddings()
-                             if self._ref_model is not None and self._lm_head is not None else None)
         self._engine = _ENGINES[settings.backend](model, settings)
         pad_id = getattr(getattr(model, "config", None), "pad_token_id", None)
         self._pad_id = int(pad_id) if pad_id is not None else 0
@@ -364,9 +368,11 @@ class ModelUpdater:
         tally = _Tally()
         _tally_samples(tally, samples)
         grad_norms: list[float] = []
+        self._ref_logprobs = self._reference_logprobs(samples)
         with self._training_mode():
             for i, minibatch in enumerate(self._plan(samples)):
                 grad_norms.append(self._train_minibatch(minibatch, tally, first=i == 0))
+        self._ref_logprobs = {}
         self.n_updates += 1
         return self._metrics(tally.merged(), grad_norms)
 
@@ -375,13 +381,26 @@ class ModelUpdater:
         """log_softmax(logits / T) at each response token under the current weights, one 1-D float32 CPU
         tensor per sample, in order. Batched by agent with each agent's micro-batch size."""
         _check_samples(samples)
+        return [t.cpu() for t in self._logprobs_of(self.model, samples)]
+
+    @torch.no_grad()
+    def _logprobs_of(self, module: torch.nn.Module, samples: Sequence[Sample]) -> list[torch.Tensor]:
         out: list[torch.Tensor] = [torch.empty(0)] * len(samples)
+        lm_head = module.get_output_embeddings() if self._lm_head is not None else None
         for rows in self._micro_batches(list(range(len(samples))), samples, skip_zero_advantage=False):
             batch = collate([samples[i] for i in rows], pad_id=self._pad_id, device=self.device)
-            logprobs_BT, _ = self._token_stats(self.model, batch, with_entropy=False)
+            logprobs_BT, _ = self._token_stats(module, batch, with_entropy=False, lm_head=lm_head)
             for b, i in enumerate(rows):
-                out[i] = logprobs_BT[b, : len(samples[i].response_ids)].cpu()
+                out[i] = logprobs_BT[b, : len(samples[i].response_ids)]
         return out
+
+    def _reference_logprobs(self, samples: Sequence[Sample]) -> dict[int, torch.Tensor]:
+        """id(sample) -> logprobs under the KL reference, for every sample, in one pass (one transfer of an
+        offloaded reference per update)."""
+        if self._reference is None or not samples:
+            return {}
+        with self._reference.on_device() as module:
+            return {id(s): lp for s, lp in zip(samples, self._logprobs_of(module, samples))}
 
     def save(self, directory: str | os.PathLike) -> None:
         """Write ``directory/model`` (Hugging Face format, safetensors) and the optimizer and RNG state.
@@ -403,10 +422,8 @@ class ModelUpdater:
         """Restore weights (in place), optimizer state and RNG written by `save`."""
         directory = Path(directory)
         state_file = directory / f"updater_state_rank{_rank()}.pt"
-        if not state_file.exists():  # a rank the saving run did not have (resumed by more processes)
-            state_file = directory / "updater_state_rank0.pt"  # takes rank 0's counters and RNG state
         if not state_file.exists():
-            raise ConfigError(f"{state_file} not found: not a ModelUpdater checkpoint")
+            raise ConfigError(f"{state_file} not found: not a ModelUpdater checkpoint, or saved with fewer processes")
         self._engine.load(directory)
         state = torch.load(state_file, map_location="cpu", weights_only=True)
         self.n_updates = int(state["n_updates"])
@@ -447,7 +464,11 @@ class ModelUpdater:
         for i in rows:
             by_agent.setdefault(samples[i].agent, []).append(i)
         out = []
+        budget = self.settings.max_tokens_per_micro_batch
         for agent, agent_rows in by_agent.items():
+            if budget is not None:
+                out += _pack_by_tokens(agent_rows, [_length(samples[i]) for i in agent_rows], budget)
+                continue
             size = self.loss_settings(agent).micro_batch_size
             out += [agent_rows[k:k + size] for k in range(0, len(agent_rows), size)]
         return out
@@ -489,18 +510,15 @@ class ModelUpdater:
         if entropy_BT is not None:
             loss = loss - s.entropy_coef * agg_loss(entropy_BT, batch.mask_BT, s.loss_agg, norm_len=s.norm_len)
         kl_BT = None
-        if self._ref_model is not None:
-            kl_BT = kl_penalty(logprobs_BT, self._ref_logprobs(batch), "low_var_kl")
+        if self._reference is not None:
+            ref_BT = _pad_rows([self._ref_logprobs[id(x)] for x in samples], batch.mask_BT)
+            kl_BT = kl_penalty(logprobs_BT, ref_BT, "low_var_kl")
             loss = loss + s.kl_coef * agg_loss(kl_BT, batch.mask_BT, s.loss_agg, norm_len=s.norm_len)
         n_micro = float(batch.n_tokens if self._by_tokens else len(samples))
         self._tally_micro_batch(tally, batch, stats, logprobs_BT, entropy_BT, kl_BT, n_micro, first)
         if loss_settings.loss_weight == 0:
             return loss * 0.0
         return loss * (loss_settings.loss_weight * n_micro / max(norm, 1.0))
-
-    @torch.no_grad()
-    def _ref_logprobs(self, batch: Batch) -> torch.Tensor:
-        return self._token_stats(self._ref_model, batch, with_entropy=False, lm_head=self._ref_lm_head)[0]
 
     def _token_stats(self, forward: Callable[..., Any], batch: Batch, *, with_entropy: bool,
                      lm_head: torch.nn.Module | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -546,7 +564,7 @@ class ModelUpdater:
             grad_norm=sum(grad_norms) / max(n_steps, 1), grad_norm_max=max(grad_norms, default=0.0),
             lr=self._engine.lr(), n_samples=int(sum(tally.sums[("agent", a, "n_samples")] for a in agents)),
             n_tokens=int(tally.sums[("model", "n_tokens")]), n_minibatches=n_steps,
-            agents={a: _agent_metrics(tally, a, self._ref_model is not None, self.settings.entropy_coef > 0)
+            agents={a: _agent_metrics(tally, a, self._reference is not None, self.settings.entropy_coef > 0)
                     for a in agents},
         )
 
@@ -564,13 +582,47 @@ def _check_autocast(model: torch.nn.Module, autocast: str | None) -> torch.dtype
     return dtype
 
 
-def _frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
-    """The reference policy for the KL penalty: a copy of the initial weights, eval mode, no gradients.
-    A LoRA model's reference is its own base with the adapters disabled (no copy)."""
-    from drmas_graph.lora import base_forward, is_peft_model
+def _pad_rows(rows: Sequence[torch.Tensor], mask_BT: torch.Tensor) -> torch.Tensor:
+    """Per-sample 1-D tensors as a right-padded [B, T] float32 tensor shaped like ``mask_BT``."""
+    out_BT = torch.zeros(mask_BT.shape, dtype=torch.float32, device=mask_BT.device)
+    for b, row in enumerate(rows):
+        out_BT[b, : row.shape[0]] = row
+    return out_BT
 
-    if is_peft_model(model):
-        return base_forward(model)
-    ref = copy.deepcopy(model).eval()
-    ref.requires_grad_(False)
-    return ref
+
+def _prepare_model(model: torch.nn.Module, s: UpdateSettings) -> None:
+    """Apply the settings that change how the module computes: attention kernel, activation checkpointing."""
+    if s.attn_implementation is not None:
+        setter = getattr(model, "set_attn_implementation", None)
+        _require(callable(setter), f"UpdateSettings.attn_implementation={s.attn_implementation!r}: "
+                 f"{type(model).__name__} is not a Hugging Face model with set_attn_implementation()")
+        try:
+            setter(s.attn_implementation)
+        except (ValueError, ImportError) as exc:
+            raise ConfigError(f"UpdateSettings.attn_implementation={s.attn_implementation!r}: {exc}") from None
+    if s.gradient_checkpointing:
+        enable = getattr(model, "activation_checkpointing_enable", None) or getattr(
+            model, "gradient_checkpointing_enable", None)
+        _require(callable(enable) and getattr(model, "supports_gradient_checkpointing", False),
+                 f"UpdateSettings.gradient_checkpointing: {type(model).__name__} does not support it; set it false")
+        if enable.__name__ == "activation_checkpointing_enable":
+            enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def _length(sample: Sample) -> int:
+    return len(sample.prompt_ids) + len(sample.response_ids)
+
+
+def _pack_by_tokens(rows: Sequence[int], lengths: Sequence[int], budget: int) -> list[list[int]]:
+    """Rows sorted by length (longest first), cut so that each micro-batch's padded size, rows x longest,
+    stays within ``budget`` tokens; a sample longer than the budget gets a micro-batch of its own."""
+    order = sorted(range(len(rows)), key=lambda k: -lengths[k])
+    out: list[list[int]] = []
+    for k in order:
+        if out and (len(out[-1]) + 1) * lengths[out[-1][0]] <= budget:  # out[-1][0] is its longest row
+            out[-1].append(k)
+        else:
+            out.append([k])
+    return [[rows[k] for k in group] for group in out]

@@ -127,7 +127,7 @@ def test_kl_reference_is_the_base_with_adapters_disabled_not_a_copy():
     model, tokenizer = lora_model()
     base = copy.deepcopy(model.get_base_model())  # injected LoRA layers, B = 0
     up = updater(model, kl_coef=0.5)
-    ref = up.updaters["solver"]._ref_model
+    ref = up.updaters["solver"]._reference
     assert isinstance(ref, base_forward) and ref.model is model
     samples = samples_of(model, tokenizer, ["solver"])
     first = up.update(samples).to_dict()

@@ -665,3 +665,83 @@ def test_chunked_head_refuses_a_model_with_logit_softcapping():
     with pytest.raises(ConfigError, match=r"not its LM head applied to the last hidden state.*logprob_chunk_tokens: 0"):
         ModelUpdater(model, name="m", settings=settings())
     ModelUpdater(model, name="m", settings=settings(logprob_chunk_tokens=0))  # the full-logits path works
+
+
+# --- memory options: activation checkpointing, attention kernel, token-sized micro-batches, KL reference -----
+
+
+def _one_update(rollout, **changes):
+    model = fresh_model()
+    updater = ModelUpdater(model, name="m", settings=settings(**changes))
+    metrics = updater.update(rollout)
+    return updater, metrics, snapshot(model)
+
+
+@pytest.mark.parametrize("changes", [{"gradient_checkpointing": True}, {"attn_implementation": "eager"},
+                                     {"max_tokens_per_micro_batch": 40}])
+def test_memory_options_take_the_same_step(rollout, changes):
+    _, base, base_params = _one_update(rollout, grad_clip=None)
+    updater, metrics, params = _one_update(rollout, grad_clip=None, **changes)
+    assert metrics.grad_norm == pytest.approx(base.grad_norm, rel=1e-5)
+    assert metrics.loss == pytest.approx(base.loss, rel=1e-4, abs=1e-6)
+    assert max_diff(base_params, params) < 0.1 * 1e-3  # see test_micro_batch_size_does_not_change_the_step
+    if "gradient_checkpointing" in changes:
+        assert updater.model.is_gradient_checkpointing
+    if "attn_implementation" in changes:
+        assert updater.model.config._attn_implementation == "eager"
+
+
+def test_micro_batches_sized_in_tokens(rollout):
+    samples = with_lengths(rollout, [3, 12, 7, 1, 10, 5])
+    updater = ModelUpdater(fresh_model(), name="m", settings=settings(max_tokens_per_micro_batch=60))
+    lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
+    micro = updater._micro_batches(list(range(6)), samples)
+    assert sorted(i for m in micro for i in m) == list(range(6))
+    for m in micro:
+        assert len({samples[i].agent for i in m}) == 1
+        assert len(m) == 1 or len(m) * max(lengths[i] for i in m) <= 60, (m, lengths)
+    assert any(len(m) > 1 for m in micro)
+    # a sample longer than the budget is trained alone, not dropped
+    alone = ModelUpdater(fresh_model(), name="m", settings=settings(max_tokens_per_micro_batch=5))
+    assert sorted(alone._micro_batches(list(range(6)), samples)) == [[i] for i in range(6)]
+
+
+def test_offloaded_kl_reference_equals_the_device_copy(rollout):
+    results = []
+    for where in ("offload", "device"):
+        updater = ModelUpdater(fresh_model(), name="m", settings=settings(kl_coef=0.1, kl_reference=where))
+        metrics = [updater.update(rollout) for _ in range(2)]
+        results.append([m.agents["solver"].kl_ref for m in metrics])
+        assert metrics[1].agents["solver"].kl_ref > 1e-4
+    assert results[0] == results[1]
+
+
+def test_a_custom_kl_reference_is_used(rollout):
+    # The seam for a reference without a copy (e.g. LoRA with the adapter disabled): here another model.
+    import contextlib
+
+    class Other:
+        def __init__(self):
+            self.module, self.calls = fresh_model(seed=1), 0
+
+        @contextlib.contextmanager
+        def on_device(self):
+            self.calls += 1
+            yield self.module
+
+    other = Other()
+    updater = ModelUpdater(fresh_model(), name="m", settings=settings(kl_coef=0.1), reference=other)
+    metrics = updater.update(rollout)
+    assert other.calls == 1  # one pass per update
+    assert metrics.agents["solver"].kl_ref > 0.01  # seed 1 differs from the trained seed-0 model from the start
+
+
+@needs_deepspeed
+def test_cpu_optimizer_offload_takes_the_torch_step(rollout):
+    _, base, base_params = _one_update(rollout, grad_clip=0.1)
+    updater, metrics, params = _one_update(rollout, grad_clip=0.1, backend=("deepspeed", 2), offload_optimizer=True)
+    assert updater._engine.engine.zero_cpu_offload()
+    assert metrics.grad_norm == pytest.approx(base.grad_norm, rel=1e-5)
+    assert max_diff(base_params, params) < 1e-6
+    with pytest.raises(ConfigError, match=r"offload_optimizer needs backend='deepspeed' and zero_stage 1, 2"):
+        settings(("deepspeed", 0), offload_optimizer=True)
