@@ -133,3 +133,13 @@ def test_policy_chat_model_honours_structured_output_outside_runs():
     with pytest.raises(StructuredOutputError, match=r"PolicyChatModel\(policy 'scripted-s0'\).*'Verdict'"):
         model.with_structured_output(Verdict).invoke("again?")
     policy.close()
+
+
+def test_replay_returns_the_recorded_structured_answer(openai_llm):
+    from drmas_graph.replay import replay_episode
+
+    policy = scripted_policy(['{"ok": true}'])
+    graph = judge_graph(lambda: openai_llm.with_structured_output(Verdict, method="json_schema"))
+    episode = instrument(graph, {"judge": policy}).rollout({"q": "q"})
+    result = replay_episode(graph, episode)
+    assert not result.divergences and result.final_state["v"] == Verdict(ok=True)
