@@ -85,6 +85,7 @@ def test_only_read_only_attributes_are_forwarded(policy):
     config = {"configurable": {"thread_id": "t"}}
     app.with_config(config).invoke({"question": "q"})
     assert app.get_state(config).values["question"] == "q"  # read-only: forwarded
+    assert app.with_config(config).rollout({"question": "r"}).metadata["thread_id"] == "t"  # binding merges config
     assert app.get_graph() is not None and app.get_name() == "LangGraph" and app.checkpointer is graph.checkpointer
     with pytest.raises(AttributeError, match=r"no attribute 'copy'.*app\.graph\.copy"):
         app.copy  # noqa: B018 - would return an uninstrumented graph
