@@ -43,7 +43,7 @@ def output_spec(kwargs: dict[str, Any], tools: Sequence[dict], where: str) -> tu
                                         "option drmas-graph cannot honour; use with_structured_output(..., "
                                         "method='json_schema' | 'json_mode' | 'function_calling') on a chat model "
                                         "that binds response_format / tool_choice (ChatOpenAI does)")
-    choice = _tool_choice(kwargs.get("tool_choice"), tools, where)
+    choice = _tool_choice(kwargs.get("tool_choice", _google_tool_choice(kwargs.get("tool_config"))), tools, where)
     fmt = kwargs.get("response_format", kwargs.get("format"))
     if fmt is not None and choice is not None:
         raise StructuredOutputError(f"{where}: the call forces tool_choice and response_format at once; drmas-graph "
@@ -76,6 +76,16 @@ def _tool_choice(choice: Any, tools: Sequence[dict], where: str) -> tuple[dict, 
                                     f"{names}")
     schema = next(t.get("function", t) for t in tools if t.get("function", t).get("name") == name)
     return {"type": "tool", "name": name, "schema": schema.get("parameters", {})}, None
+
+
+def _google_tool_choice(config: Any) -> Any:
+    """Google's `tool_config={"function_calling_config": {"mode": "ANY", "allowed_function_names": [...]}}`
+    as a tool_choice."""
+    calling = (config or {}).get("function_calling_config") if isinstance(config, dict) else None
+    if not isinstance(calling, dict) or str(calling.get("mode", "")).upper() != "ANY":
+        return None
+    names = calling.get("allowed_function_names") or []
+    return names[0] if len(names) == 1 else "any"
 
 
 def _response_format(fmt: Any, where: str) -> tuple[dict | None, Any]:

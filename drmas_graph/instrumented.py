@@ -452,8 +452,8 @@ class InstrumentedGraph(Runnable):
 def _under_node(node: str, pattern: str) -> bool:
     """True when `pattern` names something inside `node`: a node's function may invoke a compiled subgraph,
     whose calls are recorded as 'node/inner' although `get_graph` cannot list 'inner'."""
-    head = pattern.split("/", 1)[0]
-    return "/" in pattern and "/" not in node and fnmatch.fnmatchcase(node, head)
+    nodes, parts = node.split("/"), pattern.split("/")
+    return len(parts) > len(nodes) and all(fnmatch.fnmatchcase(n, p) for n, p in zip(nodes, parts))
 
 
 def _no_v3(version: str) -> None:

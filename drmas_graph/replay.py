@@ -33,6 +33,7 @@ from drmas_graph._chat import ParsedResponse, _text, parse_hermes
 from drmas_graph._intercept import ACTIVE_HANDLER, CallSite, install
 from drmas_graph.errors import ConfigError, DrmasError
 from drmas_graph.instrumented import InstrumentedGraph, _cut_at_stop, _EpisodeRecorder, served_message
+from drmas_graph.instrumented import structured_parts
 from drmas_graph.policy import Policy
 from drmas_graph.types import Episode, Turn
 
@@ -216,10 +217,13 @@ def _recorded_answer(turn: Turn) -> ChatResult:
         parsed = parse_hermes(_cut_at_stop(turn.response_text, turn.sampling.stop if turn.sampling else ()))
         content, invalid = parsed.content, parsed.invalid_tool_calls
     answer = ParsedResponse(content=content, tool_calls=[dict(c) for c in turn.tool_calls], invalid_tool_calls=invalid)
+    extra: dict = {}
+    if turn.trainable and turn.response_format:  # structured output: the same answer (or the same error) again
+        answer, extra = structured_parts(turn, parse_hermes)
     message = served_message(answer, finish=turn.finish_reason, policy_name=turn.policy,
                              policy_version=turn.policy_version, agent=turn.agent, index=turn.index,
                              n_prompt=len(turn.prompt_ids), n_response=len(turn.response_ids),
-                             message_id=turn.message_id)
+                             message_id=turn.message_id, additional_kwargs=extra)
     return ChatResult(generations=[ChatGeneration(message=message)])
 
 

@@ -47,6 +47,7 @@ def cause(exc, kind):
     return exc
 
 
+@pytest.mark.filterwarnings("ignore:astream_log is deprecated")
 def test_every_runnable_run_method_is_an_instrumented_episode(policy):
     """rev_w: with_config/with_retry/with_listeners/batch/astream_events/astream_log/a pipe all record."""
     model, store = Unreachable(), ListStore()
@@ -84,6 +85,7 @@ def test_only_read_only_attributes_are_forwarded(policy):
     config = {"configurable": {"thread_id": "t"}}
     app.with_config(config).invoke({"question": "q"})
     assert app.get_state(config).values["question"] == "q"  # read-only: forwarded
+    assert app.with_config(config).rollout({"question": "r"}).metadata["thread_id"] == "t"  # binding merges config
     assert app.get_graph() is not None and app.get_name() == "LangGraph" and app.checkpointer is graph.checkpointer
     with pytest.raises(AttributeError, match=r"no attribute 'copy'.*app\.graph\.copy"):
         app.copy  # noqa: B018 - would return an uninstrumented graph
@@ -143,6 +145,7 @@ def test_calls_that_cannot_be_attributed_are_refused_or_warned(policy):
     assert graph.invoke({"q": "q"})["a"] == ["original model"]  # no run active: the app is untouched
 
 
+@pytest.mark.filterwarnings("ignore:policies. agent")
 def test_strict_refusal_swallowed_by_the_app_still_fails_the_episode(policy):
     model = Unreachable()
 

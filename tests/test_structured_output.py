@@ -133,3 +133,34 @@ def test_policy_chat_model_honours_structured_output_outside_runs():
     with pytest.raises(StructuredOutputError, match=r"PolicyChatModel\(policy 'scripted-s0'\).*'Verdict'"):
         model.with_structured_output(Verdict).invoke("again?")
     policy.close()
+
+
+def test_replay_returns_the_recorded_structured_answer(openai_llm):
+    from drmas_graph.replay import replay_episode
+
+    policy = scripted_policy(['{"ok": true}'])
+    graph = judge_graph(lambda: openai_llm.with_structured_output(Verdict, method="json_schema"))
+    episode = instrument(graph, {"judge": policy}).rollout({"q": "q"})
+    result = replay_episode(graph, episode)
+    assert not result.divergences and result.final_state["v"] == Verdict(ok=True)
+
+
+def test_output_spec_reads_each_providers_form_and_names_what_it_cannot_honour():
+    from drmas_graph._structured import output_spec
+
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}},
+             {"type": "function", "function": {"name": "mul", "parameters": {"type": "object"}}}]
+    where = "agent 'a' (node 'n')"
+    tool = {"type": "tool", "name": "add", "schema": {"type": "object"}}
+    assert output_spec({"tool_choice": {"type": "function", "function": {"name": "add"}}}, tools, where)[0] == tool
+    assert output_spec({"tool_choice": {"type": "tool", "name": "add"}}, tools, where)[0] == tool  # Anthropic
+    assert output_spec({"tool_config": {"function_calling_config": {"mode": "ANY", "allowed_function_names": [
+        "add"]}}}, tools, where)[0] == tool  # Google
+    assert output_spec({"tool_choice": "required"}, tools, where)[0] == {"type": "any_tool", "names": ["add", "mul"]}
+    assert output_spec({"tool_choice": "auto", "response_format": {"type": "text"}}, tools, where) == (None, None)
+    assert output_spec({"format": "json"}, [], where)[0] == {"type": "json_object"}  # Ollama
+    assert output_spec({"response_format": Verdict}, [], where)[1] is Verdict
+    with pytest.raises(StructuredOutputError, match=r"agent 'a' \(node 'n'\).*response_schema"):
+        output_spec({"response_schema": {"type": "object"}}, [], where)
+    with pytest.raises(StructuredOutputError, match="no tool is bound"):
+        output_spec({"tool_choice": "any"}, [], where)
