@@ -373,3 +373,39 @@ def test_functional_api_task_calls_are_keyed_by_call_order():
     for _ in range(6):
         result = replay_episode(main, episode)
         assert result.divergences == [] and result.final_state == [f"re work {i}" for i in range(3)]
+
+
+def test_replay_of_a_run_that_resumed_an_interrupt(tmp_path):
+    from langgraph.types import Command, interrupt
+
+    llm = Unreachable()
+
+    def draft(state):
+        return {"messages": [llm.invoke(state["messages"])]}
+
+    def review(state):
+        note = interrupt("approve?")  # the human's answer arrives with Command(resume=...)
+        return {"messages": [HumanMessage(f"reviewer: {note}")]}
+
+    def final(state):
+        return {"messages": [llm.invoke(state["messages"])]}
+
+    g = StateGraph(MessagesState)
+    for name, fn in (("draft", draft), ("review", review), ("final", final)):
+        g.add_node(name, fn)
+    g.add_edge(START, "draft")
+    g.add_edge("draft", "review")
+    g.add_edge("review", "final")
+    g.add_edge("final", END)
+    graph = g.compile(checkpointer=InMemorySaver())
+    thread = {"configurable": {"thread_id": "review-1"}}
+    with TraceStore(tmp_path / "r.db") as store:
+        app = instrument(graph, {"draft": echo_policy(), "final": echo_policy()}, store=store)
+        app.rollout({"messages": [HumanMessage("write a haiku")]}, thread)
+        resumed = app.rollout(Command(resume="shorter please"), thread)
+    assert [t.agent for t in resumed.turns] == ["final"]
+    assert resumed.turns[0].messages[-1].content == "reviewer: shorter please"
+    with TraceStore(tmp_path / "r.db", readonly=True) as store:
+        assert store.load_episode(resumed.id).input == Command(resume="shorter please")
+    result = replay(graph, tmp_path / "r.db", resumed.id)
+    assert result.unreproducible is None and result.divergences == [] and result.state_matches
