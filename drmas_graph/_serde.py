@@ -4,13 +4,15 @@ The table layout (`SCHEMA`) lives here, next to the code that fills it; `drmas_g
 transactions. Token arrays are little-endian numpy buffers, everything else is JSON.
 
 Nothing here unpickles or evaluates anything. Decoding only parses JSON and numpy buffers; the only
-objects rebuilt from a trace are LangChain messages (`messages_from_dict`) and `SamplingParams`.
+objects rebuilt from a trace are LangChain messages (`messages_from_dict`), LangGraph `Command`s (from
+their fields) and `SamplingParams`.
 
 Arrays: token ids are int32 (4 bytes a token), logprobs float64 (8 bytes a token) so that the Python
 floats a policy returned come back bit for bit.
 
 JSON values that are not JSON (`to_json`): LangChain messages become ``{"__message__": <messages_to_dict
-form>}`` and are rebuilt on load; dataclasses, pydantic models and numpy values become their dict/list/
+form>}`` and are rebuilt on load, so are LangGraph `Command`s (``{"__command__": <fields>}``, the input
+of a run that resumes an interrupt); other dataclasses, pydantic models and numpy values become their dict/list/
 scalar forms (loaded back as plain data); anything else becomes ``{"__unserializable__": "<type>",
 "repr": "<repr>"}`` and a `TraceStoreWarning` names where it was. Tuples load back as lists and mapping
 keys as strings, as in any JSON.
@@ -22,6 +24,7 @@ import dataclasses
 import enum
 import json
 import math
+import sys
 import time
 import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -58,6 +61,7 @@ LOGPROBS_DTYPE = np.dtype("<f8")
 """Logprobs: little-endian float64, the same bits as the Python floats in `Turn.response_logprobs`."""
 
 _MESSAGE_TAG = "__message__"
+_COMMAND_TAG = "__command__"
 _UNSERIALIZABLE_TAG = "__unserializable__"
 _INT32 = np.iinfo(np.int32)
 
@@ -105,6 +109,9 @@ def _jsonable(value: Any, where: str, active: set[int]) -> Any:
     if isinstance(value, BaseMessage):
         data = messages_to_dict([value])[0]
         return {_MESSAGE_TAG: _jsonable(data, where, active)}
+    if _is_command(value):  # a run input that resumes an interrupt: replay needs it back as a Command
+        fields = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
+        return {_COMMAND_TAG: _jsonable(fields, where, active)}
     if isinstance(value, enum.Enum):
         return _jsonable(value.value, where, active)
     if isinstance(value, np.generic | np.ndarray):
@@ -135,6 +142,12 @@ def _jsonable(value: Any, where: str, active: set[int]) -> Any:
     return _unserializable(value, where, "no JSON form")
 
 
+def _is_command(value: Any) -> bool:
+    """A LangGraph `Command` (imported lazily: only a run that was given one has it loaded)."""
+    types = sys.modules.get("langgraph.types")
+    return types is not None and isinstance(value, types.Command)
+
+
 def _json_key(key: Any) -> str:
     """A mapping key as `json.dumps` would write it (1 -> "1", True -> "true"); other types via str()."""
     if isinstance(key, str):
@@ -161,13 +174,20 @@ def from_json(text: str | None) -> Any:
     if text is None:
         return None
     value = json.loads(text)
-    return _revive(value) if _MESSAGE_TAG in text else value
+    return _revive(value) if _MESSAGE_TAG in text or _COMMAND_TAG in text else value
 
 
 def _revive(value: Any) -> Any:
     if isinstance(value, dict):
         if len(value) == 1 and _MESSAGE_TAG in value:
             return messages_from_dict([value[_MESSAGE_TAG]])[0]
+        if len(value) == 1 and _COMMAND_TAG in value and isinstance(value[_COMMAND_TAG], dict):
+            from langgraph.types import Command
+
+            fields = _revive(value[_COMMAND_TAG])
+            if isinstance(fields.get("goto"), list):
+                fields["goto"] = tuple(fields["goto"])  # JSON has no tuples; Command's default is ()
+            return Command(**fields)
         return {k: _revive(v) for k, v in value.items()}
     if isinstance(value, list):
         return [_revive(v) for v in value]

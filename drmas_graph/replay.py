@@ -1,7 +1,7 @@
 """Deterministic replay: re-run a graph with every LLM call answered from a recorded episode.
 
 No model is loaded and nothing leaves the machine. Calls are matched by node instance (`call_key`: node
-path with the `Send` index of the call's task and of every enclosing task) and their order within it,
+path with the `Send` / `@task` call index of the call's task and of every enclosing task) and their order within it,
 never by global arrival order, so parallel branches and `Send` fan-outs (into subgraphs too) replay
 exactly; calls made concurrently inside one node instance are matched by prompt. When the graph has
 changed, the first call whose prompt differs from the recording (or that has no recording, or whose
@@ -52,7 +52,7 @@ class Divergence:
     node: str
     """Node path of the call."""
     call_key: str
-    """Node instance (node path, plus '[i]' for the i-th Send)."""
+    """Node instance: node path, '[i]' after each task that was the i-th Send (or @task call)."""
     call_index: int
     """Position of the call among the calls of that node instance."""
     diff: str
@@ -255,10 +255,15 @@ def _prepare(graph: Any, episode: Episode, policies: Mapping[str, Policy] | None
     return _Run(app, handler, live, live_episode, dict(config or {}), _unstorable_input(episode))
 
 
+def _own_thread(run: _Run) -> bool:
+    """The caller named the thread to replay on (then no copy of the recorded start is made)."""
+    return "thread_id" in (run.config.get("configurable") or {})
+
+
 def _thread_config(run: _Run, forked: dict | None, reason: str | None) -> None:
-    """Run on the fork of the recorded thread start, else on a fresh thread (never the recorded one)."""
+    """Run on the copy of the recorded thread start, else on a fresh thread (never the recorded one)."""
     run.unreproducible = run.unreproducible or reason
-    if getattr(run.app.graph, "checkpointer", None):
+    if getattr(run.app.graph, "checkpointer", None) and not _own_thread(run):
         configurable = run.config.setdefault("configurable", {})
         configurable.update(forked or {"thread_id": f"replay-{uuid.uuid4().hex}"})
         configurable.pop("checkpoint_id", None)
@@ -290,7 +295,8 @@ def replay_episode(graph: Any, episode: Episode, *, policies: Mapping[str, Polic
                    config: dict | None = None) -> ReplayResult:
     """Replay an in-memory `Episode` (see `replay`)."""
     run = _prepare(graph, episode, policies, agents, on_divergence, config)
-    _thread_config(run, *_threads.fork_config(run.app.graph, episode.metadata.get("thread_start")))
+    start = None if _own_thread(run) else episode.metadata.get("thread_start")
+    _thread_config(run, *_threads.fork_config(run.app.graph, start))
     token = ACTIVE_HANDLER.set(run.handler)
     run.start = time.perf_counter()
     final_state, stopped = None, False
@@ -311,7 +317,8 @@ async def areplay_episode(graph: Any, episode: Episode, *, policies: Mapping[str
                           ) -> ReplayResult:
     """`replay_episode` through the graph's async API (`ainvoke`): for graphs with async-only nodes."""
     run = _prepare(graph, episode, policies, agents, on_divergence, config)
-    _thread_config(run, *await _threads.afork_config(run.app.graph, episode.metadata.get("thread_start")))
+    start = None if _own_thread(run) else episode.metadata.get("thread_start")
+    _thread_config(run, *await _threads.afork_config(run.app.graph, start))
     token = ACTIVE_HANDLER.set(run.handler)
     run.start = time.perf_counter()
     final_state, stopped = None, False
@@ -349,8 +356,9 @@ def replay(graph: Any, store_or_path: Any, episode_id: str, *, policies: Mapping
         agents: node-path glob -> agent, as for `instrument`.
         on_divergence: 'stop' (default) returns at the first divergence (no later call is answered or
             reaches a model); 'continue' goes on live.
-        config: the run config (e.g. `recursion_limit`). A graph with a checkpointer runs on a new thread:
-            a copy of the thread checkpoint the recording started from, if it continued a thread.
+        config: the run config (e.g. `recursion_limit`). A graph with a checkpointer runs on a new thread
+            (a copy of the thread checkpoint the recording started from, if it continued a thread) unless
+            `configurable.thread_id` names one.
 
     Graphs whose nodes are async-only need `areplay`; calling `replay` on them raises a ConfigError
     saying so. From inside a running event loop, use `await areplay(...)`.

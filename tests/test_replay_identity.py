@@ -65,9 +65,10 @@ def send_into_subgraph(llm, n=4, inner=0):
     return g.compile()
 
 
-def echo_policy(seed=0):
+def echo_policy(seed=0, name="echo"):
     """Replies 're <last user message>', so every call's answer names the call it answers."""
-    return scripted_policy(lambda prompt: "re " + prompt.rsplit("user\n", 1)[-1].split("<|im_end|>")[0], seed=seed)
+    return scripted_policy(lambda prompt: "re " + prompt.rsplit("user\n", 1)[-1].split("<|im_end|>")[0], seed=seed,
+                           name=name)
 
 
 # -- call_key carries every ancestor's Send index (repros rev_r.py, rev_r2.py, rev_r3.py) ----------------
@@ -196,7 +197,8 @@ def test_state_diff_shows_what_differs():
 def test_areplay_runs_async_only_graphs(tmp_path):
     graph = _graphs.async_solver_verifier(Unreachable())
     with TraceStore(tmp_path / "r.db") as store:
-        app = instrument(graph, {"solver": echo_policy(), "verifier": echo_policy()}, store=store)
+        app = instrument(graph, {"solver": echo_policy(name="solver"), "verifier": echo_policy(name="verifier")},
+                         store=store)
         episode = asyncio.run(app.arollout({"question": "2+3?"}))
     result = asyncio.run(areplay(graph, tmp_path / "r.db", episode.id))
     assert result.divergences == [] and result.state_matches
@@ -275,7 +277,8 @@ def test_cli_replays_async_graphs_and_says_what_cannot_be_reproduced(tmp_path, c
 
     with TraceStore(tmp_path / "r.db") as store:
         app = instrument(_graphs.async_solver_verifier(Unreachable()),
-                         {"solver": echo_policy(), "verifier": echo_policy()}, store=store)
+                         {"solver": echo_policy(name="solver"), "verifier": echo_policy(name="verifier")},
+                         store=store)
         async_episode = asyncio.run(app.arollout({"question": "2+3?"}))
         chat = instrument(chat_graph(Unreachable(), InMemorySaver()), {"agent": echo_policy()}, store=store)
         thread = {"configurable": {"thread_id": "t1"}}
@@ -373,3 +376,39 @@ def test_functional_api_task_calls_are_keyed_by_call_order():
     for _ in range(6):
         result = replay_episode(main, episode)
         assert result.divergences == [] and result.final_state == [f"re work {i}" for i in range(3)]
+
+
+def test_replay_of_a_run_that_resumed_an_interrupt(tmp_path):
+    from langgraph.types import Command, interrupt
+
+    llm = Unreachable()
+
+    def draft(state):
+        return {"messages": [llm.invoke(state["messages"])]}
+
+    def review(state):
+        note = interrupt("approve?")  # the human's answer arrives with Command(resume=...)
+        return {"messages": [HumanMessage(f"reviewer: {note}")]}
+
+    def final(state):
+        return {"messages": [llm.invoke(state["messages"])]}
+
+    g = StateGraph(MessagesState)
+    for name, fn in (("draft", draft), ("review", review), ("final", final)):
+        g.add_node(name, fn)
+    g.add_edge(START, "draft")
+    g.add_edge("draft", "review")
+    g.add_edge("review", "final")
+    g.add_edge("final", END)
+    graph = g.compile(checkpointer=InMemorySaver())
+    thread = {"configurable": {"thread_id": "review-1"}}
+    with TraceStore(tmp_path / "r.db") as store:
+        app = instrument(graph, {"draft": echo_policy(name="draft"), "final": echo_policy(name="final")}, store=store)
+        app.rollout({"messages": [HumanMessage("write a haiku")]}, thread)
+        resumed = app.rollout(Command(resume="shorter please"), thread)
+    assert [t.agent for t in resumed.turns] == ["final"]
+    assert resumed.turns[0].messages[-1].content == "reviewer: shorter please"
+    with TraceStore(tmp_path / "r.db", readonly=True) as store:
+        assert store.load_episode(resumed.id).input == Command(resume="shorter please")
+    result = replay(graph, tmp_path / "r.db", resumed.id)
+    assert result.unreproducible is None and result.divergences == [] and result.state_matches
