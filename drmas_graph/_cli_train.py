@@ -76,11 +76,10 @@ def add_train_commands(groups: Any) -> None:
 
 
 def _cmd_train(args: argparse.Namespace, console: Console) -> int:
+    from drmas_graph import _distributed
     from drmas_graph.trainer import train_graph
 
     cfg = load_config(args.config, args.set)
-    from drmas_graph import _distributed
-
     graph, env = build_graph_and_env(cfg)
     if _distributed.rank_from_env() == 0:  # under a launcher, rank 0 alone reports
         console.print(f"training {cfg.name}: run folder {cfg.run_dir}", markup=False)
@@ -92,6 +91,7 @@ def _cmd_train(args: argparse.Namespace, console: Console) -> int:
 
 def _cmd_eval(args: argparse.Namespace, console: Console) -> int:
     from drmas_graph.lora import load_checkpoint_adapters
+    from drmas_graph import _distributed
     from drmas_graph.trainer import Trainer, evaluate
 
     overrides = list(args.set)
@@ -113,9 +113,12 @@ def _cmd_eval(args: argparse.Namespace, console: Console) -> int:
     try:
         if args.checkpoint is not None:
             load_checkpoint_adapters(trainer, args.checkpoint)
-        record = evaluate(trainer, step=0, split=args.split)
+        record = evaluate(trainer, step=0, split=args.split)  # sharded over the processes of a launcher
+        _distributed.remove_rank_stores(trainer.run_dir, trainer.store.close)
     finally:
         trainer.close()
+    if _distributed.rank() != 0:
+        return 0
     table = Table(title=f"{args.checkpoint or 'base models'} on {record['split']} ({record['tasks']} tasks)")
     for col in ("metric", "value"):
         table.add_column(col)

@@ -24,8 +24,8 @@ module decides who does what around it.
   each rank's optimizer partition).
 - Traces: rank 0 writes run_dir/traces.db, rank r > 0 its own run_dir/traces.rank<r>.db (one writer per
   SQLite file: no lock contention between ranks, each file crash-safe on its own). At every step end, once
-  all ranks have recorded their training data, rank 0 copies the episodes it does not hold yet from every
-  traces.rank*.db into traces.db (one transaction per file, keyed by episode id, so each episode lands
+  all ranks have recorded their training data and checkpointed their write-ahead logs, rank 0 copies the
+  episodes it does not hold yet from every traces.rank*.db (read as immutable files) into traces.db (one transaction per file, keyed by episode id, so each episode lands
   exactly once even if a merge is repeated); at the end of a run the rank files are merged and removed.
   Files left by a killed run are merged by the next run in that folder, whatever its world size.
 """
@@ -41,7 +41,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from drmas_graph.errors import ConfigError
+from drmas_graph.errors import ConfigError, TraceStoreError
 
 __all__ = [
     "NullLogger", "barrier", "check_divisible", "check_no_launch", "check_resume_world", "gather", "init_process_group",
@@ -275,12 +275,21 @@ def store_path(run_dir: Path) -> Path:
 
 
 def merge_traces(run_dir: Path) -> int:
-    """Rank 0 copies the episodes it lacks from every run_dir/traces.rank*.db into run_dir/traces.db; the
-    other ranks wait for it. Call it where every rank has finished writing (step end). Returns the number of
-    episodes copied (0 on other ranks)."""
+    """Rank 0 copies the episodes it lacks from every run_dir/traces.rank*.db into run_dir/traces.db.
+
+    Call it where no rank writes (step end). Each rank r > 0 first moves its write-ahead log into its file
+    (`_checkpoint`), so rank 0 reads plain database files and never shares SQLite's WAL index with another
+    process (which SQLite does not support across machines); files no running rank owns (left by a killed
+    run with more processes) rank 0 checkpoints itself. Returns the episodes copied (0 on other ranks).
+    """
+    if not is_main():
+        _checkpoint(store_path(run_dir))
+    barrier()
     copied = 0
     if is_main():
         for path in sorted(run_dir.glob(_RANK_STORE_GLOB)):
+            if _file_rank(path) >= world_size():
+                _checkpoint(path)
             copied += _merge_store(run_dir / "traces.db", path)
     barrier()
     return copied
@@ -295,10 +304,28 @@ def remove_rank_stores(run_dir: Path, close_own: Callable[[], None]) -> None:
     barrier()
     if is_main():
         for path in sorted(run_dir.glob(_RANK_STORE_GLOB)):
+            _checkpoint(path)  # its writer has closed it
             _merge_store(run_dir / "traces.db", path)
             for suffix in ("", "-wal", "-shm"):
                 Path(f"{path}{suffix}").unlink(missing_ok=True)
     barrier()
+
+
+def _file_rank(path: Path) -> int:
+    """r of traces.rank<r>.db."""
+    return int(path.name[len("traces.rank"):-len(".db")])
+
+
+def _checkpoint(path: Path) -> None:
+    """Copy the file's write-ahead log into the database file and empty it (SQLite ``wal_checkpoint(TRUNCATE)``,
+    which also syncs the file), so that a reader opening it ``immutable`` sees every committed episode."""
+    conn = sqlite3.connect(str(path), timeout=60.0, isolation_level=None)
+    try:
+        busy, _, _ = conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+    finally:
+        conn.close()
+    if busy:
+        raise TraceStoreError(f"could not checkpoint trace store {path}: another connection is using it")
 
 
 def _columns(conn: sqlite3.Connection, schema: str, table: str) -> list[str]:
@@ -306,10 +333,11 @@ def _columns(conn: sqlite3.Connection, schema: str, table: str) -> list[str]:
 
 
 def _merge_store(target: Path, source: Path) -> int:
-    """Copy the episodes (with their turns and rewards) of `source` that `target` lacks, in one transaction."""
-    conn = sqlite3.connect(str(target), timeout=60.0, isolation_level=None)
+    """Copy the episodes (with their turns and rewards) of `source` that `target` lacks, in one transaction.
+    `source` is read as an immutable file: no lock, no WAL (its writer checkpointed it and waits)."""
+    conn = sqlite3.connect(target.resolve().as_uri(), uri=True, timeout=60.0, isolation_level=None)
     try:
-        conn.execute("ATTACH DATABASE ? AS src", (str(source),))
+        conn.execute("ATTACH DATABASE ? AS src", (source.resolve().as_uri() + "?immutable=1",))
         conn.execute("BEGIN IMMEDIATE")
         try:
             conn.execute("CREATE TEMP TABLE new_ids AS SELECT id FROM src.episodes "

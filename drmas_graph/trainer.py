@@ -341,9 +341,10 @@ class Trainer:
     # ---- the loop -----------------------------------------------------------------------------
     def run(self) -> TrainResult:
         cfg = self.cfg
-        logger = (RunLogger if _distributed.is_main() else _distributed.NullLogger)(self.run_dir, tensorboard=cfg.logging.tensorboard, wandb=cfg.logging.wandb,
-                           progress=cfg.logging.progress, total_steps=cfg.steps, start_step=self.start_step,
-                           agents=list(self.agent_policies), run_name=cfg.name, config=cfg.model_dump(mode="json"))
+        logger_cls = RunLogger if _distributed.is_main() else _distributed.NullLogger  # rank 0 writes metrics
+        logger = logger_cls(self.run_dir, tensorboard=cfg.logging.tensorboard, wandb=cfg.logging.wandb,
+                            progress=cfg.logging.progress, total_steps=cfg.steps, start_step=self.start_step,
+                            agents=list(self.agent_policies), run_name=cfg.name, config=cfg.model_dump(mode="json"))
         try:
             if cfg.eval.before_training and self.start_step == 0:
                 self._evaluate(0, logger)
