@@ -287,6 +287,7 @@ EPISODE_COLUMNS = (
 )  # fmt: skip
 ADDED_COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("episodes", "trained", "REAL"),
+    ("turns", "response_format", "TEXT"),
 )
 """Columns added to the layout after schema version 1 was released: (table, column, SQL type), each
 nullable. They keep the schema version: opening an older store to write adds them (NULL in old rows),
