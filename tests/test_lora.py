@@ -18,7 +18,9 @@ from drmas_graph.update import LossSettings, UpdateSettings
 pytest.importorskip("peft")
 from drmas_graph.lora import LoraUpdater, attach_adapters, base_forward, build_updater  # noqa: E402
 
-pytestmark = pytest.mark.filterwarnings("ignore:.*torch.jit.script_method.*:DeprecationWarning")
+pytestmark = [pytest.mark.filterwarnings("ignore:.*torch.jit.script_method.*:DeprecationWarning"),
+              # peft asks transformers' deprecated is_gradient_checkpointing (transformers 5.x)
+              pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")]
 needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="needs deepspeed")
 BACKENDS = ["torch", pytest.param("deepspeed", marks=needs_deepspeed)]
 AGENTS = ("solver", "verifier")

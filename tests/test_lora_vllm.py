@@ -20,7 +20,7 @@ pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(not VLLM_PYTHON, reason="set DRMAS_VLLM_PYTHON to the python of the vLLM venv "
                                                "(bash scripts/setup_vllm.sh prints it)"),
-    pytest.mark.filterwarnings("ignore::UserWarning"),
+    pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning"),
 ]
 pytest.importorskip("peft")
 
