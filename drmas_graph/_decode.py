@@ -3,7 +3,8 @@
 Shapes: `_B` active rows, `_N` newcomers, `_U` distinct newcomer prompts, `_L` cache length.
 
 Every `step`: the active rows decode one token (one forward pass), the newcomers are prefilled (one
-forward pass over their *distinct* prompts; rows with the same prompt share its KV cache rows), every row
+forward pass over their *distinct* prompts; rows with the same prompt share its KV cache rows, and a
+prompt prefilled recently under the same weights is taken from `PromptCache`), every row
 samples on the device (`_sampling.sample_rows`), one device-to-host copy brings back the sampled ids and
 logprobs, rows that finished leave, and the newcomers' cache rows are merged into the batch (left-padded
 to a common length; fully padded leading columns are trimmed). A row's tokens depend on its prompt,
@@ -14,6 +15,7 @@ params and seed only: its position ids and attention mask ignore the padding, an
 from __future__ import annotations
 
 import concurrent.futures
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,7 +25,7 @@ import torch
 from drmas_graph._sampling import RowParams, sample_rows, vocab_hash
 from drmas_graph.types import Generation, SamplingParams
 
-__all__ = ["Request", "DecodeBatch", "StopMatcher", "EngineStats"]
+__all__ = ["Request", "DecodeBatch", "StopMatcher", "EngineStats", "PromptCache"]
 
 
 @dataclass
@@ -56,6 +58,38 @@ class EngineStats:
     """Requests that reused the prefill of an identical prompt admitted with them."""
     joined_mid_decode: int = 0
     """Requests admitted while other rows were decoding."""
+    prefix_cache_hits: int = 0
+    """Distinct prompts whose KV rows came from the recent-prompt cache instead of a prefill."""
+
+
+class PromptCache:
+    """The KV rows and last-position logits of recently prefilled prompts (LRU; one weights version).
+
+    GRPO sends a group's identical prompts at about the same time; members that miss the admission of
+    the first ones (or identical follow-up prompts) reuse its prefill instead of recomputing it.
+    """
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.version: int | None = None
+        self.entries: OrderedDict[tuple[str | None, tuple[int, ...]], tuple[list, torch.Tensor]] = OrderedDict()
+
+    def get(self, prompt: tuple[str | None, tuple[int, ...]], version: int) -> tuple[list, torch.Tensor] | None:
+        if version != self.version:
+            self.entries.clear()
+            self.version = version
+        entry = self.entries.get(prompt)
+        if entry is not None:
+            self.entries.move_to_end(prompt)
+        return entry
+
+    def put(self, prompt: tuple[str | None, tuple[int, ...]], kv: list, logits_V: torch.Tensor, version: int) -> None:
+        if self.size <= 0 or version != self.version:
+            return
+        self.entries[prompt] = ([(k.clone(), v.clone()) for k, v in kv], logits_V.clone())
+        self.entries.move_to_end(prompt)
+        while len(self.entries) > self.size:
+            self.entries.popitem(last=False)
 
 
 class StopMatcher:
@@ -120,6 +154,23 @@ def _mergeable(cache: Any) -> bool:
     return bool(layers) and all(type(layer) is DynamicLayer and layer.is_initialized for layer in layers)
 
 
+def _prompt_kv(cache: Any, row: int, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One prompt's (keys, values) per layer, (1, heads, n, head_dim), without its left padding."""
+    return [(layer.keys[row:row + 1, :, -n:], layer.values[row:row + 1, :, -n:]) for layer in cache.layers]
+
+
+def _stack_prompts(kvs: list[list[tuple[torch.Tensor, torch.Tensor]]], lengths: list[int],
+                   device: torch.device) -> tuple[Any, torch.Tensor]:
+    """A dynamic cache holding the prompts' KV rows left-padded to a common length, and its mask_UL."""
+    from transformers.cache_utils import DynamicCache
+
+    L = max(lengths)
+    layers = [tuple(torch.cat([_left_pad(kv[li][j], L - n, 2) for kv, n in zip(kvs, lengths)]) for j in (0, 1))
+              for li in range(len(kvs[0]))]
+    mask_UL = (torch.arange(L)[None, :] >= torch.tensor([L - n for n in lengths])[:, None]).long()
+    return DynamicCache(ddp_cache_data=layers), mask_UL.to(device)
+
+
 def _left_pad(t: torch.Tensor, n: int, dim: int) -> torch.Tensor:
     if n == 0:
         return t
@@ -132,7 +183,8 @@ class DecodeBatch:
     """The active rows of the embedded engine and their shared KV cache (used by one worker thread)."""
 
     def __init__(self, model: Any, tokenizer: Any, *, pad_id: int, eos_ids: Sequence[int], cache_kwarg: str,
-                 stats: EngineStats, row_kwargs: Callable[[list[str | None]], dict[str, Any]] | None = None) -> None:
+                 stats: EngineStats, prompt_cache_size: int = 0,
+                 row_kwargs: Callable[[list[str | None]], dict[str, Any]] | None = None) -> None:
         self.model = model
         self.row_kwargs = row_kwargs or (lambda adapters: {})
         """Extra forward kwargs for rows that use the given LoRA adapters (None = the model's own weights)."""
@@ -143,6 +195,7 @@ class DecodeBatch:
         self.cache_kwarg = cache_kwarg
         self.stats = stats
         self._vocab_hash: torch.Tensor | None = None
+        self.prompt_cache = PromptCache(prompt_cache_size)
         self.clear()
 
     def clear(self) -> None:
@@ -186,7 +239,7 @@ class DecodeBatch:
             lps.append(lp_B)
         new = None
         if newcomers:
-            new = self._prefill(newcomers)
+            new = self._prefill(newcomers, version)
             ids.append(new["ids_N"])
             lps.append(new["lp_N"])
             self.stats.joined_mid_decode += len(newcomers) if self.rows else 0
@@ -221,13 +274,45 @@ class DecodeBatch:
         ids_B, lp_B = sample_rows(logits_BV, self.rp, self.gen_pos_B, self._vocab(logits_BV.shape[-1]))
         return ids_B, lp_B
 
-    def _prefill(self, reqs: Sequence[Request]) -> dict[str, Any]:
-        """Prefill the distinct prompts once; sample every newcomer's first token from its prompt's row.
-        A prompt is distinct per LoRA adapter (its KV cache depends on the adapter)."""
+    def _prefill(self, reqs: Sequence[Request], version: int) -> dict[str, Any]:
+        """Prefill the distinct prompts once (or reuse a recent prefill); sample every newcomer's first token.
+        A prompt is distinct per LoRA adapter (its KV cache depends on the adapter): keys are (adapter, ids)."""
         distinct: dict[tuple[str | None, tuple[int, ...]], int] = {}
         row_of_N = [distinct.setdefault((r.params.adapter, tuple(r.prompt_ids)), len(distinct)) for r in reqs]
-        adapters = [a for a, _ in distinct]
-        prompts = [p for _, p in distinct]
+        prompts = list(distinct)
+        hits = {p: e for p in prompts if (e := self.prompt_cache.get(p, version)) is not None}
+        misses = [p for p in prompts if p not in hits]
+        if misses:
+            logits_MV, cache, mask_ML = self._forward_prompts(misses)
+            self.stats.prefill_rows += len(misses)
+            self.stats.prefill_tokens += sum(len(p[1]) for p in misses)
+        self.stats.batches += 1
+        self.stats.requests += len(reqs)
+        self.stats.shared_prefill_rows += len(reqs) - len(prompts)
+        self.stats.prefix_cache_hits += len(hits)
+        if not hits:  # the forward's cache is the newcomers' cache as it is
+            logits_UV, mask_UL = logits_MV, mask_ML
+            if _mergeable(cache):
+                for m, p in enumerate(misses):
+                    self.prompt_cache.put(p, _prompt_kv(cache, m, len(p[1])), logits_MV[m], version)
+        else:
+            fresh = {p: (_prompt_kv(cache, m, len(p[1])), logits_MV[m]) for m, p in enumerate(misses)}
+            for p, (kv, logits_V) in fresh.items():
+                self.prompt_cache.put(p, kv, logits_V, version)
+            entries = [hits.get(p) or fresh[p] for p in prompts]
+            cache, mask_UL = _stack_prompts([e[0] for e in entries], [len(p[1]) for p in prompts], self.device)
+            logits_UV = torch.stack([e[1] for e in entries])
+        V = logits_UV.shape[-1]
+        rp = RowParams.build([r.params for r in reqs], [r.seed for r in reqs], V, self.device)
+        idx_N = torch.tensor(row_of_N, dtype=torch.long, device=self.device)
+        zeros_N = torch.zeros(len(reqs), dtype=torch.int32, device=self.device)
+        ids_N, lp_N = sample_rows(logits_UV.index_select(0, idx_N), rp, zeros_N, self._vocab(V))
+        return {"ids_N": ids_N, "lp_N": lp_N, "idx_N": idx_N, "cache": cache, "mask_UL": mask_UL,
+                "pos_N": torch.tensor([len(r.prompt_ids) for r in reqs], device=self.device), "rp": rp}
+
+    def _forward_prompts(self, keys: list[tuple[str | None, tuple[int, ...]]]) -> tuple[torch.Tensor, Any, torch.Tensor]:
+        """One left-padded forward pass over the (adapter, prompt) keys: (last-position logits_UV, cache, mask_UL)."""
+        prompts = [p for _, p in keys]
         U, L = len(prompts), max(len(p) for p in prompts)
         ids_UL = torch.full((U, L), self.pad_id, dtype=torch.long)
         mask_UL = torch.zeros((U, L), dtype=torch.long)
@@ -236,19 +321,9 @@ class DecodeBatch:
             mask_UL[u, L - len(p):] = 1
         pos_UL = (mask_UL.cumsum(-1) - 1).clamp(min=0)
         mask_UL = mask_UL.to(self.device)
-        logits_UV, cache = self._forward(ids_UL.to(self.device), mask_UL, pos_UL.to(self.device), None, adapters)
-        self.stats.batches += 1
-        self.stats.requests += len(reqs)
-        self.stats.prefill_rows += U
-        self.stats.prefill_tokens += sum(len(p) for p in prompts)
-        self.stats.shared_prefill_rows += len(reqs) - U
-        V = logits_UV.shape[-1]
-        rp = RowParams.build([r.params for r in reqs], [r.seed for r in reqs], V, self.device)
-        idx_N = torch.tensor(row_of_N, dtype=torch.long, device=self.device)
-        zeros_N = torch.zeros(len(reqs), dtype=torch.int32, device=self.device)
-        ids_N, lp_N = sample_rows(logits_UV.index_select(0, idx_N), rp, zeros_N, self._vocab(V))
-        return {"ids_N": ids_N, "lp_N": lp_N, "idx_N": idx_N, "cache": cache, "mask_UL": mask_UL,
-                "pos_N": torch.tensor([len(r.prompt_ids) for r in reqs], device=self.device), "rp": rp}
+        logits_UV, cache = self._forward(ids_UL.to(self.device), mask_UL, pos_UL.to(self.device), None,
+                                         [a for a, _ in keys])
+        return logits_UV, cache, mask_UL
 
     # ---- batch composition ------------------------------------------------------------------
     def _regroup(self, keep_old: list[int], new: dict[str, Any] | None, keep_new: list[int],

@@ -76,12 +76,14 @@ class TransformersPolicy(Policy):
         max_batch_size: most requests decoded together (later arrivals wait for a free slot).
         batch_wait_s: quiet period: an idle batcher stops collecting when no request arrived for this long.
         max_batch_wait_s: an idle batcher never waits longer than this for a batch to fill.
+        prompt_cache_size: recently prefilled prompts whose KV rows are kept for identical later prompts
+            (GRPO group members that arrive a step late); 0 turns the cache off.
     """
 
     def __init__(self, model: Any, tokenizer: Any, *, name: str | None = None,
                  sampling: SamplingParams | None = None, seed: int = 0, max_batch_size: int = 32,
                  batch_wait_s: float = 0.002, max_batch_wait_s: float = 0.02, tool_parser: str = "hermes",
-                 chat_template: str | None = None) -> None:
+                 chat_template: str | None = None, prompt_cache_size: int = 16) -> None:
         name = name or str(getattr(model, "name_or_path", "") or type(model).__name__)
         super().__init__(tokenizer, name=name, sampling=sampling, tool_parser=tool_parser,
                          chat_template=chat_template)
@@ -90,6 +92,7 @@ class TransformersPolicy(Policy):
         self.max_batch_size = max_batch_size
         self.batch_wait_s = batch_wait_s
         self.max_batch_wait_s = max_batch_wait_s
+        self.prompt_cache_size = prompt_cache_size
         self.stats = EngineStats()
         self._seed_rng = random.Random(seed)
         self._queue: queue.Queue[Request | None] = queue.Queue()
@@ -226,6 +229,7 @@ class TransformersPolicy(Policy):
     def _serve(self) -> None:
         engine = DecodeBatch(self.model, self.tokenizer, pad_id=self._pad_id, eos_ids=self.eos_token_ids,
                              cache_kwarg=self._cache_kwarg(), stats=self.stats,
+                             prompt_cache_size=self.prompt_cache_size,
                              row_kwargs=lambda adapters: adapter_kwargs(self.model, adapters, policy=self.name))
         pending: deque[Request] = deque()
         stop = holding = False

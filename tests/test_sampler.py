@@ -152,7 +152,7 @@ def test_requests_joining_mid_decode_and_shared_prompts_sample_as_if_alone(polic
 def test_rows_leave_when_done_and_waiting_requests_take_their_slots():
     from drmas_graph.testing import tiny_policy
 
-    policy = tiny_policy(seed=0, max_batch_size=2, batch_wait_s=0.2, max_batch_wait_s=0.5)
+    policy = tiny_policy(seed=0, max_batch_size=2, batch_wait_s=0.2, max_batch_wait_s=0.5, prompt_cache_size=0)
     try:
         prompts = [policy.render([HumanMessage(f"q{i}")]) for i in range(5)]
         params = [SamplingParams(max_new_tokens=n, seed=i) for i, n in enumerate([3, 15, 4, 8, 2])]
@@ -171,26 +171,65 @@ def test_rows_leave_when_done_and_waiting_requests_take_their_slots():
         policy.close()
 
 
-def test_group_of_identical_prompts_is_prefilled_once(policy):
-    prompt = policy.render([HumanMessage("What is 3 + 5?")])
-    params = [SamplingParams(max_new_tokens=8, seed=100 + g) for g in range(8)]
-    alone = _singles(policy, [prompt] * 8, params)
-    before = (policy.stats.prefill_rows, policy.stats.shared_prefill_rows, policy.stats.prefill_tokens)
-    barrier = threading.Barrier(8)
-    out = [None] * 8
+def _concurrently(policy, prompts, params):
+    barrier = threading.Barrier(len(prompts))
+    out = [None] * len(prompts)
 
     def run(i):
         barrier.wait()
-        out[i] = policy.generate(prompt, params[i])
+        out[i] = policy.generate(prompts[i], params[i])
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
     [t.start() for t in threads]
     [t.join() for t in threads]
-    rows, shared, tokens = (a - b for a, b in zip((policy.stats.prefill_rows, policy.stats.shared_prefill_rows,
-                                                   policy.stats.prefill_tokens), before))
-    assert rows + shared == 8 and shared >= 4 and tokens == rows * len(prompt)
-    assert [o.token_ids for o in out] == [a.token_ids for a in alone]
-    assert len({o.token_ids for o in out}) > 1  # different seeds, different samples from one shared prefill
+    return out
+
+
+def test_group_of_identical_prompts_is_prefilled_once():
+    from drmas_graph.testing import tiny_policy
+
+    policy = tiny_policy(seed=0, prompt_cache_size=0, batch_wait_s=0.2, max_batch_wait_s=1.0)
+    try:
+        prompt = policy.render([HumanMessage("What is 3 + 5?")])
+        params = [SamplingParams(max_new_tokens=8, seed=100 + g) for g in range(8)]
+        alone = _singles(policy, [prompt] * 8, params)
+        assert policy.stats.prefill_rows == 8 and policy.stats.shared_prefill_rows == 0
+        out = _concurrently(policy, [prompt] * 8, params)
+        assert policy.stats.prefill_rows == 9 and policy.stats.shared_prefill_rows == 7  # one admission of 8
+        assert policy.stats.prefill_tokens == 9 * len(prompt)
+        assert [o.token_ids for o in out] == [a.token_ids for a in alone]
+        assert len({o.token_ids for o in out}) > 1  # different seeds, different samples from one shared prefill
+    finally:
+        policy.close()
+
+
+def test_recent_prompts_reuse_their_prefill_until_the_weights_change():
+    from drmas_graph.testing import tiny_policy
+
+    cached, uncached = tiny_policy(seed=0), tiny_policy(seed=0, prompt_cache_size=0)
+    try:
+        prompts = [cached.render([HumanMessage(f"What is {i} + 5?")]) for i in range(3)]
+        first = SamplingParams(max_new_tokens=6, seed=1)
+        for p in prompts:
+            cached.generate(p, first)
+        assert cached.stats.prefill_rows == 3 and cached.stats.prefix_cache_hits == 0
+        # later arrivals with the same prompts (and one new prompt) sample as if prefilled themselves
+        batch = prompts + [cached.render([HumanMessage("new")])]
+        params = [SamplingParams(max_new_tokens=7, seed=10 + i, temperature=0.9) for i in range(4)]
+        got = _concurrently(cached, batch, params)
+        assert cached.stats.prefix_cache_hits == 3 and cached.stats.prefill_rows == 4
+        want = [uncached.generate(p, sp) for p, sp in zip(batch, params)]
+        for a, b in zip(got, want):
+            assert a.token_ids == b.token_ids
+            torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4, rtol=0)
+        cached.load_state_dict({k: v + 0.1 * torch.randn_like(v) for k, v in cached.model.state_dict().items()})
+        after = cached.generate(prompts[0], first)
+        assert cached.stats.prefix_cache_hits == 3 and cached.stats.prefill_rows == 5  # stale KV not reused
+        expected = recompute_logprobs(cached.model, prompts[0], after.token_ids, 1.0)
+        torch.testing.assert_close(torch.tensor(after.logprobs), torch.tensor(expected), atol=1e-4, rtol=0)
+    finally:
+        cached.close()
+        uncached.close()
 
 
 def test_weight_update_waits_for_decoding_rows():
