@@ -422,8 +422,10 @@ class ModelUpdater:
         """Restore weights (in place), optimizer state and RNG written by `save`."""
         directory = Path(directory)
         state_file = directory / f"updater_state_rank{_rank()}.pt"
+        if not state_file.exists():  # a rank the saving run did not have (resumed by more processes)
+            state_file = directory / "updater_state_rank0.pt"  # takes rank 0's counters and RNG state
         if not state_file.exists():
-            raise ConfigError(f"{state_file} not found: not a ModelUpdater checkpoint, or saved with fewer processes")
+            raise ConfigError(f"{state_file} not found: not a ModelUpdater checkpoint")
         self._engine.load(directory)
         state = torch.load(state_file, map_location="cpu", weights_only=True)
         self.n_updates = int(state["n_updates"])
