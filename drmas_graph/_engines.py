@@ -171,6 +171,9 @@ class _TorchEngine:
     def lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
 
+    def full_weights(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
     def save(self, directory: Path) -> None:
         if _rank() == 0:
             masters = [None if m is p else m.detach() for p, m in zip(self.params, self.masters)]
@@ -325,6 +328,15 @@ class _DeepSpeedEngine:
 
     def lr(self) -> float:
         return float(self.engine.get_lr()[0])
+
+    def full_weights(self) -> contextlib.AbstractContextManager:
+        """ZeRO-3 shards every parameter over the processes (outside forward passes a process holds only
+        its shard); inside this block they are whole on every process (read-only)."""
+        if self.zero_stage < 3:
+            return contextlib.nullcontext()
+        import deepspeed
+
+        return deepspeed.zero.GatheredParameters(list(self.module.parameters()), modifier_rank=None)
 
     def save(self, directory: Path) -> None:
         self.engine.save_checkpoint(str(directory / "deepspeed"), tag=self._TAG)

@@ -54,7 +54,7 @@ class UpdateConfig(_Strict):
     kl_coef: float = Field(0.0, ge=0, allow_inf_nan=False, description="Weight of the KL penalty to the frozen initial model (low-variance k3); 0 = off.")
     entropy_coef: float = Field(0.0, ge=0, allow_inf_nan=False, description="Weight of the entropy bonus; 0 = off.")
     backend: Literal["deepspeed", "torch"] = Field("deepspeed", description="deepspeed (ZeRO) or plain torch AdamW (same numbers).")
-    zero_stage: Literal[0, 1, 2] = Field(0, description="DeepSpeed ZeRO stage.")
+    zero_stage: Literal[0, 1, 2, 3] = Field(0, description="DeepSpeed ZeRO stage; 3 also shards the parameters (for served rollouts: weights are gathered to save and sync).")
     logprob_chunk_tokens: int = Field(512, ge=0, description="The LM head runs on response tokens only, this many at a time (peak memory ~ this x vocab floats); 0 = the model's full logits.")
     offload_optimizer: bool = Field(False, description="Keep optimizer state and float32 master weights in CPU memory and step there (DeepSpeed ZeRO-Offload; needs zero_stage >= 1).")
     gradient_checkpointing: bool = Field(False, description="Recompute each layer's activations in the backward pass instead of keeping them (less memory, ~30% more compute).")

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import json
 import random
 import shutil
@@ -332,7 +333,9 @@ class Trainer:
         root = self.run_dir.resolve() / "sync"
         final, tmp = root / name, root / f".tmp_{name}"
         shutil.rmtree(tmp, ignore_errors=True)
-        self.train_models[name].save_pretrained(tmp, safe_serialization=True)
+        updater = self.updaters.get(name)
+        with updater.full_weights() if updater is not None else contextlib.nullcontext():  # ZeRO-3: gathered
+            self.train_models[name].save_pretrained(tmp, safe_serialization=True)
         self.model_policies[name].tokenizer.save_pretrained(tmp)
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)

@@ -79,7 +79,7 @@ __all__ = [
 ]
 
 BACKENDS = tuple(_ENGINES)
-ZERO_STAGES = (0, 1, 2)
+ZERO_STAGES = (0, 1, 2, 3)
 AUTOCAST_DTYPES: Mapping[str | None, torch.dtype | None] = {None: None, "bf16": torch.bfloat16}
 
 # Axis suffixes: _B rows (samples) of a micro-batch, _L prompt+response positions, _T response tokens,
@@ -402,6 +402,14 @@ class ModelUpdater:
         with self._reference.on_device() as module:
             return {id(s): lp for s, lp in zip(samples, self._logprobs_of(module, samples))}
 
+    def full_weights(self) -> contextlib.AbstractContextManager:
+        """Inside this block the model's parameters are whole (read them to save or push weights to servers).
+
+        A no-op except with ZeRO-3, which shards the parameters over processes; then it is a collective call
+        (every process enters it) that gathers them.
+        """
+        return self._engine.full_weights()
+
     def save(self, directory: str | os.PathLike) -> None:
         """Write ``directory/model`` (Hugging Face format, safetensors) and the optimizer and RNG state.
 
@@ -410,8 +418,9 @@ class ModelUpdater:
         """
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        if _rank() == 0:
-            self.model.save_pretrained(directory / "model", safe_serialization=True)
+        with self.full_weights():
+            if _rank() == 0:
+                self.model.save_pretrained(directory / "model", safe_serialization=True)
         _barrier()
         self._engine.save(directory)
         state = {"n_updates": self.n_updates, "torch_rng": torch.get_rng_state()}
