@@ -127,7 +127,7 @@ def _build_model(name: str, mc: ModelConfig, seed: int) -> tuple[Policy, Any]:
 
     sc = mc.serve
     policy_cls, launch = {"sglang": (SGLangPolicy, launch_sglang), "vllm": (VLLMPolicy, launch_vllm)}[sc.engine]
-    servers = [launch(_resolve_path(mc.path), dtype=mc.dtype, python=sc.python)] if sc.launch else []
+    servers = [launch(_resolve_path(mc.path), dtype=mc.torch_dtype(), python=sc.python)] if sc.launch else []
     served = policy_cls([s.url for s in servers] or sc.urls, policy.tokenizer, name=name, servers=servers,
                         seed=seed, timeout_s=sc.timeout_s, max_concurrency=sc.max_concurrency)
     return served, policy.model
@@ -153,7 +153,7 @@ def _build_policy(name: str, mc: ModelConfig, seed: int) -> Policy:
     path, gguf_file = _resolve_path(mc.path), mc.gguf_file
     if mc.path == "smollm2":
         gguf_file = None
-    return TransformersPolicy.from_pretrained(path, gguf_file=gguf_file, dtype=getattr(torch, mc.dtype),
+    return TransformersPolicy.from_pretrained(path, gguf_file=gguf_file, dtype=getattr(torch, mc.torch_dtype()),
                                               device=mc.device, name=name, seed=seed,
                                               max_batch_size=mc.max_batch_size)
 

@@ -768,3 +768,14 @@ def test_zero3_shards_the_weights_and_gathers_them_to_save(rollout, tmp_path):
     updater.save(tmp_path)
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "model")
     assert max_diff(snapshot(exported), expected) == 0.0
+
+
+def test_defaults_for_gpus_bf16_weights_and_zero1():
+    from drmas_graph.config import ModelConfig
+
+    assert ModelConfig(tiny={}, device="cuda:1").torch_dtype() == "bfloat16"
+    assert ModelConfig(tiny={}, device="cpu").torch_dtype() == "float32"
+    assert ModelConfig(tiny={}, device="cuda", dtype="float32").torch_dtype() == "float32"
+    # ZeRO-1 by default with DeepSpeed: float32 accumulation for bf16 weights (ZeRO-0 bf16 is refused)
+    assert UpdateSettings(backend="deepspeed").zero() == 1 and UpdateSettings(backend="torch").zero() == 0
+    assert UpdateSettings(backend="deepspeed", zero_stage=0).zero() == 0
