@@ -171,6 +171,9 @@ class _TorchEngine:
     def lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
 
+    def full_weights(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
     def save(self, directory: Path) -> None:
         if _rank() == 0:
             masters = [None if m is p else m.detach() for p, m in zip(self.params, self.masters)]
@@ -218,7 +221,7 @@ def _deepspeed_config(model: torch.nn.Module, s: UpdateSettings) -> dict[str, An
                           f"master weights for bfloat16); this model has {sorted(map(str, dtypes))}: cast it "
                           "(model.to(torch.bfloat16)) or use backend='torch' (float16 with dynamic loss scaling)")
     bf16 = dtypes == {torch.bfloat16}
-    if bf16 and s.zero_stage == 0:
+    if bf16 and s.zero() == 0:
         raise ConfigError("backend='deepspeed' with zero_stage=0 accumulates bfloat16 gradients in bfloat16 (its "
                           "DDP_BFLOAT16 path); set zero_stage 1 or 2 (float32 gradient accumulation and master "
                           "weights, the same numbers as backend='torch'), or train in float32")
@@ -226,7 +229,7 @@ def _deepspeed_config(model: torch.nn.Module, s: UpdateSettings) -> dict[str, An
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,  # we accumulate a variable number of micro-batches by hand
         "gradient_clipping": s.grad_clip or 0.0,
-        "zero_optimization": {"stage": s.zero_stage, **_offload(s)},
+        "zero_optimization": {"stage": s.zero(), **_offload(s)},
         "zero_force_ds_cpu_optimizer": False,  # ZeRO-Offload steps the client torch AdamW on the CPU
         "zero_allow_untested_optimizer": True,  # the client torch AdamW
         "bf16": {"enabled": bf16},
@@ -301,7 +304,7 @@ class _DeepSpeedEngine:
         if _model_device(model) != device:  # a DeepSpeed behaviour the checks above did not foresee
             raise ConfigError(f"DeepSpeed moved the model from {device} to {_model_device(model)}; please report this")
         self.module = self.engine.module
-        self.zero_stage = settings.zero_stage
+        self.zero_stage = settings.zero()
 
     def forward(self, *, is_last: bool, **inputs: Any) -> Any:
         # The boundary flag tells ZeRO whether this backward ends the accumulation (then gradients are
@@ -329,6 +332,15 @@ class _DeepSpeedEngine:
 
     def lr(self) -> float:
         return float(self.engine.get_lr()[0])
+
+    def full_weights(self) -> contextlib.AbstractContextManager:
+        """ZeRO-3 shards every parameter over the processes (outside forward passes a process holds only
+        its shard); inside this block they are whole on every process (read-only)."""
+        if self.zero_stage < 3:
+            return contextlib.nullcontext()
+        import deepspeed
+
+        return deepspeed.zero.GatheredParameters(list(self.module.parameters()), modifier_rank=None)
 
     def save(self, directory: Path) -> None:
         # frozen parameters (a LoRA model's base) are not saved: they never change

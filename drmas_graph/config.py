@@ -55,7 +55,7 @@ class UpdateConfig(_Strict):
     kl_coef: float = Field(0.0, ge=0, allow_inf_nan=False, description="Weight of the KL penalty to the frozen initial model (low-variance k3); 0 = off.")
     entropy_coef: float = Field(0.0, ge=0, allow_inf_nan=False, description="Weight of the entropy bonus; 0 = off.")
     backend: Literal["deepspeed", "torch"] = Field("deepspeed", description="deepspeed (ZeRO) or plain torch AdamW (same numbers).")
-    zero_stage: Literal[0, 1, 2] = Field(0, description="DeepSpeed ZeRO stage.")
+    zero_stage: Literal[0, 1, 2, 3] | None = Field(None, description="DeepSpeed ZeRO stage; 3 also shards the parameters (for served rollouts: weights are gathered to save and sync). null = 1 with deepspeed, 0 with torch.")
     logprob_chunk_tokens: int = Field(512, ge=0, description="The LM head runs on response tokens only, this many at a time (peak memory ~ this x vocab floats); 0 = the model's full logits.")
     offload_optimizer: bool = Field(False, description="Keep optimizer state and float32 master weights in CPU memory and step there (DeepSpeed ZeRO-Offload; needs zero_stage >= 1).")
     gradient_checkpointing: bool = Field(False, description="Recompute each layer's activations in the backward pass instead of keeping them (less memory, ~30% more compute).")
@@ -78,14 +78,21 @@ class UpdateConfig(_Strict):
             raise ValueError(f"betas must be two numbers in [0, 1), got {value}")
         return value
 
+    def zero(self) -> int:
+        """The ZeRO stage in effect: `zero_stage`, or 1 with deepspeed (float32 gradient accumulation for
+        bfloat16 weights; on one process the memory of stage 0) and 0 with torch when it is null."""
+        if self.zero_stage is not None:
+            return self.zero_stage
+        return 1 if self.backend == "deepspeed" else 0
+
     @model_validator(mode="after")
     def _consistent(self) -> UpdateConfig:
         if self.loss_agg == "seq-mean-token-sum-norm" and self.norm_len is None:
             raise ValueError("norm_len must be set for loss_agg='seq-mean-token-sum-norm' (a constant such as the "
                              "max response length)")
-        if self.offload_optimizer and (self.backend != "deepspeed" or self.zero_stage == 0):
+        if self.offload_optimizer and (self.backend != "deepspeed" or self.zero() == 0):
             raise ValueError("offload_optimizer needs backend='deepspeed' and zero_stage 1, 2 or 3 (ZeRO-Offload)")
-        if self.backend != "deepspeed" and self.zero_stage != 0:
+        if self.backend != "deepspeed" and self.zero() != 0:
             raise ValueError(f"zero_stage={self.zero_stage} needs backend='deepspeed'; set zero_stage=0 for "
                              f"backend={self.backend!r}")
         return self
@@ -117,13 +124,19 @@ class ModelConfig(_Strict):
     path: str | None = Field(None, description="Local folder of a Hugging Face model (or of a GGUF file); 'smollm2' = the bundled SmolLM2-135M-Instruct.")
     gguf_file: str | None = Field(None, description="GGUF file name inside `path`, loaded with transformers' GGUF support.")
     tiny: dict[str, Any] | None = Field(None, description="Build drmas_graph.testing.tiny_policy(**tiny) instead of loading a path (tests, wiring checks).")
-    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Weights dtype.")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="Weights dtype; auto = bfloat16 when `device` is a GPU (cuda), float32 elsewhere.")
     device: str = Field("cpu", description="Device of the embedded policy and its trainer (cpu, cuda, cuda:1).")
     trainable: bool = Field(True, description="False: the model only serves its agents (frozen).")
     update: UpdateConfig | None = Field(None, description="Optimizer and loss settings of this model; null = the top-level `update`.")
     max_batch_size: int = Field(32, ge=1, description="Dynamic batching: most requests generated together.")
     serve: ServeConfig | None = Field(None, description="Roll out through inference servers; the trainer trains a local copy loaded from `path` on `device` and pushes it to them after every update.")
     lora: LoraConfig | None = Field(None, description="Train one LoRA adapter per agent (`agents.<a>.adapter`) over this frozen model instead of the model itself; null = full fine-tuning.")
+
+    def torch_dtype(self) -> str:
+        """`dtype` with auto resolved for `device`: bfloat16 on CUDA, float32 elsewhere."""
+        if self.dtype != "auto":
+            return self.dtype
+        return "bfloat16" if self.device.startswith("cuda") else "float32"
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelConfig:

@@ -18,6 +18,7 @@ calls are dropped from their group and counted, never silently trained on.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import random
@@ -137,7 +138,7 @@ def _build_model(name: str, mc: ModelConfig, seed: int, adapters: Sequence[str] 
     sc = mc.serve
     policy_cls, launch = {"sglang": (SGLangPolicy, launch_sglang), "vllm": (VLLMPolicy, launch_vllm)}[sc.engine]
     lora_kw = vllm_launch_kwargs(mc.lora, adapters) if mc.lora is not None and sc.engine == "vllm" else {}
-    servers = [launch(_resolve_path(mc.path), dtype=mc.dtype, python=sc.python, **lora_kw)] if sc.launch else []
+    servers = [launch(_resolve_path(mc.path), dtype=mc.torch_dtype(), python=sc.python, **lora_kw)] if sc.launch else []
     served = policy_cls([s.url for s in servers] or sc.urls, policy.tokenizer, name=name, servers=servers,
                         seed=seed, timeout_s=sc.timeout_s, max_concurrency=sc.max_concurrency)
     return served, policy.model
@@ -192,7 +193,7 @@ def _build_policy(name: str, mc: ModelConfig, seed: int) -> Policy:
     path, gguf_file = _resolve_path(mc.path), mc.gguf_file
     if mc.path == "smollm2":
         gguf_file = None
-    return TransformersPolicy.from_pretrained(path, gguf_file=gguf_file, dtype=getattr(torch, mc.dtype),
+    return TransformersPolicy.from_pretrained(path, gguf_file=gguf_file, dtype=getattr(torch, mc.torch_dtype()),
                                               device=_distributed.local_device(mc.device), name=name, seed=seed,
                                               max_batch_size=mc.max_batch_size)
 
@@ -429,12 +430,16 @@ class Trainer:
         start = time.perf_counter()
         root = self.run_dir.resolve() / "sync"
         final, tmp = root / name, root / f".tmp_{name}"
-        if _distributed.is_main():  # several processes share the servers: rank 0 writes and pushes once
-            shutil.rmtree(tmp, ignore_errors=True)
-            save_for_sync(self.train_models[name], self.model_policies[name], tmp)
-            self.model_policies[name].tokenizer.save_pretrained(tmp)
-            shutil.rmtree(final, ignore_errors=True)
-            tmp.rename(final)
+        updater = self.updaters.get(name)
+        full = getattr(updater, "full_weights", None)  # ZeRO-3: a collective gather on every process
+        with full() if full is not None else contextlib.nullcontext():
+            if _distributed.is_main():  # several processes share the servers: rank 0 writes and pushes once
+                shutil.rmtree(tmp, ignore_errors=True)
+                save_for_sync(self.train_models[name], self.model_policies[name], tmp)
+                self.model_policies[name].tokenizer.save_pretrained(tmp)
+                shutil.rmtree(final, ignore_errors=True)
+                tmp.rename(final)
+        if _distributed.is_main():
             self.model_policies[name].sync_weights(str(final), version=version)
         _distributed.barrier()  # no rank rolls out again before the servers hold the new weights
         self.model_policies[name].version = version

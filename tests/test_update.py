@@ -3,6 +3,7 @@ loss normalization over micro-batches, torch vs DeepSpeed, clipping, checkpoints
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import math
@@ -25,7 +26,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:.*torch.jit.script_method.*:Depr
 needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
                                      reason="deepspeed is not installed")
 DEEPSPEED_BACKENDS = [pytest.param(("deepspeed", stage), marks=needs_deepspeed, id=f"zero{stage}")
-                      for stage in (0, 1, 2)]
+                      for stage in (0, 1, 2, 3)]
 
 PROMPTS = [
     [HumanMessage("hi")],
@@ -67,8 +68,12 @@ def settings(backend=("torch", 0), **changes) -> UpdateSettings:
     return UpdateSettings(**{"lr": 1e-3, "backend": backend[0], "zero_stage": backend[1], **changes})
 
 
-def snapshot(model) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+def snapshot(model, updater: ModelUpdater | None = None) -> dict[str, torch.Tensor]:
+    """The weights; with an updater, gathered (ZeRO-3 shards them; each must be whole and non-empty)."""
+    with updater.full_weights() if updater is not None else contextlib.nullcontext():
+        out = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    assert all(v.numel() > 0 for v in out.values())
+    return out
 
 
 def max_diff(a: dict, b: dict) -> float:
@@ -168,10 +173,11 @@ def test_zero_advantages_leave_parameters_unchanged(rollout, backend):
     samples = [dataclasses.replace(s, advantage=0.0) for s in rollout]
     model = fresh_model()
     before = snapshot(model)
-    metrics = ModelUpdater(model, name="m", settings=settings(backend, weight_decay=0.0)).update(samples)
+    updater = ModelUpdater(model, name="m", settings=settings(backend, weight_decay=0.0))
+    metrics = updater.update(samples)
     assert metrics.grad_norm == 0.0 and metrics.loss == 0.0
     assert all(a.pg_loss == 0.0 for a in metrics.agents.values())
-    assert max_diff(before, snapshot(model)) == 0.0
+    assert max_diff(before, snapshot(model, updater)) == 0.0
 
 
 def test_grad_clip_bounds_the_step_and_reports_the_preclip_norm(rollout):
@@ -293,8 +299,9 @@ def test_deepspeed_step_equals_torch_step(rollout, backend):
     results = []
     for b in (("torch", 0), backend):
         model = fresh_model()
-        metrics = ModelUpdater(model, name="m", settings=settings(b, **s), agent_settings=agents).update(rollout)
-        results.append((metrics, snapshot(model)))
+        updater = ModelUpdater(model, name="m", settings=settings(b, **s), agent_settings=agents)
+        metrics = updater.update(rollout)
+        results.append((metrics, snapshot(model, updater)))
     (torch_metrics, torch_params), (ds_metrics, ds_params) = results
     assert max_diff(torch_params, ds_params) < 1e-6
     assert ds_metrics.grad_norm == pytest.approx(torch_metrics.grad_norm, rel=1e-5)
@@ -316,17 +323,17 @@ def test_save_load_resumes_exactly(rollout, tmp_path, backend):
     updater = ModelUpdater(model, name="m", settings=s)
     updater.update(first)
     updater.save(tmp_path / "ckpt")
-    saved = snapshot(model)
+    saved = snapshot(model, updater)
     updater.update(second)
-    expected = snapshot(model)
+    expected = snapshot(model, updater)
 
     resumed_model = fresh_model()
     resumed = ModelUpdater(resumed_model, name="m", settings=s)
     resumed.load(tmp_path / "ckpt")
-    assert max_diff(snapshot(resumed_model), saved) == 0.0
+    assert max_diff(snapshot(resumed_model, resumed), saved) == 0.0
     assert resumed.n_updates == 1
     resumed.update(second)
-    assert max_diff(snapshot(resumed_model), expected) < 1e-7
+    assert max_diff(snapshot(resumed_model, resumed), expected) < 1e-7
 
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt" / "model")
     assert max_diff(snapshot(exported), saved) == 0.0
@@ -353,7 +360,7 @@ def test_load_of_a_missing_checkpoint_names_the_file(tmp_path):
 @pytest.mark.parametrize(("changes", "pattern"), [
     ({"loss_agg": "sum"}, r"UpdateSettings.loss_agg: unknown loss_agg 'sum'; valid: .*'token-mean'"),
     ({"backend": "fsdp"}, r"UpdateSettings.backend: Input should be 'deepspeed' or 'torch' \(got 'fsdp'\)"),
-    ({"zero_stage": 4}, r"UpdateSettings.zero_stage: Input should be 0, 1 or 2 \(got 4\)"),
+    ({"zero_stage": 4}, r"UpdateSettings.zero_stage: Input should be 0, 1, 2 or 3 \(got 4\)"),
     ({"zero_stage": 2, "backend": "torch"}, r"UpdateSettings: zero_stage=2 needs backend='deepspeed'"),
     ({"loss_agg": "seq-mean-token-sum-norm"}, r"norm_len must be set"),
     ({"lr": -1.0}, r"UpdateSettings.lr: .*greater than or equal to 0"),
@@ -490,7 +497,7 @@ def test_deepspeed_bf16_step_equals_torch_bf16_step(backend):
         before = snapshot(model)
         updater = ModelUpdater(model, name="m", settings=settings(b, lr=1e-4, grad_clip=0.1), agent_settings=agents)
         norms = [updater.update(samples).grad_norm for _ in range(3)]
-        results.append((norms, snapshot(model)))
+        results.append((norms, snapshot(model, updater)))
     (torch_norms, torch_params), (ds_norms, ds_params) = results
     assert ds_norms[0] == pytest.approx(torch_norms[0], rel=1e-4)  # then a few weights differ by one ulp
     assert ds_norms == pytest.approx(torch_norms, rel=2e-3)
@@ -686,7 +693,7 @@ def test_memory_options_take_the_same_step(rollout, changes):
     assert metrics.loss == pytest.approx(base.loss, rel=1e-4, abs=1e-6)
     assert max_diff(base_params, params) < 0.1 * 1e-3  # see test_micro_batch_size_does_not_change_the_step
     if "gradient_checkpointing" in changes:
-        assert updater.model.is_gradient_checkpointing
+        assert updater.model.is_activation_checkpointing
     if "attn_implementation" in changes:
         assert updater.model.config._attn_implementation == "eager"
 
@@ -745,3 +752,30 @@ def test_cpu_optimizer_offload_takes_the_torch_step(rollout):
     assert max_diff(base_params, params) < 1e-6
     with pytest.raises(ConfigError, match=r"offload_optimizer needs backend='deepspeed' and zero_stage 1, 2"):
         settings(("deepspeed", 0), offload_optimizer=True)
+
+
+@needs_deepspeed
+def test_zero3_shards_the_weights_and_gathers_them_to_save(rollout, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model = fresh_model()
+    updater = ModelUpdater(model, name="m", settings=settings(("deepspeed", 3)))
+    # ZeRO-3 keeps parameters under stage3_param_persistence_threshold whole; right after construction
+    # they are all sharded (empty here), and full_weights() gathers them
+    assert all(p.numel() == 0 for p in model.parameters())
+    updater.update(rollout)
+    expected = snapshot(model, updater)
+    updater.save(tmp_path)
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "model")
+    assert max_diff(snapshot(exported), expected) == 0.0
+
+
+def test_defaults_for_gpus_bf16_weights_and_zero1():
+    from drmas_graph.config import ModelConfig
+
+    assert ModelConfig(tiny={}, device="cuda:1").torch_dtype() == "bfloat16"
+    assert ModelConfig(tiny={}, device="cpu").torch_dtype() == "float32"
+    assert ModelConfig(tiny={}, device="cuda", dtype="float32").torch_dtype() == "float32"
+    # ZeRO-1 by default with DeepSpeed: float32 accumulation for bf16 weights (ZeRO-0 bf16 is refused)
+    assert UpdateSettings(backend="deepspeed").zero() == 1 and UpdateSettings(backend="torch").zero() == 0
+    assert UpdateSettings(backend="deepspeed", zero_stage=0).zero() == 0
