@@ -83,7 +83,10 @@ def _cmd_train(args: argparse.Namespace, console: Console) -> int:
     graph, env = build_graph_and_env(cfg)
     if _distributed.rank_from_env() == 0:  # under a launcher, rank 0 alone reports
         console.print(f"training {cfg.name}: run folder {cfg.run_dir}", markup=False)
-    result = train_graph(graph, env, cfg)
+    try:
+        result = train_graph(graph, env, cfg)
+    finally:
+        _distributed.shutdown()
     if _distributed.rank_from_env() == 0:
         console.print(result.summary(), markup=False)
     return 0
@@ -115,9 +118,11 @@ def _cmd_eval(args: argparse.Namespace, console: Console) -> int:
             load_checkpoint_adapters(trainer, args.checkpoint)
         record = evaluate(trainer, step=0, split=args.split)  # sharded over the processes of a launcher
         _distributed.remove_rank_stores(trainer.run_dir, trainer.store.close)
+        main = _distributed.is_main()
     finally:
         trainer.close()
-    if _distributed.rank() != 0:
+        _distributed.shutdown()
+    if not main:
         return 0
     table = Table(title=f"{args.checkpoint or 'base models'} on {record['split']} ({record['tasks']} tasks)")
     for col in ("metric", "value"):

@@ -46,7 +46,7 @@ from drmas_graph.errors import ConfigError, TraceStoreError
 __all__ = [
     "NullLogger", "barrier", "check_divisible", "check_no_launch", "check_resume_world", "gather", "init_process_group",
     "is_main", "launched_world_size", "local_device", "local_rank", "merge_eval", "merge_step", "merge_traces",
-    "owned", "rank", "rank_from_env",
+    "owned", "rank", "rank_from_env", "shutdown",
     "remove_rank_stores", "store_path", "world_size",
 ]
 
@@ -95,10 +95,13 @@ def launched_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def local_device(device: str) -> str:
-    """A model's device for this process: a bare "cuda" means this process's own GPU (cuda:LOCAL_RANK)
-    under a multi-process launcher; an explicit index or "cpu" is kept."""
-    if device == "cuda" and launched_world_size() > 1:
+def local_device(device: str, where: str = "device") -> str:
+    """A model's device for this process: under a multi-process launcher a bare "cuda" means this process's
+    own GPU (cuda:LOCAL_RANK); an explicit GPU index, which would put every process on one GPU, is an error."""
+    if launched_world_size() > 1 and device.startswith("cuda"):
+        if device != "cuda":
+            raise ConfigError(f"{where}: {device!r} would put all {launched_world_size()} processes on one GPU; "
+                              "set it to 'cuda' (each process then takes cuda:LOCAL_RANK)")
         return f"cuda:{local_rank()}"
     return device
 
@@ -127,6 +130,16 @@ def init_process_group(use_deepspeed: bool) -> None:
         _init_process_group(_import_deepspeed())
     else:
         torch.distributed.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo")
+
+
+def shutdown() -> None:
+    """Leave a multi-process group at the end of a command, so that the process exits cleanly instead of
+    tearing down the communication threads during interpreter exit (a 1-process group is kept: later
+    DeepSpeed engines in this process reuse it)."""
+    global _objects_group
+    if world_size() > 1:
+        torch.distributed.destroy_process_group()
+        _objects_group = None
 
 
 def _group() -> Any:

@@ -194,7 +194,8 @@ def _build_policy(name: str, mc: ModelConfig, seed: int) -> Policy:
     if mc.path == "smollm2":
         gguf_file = None
     return TransformersPolicy.from_pretrained(path, gguf_file=gguf_file, dtype=getattr(torch, mc.torch_dtype()),
-                                              device=_distributed.local_device(mc.device), name=name, seed=seed,
+                                              device=_distributed.local_device(mc.device, f"models.{name}.device"),
+                                              name=name, seed=seed,
                                               max_batch_size=mc.max_batch_size)
 
 

@@ -21,6 +21,7 @@ import zlib
 from pathlib import Path
 from typing import Any
 
+from drmas_graph import _distributed
 from drmas_graph.config import TrainConfig
 from drmas_graph.testing import tiny_model, tiny_tokenizer
 from drmas_graph.trainer import train_graph
@@ -103,6 +104,7 @@ def main(spec_path: Path) -> None:
         rank = int(os.environ["RANK"])
         (Path(run["run_dir"]) / f"history_rank{rank}.json").write_text(json.dumps(
             {"world_size": int(os.environ["WORLD_SIZE"]), "history": result.history, "evals": result.evals}))
+    _distributed.shutdown()
 
 
 if __name__ == "__main__":

@@ -264,3 +264,13 @@ def test_serve_launch_is_refused_under_a_multi_process_launcher(monkeypatch):
                                           r"serve\.urls"):
         _distributed.check_no_launch({"m": True, "other": False})
     _distributed.check_no_launch({"other": False})
+
+
+def test_each_process_takes_its_own_gpu(monkeypatch):
+    assert _distributed.local_device("cuda") == "cuda"  # one process: as configured
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert _distributed.local_device("cuda") == "cuda:1" and _distributed.local_device("cpu") == "cpu"
+    with pytest.raises(ConfigError, match=r"models\.m\.device: 'cuda:0' would put all 2 processes on one GPU; "
+                                          r"set it to 'cuda'"):
+        _distributed.local_device("cuda:0", "models.m.device")
