@@ -15,6 +15,7 @@ params and seed only: its position ids and attention mask ignore the padding, an
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -22,6 +23,7 @@ from typing import Any
 
 import torch
 
+from drmas_graph._cpu_linear import PackedLinear, packed_linear_available
 from drmas_graph._sampling import RowParams, sample_rows, vocab_hash
 from drmas_graph.types import Generation, SamplingParams
 
@@ -183,8 +185,12 @@ class DecodeBatch:
     """The active rows of the embedded engine and their shared KV cache (used by one worker thread)."""
 
     def __init__(self, model: Any, tokenizer: Any, *, pad_id: int, eos_ids: Sequence[int], cache_kwarg: str,
+<<<<<<< HEAD
                  stats: EngineStats, prompt_cache_size: int = 0,
                  row_kwargs: Callable[[list[str | None]], dict[str, Any]] | None = None) -> None:
+=======
+                 stats: EngineStats, prompt_cache_size: int = 0, packed_cpu_linear: bool = False) -> None:
+>>>>>>> h/sampler
         self.model = model
         self.row_kwargs = row_kwargs or (lambda adapters: {})
         """Extra forward kwargs for rows that use the given LoRA adapters (None = the model's own weights)."""
@@ -196,6 +202,8 @@ class DecodeBatch:
         self.stats = stats
         self._vocab_hash: torch.Tensor | None = None
         self.prompt_cache = PromptCache(prompt_cache_size)
+        use_packed = packed_cpu_linear and self.device.type == "cpu" and packed_linear_available()
+        self.linear_mode = PackedLinear() if use_packed else None
         self.clear()
 
     def clear(self) -> None:
@@ -221,10 +229,17 @@ class DecodeBatch:
             self._vocab_hash = vocab_hash(V, self.device)
         return self._vocab_hash
 
+<<<<<<< HEAD
     def _forward(self, ids_BL: torch.Tensor, mask_BL: torch.Tensor, pos_BL: torch.Tensor, cache: Any,
                  adapters: list[str | None]):
         out = self.model(input_ids=ids_BL, attention_mask=mask_BL, position_ids=pos_BL, use_cache=True,
                          logits_to_keep=1, **{self.cache_kwarg: cache}, **self.row_kwargs(adapters))
+=======
+    def _forward(self, ids_BL: torch.Tensor, mask_BL: torch.Tensor, pos_BL: torch.Tensor, cache: Any):
+        with self.linear_mode or contextlib.nullcontext():
+            out = self.model(input_ids=ids_BL, attention_mask=mask_BL, position_ids=pos_BL, use_cache=True,
+                             logits_to_keep=1, **{self.cache_kwarg: cache})
+>>>>>>> h/sampler
         self.stats.forward_passes += 1
         return out.logits[:, -1, :], getattr(out, self.cache_kwarg)
 

@@ -255,3 +255,48 @@ def test_weight_update_waits_for_decoding_rows():
         torch.testing.assert_close(torch.tensor(after.logprobs), torch.tensor(expected), atol=1e-4, rtol=0)
     finally:
         policy.close()
+
+
+@pytest.mark.skipif(not __import__("drmas_graph._cpu_linear", fromlist=["x"]).packed_linear_available(),
+                    reason="this torch build has no oneDNN")
+def test_packed_cpu_linear_matches_plain_and_follows_weight_changes():
+    from drmas_graph._cpu_linear import PackedLinear
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(64, 96)
+    x = torch.randn(5, 3, 64)
+    mode = PackedLinear()
+    with torch.inference_mode():
+        with mode:
+            a = lin(x)
+        torch.testing.assert_close(a, lin(x), atol=1e-5, rtol=1e-5)
+        assert mode.repacks == 1
+        with mode:
+            lin(x)
+        assert mode.repacks == 1  # packed once per weights version
+    with torch.no_grad():
+        lin.weight.add_(1.0)  # an in-place update (load_state_dict, optimizer step) moves the version counter
+    with torch.inference_mode():
+        with mode:
+            b = lin(x)
+        torch.testing.assert_close(b, lin(x), atol=1e-5, rtol=1e-5)
+        assert mode.repacks == 2
+    with mode:  # autograd on: the plain op, so training through the module keeps its gradients
+        y = lin(x).sum()
+    y.backward()
+    assert lin.weight.grad is not None and mode.repacks == 2
+
+
+def test_packed_and_plain_linear_sample_the_same_tokens():
+    from drmas_graph.testing import tiny_policy
+
+    packed, plain = tiny_policy(seed=0), tiny_policy(seed=0, packed_cpu_linear=False)
+    try:
+        prompt = packed.render([HumanMessage("What is 6 + 1?")])
+        params = SamplingParams(max_new_tokens=16, seed=5)
+        a, b = packed.generate(prompt, params), plain.generate(prompt, params)
+        assert a.token_ids == b.token_ids
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4, rtol=0)
+    finally:
+        packed.close()
+        plain.close()
