@@ -185,12 +185,8 @@ class DecodeBatch:
     """The active rows of the embedded engine and their shared KV cache (used by one worker thread)."""
 
     def __init__(self, model: Any, tokenizer: Any, *, pad_id: int, eos_ids: Sequence[int], cache_kwarg: str,
-<<<<<<< HEAD
-                 stats: EngineStats, prompt_cache_size: int = 0,
+                 stats: EngineStats, prompt_cache_size: int = 0, packed_cpu_linear: bool = False,
                  row_kwargs: Callable[[list[str | None]], dict[str, Any]] | None = None) -> None:
-=======
-                 stats: EngineStats, prompt_cache_size: int = 0, packed_cpu_linear: bool = False) -> None:
->>>>>>> h/sampler
         self.model = model
         self.row_kwargs = row_kwargs or (lambda adapters: {})
         """Extra forward kwargs for rows that use the given LoRA adapters (None = the model's own weights)."""
@@ -229,17 +225,11 @@ class DecodeBatch:
             self._vocab_hash = vocab_hash(V, self.device)
         return self._vocab_hash
 
-<<<<<<< HEAD
     def _forward(self, ids_BL: torch.Tensor, mask_BL: torch.Tensor, pos_BL: torch.Tensor, cache: Any,
                  adapters: list[str | None]):
-        out = self.model(input_ids=ids_BL, attention_mask=mask_BL, position_ids=pos_BL, use_cache=True,
-                         logits_to_keep=1, **{self.cache_kwarg: cache}, **self.row_kwargs(adapters))
-=======
-    def _forward(self, ids_BL: torch.Tensor, mask_BL: torch.Tensor, pos_BL: torch.Tensor, cache: Any):
         with self.linear_mode or contextlib.nullcontext():
             out = self.model(input_ids=ids_BL, attention_mask=mask_BL, position_ids=pos_BL, use_cache=True,
-                             logits_to_keep=1, **{self.cache_kwarg: cache})
->>>>>>> h/sampler
+                             logits_to_keep=1, **{self.cache_kwarg: cache}, **self.row_kwargs(adapters))
         self.stats.forward_passes += 1
         return out.logits[:, -1, :], getattr(out, self.cache_kwarg)
 

@@ -233,12 +233,8 @@ class TransformersPolicy(Policy):
     def _serve(self) -> None:
         engine = DecodeBatch(self.model, self.tokenizer, pad_id=self._pad_id, eos_ids=self.eos_token_ids,
                              cache_kwarg=self._cache_kwarg(), stats=self.stats,
-<<<<<<< HEAD
-                             prompt_cache_size=self.prompt_cache_size,
+                             prompt_cache_size=self.prompt_cache_size, packed_cpu_linear=self.packed_cpu_linear,
                              row_kwargs=lambda adapters: adapter_kwargs(self.model, adapters, policy=self.name))
-=======
-                             prompt_cache_size=self.prompt_cache_size, packed_cpu_linear=self.packed_cpu_linear)
->>>>>>> h/sampler
         pending: deque[Request] = deque()
         stop = holding = False
         try:
