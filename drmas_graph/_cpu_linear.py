@@ -36,6 +36,15 @@ class PackedLinear(TorchFunctionMode):
         super().__init__()
         self._packed: dict[int, tuple[torch.Tensor, int, int, torch.Tensor]] = {}
         self.repacks = 0
+        self._version: int | None = None
+
+    def for_version(self, version: int) -> PackedLinear:
+        """Drop every packed copy when the policy's weights version moved. A weight's own version counter
+        does not always move: DeepSpeed ZeRO writes updated parameters through flat buffers (collectives)."""
+        if version != self._version:
+            self._packed.clear()
+            self._version = version
+        return self
 
     def _weight(self, w: torch.Tensor) -> torch.Tensor:
         entry = self._packed.get(id(w))

@@ -237,6 +237,8 @@ class DecodeBatch:
     @torch.inference_mode()
     def step(self, newcomers: Sequence[Request], version: int) -> list[tuple[Request, Generation]]:
         """Decode one token for every active row, prefill and sample the newcomers; return finished rows."""
+        if self.linear_mode is not None:
+            self.linear_mode.for_version(version)
         ids, lps = [], []
         if self.rows:
             ids_B, lp_B = self._decode()
