@@ -18,20 +18,27 @@ where agg is the aggregation ``loss_agg`` and n counts what agg averages over: v
 the micro-batch size. Samples of agents with loss weight 0 are not counted in n(M) (they only feed
 metrics). With KL and entropy off, samples whose advantage is exactly 0 (zero-variance groups) are not
 forwarded at all: their gradient is exactly 0, and they still count in n(M), so the step is unchanged
-(per-token metrics such as entropy then cover the forwarded samples). With P processes, n(M) is summed over all of them and each loss is multiplied by P (DeepSpeed
-and the torch backend average gradients over processes), so P processes each given 1/P of the samples
-take exactly the step of one process given all of them.
+(per-token metrics then cover the forwarded samples). With P processes, n(M) is summed over all of them
+and each loss is multiplied by P (DeepSpeed and the torch backend average gradients over processes), so P
+processes each given 1/P of the samples take exactly the step of one process given all of them.
 
 Backends, chosen by `UpdateSettings.backend`:
-- "deepspeed": ``deepspeed.initialize`` with a client ``torch.optim.AdamW`` and ZeRO stage 0, 1 or 2.
+- "deepspeed": ``deepspeed.initialize`` with a client ``torch.optim.AdamW`` and ZeRO stage 0-3 (default 1).
   ZeRO 0-2 keep every parameter whole on every process, in the module's own ``nn.Parameter`` objects, so
-  a rollout policy serving the same module sees the new weights without any copy.
+  a rollout policy serving the same module sees the new weights without any copy. ZeRO-3 shards them;
+  `ModelUpdater.full_weights` gathers them (saving, pushing weights to servers). The model stays on the
+  device it was given (where its policy serves it); DeepSpeed is never allowed to move it.
 - "torch": plain AdamW and ``clip_grad_norm_``; numerically the same step as DeepSpeed on one process.
 
 Precision: a bfloat16/float16 model keeps its dtype (the rollout policy serves it), and the optimizer keeps
-float32 master weights and accumulates gradients in float32 (DeepSpeed ZeRO-1/2 in bf16; the torch backend
+float32 master weights and accumulates gradients in float32 (DeepSpeed ZeRO-1/2/3 in bf16; the torch backend
 does the same, plus dynamic loss scaling for float16). ``autocast="bf16"`` runs a float32 model's forward
 passes in bfloat16; the rollout-vs-trainer gap it causes shows in the ``logprob_mismatch`` metric.
+
+Memory: logprobs (and entropy, only when entropy_coef > 0) come from the LM head applied to the response
+tokens only, in checkpointed chunks (`drmas_graph._logprobs`); activation checkpointing, the attention
+kernel and token-sized micro-batches are settings; the KL reference is offloaded to CPU memory between
+updates (`drmas_graph._reference`).
 
 Departures from verl (the reference implementation of Dr. MAS):
 - Loss weights per agent and micro-batches of one agent each (verl mixes agents of one model).
