@@ -192,6 +192,16 @@ def check_no_launch(launch_by_model: dict[str, bool]) -> None:
             "pushes the new weights to all of them after each update)")
 
 
+def check_zero3_served(embedded_zero3: list[str]) -> None:
+    """ZeRO-3 shards the weights over processes: an embedded policy generating from them would gather them in
+    every forward pass, and processes generating different batches would wait on each other forever."""
+    if embedded_zero3 and launched_world_size() > 1:
+        raise ConfigError(
+            f"models.{embedded_zero3[0]}: update.zero_stage 3 under {launched_world_size()} processes needs served "
+            "rollouts (models.<name>.serve: the local copy trains, the servers generate); for an embedded policy "
+            "use zero_stage 1 or 2")
+
+
 def check_resume_world(saved: int | None, now: int, zero_stages: dict[str, int]) -> None:
     """A checkpoint saved with `saved` processes can be resumed with `now` processes, unless a model's
     optimizer state is partitioned over processes (DeepSpeed ZeRO-1/2: one partition per rank)."""

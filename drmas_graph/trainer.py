@@ -215,6 +215,9 @@ class Trainer:
         self._reward_raise_logged = False
         _distributed.check_divisible(cfg.tasks_per_step)  # under torchrun / deepspeed: whole groups per rank
         _distributed.check_no_launch({n: mc.serve.launch for n, mc in cfg.models.items() if mc.serve is not None})
+        _distributed.check_zero3_served(
+            [n for n, mc in cfg.models.items() if mc.trainable and mc.serve is None and (mc.update or cfg.update).zero() == 3]
+            + (["<policies passed to train_graph>"] if policies and cfg.update.zero() == 3 else []))
         _distributed.init_process_group(use_deepspeed=_uses_deepspeed(cfg, policies))
         self.run_dir = Path(cfg.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)

@@ -266,6 +266,23 @@ def test_serve_launch_is_refused_under_a_multi_process_launcher(monkeypatch):
     _distributed.check_no_launch({"other": False})
 
 
+def test_zero3_with_an_embedded_policy_is_refused_under_a_multi_process_launcher(monkeypatch, tmp_path):
+    from drmas_graph.config import TrainConfig
+    from drmas_graph.trainer import Trainer
+    from tests import _graphs
+    from tests._envs import ParityEnv
+    from tests.test_instrument import Unreachable
+
+    cfg = TrainConfig.model_validate(dict(
+        run_dir=str(tmp_path), tasks_per_step=2, models={"m": {"tiny": {}}},
+        agents={"solver": {"model": "m"}, "verifier": {"model": "m"}},
+        update={"backend": "deepspeed", "zero_stage": 3}, logging={"progress": False, "tensorboard": False}))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match=r"models\.m: update\.zero_stage 3 under 2 processes needs served rollouts"):
+        Trainer(_graphs.solver_verifier(Unreachable()).compile(), ParityEnv(), cfg)
+    _distributed.check_zero3_served([])  # nothing embedded on ZeRO-3: fine
+
+
 def test_each_process_takes_its_own_gpu(monkeypatch):
     assert _distributed.local_device("cuda") == "cuda"  # one process: as configured
     monkeypatch.setenv("WORLD_SIZE", "2")
