@@ -66,7 +66,19 @@ MODES: dict[str, Mode] = {
     "zero3": Mode({"backend": "deepspeed", "zero_stage": 3}, "ZeRO-3: + weights sharded"),
     "zero2-offload": Mode({"backend": "deepspeed", "zero_stage": 2, "offload_optimizer": True},
                           "ZeRO-2 with optimizer state and masters in CPU memory"),
+    "lora": Mode({"backend": "torch"}, "as torch, training one LoRA adapter (r=16, all-linear) over the frozen base",
+                 prepare=lambda model: _lora(model)),
 }
+
+
+def _lora(model: Any) -> Any:
+    """The model wrapped with one r=16 adapter on every linear layer (what `models.<m>.lora` builds)."""
+    from drmas_graph.config import LoraConfig
+    from drmas_graph.lora import attach_adapters
+
+    peft_model = attach_adapters(model, LoraConfig(r=16, alpha=32), ["agent"])
+    peft_model.set_adapter("agent")
+    return peft_model
 
 
 def llama(size: str, hidden: int | None, layers: int | None, vocab: int | None, dtype: Any, device: str) -> Any:
@@ -128,6 +140,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     if mode.prepare is not None:
         model = mode.prepare(model)
     n_params = sum(p.numel() for p in model.parameters())
+    n_trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
     settings = UpdateSettings(**{"lr": 1e-6, **mode.settings})
     updater = ModelUpdater(model, name="m", settings=settings,
                            agent_settings={"a": LossSettings(micro_batch_size=args.micro)})
@@ -144,7 +157,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         peak_mb = torch.cuda.max_memory_allocated() / 2**20
     else:
         peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - base_mb
-    return {"mode": args.child, "rank": rank, "params_m": n_params / 1e6, "peak_mb": peak_mb, "seconds": seconds,
+    return {"mode": args.child, "rank": rank, "params_m": n_params / 1e6, "trained_m": n_trained / 1e6, "peak_mb": peak_mb, "seconds": seconds,
             "tokens": len(samples) * (args.prompt + args.response), "grad_norm": metrics.grad_norm}
 
 
@@ -169,7 +182,7 @@ def run_mode(name: str, args: argparse.Namespace) -> dict[str, Any]:
         if p.returncode != 0 or not lines:
             return {"mode": name, "error": (err.strip().splitlines() or ["no output"])[-1][:160]}
         rows.append(json.loads(lines[-1]))
-    return {"mode": name, "params_m": rows[0]["params_m"], "peak_mb": max(r["peak_mb"] for r in rows),
+    return {"mode": name, "params_m": rows[0]["params_m"], "trained_m": rows[0]["trained_m"], "peak_mb": max(r["peak_mb"] for r in rows),
             "tokens_per_s": sum(r["tokens"] for r in rows) / max(r["seconds"] for r in rows),
             "grad_norm": rows[0]["grad_norm"]}
 
@@ -177,12 +190,14 @@ def run_mode(name: str, args: argparse.Namespace) -> dict[str, Any]:
 def table(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
     lines = [f"model {args.size} (random Llama), {args.samples} samples x ({args.prompt} prompt + {args.response} "
              f"response) tokens per process, {args.nproc} process(es), {args.device}, dtype {args.dtype}",
-             "", "| mode | params (M) | peak memory / process (MB) | tokens/s | grad norm | what |", "|---|---|---|---|---|---|"]
+             "", "| mode | params (M) | trained (M) | peak memory / process (MB) | tokens/s | grad norm | what |",
+             "|---|---|---|---|---|---|---|"]
     for r in results:
         if "error" in r:
-            lines.append(f"| {r['mode']} | | failed: {r['error']} | | | {MODES[r['mode']].doc} |")
+            lines.append(f"| {r['mode']} | | | failed: {r['error']} | | | {MODES[r['mode']].doc} |")
         else:
-            lines.append(f"| {r['mode']} | {r['params_m']:.1f} | {r['peak_mb']:.0f} | {r['tokens_per_s']:.0f} | "
+            lines.append(f"| {r['mode']} | {r['params_m']:.2f} | {r['trained_m']:.2f} | {r['peak_mb']:.0f} | "
+                         f"{r['tokens_per_s']:.0f} | "
                          f"{r['grad_norm']:.4f} | {MODES[r['mode']].doc} |")
     return "\n".join(lines)
 
