@@ -208,7 +208,8 @@ def test_micro_batch_size_does_not_change_the_step(rollout, agg):
     # AdamW's first step is lr * g / (|g| + eps): on the few coordinates with |g| ~ eps = 1e-8 the float32
     # roundoff of a different summation order (~1e-10 here) shows as up to a few % of lr. A wrongly weighted
     # micro-batch flips signs (differences ~2 lr); the loss and grad norm checks above are the exact ones.
-    assert max_diff(*results) < 0.05 * 1e-3
+    # (6.5% of lr was seen on the fixture's responses from the embedded engine's counter-based sampler.)
+    assert max_diff(*results) < 0.25 * 1e-3
 
 
 def test_minibatches_take_one_step_each_on_a_seeded_split(rollout):
