@@ -4,7 +4,9 @@ Two workloads on the same model, prompts, cores and sampling (temperature 1, EOS
 does the same work; the embedded engine records logprobs, vLLM is asked for them too):
 
 - equal: `--batch` distinct math-graph prompts (chat template applied), `--new-tokens` each, all at once.
-  Baselines: `model.generate(do_sample=True)` on the left-padded batch (one call), and vLLM.
+  Baselines: `model.generate(do_sample=True)` on the left-padded batch (one call), the same with the
+  engine's oneDNN packed linear layers (`gen+onednn`, CPU only: separates that gain from the engine's
+  scheduling), and vLLM.
 - ragged: `--requests` requests like the math graph's GRPO rollouts: `--group` copies of each prompt
   (distinct seeds), and lengths drawn between `--min-tokens` and `--max-tokens` (rows finish at different
   steps; more requests than the engine's `--max-batch` slots). `model.generate` can only stop the whole
@@ -41,7 +43,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import torch  # noqa: E402
 
 from drmas_graph import SamplingParams  # noqa: E402
+from drmas_graph._cpu_linear import PackedLinear, packed_linear_available  # noqa: E402
 from drmas_graph.transformers_policy import TransformersPolicy  # noqa: E402
+
+_PACKED = PackedLinear() if packed_linear_available() else None
 
 SYSTEM = ("You are a careful solver. Reply with one sentence of the form 'The answer is N.' and nothing "
           "else.")
@@ -139,6 +144,12 @@ def start_vllm(path: str, threads: int, max_batch: int):
                        extra_args=["--max-num-seqs", str(max_batch), "--served-model-name", "bench"])
 
 
+def _with_packed(fn):
+    """`model.generate` with the embedded engine's oneDNN linear layers, to separate the two gains."""
+    with _PACKED:
+        return fn()
+
+
 # ---- measurement -------------------------------------------------------------------------------
 def _timed(fn) -> tuple[float, int]:
     t0 = time.perf_counter()
@@ -210,6 +221,9 @@ def main() -> None:
                     "embedded": lambda p=prompts, n=lengths: run_embedded(policy, p, n, next(seeds)),
                     "generate": lambda p=prompts, n=lengths: run_generate(model, pad_id, p, n, args.max_batch),
                 }
+                if args.device == "cpu" and packed_linear_available():
+                    systems["gen+onednn"] = lambda p=prompts, n=lengths: _with_packed(
+                        lambda: run_generate(model, pad_id, p, n, args.max_batch))
                 if server is not None:
                     systems["vllm"] = lambda p=prompts, n=lengths: asyncio.run(
                         _vllm_all(server.url, "bench", p, n, next(seeds)))
@@ -218,12 +232,13 @@ def main() -> None:
             policy.close()
             if server is not None:
                 server.close()
-        print(f"\n{'workload':10s} " + " ".join(f"{s:>12s}" for s in ("embedded", "generate", "vllm"))
-              + "   embedded/generate  embedded/vllm   (tokens/s, medians)")
+        cols = ("embedded", "generate", "gen+onednn", "vllm")
+        print(f"\n{'workload':10s} " + " ".join(f"{c:>11s}" for c in cols) + "   embedded / generate, gen+onednn, vllm"
+              "   (tokens/s, medians)")
         for name, r in results.items():
-            cells = " ".join(f"{r[s]:12.1f}" if s in r else f"{'-':>12s}" for s in ("embedded", "generate", "vllm"))
-            vs_vllm = f"{r['embedded'] / r['vllm']:.2f}x" if "vllm" in r else "-"
-            print(f"{name:10s} {cells}   {r['embedded'] / r['generate']:17.2f}x  {vs_vllm:>13s}")
+            cells = " ".join(f"{r[c]:11.1f}" if c in r else f"{'-':>11s}" for c in cols)
+            ratios = ", ".join(f"{r['embedded'] / r[c]:.2f}x" if c in r else "-" for c in cols[1:])
+            print(f"{name:10s} {cells}   {ratios}")
 
 
 if __name__ == "__main__":

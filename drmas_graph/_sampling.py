@@ -1,14 +1,19 @@
 """Batched, device-side token sampling with per-request counter-based noise.
 
-Shapes: `_B` rows (requests), `_V` vocabulary, `_K` top-k candidates.
+Shapes: `_B` rows (requests), `_V` vocabulary, `_K` top-k candidates, `_N` blocks of `_C` = 256 tokens.
 
-Each row's randomness is a pure function of (request seed, token position, vocabulary index): a 32-bit
-integer hash (xorshift-multiply rounds on int32 tensors, whose multiplication wraps modulo 2^32; a test
-checks the result against the same hash in Python integers) gives one uniform u per (row, token), E = -log(u) ~ Exp(1), and the exponential race
-`argmax_i p_i / E_i` (equivalently Gumbel-max, argmax log p_i - log E_i) draws token i with probability
-p_i / sum_j p_j over the tokens top-k/top-p keep. A row's draw therefore never depends on the other rows of
-the batch, on the batch size, or on the device's RNG state, and no per-row generator is touched: one batch
-of tensor ops on the logits' device samples every row. Temperature 0 rows take the argmax.
+Each row's randomness is a pure function of (request seed, token position, index): a 32-bit integer hash
+(xorshift-multiply rounds on int32 tensors, whose multiplication wraps modulo 2^32; a test checks the
+result against the same hash in Python integers) gives uniforms u, E = -log(u) ~ Exp(1), and the
+exponential race `argmax_i w_i / E_i` (equivalently Gumbel-max) draws i with probability w_i / sum_j w_j.
+It runs in two levels so the noise costs O(V / 256 + 256) per row instead of O(V): the vocabulary is cut
+into blocks of 256, a race over the block masses W_b picks a block, a second race (fresh noise) picks a
+token inside it: P(i) = W_b / W * w_i / W_b = w_i / W, exactly softmax(logits / T) over the tokens
+top-k/top-p keep. Like one-level Gumbel-max, a draw only flips under float noise when two race scores tie
+to ~1e-7 (inverse-CDF sampling over a cumulative sum would flip far more often). A row's draw therefore
+never depends on the other rows of the batch, on the batch size, or on the device's RNG state, and no
+per-row generator is touched: one batch of tensor ops on the logits' device samples every row.
+Temperature 0 rows take the argmax.
 
 Logprobs are log_softmax(logits / T) at the sampled token over the *untruncated* vocabulary (T = 1 for
 greedy rows): the quantity a trainer recomputes from a forward pass.
@@ -33,6 +38,8 @@ _MASK32 = 0xFFFFFFFF
 _MUL_A = 0x7FEB352D  # odd multipliers (bijective modulo 2^32), below 2^31 so they fit an int32
 _MUL_B = 0x68E31DA5
 _GOLDEN = 0x1E3779B9
+_BLOCK = 256  # tokens per block of the two-level race
+_STAGE_BLOCK, _STAGE_TOKEN = 0x2545F491, 0x4F6CDD1D  # key salts of the two races
 _TOP_P_CANDIDATES = 256  # nucleus from the top-K tokens when they hold top_p of the mass (exact), else 16x more
 
 
@@ -67,14 +74,22 @@ def row_keys(seeds_B: torch.Tensor, positions_B: torch.Tensor) -> torch.Tensor:
 
 
 def hash_uniform(keys_B: torch.Tensor, vocab_hash_V: torch.Tensor) -> torch.Tensor:
-    """Uniforms in (0, 1), float32, one per (row key, vocabulary entry): 24 bits, exactly representable."""
-    h = mix32(keys_B[:, None] ^ vocab_hash_V[None, :])
-    return (_shr(h, 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+    """Uniforms (k + 1/2) / 2^23 in (0, 1), float32, one per (row key, index): 23 bits, so k + 1/2 stays exact.
+
+    (With 24 bits the largest value would round to 1.0 in float32, and log(1) = 0 would break the race.)
+    """
+    return bits_to_uniform(mix32(keys_B[:, None] ^ vocab_hash_V[None, :]))
+
+
+def bits_to_uniform(h: torch.Tensor) -> torch.Tensor:
+    """The top 23 bits of 32-bit hashes (int32 tensor) as uniforms in (0, 1)."""
+    return (_shr(h, 9).to(torch.float32) + 0.5) * (1.0 / (1 << 23))
 
 
 def vocab_hash(vocab_size: int, device: torch.device | str) -> torch.Tensor:
-    """The per-index half of the noise hash, computed once per vocabulary size and device."""
-    return mix32(torch.arange(vocab_size, dtype=torch.int32, device=device) * 2 + 1)
+    """The per-index half of the noise hash, for every index a race over this vocabulary uses (computed once)."""
+    n = max(_BLOCK, -(-vocab_size // _BLOCK))
+    return mix32(torch.arange(n, dtype=torch.int32, device=device) * 2 + 1)
 
 
 def _as_int32(v: int) -> int:
@@ -161,6 +176,24 @@ def _top_p_keep(p_BV: torch.Tensor, rp: RowParams) -> torch.Tensor:
     return torch.zeros_like(p_BV, dtype=torch.bool).scatter_(1, top_i_BK, keep_BK)
 
 
+def _race(w_BN: torch.Tensor, keys_B: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """The exponential race argmax_n w_n / E_n, E_n = -log u_n (as argmin of w_n / log u_n, log u_n < 0)."""
+    log_u_BN = torch.log(hash_uniform(keys_B, table[: w_BN.shape[1]]))
+    return (w_BN / log_u_BN).argmin(-1)
+
+
+def _two_level_race(w_BV: torch.Tensor, keys_B: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """Draw i with probability w_i / sum(w): a block by its mass, then a token inside the block."""
+    B, V = w_BV.shape
+    N = -(-V // _BLOCK)
+    if N * _BLOCK != V:
+        w_BV = torch.nn.functional.pad(w_BV, (0, N * _BLOCK - V))
+    w_BNC = w_BV.view(B, N, _BLOCK)
+    block_B = _race(w_BNC.sum(-1), mix32(keys_B ^ _STAGE_BLOCK), table)
+    inner_B = _race(w_BNC[torch.arange(B, device=w_BV.device), block_B], mix32(keys_B ^ _STAGE_TOKEN), table)
+    return block_B * _BLOCK + inner_B
+
+
 def sample_rows(logits_BV: torch.Tensor, rp: RowParams, positions_B: torch.Tensor,
                 vocab_hash_V: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row on the logits' device; return (ids_B int64, logprobs_B float32), both on device.
@@ -176,8 +209,7 @@ def sample_rows(logits_BV: torch.Tensor, rp: RowParams, positions_B: torch.Tenso
         weights_BV = weights_BV * _top_k_keep(scaled_BV, rp)
     if rp.any_top_p:
         weights_BV = weights_BV * _top_p_keep(e_BV / sum_B, rp)
-    log_u_BV = torch.log(hash_uniform(row_keys(rp.seeds_B, positions_B), vocab_hash_V))  # -Exp(1)
-    ids_B = (weights_BV / log_u_BV).argmin(-1)  # the exponential race argmax_i w_i / E_i, E_i = -log u_i
+    ids_B = _two_level_race(weights_BV, row_keys(rp.seeds_B, positions_B), vocab_hash_V)
     if rp.any_greedy:
         ids_B = torch.where(rp.greedy_B, scaled_BV.argmax(-1), ids_B)
     logp_B = scaled_BV.gather(1, ids_B[:, None]).squeeze(1) - max_B.squeeze(1) - sum_B.squeeze(1).log()

@@ -142,8 +142,9 @@ def test_parallel_branches_are_served_together(policy):
     assert sorted(t.agent for t in episode.turns[:2]) == ["left", "right"]
     for t in episode.turns:
         assert_exact(t, policy)
-    notes = dict(episode.final_state["notes"])
-    assert {notes[t.agent] for t in episode.turns} == {t.response_text.strip() for t in episode.turns}
+    notes = dict(episode.final_state["notes"])  # the message content: the response minus any tool-call markup
+    assert {notes[t.agent] for t in episode.turns} == {policy.parse(t.response_text).content.strip()
+                                                       for t in episode.turns}
 
 
 def test_send_fanout_calls_are_keyed_by_send_index(policy):
@@ -151,7 +152,8 @@ def test_send_fanout_calls_are_keyed_by_send_index(policy):
     episode = app.rollout({"question": "q", "notes": []})
     assert sorted(t.call_key for t in episode.turns) == ["worker[0]", "worker[1]", "worker[2]"]
     assert all(t.node == "worker" and t.agent == "worker" and t.node_call_index == 0 for t in episode.turns)
-    by_item = {int(t.messages[0].content.split()[1]): t.response_text.strip() for t in episode.turns}
+    by_item = {int(t.messages[0].content.split()[1]): policy.parse(t.response_text).content.strip()
+               for t in episode.turns}
     assert dict(episode.final_state["notes"]) == by_item
 
 
@@ -281,7 +283,7 @@ async def test_concurrent_async_episodes_do_not_cross_talk(policy):
         assert [t.agent for t in ep.turns] == ["solver", "verifier"]
         assert ep.turns[0].messages[0].content == q
         assert ep.turns[1].messages[0].content.startswith(f"check {q}:")
-        assert ep.final_state["answer"] == ep.turns[0].response_text.strip()
+        assert ep.final_state["answer"] == policy.parse(ep.turns[0].response_text).content.strip()
     assert policy.stats.max_batch >= 2  # concurrent episodes shared forward passes
 
 

@@ -9,7 +9,7 @@ from langchain_core.messages import HumanMessage
 
 from drmas_graph import SamplingParams
 from drmas_graph._decode import StopMatcher
-from drmas_graph._sampling import RowParams, hash_uniform, mix32, mix32_py, row_keys, sample_rows, vocab_hash
+from drmas_graph._sampling import RowParams, bits_to_uniform, hash_uniform, mix32, mix32_py, row_keys, sample_rows, vocab_hash
 from drmas_graph.transformers_policy import sample_batch
 from tests._logprobs import recompute_logprobs
 
@@ -33,12 +33,14 @@ def test_int32_hash_matches_python_reference():
 def test_uniforms_are_uniform_and_keyed_by_seed_and_position():
     seeds = torch.tensor([[5, 0], [5, 0], [6, 0]], dtype=torch.int32)
     keys = row_keys(seeds, torch.tensor([0, 1, 0], dtype=torch.int32))
-    u = hash_uniform(keys, vocab_hash(50000, "cpu"))
+    table = mix32(torch.arange(50000, dtype=torch.int32) * 2 + 1)
+    u = hash_uniform(keys, table)
     assert 0 < float(u.min()) and float(u.max()) < 1
+    ends = bits_to_uniform(torch.tensor([-1, 0], dtype=torch.int32))  # all bits set / none
+    assert ends.tolist() == [1 - 2**-24, 2**-24] and bool((torch.log(ends) < 0).all())  # never rounded to 1
     assert abs(float(u.mean()) - 0.5) < 0.005 and abs(float(u.var()) - 1 / 12) < 0.002
     assert not torch.equal(u[0], u[1]) and not torch.equal(u[0], u[2])  # position and seed both matter
-    assert torch.equal(u[0], hash_uniform(row_keys(seeds[:1], torch.tensor([0], dtype=torch.int32)),
-                                          vocab_hash(50000, "cpu"))[0])
+    assert torch.equal(u[0], hash_uniform(row_keys(seeds[:1], torch.tensor([0], dtype=torch.int32)), table)[0])
 
 
 @pytest.mark.parametrize("params,allowed", [
@@ -58,6 +60,25 @@ def test_empirical_distribution_matches_truncated_softmax(params, allowed):
     assert ((freq - expected).abs() <= 5 * sigma + 1e-9).all(), (freq, expected)
     chi2 = float(((freq - expected) ** 2 / expected).sum() * n)
     assert chi2 < 25  # <= 5 degrees of freedom: p < 1e-4 under the null
+
+
+def test_two_level_race_is_exact_across_blocks():
+    """V = 700: three blocks of 256 (the last padded); mass spread over tokens in every block."""
+    V, n = 700, 40000
+    logits = torch.full((V,), -4.0)
+    hot = [3, 255, 256, 400, 699]
+    logits[hot] = torch.tensor([1.0, 0.5, 0.8, 0.2, 1.2])
+    p = torch.softmax(logits, -1)
+    rp = RowParams.build([SamplingParams()] * n, [123] * n, V, "cpu")
+    ids = sample_rows(logits.expand(n, -1), rp, torch.arange(n, dtype=torch.int32), vocab_hash(V, "cpu"))[0]
+    freq = torch.bincount(ids, minlength=V).float() / n
+    cold = torch.ones(V, dtype=torch.bool)
+    cold[hot] = False
+    groups = [freq[h] for h in hot] + [freq[cold].sum()]  # each hot token, and all the cold ones together
+    expected = [p[h] for h in hot] + [p[cold].sum()]
+    for f, e in zip(groups, expected):
+        assert abs(float(f) - float(e)) <= 5 * float((e * (1 - e) / n).sqrt()), (groups, expected)
+    assert set(ids.tolist()) - set(hot)  # cold tokens are drawn too (tiny mass each, ~30% together)
 
 
 def test_logprobs_are_untruncated_log_softmax_at_temperature():
