@@ -76,7 +76,7 @@ def test_every_runnable_run_method_is_an_instrumented_episode(policy):
     assert len(store.episodes) == 8 and all(ep.ok and len(ep.turns) == 2 for ep in store.episodes)
     by_question = {ep.input["question"]: ep for ep in store.episodes}
     for out in outputs:  # each output is the recorded episode's: the solver's answer came from the policy
-        assert out["answer"] == by_question[out["question"]].turns[0].response_text.strip()
+        assert out["answer"] == policy.parse(by_question[out["question"]].turns[0].response_text).content.strip()
 
 
 def test_only_read_only_attributes_are_forwarded(policy):
@@ -109,10 +109,10 @@ def test_calls_from_thread_pools_inside_a_node_are_attributed(policy):
 
     episode = instrument(one_node(pooled), {"solver": policy}, strict=True).rollout({"q": "2+2?"})
     assert model.calls == 0 and [(t.agent, t.node, t.step) for t in episode.turns] == [("solver", "solver", 1)] * 2
-    assert sorted(episode.final_state["a"]) == sorted(t.response_text.strip() for t in episode.turns)
+    assert sorted(episode.final_state["a"]) == sorted(policy.parse(t.response_text).content for t in episode.turns)
     episode = asyncio.run(instrument(one_node(in_executor), {"solver": policy}, strict=True).arollout({"q": "x"}))
     assert model.calls == 0 and [t.node for t in episode.turns] == ["solver"]
-    assert episode.final_state["a"] == [episode.turns[0].response_text.strip()]
+    assert episode.final_state["a"] == [policy.parse(episode.turns[0].response_text).content]
 
 
 def test_calls_that_cannot_be_attributed_are_refused_or_warned(policy):

@@ -303,7 +303,10 @@ def test_deepspeed_step_equals_torch_step(rollout, backend):
         metrics = updater.update(rollout)
         results.append((metrics, snapshot(model, updater)))
     (torch_metrics, torch_params), (ds_metrics, ds_params) = results
-    assert max_diff(torch_params, ds_params) < 1e-6
+    # ZeRO-3 sums gradients in another order; AdamW's first step lr * g / (|g| + eps) turns that roundoff into
+    # up to ~0.2% of lr on coordinates whose step is far below lr (|g| ~ eps): measured 7 of 139,840 weights
+    # above 1e-7, the largest 1.8e-6 on a step of 6.5e-5. A wrongly weighted micro-batch moves steps by ~lr.
+    assert max_diff(torch_params, ds_params) < (1e-5 if backend[1] == 3 else 1e-6)
     assert ds_metrics.grad_norm == pytest.approx(torch_metrics.grad_norm, rel=1e-5)
     assert ds_metrics.grad_norm_max > 0.1  # clipping was active
     assert ds_metrics.loss == pytest.approx(torch_metrics.loss, rel=1e-5)
