@@ -16,12 +16,13 @@ new thread (`drmas_graph._threads`); when that checkpoint is not available the r
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import difflib
 import json
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -280,6 +281,30 @@ def _finish(run: _Run, episode: Episode, final_state: Any, stopped: bool) -> Rep
                         wall_s=time.perf_counter() - run.start, unreproducible=run.unreproducible)
 
 
+@dataclass
+class _Outcome:
+    final_state: Any = None
+    stopped: bool = False
+    """True when the replay stopped the run at a divergence (stop mode)."""
+
+
+@contextlib.contextmanager
+def _serving(run: Any) -> Iterator[_Outcome]:
+    """The block runs the graph with the replay handler answering its calls; the replay's own stop ends the
+    block quietly (`outcome.stopped`), any other exception propagates."""
+    outcome = _Outcome()
+    token = ACTIVE_HANDLER.set(run.handler)
+    run.start = time.perf_counter()
+    try:
+        yield outcome
+    except Exception as exc:
+        if not _stopped(exc):
+            raise
+        outcome.stopped = True
+    finally:
+        ACTIVE_HANDLER.reset(token)
+
+
 def _stopped(exc: BaseException) -> bool:
     """True for the replay's own stop; re-raises anything else (a sync-only run of async nodes, explained)."""
     if _caused_by(exc, _StopReplay):
@@ -297,18 +322,9 @@ def replay_episode(graph: Any, episode: Episode, *, policies: Mapping[str, Polic
     run = _prepare(graph, episode, policies, agents, on_divergence, config)
     start = None if _own_thread(run) else episode.metadata.get("thread_start")
     _thread_config(run, *_threads.fork_config(run.app.graph, start))
-    token = ACTIVE_HANDLER.set(run.handler)
-    run.start = time.perf_counter()
-    final_state, stopped = None, False
-    try:
-        final_state = run.app.graph.invoke(episode.input, run.config or None)
-    except Exception as exc:
-        if not _stopped(exc):
-            raise
-        stopped = True
-    finally:
-        ACTIVE_HANDLER.reset(token)
-    return _finish(run, episode, final_state, stopped)
+    with _serving(run) as outcome:
+        outcome.final_state = run.app.graph.invoke(episode.input, run.config or None)
+    return _finish(run, episode, outcome.final_state, outcome.stopped)
 
 
 async def areplay_episode(graph: Any, episode: Episode, *, policies: Mapping[str, Policy] | None = None,
@@ -319,18 +335,9 @@ async def areplay_episode(graph: Any, episode: Episode, *, policies: Mapping[str
     run = _prepare(graph, episode, policies, agents, on_divergence, config)
     start = None if _own_thread(run) else episode.metadata.get("thread_start")
     _thread_config(run, *await _threads.afork_config(run.app.graph, start))
-    token = ACTIVE_HANDLER.set(run.handler)
-    run.start = time.perf_counter()
-    final_state, stopped = None, False
-    try:
-        final_state = await run.app.graph.ainvoke(episode.input, run.config or None)
-    except Exception as exc:
-        if not _stopped(exc):
-            raise
-        stopped = True
-    finally:
-        ACTIVE_HANDLER.reset(token)
-    return _finish(run, episode, final_state, stopped)
+    with _serving(run) as outcome:
+        outcome.final_state = await run.app.graph.ainvoke(episode.input, run.config or None)
+    return _finish(run, episode, outcome.final_state, outcome.stopped)
 
 
 def _load(store_or_path: Any, episode_id: str) -> Episode:
