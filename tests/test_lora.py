@@ -17,6 +17,7 @@ from drmas_graph.update import LossSettings, UpdateSettings
 
 pytest.importorskip("peft")
 from drmas_graph.lora import LoraUpdater, attach_adapters, base_forward, build_updater  # noqa: E402
+from tests.test_trainer_served import ckpt  # noqa: E402,F401  (fixture: the base model servers start from)
 
 pytestmark = [pytest.mark.filterwarnings("ignore:.*torch.jit.script_method.*:DeprecationWarning"),
               # peft asks transformers' deprecated is_gradient_checkpointing (transformers 5.x)
@@ -264,15 +265,6 @@ def test_train_graph_trains_one_adapter_per_agent_over_a_frozen_base(tmp_path):
 
 
 # --- served policies ---------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    tokenizer = tiny_tokenizer()
-    path = tmp_path_factory.mktemp("base")
-    tiny_model(tokenizer, seed=0).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return str(path)
 
 
 def served_config(tmp_path, ckpt, serve, adapters):

@@ -5,7 +5,6 @@ Needs the vLLM environment: `export DRMAS_VLLM_PYTHON=$(bash scripts/setup_vllm.
 """
 
 import copy
-import os
 
 import pytest
 import torch
@@ -14,14 +13,10 @@ from drmas_graph import SamplingParams
 from drmas_graph.testing import tiny_model, tiny_tokenizer
 from tests._logprobs import recompute_logprobs
 
-VLLM_PYTHON = os.environ.get("DRMAS_VLLM_PYTHON")
-pytestmark = [
-    pytest.mark.vllm,
-    pytest.mark.slow,
-    pytest.mark.skipif(not VLLM_PYTHON, reason="set DRMAS_VLLM_PYTHON to the python of the vLLM venv "
-                                               "(bash scripts/setup_vllm.sh prints it)"),
-    pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning"),
-]
+from tests.test_served_vllm import VLLM_PYTHON
+from tests.test_served_vllm import pytestmark as vllm_marks
+
+pytestmark = [*vllm_marks, pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")]
 pytest.importorskip("peft")
 
 

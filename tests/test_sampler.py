@@ -308,42 +308,42 @@ def test_packed_cpu_linear_matches_plain_and_follows_weight_changes():
     assert lin.weight.grad is not None and mode.repacks == 2
 
 
-def test_packed_and_plain_linear_sample_the_same_tokens():
+@pytest.fixture
+def packed_and_plain():
+    """Two policies on the same weights: linear layers on packed oneDNN weights, and plain."""
     from drmas_graph.testing import tiny_policy
 
     packed, plain = tiny_policy(seed=0), tiny_policy(seed=0, packed_cpu_linear=False)
-    try:
-        prompt = packed.render([HumanMessage("What is 6 + 1?")])
-        params = SamplingParams(max_new_tokens=16, seed=5)
-        a, b = packed.generate(prompt, params), plain.generate(prompt, params)
-        assert a.token_ids == b.token_ids
-        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4, rtol=0)
-    finally:
-        packed.close()
-        plain.close()
+    yield packed, plain
+    packed.close()
+    plain.close()
 
 
-def test_packed_weights_follow_an_update_that_leaves_the_tensor_version_counters_alone():
+def assert_same_generation(a, b) -> None:
+    assert a.token_ids == b.token_ids
+    torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4, rtol=0)
+
+
+def test_packed_and_plain_linear_sample_the_same_tokens(packed_and_plain):
+    packed, plain = packed_and_plain
+    prompt = packed.render([HumanMessage("What is 6 + 1?")])
+    params = SamplingParams(max_new_tokens=16, seed=5)
+    assert_same_generation(packed.generate(prompt, params), plain.generate(prompt, params))
+
+
+def test_packed_weights_follow_an_update_that_leaves_the_tensor_version_counters_alone(packed_and_plain):
     """DeepSpeed ZeRO writes updated parameters through flat buffers: no parameter's `_version` moves (here:
     writes through `.data`, which has its own counter). The policy's weights version is what invalidates."""
-    from drmas_graph.testing import tiny_policy
-
-    packed, plain = tiny_policy(seed=0), tiny_policy(seed=0, packed_cpu_linear=False)
-    try:
-        prompt = packed.render([HumanMessage("What is 6 + 1?")])
-        params = SamplingParams(max_new_tokens=8, temperature=0.0)
-        assert packed.generate(prompt, params).token_ids == plain.generate(prompt, params).token_ids
-        torch.manual_seed(1)
-        noise = {k: torch.randn_like(v) * 0.5 for k, v in plain.model.state_dict().items() if v.is_floating_point()}
-        for policy in (packed, plain):
-            versions = [p._version for p in policy.model.parameters()]
-            with policy.updating_weights(), torch.no_grad():
-                for name, p in policy.model.named_parameters():
-                    p.data.add_(noise[name])
-            assert [p._version for p in policy.model.parameters()] == versions
-        a, b = packed.generate(prompt, params), plain.generate(prompt, params)
-        assert a.token_ids == b.token_ids
-        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4, rtol=0)
-    finally:
-        packed.close()
-        plain.close()
+    packed, plain = packed_and_plain
+    prompt = packed.render([HumanMessage("What is 6 + 1?")])
+    params = SamplingParams(max_new_tokens=8, temperature=0.0)
+    assert_same_generation(packed.generate(prompt, params), plain.generate(prompt, params))
+    torch.manual_seed(1)
+    noise = {k: torch.randn_like(v) * 0.5 for k, v in plain.model.state_dict().items() if v.is_floating_point()}
+    for policy in (packed, plain):
+        versions = [p._version for p in policy.model.parameters()]
+        with policy.updating_weights(), torch.no_grad():
+            for name, p in policy.model.named_parameters():
+                p.data.add_(noise[name])
+        assert [p._version for p in policy.model.parameters()] == versions
+    assert_same_generation(packed.generate(prompt, params), plain.generate(prompt, params))
