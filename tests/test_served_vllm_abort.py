@@ -15,22 +15,25 @@ from tests.test_served_vllm import ckpt, policy, pytestmark, server, tokenizer  
 
 
 def test_request_aborted_by_a_pause_is_retried(policy, server):
-    params = SamplingParams(temperature=1.0, max_new_tokens=3000)  # ~10 s of generation on this CPU
-    p = VLLMPolicy(server.url, policy.tokenizer, name="vllm", backoff_s=0.5,
+    # 3000 tokens take 3-10 s on a 2-core machine, depending on its load
+    params = SamplingParams(temperature=1.0, max_new_tokens=3000)
+    p = VLLMPolicy(server.url, policy.tokenizer, name="vllm", backoff_s=0.5, max_retries=10,
                    extra_sampling_params={"ignore_eos": True})
     try:
-        # vLLM's /metrics lag, so the request is given time to reach the engine; a pause sent before it
-        # arrives only delays it (no abort), so that attempt is repeated with a longer head start
-        for head_start_s in (1.0, 2.0, 4.0):
-            out = {}
-            worker = threading.Thread(target=lambda: out.update(gen=p.generate([5, 6, 7], params)))
-            worker.start()
-            time.sleep(head_start_s)
+        out = {}
+        worker = threading.Thread(target=lambda: out.update(gen=p.generate([5, 6, 7], params)))
+        worker.start()
+        # A pause that lands before the request reaches the engine, or after it finished, aborts nothing,
+        # and neither the request's arrival nor the pause's landing can be observed from here (/metrics
+        # lag by seconds). So pause and resume until the policy has seen an abort: one pause lands while
+        # the request runs. Each resends the request from the start, so a bounded number of them is fine.
+        deadline = time.monotonic() + 120
+        while worker.is_alive() and p.retries == 0 and time.monotonic() < deadline:
+            time.sleep(0.3)
             assert httpx.post(server.url + "/pause", params={"mode": "abort"}, timeout=30).json() == {"status": "paused"}
             httpx.post(server.url + "/resume", timeout=30)
-            worker.join(120)
-            if p.retries >= 1:
-                break
-        assert p.retries >= 1 and out["gen"].finish_reason == "length" and len(out["gen"].token_ids) == 3000
+        worker.join(120)
+        assert p.retries >= 1, "no pause landed while the request ran"
+        assert out["gen"].finish_reason == "length" and len(out["gen"].token_ids) == 3000
     finally:
         p.close()
