@@ -13,6 +13,10 @@ does the same work; the embedded engine records logprobs, vLLM is asked for them
   batch, so it decodes every row to the longest length in batches of `--max-batch`; only the requested
   tokens count for every system.
 
+`model.generate` runs on the embedded engine's worker thread (`run_on_worker`), as the trainer's compute
+does: on CPU, torch ops on a second OS thread slow the engine's decoding for the rest of the process
+(GNU OpenMP's spin-wait is cut once two thread teams exceed the cores; see `transformers_policy`).
+
 Systems alternate inside each of `--repeats` rounds (after one warm-up each); medians of tokens/s and the
 ratios are printed. The vLLM CPU server (the vLLM venv: $DRMAS_VLLM_PYTHON or ./.venv-vllm) is started
 with its OpenMP threads bound to the same `--threads` cores the torch runs use; it is skipped with
@@ -157,13 +161,19 @@ def _timed(fn) -> tuple[float, int]:
     return time.perf_counter() - t0, tokens
 
 
-def measure(systems: dict, repeats: int) -> dict[str, float]:
-    """tokens/s per system: one warm-up each, then `repeats` interleaved rounds; medians."""
+def measure(systems: dict, repeats: int, settle_s: float = 2.0) -> dict[str, float]:
+    """tokens/s per system: one warm-up each, then `repeats` interleaved rounds; medians.
+
+    Each timed run starts `settle_s` after the previous one ended: vLLM's OpenMP threads keep spinning on
+    the shared cores for about a second after its last request (measured: ~1 core-second), which would
+    otherwise be charged to whichever system runs next.
+    """
     for fn in systems.values():
         fn()
     rates: dict[str, list[float]] = {name: [] for name in systems}
     for r in range(repeats):
         for name, fn in systems.items():
+            time.sleep(settle_s)
             wall, tokens = _timed(fn)
             rates[name].append(tokens / wall)
             print(f"  round {r + 1} {name:10s} {tokens / wall:8.1f} tok/s ({wall:.2f} s)", flush=True)
@@ -195,6 +205,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--only", choices=["equal", "ragged"], default=None)
     ap.add_argument("--no-vllm", action="store_true")
+    ap.add_argument("--settle-s", type=float, default=2.0, help="idle seconds before each timed run")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -219,15 +230,16 @@ def main() -> None:
                 seeds = iter(range(0, 10**9, 10**4))
                 systems = {
                     "embedded": lambda p=prompts, n=lengths: run_embedded(policy, p, n, next(seeds)),
-                    "generate": lambda p=prompts, n=lengths: run_generate(model, pad_id, p, n, args.max_batch),
+                    "generate": lambda p=prompts, n=lengths: policy.run_on_worker(
+                        lambda: run_generate(model, pad_id, p, n, args.max_batch)),
                 }
                 if args.device == "cpu" and packed_linear_available():
-                    systems["gen+onednn"] = lambda p=prompts, n=lengths: _with_packed(
-                        lambda: run_generate(model, pad_id, p, n, args.max_batch))
+                    systems["gen+onednn"] = lambda p=prompts, n=lengths: policy.run_on_worker(
+                        lambda: _with_packed(lambda: run_generate(model, pad_id, p, n, args.max_batch)))
                 if server is not None:
                     systems["vllm"] = lambda p=prompts, n=lengths: asyncio.run(
                         _vllm_all(server.url, "bench", p, n, next(seeds)))
-                results[name] = measure(systems, args.repeats)
+                results[name] = measure(systems, args.repeats, args.settle_s)
         finally:
             policy.close()
             if server is not None:

@@ -164,3 +164,29 @@ def test_heterogeneous_tiny_policies_have_different_tokenizers():
     assert len(a.tokenizer) != len(b.tokenizer)
     assert a.render(MSGS) != b.render(MSGS)
     assert type(a.model).__name__ == "LlamaForCausalLM" and type(b.model).__name__ == "Qwen2ForCausalLM"
+
+
+def test_run_on_worker_runs_on_the_decoding_thread_after_rows_in_flight(policy):
+    worker = {}
+    policy.generate(policy.render(MSGS), SamplingParams(max_new_tokens=1, seed=0))  # the worker exists
+    assert policy.run_on_worker(lambda: threading.current_thread()) is policy._worker
+    # a call queued while a row decodes runs after it finished (it may touch the weights), and requests
+    # queued after the call wait for it
+    long = policy.submit(policy.render(MSGS), SamplingParams(max_new_tokens=40, seed=1))
+    while not long.running():
+        pass
+
+    def call():
+        worker["long_done"] = long.done()
+        return 7
+
+    assert policy.run_on_worker(call) == 7
+    assert worker["long_done"] and len(long.result().token_ids) == 40
+    # inside updating_weights (the trainer's update) it does not deadlock; errors reach the caller
+    with policy.updating_weights():
+        assert policy.run_on_worker(lambda: threading.current_thread().name) == f"{policy.name}-batcher"
+        with pytest.raises(ZeroDivisionError):
+            policy.run_on_worker(lambda: 1 / 0)
+    assert policy.version == 1
+    # a call from the worker itself runs at once
+    assert policy.run_on_worker(lambda: policy.run_on_worker(lambda: 3)) == 3

@@ -283,3 +283,19 @@ def test_distinct_policies_with_one_name_are_refused_naming_both_agents(tmp_path
     result = train_graph(graph(), ParityEnv(), cfg, policies={"solver": solver, "verifier": verifier})
     assert solver.version == verifier.version == 1  # two models, two updaters
     assert sorted(p.name for p in result.checkpoint.iterdir() if p.is_dir()) == ["solver-model", "verifier-model"]
+
+
+def test_every_forward_pass_of_an_embedded_model_runs_on_its_decoding_thread(tmp_path):
+    # rollouts, the old-logprob pass, the update and evaluation: one OS thread does the model's compute
+    # (on CPU a second thread running torch ops slows decoding down for the rest of the process)
+    import threading
+
+    solver = tiny_policy(seed=0, sampling=SamplingParams(max_new_tokens=6))
+    seen = []
+    solver.model.register_forward_hook(lambda m, a, o: seen.append((threading.current_thread().name,
+                                                                    torch.is_grad_enabled())))
+    cfg = small_config(tmp_path, steps=1, agents={"solver": {"model": solver.name},
+                                                  "verifier": {"model": solver.name}})
+    train_graph(graph(), ParityEnv(), cfg, policies={"solver": solver, "verifier": solver})
+    assert {name for name, _ in seen} == {f"{solver.name}-batcher"}
+    assert any(grad for _, grad in seen) and any(not grad for _, grad in seen)  # the update and decoding
