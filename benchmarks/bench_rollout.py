@@ -150,7 +150,7 @@ def start_vllm(path: str, threads: int, max_batch: int):
 
 def _with_packed(fn):
     """`model.generate` with the embedded engine's oneDNN linear layers, to separate the two gains."""
-    with _PACKED:
+    with _PACKED:  # the model's layers were made packable by the engine (PackedLinear.install)
         return fn()
 
 
@@ -215,6 +215,8 @@ def main() -> None:
         tokenizer = AutoTokenizer.from_pretrained(path)
         dtype = getattr(torch, args.dtype)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(args.device).eval()
+        if _PACKED is not None:
+            PackedLinear.install(model)  # what the engine does on CPU; gen+onednn uses it too
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         policy = _IgnoreEOS(model, tokenizer, name="embedded", max_batch_size=args.max_batch, seed=0)
         server = None if (args.no_vllm or args.device != "cpu") else start_vllm(path, args.threads, args.max_batch)

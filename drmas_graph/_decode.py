@@ -148,12 +148,62 @@ class _Row:
                           policy_version=self.version)
 
 
+_SPARE_COLUMNS = 64  # room left after the last cache column, so decode steps append in place
+
+
+def _growing_layer_class() -> type:
+    """`DynamicLayer` whose keys/values are a prefix view of a buffer with spare columns (made once).
+
+    The plain layer concatenates the whole cache to append one column every decode step (a full copy of
+    the KV cache per step); this one writes the new column into the buffer's spare room and only copies
+    when the room is used up (or the rows were regrouped: `_merge_caches` then builds a new buffer).
+    """
+    global _GrowingLayer
+    if _GrowingLayer is None:
+        from transformers.cache_utils import DynamicLayer
+
+        class GrowingLayer(DynamicLayer):
+            key_buf: torch.Tensor | None = None
+            value_buf: torch.Tensor | None = None
+
+            def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
+                       **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+                n, add = self.keys.shape[-2], key_states.shape[-2]
+                if not _is_prefix_view(self.keys, self.key_buf, n + add):
+                    self.key_buf = _with_room(self.keys, n + add + _SPARE_COLUMNS)
+                    self.value_buf = _with_room(self.values, n + add + _SPARE_COLUMNS)
+                self.key_buf[:, :, n:n + add].copy_(key_states)
+                self.value_buf[:, :, n:n + add].copy_(value_states)
+                self.keys, self.values = self.key_buf[:, :, :n + add], self.value_buf[:, :, :n + add]
+                return self.keys, self.values
+
+        _GrowingLayer = GrowingLayer
+    return _GrowingLayer
+
+
+_GrowingLayer: type | None = None
+
+
+def _is_prefix_view(t: torch.Tensor, buf: torch.Tensor | None, need: int) -> bool:
+    """Whether `t` is buf[:, :, :n] and the buffer holds `need` columns."""
+    return (buf is not None and t.data_ptr() == buf.data_ptr() and t.shape[:2] == buf.shape[:2]
+            and t.stride() == buf.stride() and need <= buf.shape[2])
+
+
+def _with_room(t: torch.Tensor, columns: int) -> torch.Tensor:
+    """A (B, H, columns, D) buffer whose first columns hold `t`."""
+    buf = t.new_empty((t.shape[0], t.shape[1], columns, t.shape[3]))
+    buf[:, :, :t.shape[2]].copy_(t)
+    return buf
+
+
 def _mergeable(cache: Any) -> bool:
     """Whether the cache is a list of plain full-attention dynamic layers, whose rows can be moved freely."""
     from transformers.cache_utils import DynamicLayer
 
     layers = getattr(cache, "layers", None)
-    return bool(layers) and all(type(layer) is DynamicLayer and layer.is_initialized for layer in layers)
+    kinds = (DynamicLayer, _growing_layer_class())
+    return bool(layers) and all(type(layer) in kinds and layer.is_initialized for layer in layers)
 
 
 def _prompt_kv(cache: Any, row: int, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -200,6 +250,8 @@ class DecodeBatch:
         self.prompt_cache = PromptCache(prompt_cache_size)
         use_packed = packed_cpu_linear and self.device.type == "cpu" and packed_linear_available()
         self.linear_mode = PackedLinear() if use_packed else None
+        if use_packed:
+            PackedLinear.install(model)
         self.clear()
 
     def clear(self) -> None:
@@ -385,9 +437,25 @@ def _merge_caches(parts: list[tuple[Any, torch.Tensor, int]], trim: int) -> Any:
             raise RuntimeError(f"cannot merge KV caches of type {type(target).__name__}")
         target.batch_select_indices(parts[0][1])
         return target
+    growing = _growing_layer_class()
+    B = sum(rows.numel() for _, rows, _ in parts)
     for li, layer in enumerate(target.layers):
-        for name in ("keys", "values"):
-            pieces = [_left_pad(getattr(c.layers[li], name).index_select(0, rows), pad, 2) for c, rows, pad in parts]
-            merged = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
-            setattr(layer, name, merged[:, :, trim:] if trim else merged)
+        new = growing()
+        new.device, new.is_initialized = layer.device, True
+        for name, buf_name in (("keys", "key_buf"), ("values", "value_buf")):
+            sources = [getattr(c.layers[li], name) for c, _, _ in parts]
+            L = parts[0][2] + sources[0].shape[2]  # every part's length once left-padded
+            t = sources[0]
+            buf = t.new_empty((B, t.shape[1], L - trim + _SPARE_COLUMNS, t.shape[3]))
+            b = 0
+            for (_, rows, pad), src in zip(parts, sources):  # padded column j holds src column j - pad
+                dst = buf[b:b + rows.numel()]
+                first = max(pad, trim)
+                if first > trim:
+                    dst[:, :, :first - trim].zero_()  # padding: masked, but must not hold NaN garbage
+                dst[:, :, first - trim:L - trim].copy_(src[:, :, first - pad:].index_select(0, rows))
+                b += rows.numel()
+            setattr(new, name, buf[:, :, :L - trim])
+            setattr(new, buf_name, buf)
+        target.layers[li] = new
     return target

@@ -284,7 +284,7 @@ def test_packed_cpu_linear_matches_plain_and_follows_weight_changes():
     from drmas_graph._cpu_linear import PackedLinear
 
     torch.manual_seed(0)
-    lin = torch.nn.Linear(64, 96)
+    lin = PackedLinear.install(torch.nn.Linear(64, 96))
     x = torch.randn(5, 3, 64)
     mode = PackedLinear()
     with torch.inference_mode():
