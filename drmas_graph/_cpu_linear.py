@@ -28,7 +28,7 @@ import torch.nn.functional as F
 __all__ = ["PackedLinear", "packed_linear_available"]
 
 _DTYPES = (torch.float32, torch.bfloat16)
-_active = threading.local()  # .mode: the PackedLinear active on this thread, if any
+_active = threading.local()  # .mode: the PackedLinear active on this thread, if any; .outer: enclosing ones
 
 
 def packed_linear_available() -> bool:
@@ -56,7 +56,6 @@ class PackedLinear:
         self._packed: dict[int, tuple[torch.Tensor, int, int, torch.Tensor]] = {}
         self.repacks = 0
         self._version: int | None = None
-        self._outer: list[Any] = []
 
     @staticmethod
     def install(model: torch.nn.Module) -> torch.nn.Module:
@@ -89,9 +88,9 @@ class PackedLinear:
         return entry[3]
 
     def __enter__(self) -> PackedLinear:
-        self._outer.append(getattr(_active, "mode", None))
+        _active.__dict__.setdefault("outer", []).append(getattr(_active, "mode", None))  # per thread
         _active.mode = self
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        _active.mode = self._outer.pop()
+        _active.mode = _active.outer.pop()

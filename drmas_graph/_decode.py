@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import functools
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -151,6 +152,7 @@ class _Row:
 _SPARE_COLUMNS = 64  # room left after the last cache column, so decode steps append in place
 
 
+@functools.cache
 def _growing_layer_class() -> type:
     """`DynamicLayer` whose keys/values are a prefix view of a buffer with spare columns (made once).
 
@@ -158,30 +160,24 @@ def _growing_layer_class() -> type:
     the KV cache per step); this one writes the new column into the buffer's spare room and only copies
     when the room is used up (or the rows were regrouped: `_merge_caches` then builds a new buffer).
     """
-    global _GrowingLayer
-    if _GrowingLayer is None:
-        from transformers.cache_utils import DynamicLayer
+    from transformers.cache_utils import DynamicLayer
 
-        class GrowingLayer(DynamicLayer):
-            key_buf: torch.Tensor | None = None
-            value_buf: torch.Tensor | None = None
+    class GrowingLayer(DynamicLayer):
+        key_buf: torch.Tensor | None = None
+        value_buf: torch.Tensor | None = None
 
-            def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
-                       **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-                n, add = self.keys.shape[-2], key_states.shape[-2]
-                if not _is_prefix_view(self.keys, self.key_buf, n + add):
-                    self.key_buf = _with_room(self.keys, n + add + _SPARE_COLUMNS)
-                    self.value_buf = _with_room(self.values, n + add + _SPARE_COLUMNS)
-                self.key_buf[:, :, n:n + add].copy_(key_states)
-                self.value_buf[:, :, n:n + add].copy_(value_states)
-                self.keys, self.values = self.key_buf[:, :, :n + add], self.value_buf[:, :, :n + add]
-                return self.keys, self.values
+        def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
+                   **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+            n, add = self.keys.shape[-2], key_states.shape[-2]
+            if not _is_prefix_view(self.keys, self.key_buf, n + add):
+                self.key_buf = _with_room(self.keys, n + add + _SPARE_COLUMNS)
+                self.value_buf = _with_room(self.values, n + add + _SPARE_COLUMNS)
+            self.key_buf[:, :, n:n + add].copy_(key_states)
+            self.value_buf[:, :, n:n + add].copy_(value_states)
+            self.keys, self.values = self.key_buf[:, :, :n + add], self.value_buf[:, :, :n + add]
+            return self.keys, self.values
 
-        _GrowingLayer = GrowingLayer
-    return _GrowingLayer
-
-
-_GrowingLayer: type | None = None
+    return GrowingLayer
 
 
 def _is_prefix_view(t: torch.Tensor, buf: torch.Tensor | None, need: int) -> bool:
@@ -439,12 +435,12 @@ def _merge_caches(parts: list[tuple[Any, torch.Tensor, int]], trim: int) -> Any:
         return target
     growing = _growing_layer_class()
     B = sum(rows.numel() for _, rows, _ in parts)
+    L = parts[0][2] + parts[0][0].layers[0].keys.shape[2]  # every part's length once left-padded
     for li, layer in enumerate(target.layers):
         new = growing()
         new.device, new.is_initialized = layer.device, True
         for name, buf_name in (("keys", "key_buf"), ("values", "value_buf")):
             sources = [getattr(c.layers[li], name) for c, _, _ in parts]
-            L = parts[0][2] + sources[0].shape[2]  # every part's length once left-padded
             t = sources[0]
             buf = t.new_empty((B, t.shape[1], L - trim + _SPARE_COLUMNS, t.shape[3]))
             b = 0

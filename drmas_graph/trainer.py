@@ -19,6 +19,7 @@ calls are dropped from their group and counted, never silently trained on.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import random
@@ -333,10 +334,9 @@ class Trainer:
                 raise ConfigError(f"model {name!r} ({type(policy).__name__}, agents {agents}) has no local weights to "
                                   f"train: for a served policy pass train_models={{{name!r}: <HF model with the served "
                                   "weights>} or configure it with `models.<name>.serve`; else freeze its agents")
-            updaters[name] = self._on_model_thread(name, lambda m=self.train_models[name], n=name, s=settings,
-                                                   a=agent_settings: build_updater(m, name=n, settings=s,
-                                                                                   agent_settings=a,
-                                                                                   agent_cfgs=self.agent_cfgs))
+            updaters[name] = self._on_model_thread(name, functools.partial(
+                build_updater, self.train_models[name], name=name, settings=settings, agent_settings=agent_settings,
+                agent_cfgs=self.agent_cfgs))
         if not updaters:
             raise ConfigError("every agent is frozen or served by a non-trainable model: nothing to train")
         return updaters
@@ -415,7 +415,7 @@ class Trainer:
                 sync_s += update_metrics[f"model/{name}/sync_s"]
             else:
                 with policy.updating_weights():  # the policy serves the trained module itself
-                    metrics = self._on_model_thread(name, lambda u=updater, m=model_samples: u.update(m))
+                    metrics = self._on_model_thread(name, functools.partial(updater.update, model_samples))
                     update_metrics.update(metrics.to_dict())
         t3 = time.perf_counter()
         self.store.record_training(step, [ep for _, ep, _ in scored])
@@ -433,7 +433,7 @@ class Trainer:
             mode = "rollout" if _is_served(self.model_policies[name]) else "trainer"
         if mode == "rollout" or not samples:
             return samples
-        logprobs = self._on_model_thread(name, lambda: self.updaters[name].compute_logprobs(samples))
+        logprobs = self._on_model_thread(name, functools.partial(self.updaters[name].compute_logprobs, samples))
         samples, gaps = with_trainer_logprobs(samples, logprobs)
         metrics.update(gaps)
         return samples
@@ -584,7 +584,7 @@ class Trainer:
             tmp.mkdir(parents=True)
         _distributed.barrier()
         for name, updater in self.updaters.items():
-            self._on_model_thread(name, lambda u=updater, d=tmp / name: u.save(d))
+            self._on_model_thread(name, functools.partial(updater.save, tmp / name))
             if main:
                 self.model_policies[name].tokenizer.save_pretrained(tmp / name / "model")
         versions = {n: p.version for n, p in self.model_policies.items()}
@@ -608,7 +608,7 @@ class Trainer:
         _distributed.check_resume_world(state.get("world_size"), _distributed.world_size(), {
             n: u.settings.zero_stage for n, u in self.updaters.items() if u.settings.backend == "deepspeed"})
         for name, updater in self.updaters.items():
-            self._on_model_thread(name, lambda u=updater, d=latest / name: u.load(d))
+            self._on_model_thread(name, functools.partial(updater.load, latest / name))
             version = state["policy_versions"].get(name, 0)
             if _is_served(self.model_policies[name]):
                 self.sync_weights(name, version=version)  # the servers still hold whatever they served last
