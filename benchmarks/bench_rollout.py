@@ -47,8 +47,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import torch  # noqa: E402
 
 from drmas_graph import SamplingParams  # noqa: E402
-from drmas_graph._cpu_linear import PackedLinear, packed_linear_available  # noqa: E402
-from drmas_graph.transformers_policy import TransformersPolicy  # noqa: E402
+from drmas_graph.engine._cpu_linear import PackedLinear, packed_linear_available  # noqa: E402
+from drmas_graph.engine.transformers_policy import TransformersPolicy  # noqa: E402
 
 _PACKED = PackedLinear() if packed_linear_available() else None
 
@@ -78,7 +78,7 @@ def _model_folder(args, root: str) -> str:
     if args.model_path:
         return args.model_path
     try:
-        from drmas_graph.models import smollm2_path
+        from drmas_graph.engine.models import smollm2_path
 
         return smollm2_path()
     except Exception as exc:  # noqa: BLE001 - the benchmark runs on a tiny model instead

@@ -32,8 +32,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import torch  # noqa: E402
 
 from drmas_graph import SamplingParams, instrument  # noqa: E402
-from drmas_graph._cli_train import StandInChatModel  # noqa: E402
-from drmas_graph.transformers_policy import TransformersPolicy  # noqa: E402
+from drmas_graph.cli._train import StandInChatModel  # noqa: E402
+from drmas_graph.engine.transformers_policy import TransformersPolicy  # noqa: E402
 from graphs.math.graph import build_graph  # noqa: E402
 
 

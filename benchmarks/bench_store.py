@@ -19,7 +19,7 @@ from pathlib import Path
 
 from langchain_core.messages import HumanMessage, SystemMessage
 
-from drmas_graph.store import TraceStore
+from drmas_graph.traces.store import TraceStore
 from drmas_graph.types import Episode, SamplingParams, Turn
 
 _WORDS = "the of and to in is that for it as with was on be by this are or from at which an have not".split()

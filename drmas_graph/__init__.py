@@ -4,48 +4,65 @@
     episode = app.rollout({"question": "2+3?"})
 
 Names are imported lazily (PEP 562), so `drmas-graph traces ...` starts without loading torch.
+
+The package is layered; each layer imports only the layers below it (`tests/test_layout.py` checks this):
+
+    types, errors, config, env, policy (+ _chat, _structured)   what every layer shares
+    instrumentation/   serve and record the LLM calls of an unmodified LangGraph app
+    engine/            the embedded policy backend (transformers, continuous batching)
+    served/            policies served by SGLang / vLLM over HTTP
+    traces/            the trace store, replay, Weave export
+    train/             the trainer: rollouts, rewards, advantages, the update, checkpoints, evaluation
+    cli/               the `drmas-graph` command
+
+Old module paths of the flat layout (`drmas_graph.trainer`, `drmas_graph.store`, ...) still import, with a
+`DeprecationWarning` naming the new path (`_moved`).
 """
 
 from __future__ import annotations
 
 import importlib
+import sys
+import types as _stdlib_types  # `types` is the name of a submodule (drmas_graph.types)
 from typing import TYPE_CHECKING, Any
+
+from drmas_graph import _moved
 
 __version__ = "0.1.0"
 
 _EXPORTS: dict[str, str] = {
     # instrumenting an app
-    "instrument": "drmas_graph.instrumented",
-    "InstrumentedGraph": "drmas_graph.instrumented",
-    "app_models": "drmas_graph.instrumented",
+    "instrument": "drmas_graph.instrumentation.instrumented",
+    "InstrumentedGraph": "drmas_graph.instrumentation.instrumented",
+    "app_models": "drmas_graph.instrumentation.instrumented",
     "Policy": "drmas_graph.policy",
-    "TransformersPolicy": "drmas_graph.transformers_policy",
+    "TransformersPolicy": "drmas_graph.engine.transformers_policy",
     # core types
     "Episode": "drmas_graph.types",
     "Turn": "drmas_graph.types",
     "Generation": "drmas_graph.types",
     "SamplingParams": "drmas_graph.types",
     # traces and replay
-    "TraceStore": "drmas_graph.store",
-    "rescore": "drmas_graph.rescore",
-    "replay": "drmas_graph.replay",
-    "areplay": "drmas_graph.replay",
-    "ReplayResult": "drmas_graph.replay",
-    "Divergence": "drmas_graph.replay",
+    "TraceStore": "drmas_graph.traces.store",
+    "rescore": "drmas_graph.train.rescore",
+    "replay": "drmas_graph.traces.replay",
+    "areplay": "drmas_graph.traces.replay",
+    "ReplayResult": "drmas_graph.traces.replay",
+    "Divergence": "drmas_graph.traces.replay",
     # training
-    "train_graph": "drmas_graph.trainer",
-    "TrainResult": "drmas_graph.trainer",
+    "train_graph": "drmas_graph.train.trainer",
+    "TrainResult": "drmas_graph.train.trainer",
     "TrainConfig": "drmas_graph.config",
     "Env": "drmas_graph.env",
     "Task": "drmas_graph.env",
-    "compute_advantages": "drmas_graph.advantages",
-    "ModelUpdater": "drmas_graph.update",
-    "UpdateSettings": "drmas_graph.update",
-    "LossSettings": "drmas_graph.update",
+    "compute_advantages": "drmas_graph.train.advantages",
+    "ModelUpdater": "drmas_graph.train.update",
+    "UpdateSettings": "drmas_graph.train.update",
+    "LossSettings": "drmas_graph.train.update",
     # serving
     "SGLangPolicy": "drmas_graph.served",
     "VLLMPolicy": "drmas_graph.served",
-    "PolicyChatModel": "drmas_graph.chat_model",
+    "PolicyChatModel": "drmas_graph.instrumentation.chat_model",
     # errors
     "DrmasError": "drmas_graph.errors",
     "ConfigError": "drmas_graph.errors",
@@ -75,14 +92,32 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_EXPORTS))
 
 
+class _Package(_stdlib_types.ModuleType):
+    """The package module: an exported name never gives way to a submodule of the same name.
+
+    Importing a submodule sets it as an attribute of its package. `drmas_graph.replay` and
+    `drmas_graph.rescore` are exported functions and also old module paths (`_moved`); without this,
+    `import drmas_graph.replay` would replace the function by the module, depending on import order.
+    """
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if isinstance(value, _stdlib_types.ModuleType) and name in _EXPORTS:
+            return  # the exported object (resolved lazily by __getattr__) keeps the name
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
+_moved.install()
+
+
 if TYPE_CHECKING:  # for type checkers and IDEs
-    from drmas_graph.advantages import compute_advantages
-    from drmas_graph.chat_model import PolicyChatModel
+    from drmas_graph.train.advantages import compute_advantages
+    from drmas_graph.instrumentation.chat_model import PolicyChatModel
     from drmas_graph.config import TrainConfig
     from drmas_graph.env import Env, Task
     from drmas_graph.served import SGLangPolicy, VLLMPolicy
-    from drmas_graph.trainer import TrainResult, train_graph
-    from drmas_graph.update import LossSettings, ModelUpdater, UpdateSettings
+    from drmas_graph.train.trainer import TrainResult, train_graph
+    from drmas_graph.train.update import LossSettings, ModelUpdater, UpdateSettings
     from drmas_graph.errors import (
         ConfigError,
         DrmasError,
@@ -95,10 +130,10 @@ if TYPE_CHECKING:  # for type checkers and IDEs
         UnknownAgentError,
         UnservedCallWarning,
     )
-    from drmas_graph.instrumented import InstrumentedGraph, app_models, instrument
+    from drmas_graph.instrumentation.instrumented import InstrumentedGraph, app_models, instrument
     from drmas_graph.policy import Policy
-    from drmas_graph.replay import Divergence, ReplayResult, areplay, replay
-    from drmas_graph.rescore import rescore
-    from drmas_graph.store import TraceStore
-    from drmas_graph.transformers_policy import TransformersPolicy
+    from drmas_graph.traces.replay import Divergence, ReplayResult, areplay, replay
+    from drmas_graph.train.rescore import rescore
+    from drmas_graph.traces.store import TraceStore
+    from drmas_graph.engine.transformers_policy import TransformersPolicy
     from drmas_graph.types import Episode, Generation, SamplingParams, Turn

@@ -2,6 +2,10 @@
 
 Every field has one line of documentation (its `description`); `drmas-graph config-doc` prints them all
 and the README's table is generated from the same source. Unknown keys are errors (typos never pass).
+
+This module sits at the bottom of the package (it imports only `drmas_graph.errors`): the training code
+reads it, never the other way round. Names chosen from registries (`estimator`, `loss_agg`) are checked
+against the name tuples below; a test keeps them equal to the registries in `drmas_graph.train`.
 """
 
 from __future__ import annotations
@@ -17,8 +21,15 @@ from drmas_graph.errors import ConfigError
 __all__ = [
     "TrainConfig", "ModelConfig", "ServeConfig", "AgentConfig", "SamplingConfig", "LossConfig", "UpdateConfig",
     "EvalConfig", "RolloutConfig", "LoggingConfig", "LoraConfig", "WeaveConfig", "load_config", "apply_overrides",
-    "config_reference",
+    "config_reference", "ESTIMATORS", "LOSS_AGGREGATIONS", "BASE_ADAPTER", "check_adapter_name", "model_adapters", "resolve_adapters",
 ]
+
+ESTIMATORS = ("episode_global", "step_global", "agent", "agent_turn")
+"""Advantage estimators by name (each implemented in `drmas_graph.train.advantages.ADVANTAGE_ESTIMATORS`)."""
+LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+"""Loss aggregations by name (each implemented in `drmas_graph.train.losses.LOSS_AGGREGATIONS`)."""
+BASE_ADAPTER = "__base__"
+"""peft's mixed-batch name for rows that use no LoRA adapter (so no adapter may be called that)."""
 
 
 class _Strict(BaseModel):
@@ -33,7 +44,7 @@ class SamplingConfig(_Strict):
 
 
 class LossConfig(_Strict):
-    """How one agent's samples enter the loss (`drmas_graph.update.LossSettings` is this model)."""
+    """How one agent's samples enter the loss (`drmas_graph.train.update.LossSettings` is this model)."""
 
     clip_low: float = Field(0.2, ge=0, lt=1, description="PPO clip: ratio lower bound is 1 - clip_low.")
     clip_high: float = Field(0.2, ge=0, description="PPO clip: ratio upper bound is 1 + clip_high.")
@@ -43,7 +54,7 @@ class LossConfig(_Strict):
 
 
 class UpdateConfig(_Strict):
-    """Optimizer and loss settings of one trainable model (`drmas_graph.update.UpdateSettings` adds the seed)."""
+    """Optimizer and loss settings of one trainable model (`drmas_graph.train.update.UpdateSettings` adds the seed)."""
 
     lr: float = Field(1e-6, ge=0, allow_inf_nan=False, description="AdamW learning rate (0 freezes the model).")
     weight_decay: float = Field(0.01, ge=0, description="AdamW weight decay.")
@@ -67,8 +78,6 @@ class UpdateConfig(_Strict):
     @field_validator("loss_agg")
     @classmethod
     def _known_agg(cls, value: str) -> str:
-        from drmas_graph.losses import LOSS_AGGREGATIONS
-
         return _known_name("loss_agg", value, LOSS_AGGREGATIONS)
 
     @field_validator("betas")
@@ -237,17 +246,13 @@ class TrainConfig(_Strict):
 
     @model_validator(mode="after")
     def _resolve_adapters(self) -> TrainConfig:
-        from drmas_graph.lora import resolve_adapters
-
         resolve_adapters(self.models, self.agents)
         return self
 
     @field_validator("estimator")
     @classmethod
     def _known_estimator(cls, value: str) -> str:
-        from drmas_graph.advantages import ADVANTAGE_ESTIMATORS
-
-        return _known_name("estimator", value, ADVANTAGE_ESTIMATORS)
+        return _known_name("estimator", value, ESTIMATORS)
 
     # ---- YAML ---------------------------------------------------------------------------------
     def to_yaml(self, path: str | Path | None = None) -> str:
@@ -342,6 +347,40 @@ def config_reference() -> list[tuple[str, str, str]]:
 
     walk(TrainConfig, "")
     return rows
+
+
+# ---- LoRA adapters per agent ---------------------------------------------------------------------------
+
+
+def check_adapter_name(where: str, name: str) -> None:
+    # peft warns (and may re-initialise weights on load) when an adapter name is part of its key prefix
+    if not name or name == BASE_ADAPTER or name in "lora_" or "." in name:
+        raise ConfigError(f"{where}: adapter name {name!r} is not usable: it must be non-empty, contain no '.', "
+                          f"and be neither {BASE_ADAPTER!r} nor part of 'lora_'; rename it")
+
+
+def resolve_adapters(models: dict[str, ModelConfig], agents: dict[str, AgentConfig]) -> None:
+    """Give every agent of a `lora` model an adapter (default: the agent's name), in place; refuse an
+    adapter on a model without `lora` and a `lora` model that no agent uses."""
+    for agent, ac in agents.items():
+        mc = models.get(ac.model)
+        if mc is None:  # a policy given in Python (checked when the trainer resolves it)
+            continue
+        if mc.lora is None and ac.adapter is not None:
+            raise ConfigError(f"agents.{agent}.adapter = {ac.adapter!r} but models.{ac.model} has no `lora`; "
+                              f"add models.{ac.model}.lora or remove the adapter")
+        if mc.lora is not None:
+            if ac.adapter is None:
+                ac.adapter = agent
+            check_adapter_name(f"agents.{agent}.adapter", ac.adapter)
+    for name, mc in models.items():
+        if mc.lora is not None and not any(ac.model == name for ac in agents.values()):
+            raise ConfigError(f"models.{name}.lora: no agent uses model {name!r}; add agents with `model: {name}`")
+
+
+def model_adapters(model: str, agents: dict[str, AgentConfig]) -> list[str]:
+    """The adapters of model `model`, in order of first use by `agents`."""
+    return list(dict.fromkeys(ac.adapter for ac in agents.values() if ac.model == model and ac.adapter))
 
 
 def _is_model(obj: Any) -> bool:

@@ -44,7 +44,7 @@ class SamplingParams:
     """Whether the response's logprobs feed a training update; False (evaluation) lets a backend whose logprobs
     would be those of the truncated distribution (vLLM with top-p/top-k) serve the request."""
     adapter: str | None = None
-    """LoRA adapter that generates this response (`drmas_graph.lora`); None = the model's own weights."""
+    """LoRA adapter that generates this response (`drmas_graph.train.lora`); None = the model's own weights."""
 
     def __post_init__(self) -> None:
         if self.temperature < 0:

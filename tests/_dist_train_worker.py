@@ -21,11 +21,11 @@ import zlib
 from pathlib import Path
 from typing import Any
 
-from drmas_graph import _distributed
+from drmas_graph.train import _distributed
 from drmas_graph.config import TrainConfig
 from drmas_graph.testing import tiny_model, tiny_tokenizer
-from drmas_graph.trainer import train_graph
-from drmas_graph.transformers_policy import TransformersPolicy
+from drmas_graph.train.trainer import train_graph
+from drmas_graph.engine.transformers_policy import TransformersPolicy
 from drmas_graph.types import SamplingParams
 from tests import _graphs
 from tests._envs import ParityEnv

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from drmas_graph.transformers_policy import sample_token
+from drmas_graph.engine.transformers_policy import sample_token
 from drmas_graph.types import SamplingParams
 
 SAMPLING_KEYS = {

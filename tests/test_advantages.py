@@ -26,7 +26,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from drmas_graph.advantages import (
+from drmas_graph.train.advantages import (
     ADVANTAGE_ESTIMATORS,
     AdvantageStats,
     compute_advantages,

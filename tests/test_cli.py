@@ -9,7 +9,7 @@ import pytest
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
 
 from drmas_graph.cli import main
-from drmas_graph.store import TraceStore
+from drmas_graph.traces.store import TraceStore
 from drmas_graph.types import Episode, SamplingParams, Turn
 
 

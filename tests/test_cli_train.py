@@ -55,7 +55,7 @@ def test_config_doc_lists_every_field(capsys):
 
 
 def test_eval_twice_in_one_run_folder_gets_a_folder_each(tmp_path, capsys):
-    from drmas_graph.store import TraceStore
+    from drmas_graph.traces.store import TraceStore
 
     cfg = write_config(tmp_path)
     assert main(["eval", str(cfg), "--k", "1", "--n-tasks", "1"]) == 0

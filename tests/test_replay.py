@@ -6,8 +6,8 @@ from langchain_core.messages import HumanMessage
 from drmas_graph import instrument
 from drmas_graph.cli import main as cli_main
 from drmas_graph.errors import ConfigError
-from drmas_graph.replay import replay, replay_episode
-from drmas_graph.store import TraceStore
+from drmas_graph.traces.replay import replay, replay_episode
+from drmas_graph.traces.store import TraceStore
 from drmas_graph.testing import scripted_policy, tiny_policy
 from tests import _graphs
 from tests.test_instrument import Unreachable

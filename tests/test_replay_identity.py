@@ -17,8 +17,8 @@ from langgraph.types import Send
 import drmas_graph
 from drmas_graph import instrument
 from drmas_graph.errors import ConfigError
-from drmas_graph.replay import areplay, areplay_episode, comparable, replay, replay_episode
-from drmas_graph.store import TraceStore
+from drmas_graph.traces.replay import areplay, areplay_episode, comparable, replay, replay_episode
+from drmas_graph.traces.store import TraceStore
 from drmas_graph.testing import scripted_policy
 from tests import _graphs
 from tests.test_instrument import Unreachable
@@ -350,7 +350,7 @@ def test_async_rollouts_record_the_thread_start_of_async_only_checkpointers():
     assert "error" not in second.metadata["thread_start"] and second.metadata["thread_start"]["checkpoint_id"]
     result = asyncio.run(areplay_episode(graph, second))
     assert result.unreproducible is None and result.divergences == [] and result.state_matches
-    from drmas_graph._threads import fork_config
+    from drmas_graph.instrumentation._threads import fork_config
 
     forked, reason = fork_config(graph, second.metadata["thread_start"])  # the sync API cannot read it: said
     assert forked is None and "could not read" in reason and "areplay" in reason

@@ -5,11 +5,11 @@ from pathlib import Path
 
 import pytest
 
-from drmas_graph import _serde
+from drmas_graph.traces import _serde
 from drmas_graph.cli import main as cli_main
 from drmas_graph.errors import ConfigError
-from drmas_graph.rescore import rescore
-from drmas_graph.store import TraceStore
+from drmas_graph.train.rescore import rescore
+from drmas_graph.traces.store import TraceStore
 from tests.test_store import make_episode
 
 

@@ -11,12 +11,12 @@ from langgraph.errors import GraphRecursionError
 from langgraph.graph import END, START, StateGraph
 
 from drmas_graph import SamplingParams
-from drmas_graph._limits import EpisodeLimitError
+from drmas_graph.instrumentation._limits import EpisodeLimitError
 from drmas_graph.env import Task
 from drmas_graph.errors import ConfigError, RolloutError
-from drmas_graph.store import TraceStore
+from drmas_graph.traces.store import TraceStore
 from drmas_graph.testing import tiny_policy
-from drmas_graph.trainer import train_graph
+from drmas_graph.train.trainer import train_graph
 from tests import _graphs
 from tests._envs import ParityEnv
 from tests.test_instrument import Unreachable

@@ -8,9 +8,9 @@ import torch
 from langchain_core.messages import HumanMessage
 
 from drmas_graph import SamplingParams
-from drmas_graph._decode import StopMatcher
-from drmas_graph._sampling import RowParams, bits_to_uniform, hash_uniform, mix32, mix32_py, row_keys, sample_rows, vocab_hash
-from drmas_graph.transformers_policy import sample_batch
+from drmas_graph.engine._decode import StopMatcher
+from drmas_graph.engine._sampling import RowParams, bits_to_uniform, hash_uniform, mix32, mix32_py, row_keys, sample_rows, vocab_hash
+from drmas_graph.engine.transformers_policy import sample_batch
 from tests._logprobs import recompute_logprobs
 
 LOGITS_V = torch.tensor([2.0, 1.5, 1.0, 0.2, -0.5, -1.0])
@@ -278,10 +278,10 @@ def test_weight_update_waits_for_decoding_rows():
         policy.close()
 
 
-@pytest.mark.skipif(not __import__("drmas_graph._cpu_linear", fromlist=["x"]).packed_linear_available(),
+@pytest.mark.skipif(not __import__("drmas_graph.engine._cpu_linear", fromlist=["x"]).packed_linear_available(),
                     reason="this torch build has no oneDNN")
 def test_packed_cpu_linear_matches_plain_and_follows_weight_changes():
-    from drmas_graph._cpu_linear import PackedLinear
+    from drmas_graph.engine._cpu_linear import PackedLinear
 
     torch.manual_seed(0)
     lin = PackedLinear.install(torch.nn.Linear(64, 96))

@@ -13,8 +13,8 @@ pytest.importorskip("gguf", reason="needs the gguf package to read the model fil
 @pytest.mark.slow
 def test_math_graph_runs_on_smollm2_with_exact_tokens():
     from drmas_graph import SamplingParams, TransformersPolicy, instrument
-    from drmas_graph._cli_train import StandInChatModel
-    from drmas_graph.models import smollm2_path
+    from drmas_graph.cli._train import StandInChatModel
+    from drmas_graph.engine.models import smollm2_path
     from graphs.math.env import MathEnv
     from graphs.math.graph import build_graph
 

@@ -28,8 +28,8 @@ from drmas_graph.errors import (
     StoreNotFoundError,
     TraceStoreError,
 )
-from drmas_graph.rescore import rescore
-from drmas_graph.store import SCHEMA_VERSION, TraceStore, TraceStoreWarning
+from drmas_graph.train.rescore import rescore
+from drmas_graph.traces.store import SCHEMA_VERSION, TraceStore, TraceStoreWarning
 from drmas_graph.types import Episode, SamplingParams, Turn
 
 # Logprobs chosen to catch any lossy encoding: a float32 round trip changes all but -0.5 and -inf.
@@ -466,7 +466,7 @@ def test_newer_schema_asks_to_upgrade_and_older_schema_is_rejected(tmp_path: Pat
 _WRITER = textwrap.dedent(
     """
     import sys, threading
-    from drmas_graph.store import TraceStore
+    from drmas_graph.traces.store import TraceStore
     from drmas_graph.types import Episode, Turn
 
     path, prefix, n_threads, n_per_thread = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
@@ -586,9 +586,9 @@ def test_threads_share_one_store(store: TraceStore):
 
 def _advantages_module():
     try:
-        import drmas_graph.advantages as advantages
+        import drmas_graph.train.advantages as advantages
     except ImportError as e:
-        pytest.skip(f"drmas_graph.advantages is not available yet ({e}); rescore needs compute_advantages")
+        pytest.skip(f"drmas_graph.train.advantages is not available yet ({e}); rescore needs compute_advantages")
     return advantages
 
 

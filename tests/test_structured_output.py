@@ -136,7 +136,7 @@ def test_policy_chat_model_honours_structured_output_outside_runs():
 
 
 def test_replay_returns_the_recorded_structured_answer(openai_llm):
-    from drmas_graph.replay import replay_episode
+    from drmas_graph.traces.replay import replay_episode
 
     policy = scripted_policy(['{"ok": true}'])
     graph = judge_graph(lambda: openai_llm.with_structured_output(Verdict, method="json_schema"))

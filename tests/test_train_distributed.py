@@ -18,9 +18,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from drmas_graph import _distributed
+from drmas_graph.train import _distributed
 from drmas_graph.errors import ConfigError
-from drmas_graph.store import TraceStore
+from drmas_graph.traces.store import TraceStore
 from drmas_graph.types import Episode, Turn
 from tests import _dist_train_worker as worker
 
@@ -268,7 +268,7 @@ def test_serve_launch_is_refused_under_a_multi_process_launcher(monkeypatch):
 
 def test_zero3_with_an_embedded_policy_is_refused_under_a_multi_process_launcher(monkeypatch, tmp_path):
     from drmas_graph.config import TrainConfig
-    from drmas_graph.trainer import Trainer
+    from drmas_graph.train.trainer import Trainer
     from tests import _graphs
     from tests._envs import ParityEnv
     from tests.test_instrument import Unreachable

@@ -9,9 +9,9 @@ import torch
 from drmas_graph import SamplingParams
 from drmas_graph.config import TrainConfig, load_config
 from drmas_graph.errors import ConfigError
-from drmas_graph.store import TraceStore
+from drmas_graph.traces.store import TraceStore
 from drmas_graph.testing import tiny_policy
-from drmas_graph.trainer import Trainer, train_graph
+from drmas_graph.train.trainer import Trainer, train_graph
 from tests import _graphs
 from tests._envs import ParityEnv
 from tests.test_instrument import Unreachable
@@ -128,7 +128,7 @@ def test_bad_rewards_failing_tasks_and_idle_agents_are_counted_not_fatal(tmp_pat
     env = RaisingRewardEnv(n_train=5)
     policy = tiny_policy(seed=0, sampling=SamplingParams(max_new_tokens=4))
     cfg = small_config(tmp_path, steps=1, tasks_per_step=5, eval={"k": 1, "n_tasks": 1, "before_training": False})
-    with caplog.at_level("WARNING", logger="drmas_graph.trainer"):
+    with caplog.at_level("WARNING", logger="drmas_graph.train.trainer"):
         result = train_graph(_boom_graph(), env, cfg, policies={"solver": policy, "verifier": policy})
     rec = result.history[0]
     # 5 tasks x G=4: train-0 fails in the graph; train-1 (NaN), train-2 and train-3 (raising env) are bad rewards
@@ -217,7 +217,7 @@ def test_weights_are_identical_at_any_max_concurrency(tmp_path):
 
 
 def test_call_seeds_are_stable_across_processes():
-    from drmas_graph._seeds import call_seed, episode_seed, stable_seed
+    from drmas_graph.instrumentation._seeds import call_seed, episode_seed, stable_seed
 
     # pinned values: blake2b of the parts, not Python's per-process salted hash()
     assert stable_seed("episode", 0, "train", 0, 0, 0) == episode_seed(0, "train", 0, 0, 0)
@@ -252,7 +252,7 @@ def test_config_errors_name_the_field(tmp_path):
 
 
 def test_evaluate_avg_and_pass_at_k_per_agent_stats(tmp_path):
-    from drmas_graph.trainer import evaluate
+    from drmas_graph.train.trainer import evaluate
 
     class HalfEnv(ParityEnv):
         def reward(self, task, episode):

@@ -16,10 +16,10 @@ from langchain_core.messages import HumanMessage, SystemMessage
 from torch.testing import assert_close
 
 from drmas_graph.errors import ConfigError
-from drmas_graph.losses import policy_loss
+from drmas_graph.train.losses import policy_loss
 from drmas_graph.testing import tiny_model, tiny_policy, tiny_tokenizer
 from drmas_graph.types import Sample, SamplingParams
-from drmas_graph.update import LossSettings, ModelUpdater, UpdateSettings
+from drmas_graph.train.update import LossSettings, ModelUpdater, UpdateSettings
 
 # deepspeed's import uses torch.jit.script_method, deprecated in torch 2.13
 pytestmark = pytest.mark.filterwarnings("ignore:.*torch.jit.script_method.*:DeprecationWarning")
@@ -434,7 +434,7 @@ def test_zero_advantage_samples_are_skipped_without_changing_the_step():
     """Samples with A = 0 are not forwarded (KL/entropy off), yet the step equals forwarding them all."""
     from drmas_graph.testing import tiny_policy
     from drmas_graph.types import SamplingParams
-    from drmas_graph.update import ModelUpdater, UpdateSettings
+    from drmas_graph.train.update import ModelUpdater, UpdateSettings
 
     def run(skip):
         policy = tiny_policy(seed=3)
@@ -607,7 +607,7 @@ def test_compute_logprobs_covers_zero_advantage_samples(rollout):
 
 @needs_deepspeed
 def test_deepspeed_refuses_to_move_the_model_off_its_device(monkeypatch):
-    import drmas_graph._engines as engines
+    import drmas_graph.train._engines as engines
 
     # a machine whose DeepSpeed accelerator is a GPU, with the policy's model on the CPU
     monkeypatch.setattr(engines, "_deepspeed_device", lambda local_rank: torch.device("cuda", local_rank))
@@ -624,7 +624,7 @@ def test_deepspeed_refuses_to_move_the_model_off_its_device(monkeypatch):
 
 
 def _batch_with_temperatures(samples, temperatures):
-    from drmas_graph._logprobs import collate
+    from drmas_graph.train._logprobs import collate
 
     batch = collate(samples, pad_id=0, device=torch.device("cpu"))
     return dataclasses.replace(batch, temperatures_B=torch.tensor(temperatures))
@@ -632,7 +632,7 @@ def _batch_with_temperatures(samples, temperatures):
 
 @pytest.mark.parametrize("chunk", [1, 5, 512])
 def test_chunked_lm_head_gives_the_full_logits_numbers_and_gradients(chunk):
-    from drmas_graph._logprobs import check_chunked_head, response_token_stats
+    from drmas_graph.train._logprobs import check_chunked_head, response_token_stats
 
     samples = synthetic_samples()
     batch = _batch_with_temperatures(samples, [0.7, 1.0, 1.3, 0.5, 1.0, 0.9])

@@ -18,12 +18,12 @@ pytest.importorskip("weave")
 from langchain_core.messages import HumanMessage, SystemMessage  # noqa: E402
 
 from drmas_graph import SamplingParams  # noqa: E402
-from drmas_graph import weave_export as wx  # noqa: E402
+from drmas_graph.traces import weave_export as wx  # noqa: E402
 from drmas_graph.config import TrainConfig, config_reference  # noqa: E402
 from drmas_graph.errors import ConfigError  # noqa: E402
-from drmas_graph.store import TraceStore  # noqa: E402
+from drmas_graph.traces.store import TraceStore  # noqa: E402
 from drmas_graph.testing import tiny_policy  # noqa: E402
-from drmas_graph.trainer import Trainer  # noqa: E402
+from drmas_graph.train.trainer import Trainer  # noqa: E402
 from drmas_graph.types import Episode, Turn  # noqa: E402
 from tests._envs import ParityEnv  # noqa: E402
 from tests._weave_server import InMemoryTraceServer, make_client  # noqa: E402

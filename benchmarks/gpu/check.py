@@ -53,7 +53,7 @@ def main() -> int:
     from benchmarks.bench_memory import SIZES, llama
     from drmas_graph import SamplingParams, train_graph
     from drmas_graph.testing import tiny_tokenizer
-    from drmas_graph.transformers_policy import TransformersPolicy
+    from drmas_graph.engine.transformers_policy import TransformersPolicy
     from graphs.math.env import MathEnv
     from graphs.math.graph import build_graph
 

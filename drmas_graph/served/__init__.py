@@ -7,6 +7,9 @@
     policy.sync_weights(checkpoint_dir, version=step)           # pushed N == server's weight_version, else error
 
 Needs `httpx` (extras `sglang` / `vllm`). The servers run in their own environments (see README).
+
+May import: the shared modules (types, errors, config, env, policy, _chat, _structured) and
+`instrumentation` (the running episode's id routes its requests to one server).
 """
 
 from drmas_graph.served._base import ServedPolicy, SyncResult

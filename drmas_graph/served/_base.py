@@ -31,7 +31,7 @@ from typing import Any
 
 import httpx
 
-from drmas_graph._intercept import ACTIVE_HANDLER
+from drmas_graph.instrumentation._intercept import ACTIVE_HANDLER
 from drmas_graph.errors import ConfigError
 from drmas_graph.policy import Policy
 from drmas_graph.served._errors import (BadRequestError, GenerationAbortedError, ServerError,
@@ -74,7 +74,7 @@ class ServedPolicy(Policy, abc.ABC):
         servers: `ServerProcess`es this policy owns; `close()` stops them.
         seed: seeds the generator that draws a sampling seed for direct requests without one (in arrival
             order); None sends none (server randomness). Calls of instrumented rollouts started by the trainer
-            always carry a seed derived from the call's identity (`drmas_graph._seeds`), so they never use it.
+            always carry a seed derived from the call's identity (`drmas_graph.instrumentation._seeds`), so they never use it.
         extra_sampling_params: engine-specific sampling keys sent with every request as they are
             (e.g. `{"repetition_penalty": 1.1}`); the server rejects unknown ones (`BadRequestError`).
     """
@@ -262,7 +262,7 @@ class ServedPolicy(Policy, abc.ABC):
 
     _sync_drains = True
     lora_by_name: tuple[str, ...] = ()
-    """LoRA adapters the servers load by name (`drmas_graph.lora.serve_adapters`); requests name theirs."""
+    """LoRA adapters the servers load by name (`drmas_graph.served._lora.serve_adapters`); requests name theirs."""
     lora_merged: str | None = None
     """The LoRA adapter merged into the served weights; every request names it."""
     """Whether a sync waits for this policy's in-flight requests (SGLang aborts them instead)."""

@@ -27,8 +27,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from drmas_graph.lora import served_adapter
 from drmas_graph.served._base import ServedPolicy
+from drmas_graph.served._lora import served_adapter
 from drmas_graph.served._errors import BadRequestError, GenerationAbortedError, ServerError, WeightSyncError
 from drmas_graph.served._process import ServerProcess, free_port
 from drmas_graph.types import Generation, SamplingParams

@@ -88,7 +88,7 @@ def run(args) -> None:
     from transformers import AutoTokenizer
 
     from drmas_graph import SamplingParams, instrument
-    from drmas_graph._cli_train import StandInChatModel
+    from drmas_graph.cli._train import StandInChatModel
     from drmas_graph.served import SGLangPolicy, launch_sglang
     from graphs.math.graph import build_graph
 

@@ -1,0 +1,90 @@
+"""Old module paths of the flat layout (before 0.2), kept importable for one release.
+
+`from drmas_graph.trainer import Trainer`, `import drmas_graph.store` and `from drmas_graph import
+_distributed` still work: each old path is an alias of the module's new path (the same module object, so
+monkeypatching through the old path patches the real module), with a `DeprecationWarning` naming the new
+path. The few names that left their module (`drmas_graph.lora`'s serving and adapter helpers) are forwarded
+from where they live now, with a warning naming it. `drmas_graph.replay` and `drmas_graph.rescore` stay the
+functions of those names (`from drmas_graph.replay import replay_episode` works too).
+
+This module imports nothing of drmas_graph at import time (modules are named by strings).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.util
+import sys
+import types
+import warnings
+from typing import Any
+
+__all__ = ["MOVED", "MOVED_NAMES", "install"]
+
+_NEW_PACKAGE = {
+    "instrumentation": ("instrumented", "_intercept", "_recorder", "chat_model", "_threads", "_task_paths", "_limits",
+                        "_seeds"),
+    "engine": ("transformers_policy", "_decode", "_sampling", "_cpu_linear", "models"),
+    "traces": ("store", "_serde", "replay", "weave_export"),
+    "train": ("trainer", "_rollouts", "advantages", "losses", "update", "_engines", "lora", "_logprobs", "_reference",
+              "_old_logprobs", "_update_metrics", "_distributed", "metrics", "rescore"),
+}
+MOVED: dict[str, str] = {f"drmas_graph.{m}": f"drmas_graph.{pkg}.{m}" for pkg, ms in _NEW_PACKAGE.items() for m in ms}
+"""Old module path -> its new path."""
+MOVED["drmas_graph._cli_train"] = "drmas_graph.cli._train"
+
+MOVED_NAMES: dict[str, dict[str, str]] = {
+    "drmas_graph.train.lora": {
+        **dict.fromkeys(("is_peft_model", "adapter_kwargs", "load_adapter_weights"), "drmas_graph.engine._adapters"),
+        **dict.fromkeys(("serve_adapters", "served_adapter", "vllm_launch_kwargs"), "drmas_graph.served._lora"),
+        **dict.fromkeys(("resolve_adapters", "model_adapters"), "drmas_graph.config"),
+        "BASE": "drmas_graph.config",
+    },
+}
+"""New module path -> {name that left it: the module it lives in now}."""
+_RENAMED = {("drmas_graph.config", "BASE"): "BASE_ADAPTER"}
+
+
+def _forwarder(module: types.ModuleType) -> Any:
+    """A module `__getattr__` that finds names which left `module`, warning where they are now."""
+    moved = MOVED_NAMES[module.__name__]
+
+    def __getattr__(name: str) -> Any:
+        if name not in moved:
+            raise AttributeError(f"module {module.__name__!r} has no attribute {name!r}")
+        new = moved[name]
+        new_name = _RENAMED.get((new, name), name)
+        warnings.warn(f"{module.__name__}.{name} moved to {new}.{new_name}", DeprecationWarning, stacklevel=2)
+        return getattr(importlib.import_module(new), new_name)
+
+    return __getattr__
+
+
+class _Aliases(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Finds the old module paths (and nothing else); each loads as the module at its new path."""
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        return importlib.util.spec_from_loader(fullname, self) if fullname in MOVED else None
+
+    def __init__(self) -> None:
+        self._real_specs: dict[str, Any] = {}
+
+    def create_module(self, spec: Any) -> types.ModuleType:
+        module = importlib.import_module(MOVED[spec.name])
+        self._real_specs[spec.name] = module.__spec__  # importlib gives it the alias's spec; exec_module undoes that
+        return module
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        module.__spec__ = self._real_specs.pop(module.__spec__.name)
+        if module.__name__ in MOVED_NAMES and "__getattr__" not in vars(module):
+            module.__getattr__ = _forwarder(module)  # type: ignore[attr-defined]
+        old = next(o for o, n in MOVED.items() if n == module.__name__)
+        warnings.warn(f"{old} moved to {module.__name__}; import from there (the old path goes away in the next "
+                      "release)", DeprecationWarning, stacklevel=2)
+
+
+def install() -> None:
+    """Put the alias finder on `sys.meta_path` (once)."""
+    if not any(isinstance(f, _Aliases) for f in sys.meta_path):
+        sys.meta_path.append(_Aliases())

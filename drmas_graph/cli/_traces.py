@@ -1,0 +1,277 @@
+"""`drmas-graph traces ...`: list, show, stats, export, replay and rescore a stored run (registered by
+`drmas_graph.cli.build_parser`). These commands never load torch."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console, Group
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+
+from drmas_graph.cli._imports import import_object
+from drmas_graph.traces.store import TraceStore
+from drmas_graph.types import Episode, Turn
+
+__all__ = ["add_traces_commands"]
+
+_SNIPPET_CHARS = 240
+"""Longest prompt/response excerpt `traces show` prints."""
+
+
+# -- traces ------------------------------------------------------------------------------------------
+
+
+def add_traces_commands(groups: Any) -> None:
+    traces = groups.add_parser("traces", help="inspect, export and replay recorded runs (trace stores)")
+    commands = traces.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = commands.add_parser("list", help="one line per episode")
+    p.add_argument("path", help="trace store (.sqlite) of a run")
+    p.add_argument("--step", type=int, help="only episodes used in this training step")
+    p.add_argument("--agent", help="only episodes where this agent made a call")
+    p.add_argument("--task", help="only episodes of this task id")
+    outcome = p.add_mutually_exclusive_group()
+    outcome.add_argument("--failed", action="store_const", const=True, dest="failed", help="only failed runs")
+    outcome.add_argument(
+        "--ok", action="store_const", const=False, dest="failed", help="only runs that ended"
+    )
+    p.add_argument("--limit", type=int, help="at most this many episodes")
+    p.set_defaults(func=_cmd_list)
+
+    p = commands.add_parser("show", help="the timeline of one episode, one block per LLM call")
+    p.add_argument("path", help="trace store (.sqlite) of a run")
+    p.add_argument("episode", help="episode id (see `traces list`)")
+    p.set_defaults(func=_cmd_show)
+
+    p = commands.add_parser("stats", help="episode, turn and token counts, bytes per 1k tokens")
+    p.add_argument("path", help="trace store (.sqlite) of a run")
+    p.set_defaults(func=_cmd_stats)
+
+    p = commands.add_parser("export", help="per-agent trajectories, one row per LLM call")
+    p.add_argument("path", help="trace store (.sqlite) of a run")
+    p.add_argument("--format", choices=["jsonl", "parquet"], default="jsonl")
+    p.add_argument("--out", type=Path, help="output file (default: PATH with the format's suffix)")
+    p.add_argument("--agent", help="only this agent's calls")
+    p.add_argument("--step", type=int, help="only episodes used in this training step")
+    p.add_argument("--weave", metavar="PROJECT", help="export to this W&B Weave project instead of a file "
+                   "(PATH may be the run folder); needs the `weave` extra")
+    p.add_argument("--sample-per-step", type=int, metavar="N", help="with --weave: N tasks (groups) per step")
+    p.set_defaults(func=_cmd_export)
+
+    p = commands.add_parser("replay", help="re-run a recorded episode through a graph and report divergences")
+    p.add_argument("path", help="trace store (.sqlite) of a run")
+    p.add_argument("episode", help="episode id (see `traces list`)")
+    p.add_argument("--graph", required=True, metavar="MODULE:ATTR", help="the compiled graph to replay into")
+    p.set_defaults(func=_cmd_replay)
+    _add_rescore_command(commands)
+
+
+def _add_rescore_command(commands: Any) -> None:
+    from drmas_graph.train.rescore import POOLS
+
+    p = commands.add_parser(
+        "rescore", help="new rewards and advantages for a stored run from another reward function, no model",
+        description="Recompute rewards and advantages of the pooled episodes (advantages are normalised over "
+                    "them, group by group). Pools: " + "; ".join(f"{k}: {v}" for k, v in POOLS.items()) + ".")
+    p.add_argument("path", help="trace store (.sqlite) of a run")
+    p.add_argument("--reward", required=True, metavar="MODULE:ATTR",
+                   help="reward function: episode -> float (team reward) or {agent: float}")
+    p.add_argument("--episodes", choices=list(POOLS), default="trained",
+                   help="which episodes to pool (default: trained = the episodes training used in the latest "
+                        "run; eval, failed, bad-reward and pre-resume episodes are left out)")
+    p.add_argument("--step", type=int, help="only the episodes of this training step")
+    p.add_argument("--estimator", default="agent", help="advantage estimator (default: agent)")
+    p.add_argument("--no-norm-by-std", action="store_false", dest="norm_by_std",
+                   help="do not divide advantages by the group's std")
+    p.add_argument("--out", type=Path, help="write the rescored episodes to this new trace store")
+    p.set_defaults(func=_cmd_rescore)
+
+
+def _cmd_rescore(args: argparse.Namespace, console: Console) -> int:
+    from drmas_graph.train.rescore import rescore
+
+    result = rescore(args.path, import_object(args.reward), estimator=args.estimator,
+                     norm_by_std=args.norm_by_std, step=args.step, episodes=args.episodes, out=args.out)
+    totals: dict[str, list[float]] = {}
+    for rescored in result.values():
+        for agent, reward in rescored.rewards.items():
+            totals.setdefault(agent, []).append(reward)
+    means = ", ".join(f"{a} {sum(r) / len(r):.4f}" for a, r in sorted(totals.items()))
+    console.print(f"rescored {len(result)} episodes (pool: {args.episodes}); mean reward: {means or '-'}"
+                  + (f"; wrote {args.out}" if args.out else ""), markup=False)
+    return 0
+
+
+def _cmd_list(args: argparse.Namespace, console: Console) -> int:
+    with TraceStore(args.path, readonly=True) as store:
+        summaries = store.episodes(
+            step=args.step, agent=args.agent, task_id=args.task, failed=args.failed, limit=args.limit
+        )
+    table = Table(title=Text(f"{len(summaries)} episodes in {args.path}"), title_justify="left")
+    for column in ("episode", "task", "group", "step", "turns", "agents", "tokens p/r", "reward", "error"):
+        table.add_column(column, overflow="fold")
+    for s in summaries:
+        cells = (
+            s.id,
+            _or_dash(s.task_id),
+            _or_dash(s.group_id),
+            _or_dash(s.step),
+            str(s.n_turns),
+            ", ".join(s.agents),
+            f"{s.n_prompt_tokens}/{s.n_response_tokens}",
+            _number(s.reward),
+            _snippet(s.error or "", 60) or "-",
+        )
+        table.add_row(*map(Text, cells))  # Text: '[...]' in user data is not rich markup
+    console.print(table)
+    return 0
+
+
+def _cmd_show(args: argparse.Namespace, console: Console) -> int:
+    with TraceStore(args.path, readonly=True) as store:
+        summary = store.summary(args.episode)
+        episode = store.load_episode(args.episode)
+    console.print(_episode_header(episode, summary.step))
+    for position, turn in enumerate(episode.turns):
+        console.print(_turn_block(episode, position, turn))
+    return 0
+
+
+def _cmd_stats(args: argparse.Namespace, console: Console) -> int:
+    with TraceStore(args.path, readonly=True) as store:
+        stats = store.stats()
+    table = Table(title=Text(f"trace store {args.path}"), title_justify="left", show_header=False)
+    table.add_column("what")
+    table.add_column("value", justify="right")
+    rows = [
+        ("episodes", stats.n_episodes),
+        ("failed episodes", stats.n_failed),
+        ("turns (LLM calls)", stats.n_turns),
+        ("trainable turns", stats.n_trainable_turns),
+        ("prompt tokens", stats.n_prompt_tokens),
+        ("response tokens", stats.n_response_tokens),
+        ("training steps", ", ".join(map(str, stats.steps)) or "-"),
+        ("bytes on disk", stats.db_bytes),
+        ("bytes per 1k tokens", f"{stats.bytes_per_1k_tokens:.0f}"),
+        ("token-array bytes per 1k tokens", f"{stats.token_bytes_per_1k_tokens:.0f}"),
+    ]
+    rows += [(f"turns of {agent}", n) for agent, n in stats.turns_by_agent.items()]
+    for what, value in rows:
+        table.add_row(Text(what), Text(str(value)))
+    console.print(table)
+    return 0
+
+
+def _cmd_export(args: argparse.Namespace, console: Console) -> int:
+    if args.weave:
+        from drmas_graph.traces.weave_export import cli_export
+
+        return cli_export(args, console)
+    out = args.out or _default_export_path(Path(args.path), args.format, args.agent)
+    with TraceStore(args.path, readonly=True) as store:
+        n_rows = store.export(out, args.format, agent=args.agent, step=args.step)
+    console.print(f"wrote {n_rows} turns to {out}", markup=False)
+    return 0
+
+
+def _cmd_replay(args: argparse.Namespace, console: Console) -> int:
+    """Replay one stored episode into ``--graph``; exit status 1 if it diverged from the recording."""
+    import asyncio
+
+    from drmas_graph.traces.replay import AsyncOnlyGraphError, areplay_episode, replay_episode
+
+    graph = import_object(args.graph)
+    if callable(graph) and not hasattr(graph, "invoke") and not hasattr(graph, "compile"):
+        graph = graph()  # a factory that builds the graph
+    with TraceStore(args.path, readonly=True) as store:
+        episode = store.load_episode(args.episode)
+    try:
+        result = replay_episode(graph, episode)
+    except AsyncOnlyGraphError:
+        result = asyncio.run(areplay_episode(graph, episode))
+    if result.unreproducible:
+        console.print(f"episode {episode.id} cannot be reproduced exactly: {result.unreproducible}", markup=False)
+    divergences = list(result.divergences)
+    if not divergences:
+        same = "the recorded final state" if result.state_matches else "a DIFFERENT final state"
+        console.print(f"episode {episode.id}: replay matched all {len(episode.turns)} calls and reproduced {same} "
+                      f"in {result.wall_s:.3f}s", markup=False)
+        if not result.state_matches:
+            console.print(result.state_diff, markup=False)
+        return 0 if result.state_matches else 1
+    console.print(f"episode {episode.id}: {len(divergences)} divergence(s)", markup=False)
+    for divergence in divergences:
+        console.print(f"- {divergence}", markup=False)
+    return 1
+
+
+# -- helpers -----------------------------------------------------------------------------------------
+
+
+def _default_export_path(path: Path, format: str, agent: str | None) -> Path:
+    suffix = f".{agent.replace('/', '_')}.{format}" if agent else f".{format}"
+    return path.with_name(path.stem + suffix)
+
+
+def _or_dash(value: object) -> str:
+    return "-" if value is None else str(value)
+
+
+def _number(value: float | None) -> str:
+    return "-" if value is None else f"{value:.4g}"
+
+
+def _snippet(text: str, limit: int = _SNIPPET_CHARS) -> str:
+    """One line of at most `limit` characters; a cut is marked with '…' (and the kept head)."""
+    flat = " ".join(str(text).split())
+    return flat if len(flat) <= limit else flat[: limit - 1] + "…"
+
+
+def _message_text(message: Any) -> str:
+    content = message.content
+    if isinstance(content, list):  # content blocks: keep the text ones
+        content = " ".join(
+            block.get("text", "") if isinstance(block, dict) else str(block) for block in content
+        )
+    return f"{message.type}: {content}"
+
+
+def _episode_header(episode: Episode, train_step: int | None) -> Panel:
+    rewards = ", ".join(f"{agent}={_number(r)}" for agent, r in episode.rewards.items()) or "-"
+    wall = episode.timings.get("wall_s")
+    lines = [
+        f"task {_or_dash(episode.task_id)}   group {_or_dash(episode.group_id)}   "
+        f"training step {_or_dash(train_step)}",
+        f"turns {len(episode.turns)}   agents {', '.join(episode.agents) or '-'}   "
+        f"wall {'-' if wall is None else f'{wall:.2f}s'}",
+        f"rewards {rewards}",
+        f"error {episode.error or '-'}",
+    ]
+    return Panel(Text("\n".join(lines)), title=Text(f"episode {episode.id}"), title_align="left")
+
+
+def _turn_block(episode: Episode, position: int, turn: Turn) -> Panel:
+    turn_reward = None if episode.turn_rewards is None else episode.turn_rewards[position]
+    advantage = None if episode.advantages is None else episode.advantages[position]
+    policy = f"{turn.policy}@{_or_dash(turn.policy_version)}" if turn.policy else "app model"
+    policy += "" if turn.trainable else " (not trainable)"
+    title = f"#{position}  node {turn.node}  agent {turn.agent}  step {turn.step}"
+    facts = (
+        f"tokens prompt {turn.n_prompt_tokens} / response {turn.n_response_tokens}   "
+        f"finish {turn.finish_reason}   policy {policy}   latency {turn.latency_s:.3f}s\n"
+        f"reward {_number(turn_reward)}   advantage {_number(advantage)}"
+    )
+    prompt = _snippet(_message_text(turn.messages[-1])) if turn.messages else "(no messages)"
+    body = [
+        Text(facts),
+        Text(f"prompt   {prompt}"),
+        Text(f"response {_snippet(turn.response_text) or '(empty)'}"),
+    ]
+    if turn.tool_calls:
+        calls = ", ".join(f"{c.get('name')}({_snippet(str(c.get('args', {})), 80)})" for c in turn.tool_calls)
+        body.append(Text(f"tools    {calls}"))
+    return Panel(Group(*body), title=Text(title), title_align="left")

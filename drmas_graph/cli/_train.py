@@ -1,0 +1,153 @@
+"""`drmas-graph train`, `drmas-graph eval` and `drmas-graph config-doc` (registered by `drmas_graph.cli.build_parser`).
+
+    drmas-graph train CONFIG.yaml [--set key.sub=value ...]
+    drmas-graph eval CONFIG.yaml [--checkpoint DIR] [--split test] [--k 16] [--n-tasks N] [--set ...]
+    drmas-graph config-doc
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+from pathlib import Path
+from typing import Any
+
+from langchain_core.language_models.chat_models import BaseChatModel
+from rich.console import Console
+from rich.table import Table
+
+from drmas_graph.cli._imports import import_object
+from drmas_graph.config import TrainConfig, config_reference, load_config
+from drmas_graph.errors import ConfigError
+
+__all__ = ["add_train_commands", "StandInChatModel", "build_graph_and_env", "eval_dir"]
+
+
+class StandInChatModel(BaseChatModel):
+    """What a graph factory gets as its `llm` under `drmas-graph train`: inside instrumented runs every call
+    is served by the agent's policy; a call outside one is an error (it would otherwise go nowhere)."""
+
+    @property
+    def _llm_type(self) -> str:
+        return "drmas-stand-in"
+
+    def bind_tools(self, tools: Any, **kwargs: Any) -> Any:
+        from langchain_core.utils.function_calling import convert_to_openai_tool
+
+        return self.bind(tools=[convert_to_openai_tool(t) for t in tools], **kwargs)
+
+    def _generate(self, *args: Any, **kwargs: Any) -> Any:
+        raise ConfigError("the stand-in chat model was called outside an instrumented run; only policies answer")
+
+
+def build_graph_and_env(cfg: TrainConfig) -> tuple[Any, Any]:
+    """Import and build the graph and environment a config names ('module:attr' + kwargs)."""
+
+    if not cfg.graph or not cfg.env:
+        raise ConfigError("the config must name `graph` and `env` as 'module:attr' for the CLI")
+    graph = import_object(cfg.graph)
+    if callable(graph) and not hasattr(graph, "invoke") and not hasattr(graph, "compile"):
+        kwargs = dict(cfg.graph_kwargs)
+        if "llm" in inspect.signature(graph).parameters:
+            kwargs.setdefault("llm", StandInChatModel())
+        graph = graph(**kwargs)
+    env_factory = import_object(cfg.env)
+    env = env_factory(**cfg.env_kwargs) if callable(env_factory) else env_factory
+    return graph, env
+
+
+def add_train_commands(groups: Any) -> None:
+    p = groups.add_parser("train", help="train a graph's policies with agent-wise GRPO from a YAML config")
+    p.add_argument("config", type=Path, help="YAML training config (see `drmas-graph config-doc`)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
+    p.set_defaults(func=_cmd_train)
+
+    p = groups.add_parser("eval", help="avg@k and pass@k of a checkpoint (or the base models) on a split")
+    p.add_argument("config", type=Path, help="the run's YAML config")
+    p.add_argument("--checkpoint", type=Path, help="checkpoint folder (run_dir/checkpoints/step_N); default: base models")
+    p.add_argument("--split", help="task split (default: eval.split)")
+    p.add_argument("--k", type=int, help="samples per task (default: eval.k)")
+    p.add_argument("--n-tasks", type=int, help="first N tasks of the split (default: eval.n_tasks)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
+    p.set_defaults(func=_cmd_eval)
+
+    p = groups.add_parser("config-doc", help="every training config field with its default and meaning")
+    p.set_defaults(func=_cmd_config_doc)
+
+
+def _cmd_train(args: argparse.Namespace, console: Console) -> int:
+    from drmas_graph.train import _distributed
+    from drmas_graph.train.trainer import train_graph
+
+    cfg = load_config(args.config, args.set)
+    graph, env = build_graph_and_env(cfg)
+    if _distributed.rank_from_env() == 0:  # under a launcher, rank 0 alone reports
+        console.print(f"training {cfg.name}: run folder {cfg.run_dir}", markup=False)
+    try:
+        result = train_graph(graph, env, cfg)
+    finally:
+        _distributed.shutdown()
+    if _distributed.rank_from_env() == 0:
+        console.print(result.summary(), markup=False)
+    return 0
+
+
+def _cmd_eval(args: argparse.Namespace, console: Console) -> int:
+    from drmas_graph.train.lora import load_checkpoint_adapters
+    from drmas_graph.train import _distributed
+    from drmas_graph.train.trainer import Trainer, evaluate
+
+    overrides = list(args.set)
+    if args.k:
+        overrides.append(f"eval.k={args.k}")
+    if args.n_tasks:
+        overrides.append(f"eval.n_tasks={args.n_tasks}")
+    cfg = load_config(args.config, overrides)
+    if args.checkpoint is not None:
+        if not args.checkpoint.is_dir():
+            raise ConfigError(f"checkpoint {str(args.checkpoint)!r} is not a folder")
+        for name, model in list(cfg.models.items()):
+            path = args.checkpoint / name / "model"
+            if model.trainable and path.is_dir() and model.lora is None:  # LoRA: the adapters load below
+                cfg.models[name] = model.model_copy(update={"path": str(path), "gguf_file": None, "tiny": None})
+    cfg.run_dir = str(eval_dir(Path(cfg.run_dir), args.checkpoint, args.split or cfg.eval.split, cfg.eval.k))
+    graph, env = build_graph_and_env(cfg)
+    trainer = Trainer(graph, env, cfg, train=False)
+    try:
+        if args.checkpoint is not None:
+            load_checkpoint_adapters(trainer, args.checkpoint)
+        record = evaluate(trainer, step=0, split=args.split)  # sharded over the processes of a launcher
+        _distributed.remove_rank_stores(trainer.run_dir, trainer.store.close)
+        main = _distributed.is_main()
+    finally:
+        trainer.close()
+        _distributed.shutdown()
+    if not main:
+        return 0
+    table = Table(title=f"{args.checkpoint or 'base models'} on {record['split']} ({record['tasks']} tasks)")
+    for col in ("metric", "value"):
+        table.add_column(col)
+    for key, value in record.items():
+        if key not in ("step", "split"):
+            table.add_row(key.replace("@k", f"@{record['k']}"), f"{value:.3f}" if isinstance(value, float) else str(value))
+    console.print(table)
+    console.print(f"episodes and config: {cfg.run_dir}", markup=False)
+    return 0
+
+
+def eval_dir(run_dir: Path, checkpoint: Path | None, split: str, k: int) -> Path:
+    """A new folder per `drmas-graph eval`: run_dir/eval/<checkpoint|base>-<split>-k<k>[-2, -3, ...] (each with its
+    own traces.db and config.yaml, so evaluations with other settings never collide)."""
+    label = f"{checkpoint.name if checkpoint is not None else 'base'}-{split}-k{k}"
+    root = run_dir / "eval"
+    path, n = root / label, 1
+    while path.exists():
+        n += 1
+        path = root / f"{label}-{n}"
+    return path
+
+
+def _cmd_config_doc(args: argparse.Namespace, console: Console) -> int:
+    for field, default, description in config_reference():
+        console.print(f"{field:<36} {default:<14} {description}", markup=False)
+    return 0

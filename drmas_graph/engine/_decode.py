@@ -1,0 +1,457 @@
+"""The embedded engine's continuous batch: active rows sharing one left-padded KV cache.
+
+Shapes: `_B` active rows, `_N` newcomers, `_U` distinct newcomer prompts, `_L` cache length.
+
+Every `step`: the active rows decode one token (one forward pass), the newcomers are prefilled (one
+forward pass over their *distinct* prompts; rows with the same prompt share its KV cache rows, and a
+prompt prefilled recently under the same weights is taken from `PromptCache`), every row
+samples on the device (`_sampling.sample_rows`), one device-to-host copy brings back the sampled ids and
+logprobs, rows that finished leave, and the newcomers' cache rows are merged into the batch (left-padded
+to a common length; fully padded leading columns are trimmed). A row's tokens depend on its prompt,
+params and seed only: its position ids and attention mask ignore the padding, and its noise is keyed by
+(seed, position).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import functools
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from drmas_graph.engine._cpu_linear import PackedLinear, packed_linear_available
+from drmas_graph.engine._sampling import RowParams, sample_rows, vocab_hash
+from drmas_graph.types import Generation, SamplingParams
+
+__all__ = ["Request", "DecodeBatch", "StopMatcher", "EngineStats", "PromptCache"]
+
+
+@dataclass
+class Request:
+    """One queued generation request (extend with per-request options, e.g. an adapter name)."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int
+    future: concurrent.futures.Future
+
+
+@dataclass
+class EngineStats:
+    """Counters of the engine (for benchmarks and tests)."""
+
+    batches: int = 0
+    """Admissions: groups of requests prefilled together."""
+    requests: int = 0
+    """Requests admitted."""
+    max_batch: int = 0
+    """Most rows sampled in one step (active rows plus newcomers)."""
+    forward_passes: int = 0
+    """Model calls (decode steps and prefills)."""
+    prefill_rows: int = 0
+    """Distinct prompts prefilled."""
+    prefill_tokens: int = 0
+    """Prompt tokens prefilled (distinct prompts only)."""
+    shared_prefill_rows: int = 0
+    """Requests that reused the prefill of an identical prompt admitted with them."""
+    joined_mid_decode: int = 0
+    """Requests admitted while other rows were decoding."""
+    prefix_cache_hits: int = 0
+    """Distinct prompts whose KV rows came from the recent-prompt cache instead of a prefill."""
+
+
+class PromptCache:
+    """The KV rows and last-position logits of recently prefilled prompts (LRU; one weights version).
+
+    GRPO sends a group's identical prompts at about the same time; members that miss the admission of
+    the first ones (or identical follow-up prompts) reuse its prefill instead of recomputing it.
+    """
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.version: int | None = None
+        self.entries: OrderedDict[tuple[str | None, tuple[int, ...]], tuple[list, torch.Tensor]] = OrderedDict()
+
+    def get(self, prompt: tuple[str | None, tuple[int, ...]], version: int) -> tuple[list, torch.Tensor] | None:
+        if version != self.version:
+            self.entries.clear()
+            self.version = version
+        entry = self.entries.get(prompt)
+        if entry is not None:
+            self.entries.move_to_end(prompt)
+        return entry
+
+    def put(self, prompt: tuple[str | None, tuple[int, ...]], kv: list, logits_V: torch.Tensor, version: int) -> None:
+        if self.size <= 0 or version != self.version:
+            return
+        self.entries[prompt] = ([(k.clone(), v.clone()) for k, v in kv], logits_V.clone())
+        self.entries.move_to_end(prompt)
+        while len(self.entries) > self.size:
+            self.entries.popitem(last=False)
+
+
+class StopMatcher:
+    """Incremental stop-string check: decodes only the newest tokens (prefix/read offsets, as vLLM does).
+
+    `feed(ids)` after each new token returns whether the text decoded so far (special tokens kept) contains
+    one of the stop strings; only the part that can hold a new match is searched.
+    """
+
+    def __init__(self, tokenizer: Any, stops: Sequence[str]) -> None:
+        self.tokenizer = tokenizer
+        self.stops = tuple(stops)
+        self.max_len = max(len(s) for s in self.stops)
+        self.text = ""
+        self.prefix_offset = 0
+        self.read_offset = 0
+
+    def feed(self, ids: Sequence[int]) -> bool:
+        decode = self.tokenizer.decode
+        before = decode(list(ids[self.prefix_offset:self.read_offset]), skip_special_tokens=False)
+        now = decode(list(ids[self.prefix_offset:]), skip_special_tokens=False)
+        if len(now) <= len(before) or now.endswith("\ufffd"):
+            return False  # an incomplete multi-byte character: wait for the next token
+        delta = now[len(before):]
+        self.text += delta
+        self.prefix_offset, self.read_offset = self.read_offset, len(ids)
+        tail = self.text[-(len(delta) + self.max_len - 1):]
+        return any(s in tail for s in self.stops)
+
+
+@dataclass
+class _Row:
+    req: Request
+    stop_ids: frozenset[int]
+    matcher: StopMatcher | None
+    version: int
+    out_ids: list[int] = field(default_factory=list)
+    out_lp: list[float] = field(default_factory=list)
+
+    def add(self, token: int, logprob: float) -> str | None:
+        """Record a sampled token; the finish reason if the row is done."""
+        self.out_ids.append(token)
+        self.out_lp.append(logprob)
+        if token in self.stop_ids:
+            return "stop"
+        if self.matcher is not None and self.matcher.feed(self.out_ids):
+            return "stop"
+        if len(self.out_ids) >= self.req.params.max_new_tokens:
+            return "length"
+        return None
+
+    def generation(self, reason: str) -> Generation:
+        return Generation(token_ids=self.out_ids, logprobs=self.out_lp, finish_reason=reason,
+                          policy_version=self.version)
+
+
+_SPARE_COLUMNS = 64  # room left after the last cache column, so decode steps append in place
+
+
+@functools.cache
+def _growing_layer_class() -> type:
+    """`DynamicLayer` whose keys/values are a prefix view of a buffer with spare columns (made once).
+
+    The plain layer concatenates the whole cache to append one column every decode step (a full copy of
+    the KV cache per step); this one writes the new column into the buffer's spare room and only copies
+    when the room is used up (or the rows were regrouped: `_merge_caches` then builds a new buffer).
+    """
+    from transformers.cache_utils import DynamicLayer
+
+    class GrowingLayer(DynamicLayer):
+        key_buf: torch.Tensor | None = None
+        value_buf: torch.Tensor | None = None
+
+        def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
+                   **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+            n, add = self.keys.shape[-2], key_states.shape[-2]
+            if not _is_prefix_view(self.keys, self.key_buf, n + add):
+                self.key_buf = _with_room(self.keys, n + add + _SPARE_COLUMNS)
+                self.value_buf = _with_room(self.values, n + add + _SPARE_COLUMNS)
+            self.key_buf[:, :, n:n + add].copy_(key_states)
+            self.value_buf[:, :, n:n + add].copy_(value_states)
+            self.keys, self.values = self.key_buf[:, :, :n + add], self.value_buf[:, :, :n + add]
+            return self.keys, self.values
+
+    return GrowingLayer
+
+
+def _is_prefix_view(t: torch.Tensor, buf: torch.Tensor | None, need: int) -> bool:
+    """Whether `t` is buf[:, :, :n] and the buffer holds `need` columns."""
+    return (buf is not None and t.data_ptr() == buf.data_ptr() and t.shape[:2] == buf.shape[:2]
+            and t.stride() == buf.stride() and need <= buf.shape[2])
+
+
+def _with_room(t: torch.Tensor, columns: int) -> torch.Tensor:
+    """A (B, H, columns, D) buffer whose first columns hold `t`."""
+    buf = t.new_empty((t.shape[0], t.shape[1], columns, t.shape[3]))
+    buf[:, :, :t.shape[2]].copy_(t)
+    return buf
+
+
+def _mergeable(cache: Any) -> bool:
+    """Whether the cache is a list of plain full-attention dynamic layers, whose rows can be moved freely."""
+    from transformers.cache_utils import DynamicLayer
+
+    layers = getattr(cache, "layers", None)
+    kinds = (DynamicLayer, _growing_layer_class())
+    return bool(layers) and all(type(layer) in kinds and layer.is_initialized for layer in layers)
+
+
+def _prompt_kv(cache: Any, row: int, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One prompt's (keys, values) per layer, (1, heads, n, head_dim), without its left padding."""
+    return [(layer.keys[row:row + 1, :, -n:], layer.values[row:row + 1, :, -n:]) for layer in cache.layers]
+
+
+def _stack_prompts(kvs: list[list[tuple[torch.Tensor, torch.Tensor]]], lengths: list[int],
+                   device: torch.device) -> tuple[Any, torch.Tensor]:
+    """A dynamic cache holding the prompts' KV rows left-padded to a common length, and its mask_UL."""
+    from transformers.cache_utils import DynamicCache
+
+    L = max(lengths)
+    layers = [tuple(torch.cat([_left_pad(kv[li][j], L - n, 2) for kv, n in zip(kvs, lengths)]) for j in (0, 1))
+              for li in range(len(kvs[0]))]
+    mask_UL = (torch.arange(L)[None, :] >= torch.tensor([L - n for n in lengths])[:, None]).long()
+    return DynamicCache(ddp_cache_data=layers), mask_UL.to(device)
+
+
+def _left_pad(t: torch.Tensor, n: int, dim: int) -> torch.Tensor:
+    if n == 0:
+        return t
+    shape = list(t.shape)
+    shape[dim] = n
+    return torch.cat([t.new_zeros(shape), t], dim=dim)
+
+
+class DecodeBatch:
+    """The active rows of the embedded engine and their shared KV cache (used by one worker thread)."""
+
+    def __init__(self, model: Any, tokenizer: Any, *, pad_id: int, eos_ids: Sequence[int], cache_kwarg: str,
+                 stats: EngineStats, prompt_cache_size: int = 0, packed_cpu_linear: bool = False,
+                 row_kwargs: Callable[[list[str | None]], dict[str, Any]] | None = None) -> None:
+        self.model = model
+        self.row_kwargs = row_kwargs or (lambda adapters: {})
+        """Extra forward kwargs for rows that use the given LoRA adapters (None = the model's own weights)."""
+        self.tokenizer = tokenizer
+        self.device = next(model.parameters()).device
+        self.pad_id = pad_id
+        self.eos_ids = frozenset(eos_ids)
+        self.cache_kwarg = cache_kwarg
+        self.stats = stats
+        self._vocab_hash: torch.Tensor | None = None
+        self.prompt_cache = PromptCache(prompt_cache_size)
+        use_packed = packed_cpu_linear and self.device.type == "cpu" and packed_linear_available()
+        self.linear_mode = PackedLinear() if use_packed else None
+        if use_packed:
+            PackedLinear.install(model)
+        self.clear()
+
+    def clear(self) -> None:
+        """Drop every row (after a failure or when the batch drained)."""
+        self.rows: list[_Row] = []
+        self.cache: Any = None
+        self.mask_BL: torch.Tensor | None = None  # 1 where a cache column holds a real token of the row
+        self.next_ids_B: torch.Tensor | None = None  # the token each row feeds next (sampled, on device)
+        self.next_pos_B: torch.Tensor | None = None  # its position id
+        self.gen_pos_B: torch.Tensor | None = None  # tokens generated so far (the noise counter)
+        self.rp: RowParams | None = None
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    @property
+    def can_join(self) -> bool:
+        """Whether newcomers may join while rows are decoding (the cache layout supports moving rows)."""
+        return not self.rows or _mergeable(self.cache)
+
+    def _vocab(self, V: int) -> torch.Tensor:
+        if self._vocab_hash is None or self._vocab_hash.numel() != V:
+            self._vocab_hash = vocab_hash(V, self.device)
+        return self._vocab_hash
+
+    def _forward(self, ids_BL: torch.Tensor, mask_BL: torch.Tensor, pos_BL: torch.Tensor, cache: Any,
+                 adapters: list[str | None]):
+        with self.linear_mode or contextlib.nullcontext():
+            out = self.model(input_ids=ids_BL, attention_mask=mask_BL, position_ids=pos_BL, use_cache=True,
+                             logits_to_keep=1, **{self.cache_kwarg: cache}, **self.row_kwargs(adapters))
+        self.stats.forward_passes += 1
+        return out.logits[:, -1, :], getattr(out, self.cache_kwarg)
+
+    # ---- one step ---------------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self, newcomers: Sequence[Request], version: int) -> list[tuple[Request, Generation]]:
+        """Decode one token for every active row, prefill and sample the newcomers; return finished rows."""
+        if self.linear_mode is not None:
+            self.linear_mode.for_version(version)
+        ids, lps = [], []
+        if self.rows:
+            ids_B, lp_B = self._decode()
+            ids.append(ids_B)
+            lps.append(lp_B)
+        new = None
+        if newcomers:
+            new = self._prefill(newcomers, version)
+            ids.append(new["ids_N"])
+            lps.append(new["lp_N"])
+            self.stats.joined_mid_decode += len(newcomers) if self.rows else 0
+        if not ids:
+            return []
+        ids_all = torch.cat(ids)
+        host = torch.stack([ids_all.to(torch.float64), torch.cat(lps).to(torch.float64)]).tolist()  # one D2H copy
+        new_rows = [self._new_row(r, version) for r in newcomers]
+        self.stats.max_batch = max(self.stats.max_batch, len(self.rows) + len(new_rows))
+        finished, keep_old, keep_new = [], [], []
+        for i, row in enumerate(self.rows + new_rows):
+            reason = row.add(int(host[0][i]), host[1][i])
+            if reason is not None:
+                finished.append((row.req, row.generation(reason)))
+            elif i < len(self.rows):
+                keep_old.append(i)
+            else:
+                keep_new.append(i - len(self.rows))
+        self._regroup(keep_old, new, keep_new, ids_all, new_rows)
+        return finished
+
+    def _new_row(self, req: Request, version: int) -> _Row:
+        p = req.params
+        matcher = StopMatcher(self.tokenizer, p.stop) if p.stop else None
+        return _Row(req, self.eos_ids | frozenset(p.stop_token_ids), matcher, version)
+
+    def _decode(self) -> tuple[torch.Tensor, torch.Tensor]:
+        B = len(self.rows)
+        self.mask_BL = torch.cat([self.mask_BL, self.mask_BL.new_ones((B, 1))], dim=1)
+        logits_BV, self.cache = self._forward(self.next_ids_B[:, None], self.mask_BL, self.next_pos_B[:, None],
+                                              self.cache, [row.req.params.adapter for row in self.rows])
+        ids_B, lp_B = sample_rows(logits_BV, self.rp, self.gen_pos_B, self._vocab(logits_BV.shape[-1]))
+        return ids_B, lp_B
+
+    def _prefill(self, reqs: Sequence[Request], version: int) -> dict[str, Any]:
+        """Prefill the distinct prompts once (or reuse a recent prefill); sample every newcomer's first token.
+        A prompt is distinct per LoRA adapter (its KV cache depends on the adapter): keys are (adapter, ids)."""
+        distinct: dict[tuple[str | None, tuple[int, ...]], int] = {}
+        row_of_N = [distinct.setdefault((r.params.adapter, tuple(r.prompt_ids)), len(distinct)) for r in reqs]
+        prompts = list(distinct)
+        hits = {p: e for p in prompts if (e := self.prompt_cache.get(p, version)) is not None}
+        misses = [p for p in prompts if p not in hits]
+        if misses:
+            logits_MV, cache, mask_ML = self._forward_prompts(misses)
+            self.stats.prefill_rows += len(misses)
+            self.stats.prefill_tokens += sum(len(p[1]) for p in misses)
+        self.stats.batches += 1
+        self.stats.requests += len(reqs)
+        self.stats.shared_prefill_rows += len(reqs) - len(prompts)
+        self.stats.prefix_cache_hits += len(hits)
+        if not hits:  # the forward's cache is the newcomers' cache as it is
+            logits_UV, mask_UL = logits_MV, mask_ML
+            if _mergeable(cache):
+                for m, p in enumerate(misses):
+                    self.prompt_cache.put(p, _prompt_kv(cache, m, len(p[1])), logits_MV[m], version)
+        else:
+            fresh = {p: (_prompt_kv(cache, m, len(p[1])), logits_MV[m]) for m, p in enumerate(misses)}
+            for p, (kv, logits_V) in fresh.items():
+                self.prompt_cache.put(p, kv, logits_V, version)
+            entries = [hits.get(p) or fresh[p] for p in prompts]
+            cache, mask_UL = _stack_prompts([e[0] for e in entries], [len(p[1]) for p in prompts], self.device)
+            logits_UV = torch.stack([e[1] for e in entries])
+        V = logits_UV.shape[-1]
+        rp = RowParams.build([r.params for r in reqs], [r.seed for r in reqs], V, self.device)
+        idx_N = torch.tensor(row_of_N, dtype=torch.long, device=self.device)
+        zeros_N = torch.zeros(len(reqs), dtype=torch.int32, device=self.device)
+        ids_N, lp_N = sample_rows(logits_UV.index_select(0, idx_N), rp, zeros_N, self._vocab(V))
+        return {"ids_N": ids_N, "lp_N": lp_N, "idx_N": idx_N, "cache": cache, "mask_UL": mask_UL,
+                "pos_N": torch.tensor([len(r.prompt_ids) for r in reqs], device=self.device), "rp": rp}
+
+    def _forward_prompts(self, keys: list[tuple[str | None, tuple[int, ...]]]) -> tuple[torch.Tensor, Any, torch.Tensor]:
+        """One left-padded forward pass over the (adapter, prompt) keys: (last-position logits_UV, cache, mask_UL)."""
+        prompts = [p for _, p in keys]
+        U, L = len(prompts), max(len(p) for p in prompts)
+        ids_UL = torch.full((U, L), self.pad_id, dtype=torch.long)
+        mask_UL = torch.zeros((U, L), dtype=torch.long)
+        for u, p in enumerate(prompts):
+            ids_UL[u, L - len(p):] = torch.tensor(p, dtype=torch.long)
+            mask_UL[u, L - len(p):] = 1
+        pos_UL = (mask_UL.cumsum(-1) - 1).clamp(min=0)
+        mask_UL = mask_UL.to(self.device)
+        logits_UV, cache = self._forward(ids_UL.to(self.device), mask_UL, pos_UL.to(self.device), None,
+                                         [a for a, _ in keys])
+        return logits_UV, cache, mask_UL
+
+    # ---- batch composition ------------------------------------------------------------------
+    def _regroup(self, keep_old: list[int], new: dict[str, Any] | None, keep_new: list[int],
+                 ids_all: torch.Tensor, new_rows: list[_Row]) -> None:
+        """Keep the unfinished rows (old first, then newcomers) and lay their caches side by side."""
+        B_old = len(self.rows)
+        if len(keep_old) == B_old and not keep_new and B_old:  # nobody left or joined: no cache copy
+            self.next_ids_B = ids_all[:B_old]
+            self.next_pos_B = self.next_pos_B + 1
+            self.gen_pos_B = self.gen_pos_B + 1
+            return
+        V = self._vocab_hash.numel()
+        parts = []  # (cache, cache rows, mask_BL, next ids, next positions, noise counters, RowParams, rows)
+        if keep_old:
+            k = torch.tensor(keep_old, dtype=torch.long, device=self.device)
+            parts.append((self.cache, k, self.mask_BL.index_select(0, k), ids_all[:B_old].index_select(0, k),
+                          self.next_pos_B.index_select(0, k) + 1, self.gen_pos_B.index_select(0, k) + 1,
+                          self.rp.select(k, [self.rows[i].req.params for i in keep_old], V),
+                          [self.rows[i] for i in keep_old]))
+        if new is not None and keep_new:
+            k = torch.tensor(keep_new, dtype=torch.long, device=self.device)
+            u = new["idx_N"].index_select(0, k)  # newcomer -> its distinct prompt's cache row
+            parts.append((new["cache"], u, new["mask_UL"].index_select(0, u), ids_all[B_old:].index_select(0, k),
+                          new["pos_N"].index_select(0, k), torch.ones_like(k, dtype=torch.int32),
+                          new["rp"].select(k, [new_rows[i].req.params for i in keep_new], V),
+                          [new_rows[i] for i in keep_new]))
+        if not parts:
+            self.clear()
+            return
+        self.rows = [r for p in parts for r in p[7]]
+        lengths = [p[2].shape[1] for p in parts]
+        L = max(lengths)
+        real = max(len(r.req.prompt_ids) + len(r.out_ids) - 1 for r in self.rows)  # tokens in the longest row
+        trim = L - real if _mergeable(parts[0][0]) else 0  # leading columns that are padding in every row
+        self.cache = _merge_caches([(p[0], p[1], L - n) for p, n in zip(parts, lengths)], trim)
+        self.mask_BL = torch.cat([_left_pad(p[2], L - n, 1) for p, n in zip(parts, lengths)])[:, trim:]
+        self.next_ids_B = torch.cat([p[3] for p in parts])
+        self.next_pos_B = torch.cat([p[4] for p in parts])
+        self.gen_pos_B = torch.cat([p[5] for p in parts])
+        self.rp = RowParams.cat([p[6] for p in parts]) if len(parts) > 1 else parts[0][6]
+
+
+def _merge_caches(parts: list[tuple[Any, torch.Tensor, int]], trim: int) -> Any:
+    """One cache holding the selected rows of each part, each left-padded by its pad, minus `trim` columns.
+
+    Several parts (or padding/trimming) need plain dynamic layers (`_mergeable`); otherwise only the row
+    selection of a single part is done, through the cache's own `batch_select_indices`.
+    """
+    target = parts[0][0]
+    if not _mergeable(target):
+        if len(parts) > 1 or parts[0][2] or trim:
+            raise RuntimeError(f"cannot merge KV caches of type {type(target).__name__}")
+        target.batch_select_indices(parts[0][1])
+        return target
+    growing = _growing_layer_class()
+    B = sum(rows.numel() for _, rows, _ in parts)
+    L = parts[0][2] + parts[0][0].layers[0].keys.shape[2]  # every part's length once left-padded
+    for li, layer in enumerate(target.layers):
+        new = growing()
+        new.device, new.is_initialized = layer.device, True
+        for name, buf_name in (("keys", "key_buf"), ("values", "value_buf")):
+            sources = [getattr(c.layers[li], name) for c, _, _ in parts]
+            t = sources[0]
+            buf = t.new_empty((B, t.shape[1], L - trim + _SPARE_COLUMNS, t.shape[3]))
+            b = 0
+            for (_, rows, pad), src in zip(parts, sources):  # padded column j holds src column j - pad
+                dst = buf[b:b + rows.numel()]
+                first = max(pad, trim)
+                if first > trim:
+                    dst[:, :, :first - trim].zero_()  # padding: masked, but must not hold NaN garbage
+                dst[:, :, first - trim:L - trim].copy_(src[:, :, first - pad:].index_select(0, rows))
+                b += rows.numel()
+            setattr(new, name, buf[:, :, :L - trim])
+            setattr(new, buf_name, buf)
+        target.layers[li] = new
+    return target

@@ -1,0 +1,176 @@
+"""`_EpisodeRecorder`: the call handler of one episode. It serves each intercepted chat-model call from the
+agent's policy (or lets the app's own model answer it), and records every call as a `Turn`."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from langchain_core.messages import AIMessage
+from langchain_core.outputs import ChatGeneration, ChatResult
+
+from drmas_graph._chat import ParsedResponse, _text
+from drmas_graph.instrumentation._intercept import CallSite
+from drmas_graph.instrumentation._limits import enforce_limits
+from drmas_graph.instrumentation._seeds import seeded
+from drmas_graph._structured import apply_spec, output_spec
+from drmas_graph.errors import StrictModeError, StructuredOutputError
+from drmas_graph.policy import Policy
+from drmas_graph.types import Episode, Generation, SamplingParams, Turn
+
+__all__ = ["_EpisodeRecorder", "served_message", "_cut_at_stop", "structured_parts"]
+
+
+class _EpisodeRecorder:
+    """The CallHandler of one episode: serves calls from policies and collects Turns (thread-safe)."""
+
+    def __init__(self, app: Any, episode: Episode) -> None:
+        self.app = app
+        self.episode = episode
+        self.strict = bool(getattr(app, "strict", False))
+        self.refusal: StrictModeError | None = None
+        """The first call this run refused (strict mode); the episode fails even if the app caught it."""
+        self._lock = threading.Lock()
+        self._next_index = 0
+        self._per_key: dict[str, int] = {}
+        self._turns: list[Turn] = []
+        self._starts: dict[int, float] = {}  # call index -> unix start time
+
+    def refused(self, error: StrictModeError) -> None:
+        with self._lock:
+            self.refusal = self.refusal or error
+
+    def _begin(self, site: CallSite) -> tuple[int, int]:
+        with self._lock:
+            index = self._next_index
+            self._starts[index] = time.time()
+            self._next_index += 1
+            nci = self._per_key.get(site.call_key, 0)
+            self._per_key[site.call_key] = nci + 1
+        enforce_limits(self.episode, index)  # rollout.max_llm_calls / timeout_s (set by the trainer)
+        return index, nci
+
+    def _add(self, turn: Turn) -> None:
+        with self._lock:
+            self._turns.append(turn)
+
+    def finish(self) -> None:
+        with self._lock:
+            self.episode.turns = sorted(self._turns, key=lambda t: t.index)
+            self.episode.timings["turn_starts"] = [self._starts[t.index] for t in self.episode.turns]
+        self.episode._stop_clock()
+
+    def _route(self, site: CallSite) -> tuple[str, Policy | None]:
+        try:
+            return self.app._route(site)
+        except StrictModeError as exc:
+            self.refused(exc)
+            raise
+
+    def _prepare(self, site: CallSite, agent: str, policy: Policy, nci: int) -> tuple[list[int], SamplingParams, Any]:
+        where = f"agent {agent!r} (node {site.node or '<outside any node>'!r})"
+        spec, model_class = output_spec(site.kwargs, site.tools, where)
+        with policy.announce():
+            prompt_ids = policy.render(site.messages, site.tools, spec)
+            params = seeded(self.app._sampling_for(agent, policy, site.stop), self.episode.metadata, site.call_key, nci)
+        return prompt_ids, params, (spec, model_class, where)
+
+    def handle(self, site: CallSite, original: Callable[[], ChatResult]) -> ChatResult:
+        agent, policy = self._route(site)
+        index, nci = self._begin(site)
+        start = time.perf_counter()
+        if policy is None:
+            result = original()
+            self._add(self._untrained_turn(site, agent, index, nci, result, time.perf_counter() - start))
+            return result
+        prompt_ids, params, structured = self._prepare(site, agent, policy, nci)
+        generation = policy.generate(prompt_ids, params)
+        return self._served(site, agent, policy, index, nci, prompt_ids, params, generation, start, structured)
+
+    async def ahandle(self, site: CallSite, original: Callable[[], Any]) -> ChatResult:
+        agent, policy = self._route(site)
+        index, nci = self._begin(site)
+        start = time.perf_counter()
+        if policy is None:
+            result = await original()
+            self._add(self._untrained_turn(site, agent, index, nci, result, time.perf_counter() - start))
+            return result
+        prompt_ids, params, structured = self._prepare(site, agent, policy, nci)
+        generation = await policy.agenerate(prompt_ids, params)
+        return self._served(site, agent, policy, index, nci, prompt_ids, params, generation, start, structured)
+
+    def _served(self, site: CallSite, agent: str, policy: Policy, index: int, nci: int, prompt_ids: list[int],
+                params: SamplingParams, gen: Generation, start: float, structured: tuple) -> ChatResult:
+        spec, model_class, where = structured
+        text = policy.decode(gen.token_ids)
+        reply = _cut_at_stop(text, params.stop)
+        failure, extra = None, {}
+        if spec is None:
+            parsed = policy.parse(reply)
+        else:
+            try:
+                parsed, extra = apply_spec(spec, model_class, reply, policy.parse, where)
+            except StructuredOutputError as exc:
+                failure, parsed = exc, ParsedResponse(content=reply.strip())
+        finish = "tool_calls" if parsed.tool_calls and gen.finish_reason == "stop" else gen.finish_reason
+        message = served_message(parsed, finish=finish, policy_name=policy.name, policy_version=gen.policy_version,
+                                 agent=agent, index=index, n_prompt=len(prompt_ids), n_response=len(gen.token_ids),
+                                 message_id=self._message_id(index), additional_kwargs=extra)
+        self._add(Turn(
+            agent=agent, node=site.node, step=site.step, index=index, messages=tuple(site.messages),
+            prompt_ids=tuple(prompt_ids), response_ids=gen.token_ids, response_logprobs=gen.logprobs,
+            response_text=text, tool_calls=tuple(parsed.tool_calls), finish_reason=finish, policy=policy.name,
+            policy_version=gen.policy_version, trainable=True, latency_s=time.perf_counter() - start,
+            call_key=site.call_key, node_call_index=nci, sampling=params, tools=tuple(site.tools),
+            message_id=message.id, response_format=spec,
+        ))
+        if failure is not None:
+            raise failure
+        return ChatResult(generations=[ChatGeneration(message=message)])
+
+    def _message_id(self, index: int) -> str:
+        return f"drmas-{self.episode.id}-{index}"
+
+    def _untrained_turn(self, site: CallSite, agent: str, index: int, nci: int, result: ChatResult,
+                        latency: float) -> Turn:
+        message = result.generations[0].message
+        if message.id is None:  # LangChain would pick a random run id; ours lets replay return the same one
+            message.id = self._message_id(index)
+        return Turn(
+            agent=agent, node=site.node, step=site.step, index=index, messages=tuple(site.messages), prompt_ids=(),
+            response_ids=(), response_logprobs=(), response_text=_text(message.content),
+            tool_calls=tuple(getattr(message, "tool_calls", ()) or ()),
+            finish_reason=str((message.response_metadata or {}).get("finish_reason", "stop")), policy=None,
+            policy_version=None, trainable=False, latency_s=latency, call_key=site.call_key, node_call_index=nci,
+            tools=tuple(site.tools), message_id=message.id,
+        )
+
+
+def served_message(parsed: ParsedResponse, *, finish: str, policy_name: str | None, policy_version: int | None,
+                   agent: str, index: int, n_prompt: int, n_response: int, message_id: str | None,
+                   additional_kwargs: dict[str, Any] | None = None) -> AIMessage:
+    """The AIMessage a node receives for a policy-served call (replay rebuilds it from the Turn)."""
+    return AIMessage(
+        content=parsed.content, tool_calls=parsed.tool_calls, invalid_tool_calls=parsed.invalid_tool_calls,
+        id=message_id, additional_kwargs=dict(additional_kwargs or {}),
+        response_metadata={"finish_reason": finish, "model_name": policy_name, "policy_version": policy_version,
+                           "drmas_agent": agent, "drmas_turn": index},
+        usage_metadata={"input_tokens": n_prompt, "output_tokens": n_response, "total_tokens": n_prompt + n_response},
+    )
+
+
+def structured_parts(turn: Turn, parse: Callable[[str], ParsedResponse]) -> tuple[ParsedResponse, dict[str, Any]]:
+    """The message parts a structured-output turn returned (`parsed` as a dict: the pydantic class is not
+    recorded); raises `StructuredOutputError` for a turn whose reply did not satisfy its request."""
+    where = f"agent {turn.agent!r} (node {turn.node!r})"
+    stops = turn.sampling.stop if turn.sampling else ()
+    parts, extra = apply_spec(turn.response_format, None, _cut_at_stop(turn.response_text, stops), parse, where)
+    return ParsedResponse(content=parts.content, tool_calls=[dict(c) for c in turn.tool_calls]), extra
+
+
+def _cut_at_stop(text: str, stops: Sequence[str]) -> str:
+    """Message content ends before the first stop string (OpenAI semantics); the Turn keeps the full text."""
+    cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
+    return text if cut < 0 else text[:cut]

@@ -1,0 +1,590 @@
+"""The trace store: every episode of a run, every LLM call as exact token ids and logprobs, in one file.
+
+One SQLite file per run, written while the run goes. Why SQLite:
+
+- it is in the standard library: no server, no extra dependency, one file to copy or attach to a bug;
+- WAL mode makes it crash-safe: a commit is appended to the write-ahead log, so a process killed with
+  SIGKILL mid-episode leaves the file openable and holding every committed episode, and none half;
+- transactions: one episode is one transaction, so an episode is either fully there or absent;
+- readers never block the writer (and vice versa) under WAL, so ``drmas-graph traces list`` works on a
+  live run, and several processes can append to the same file (SQLite serialises the writers; we wait
+  on a busy file with ``busy_timeout`` and retry).
+
+``synchronous=NORMAL``: in WAL mode this never corrupts the file and loses nothing when the *process*
+dies (the log is in the OS page cache); only a power loss or OS crash can drop the last few commits.
+``FULL`` would fsync every episode, a cost that buys nothing against the failure that matters here (a
+killed trainer), so we do not pay it.
+
+Layout (schema version 1; `SCHEMA_VERSION`): ``meta`` (key/value: schema_version, created, config),
+``episodes`` (one row per episode, with counts and the mean reward for queries), ``rewards`` (one row
+per episode and agent, for reward queries by agent) and ``turns`` (one row per LLM call; token ids as
+int32 bytes, logprobs as float64 bytes, see `drmas_graph.traces._serde`). Nothing is ever pickled or evaluated.
+Columns added since version 1 (`_serde.ADDED_COLUMNS`, all nullable) keep the version: opening an older
+store to write adds them, opening it read-only reads them as NULL.
+
+Two "steps" appear: an episode's ``step`` is the *training* step it was used in (None until it is), a
+turn's ``step`` is the LangGraph superstep of the node that made the call (`Turn.step`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sqlite3
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from drmas_graph.traces import _serde
+from drmas_graph.traces._serde import TraceStoreWarning
+from drmas_graph.errors import (
+    ConfigError,
+    CorruptStoreError,
+    EpisodeNotFoundError,
+    SchemaVersionError,
+    StoreNotFoundError,
+    TraceStoreError,
+)
+from drmas_graph.types import Episode
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "EpisodeSummary",
+    "StoreStats",
+    "TraceStore",
+    "TraceStoreWarning",
+]
+
+SCHEMA_VERSION = 1
+"""Version of the table layout this drmas-graph writes and reads."""
+
+_BUSY_TIMEOUT_S = 30.0
+"""How long one statement waits for another writer before SQLite reports the file busy."""
+_WRITE_RETRIES = 5
+"""Extra attempts (with backoff) after SQLITE_BUSY outlived the busy timeout or bypassed it."""
+
+_SUMMARY_COLUMNS = (
+    "id", "task_id", "group_id", "step", "n_turns", "agents", "n_prompt_tokens", "n_response_tokens",
+    "reward", "rewards", "error", "created",
+)  # fmt: skip
+
+
+def _insert_sql(table: str, columns: Sequence[str]) -> str:
+    return f"INSERT INTO {table} ({', '.join(columns)}) VALUES ({', '.join('?' * len(columns))})"
+
+
+@dataclass(frozen=True)
+class EpisodeSummary:
+    """One light row of `TraceStore.episodes`: counts and rewards, no turns."""
+
+    id: str
+    """Episode id."""
+    task_id: str | None
+    """Task the episode ran on."""
+    group_id: str | None
+    """GRPO group of the episode."""
+    step: int | None
+    """Training step the episode was used in; None if it was not (yet)."""
+    n_turns: int
+    """Number of LLM calls."""
+    agents: tuple[str, ...]
+    """Agents that made calls, in order of first call."""
+    n_prompt_tokens: int
+    """Prompt tokens summed over the calls."""
+    n_response_tokens: int
+    """Response tokens summed over the calls."""
+    reward: float | None
+    """Mean of `rewards` over agents (the team reward when every agent got it); None without rewards."""
+    rewards: dict[str, float]
+    """Reward per agent."""
+    error: str | None
+    """The failure, if the run failed."""
+    created: float
+    """Unix time the episode was written."""
+
+
+@dataclass(frozen=True)
+class StoreStats:
+    """Counts and sizes over a whole store (`TraceStore.stats`)."""
+
+    n_episodes: int
+    """Episodes stored."""
+    n_failed: int
+    """Episodes whose run failed (error set)."""
+    n_turns: int
+    """LLM calls stored."""
+    n_trainable_turns: int
+    """Calls served by a policy (with token ids and logprobs)."""
+    n_prompt_tokens: int
+    """Prompt tokens over all calls."""
+    n_response_tokens: int
+    """Response tokens over all calls."""
+    turns_by_agent: dict[str, int]
+    """Number of calls per agent."""
+    steps: tuple[int, ...]
+    """Training steps that have episodes, ascending."""
+    db_bytes: int
+    """Bytes of database pages in use (the file once checkpointed, without free pages)."""
+    token_bytes: int
+    """Bytes of the token id and logprob arrays alone."""
+
+    @property
+    def n_tokens(self) -> int:
+        return self.n_prompt_tokens + self.n_response_tokens
+
+    @property
+    def bytes_per_1k_tokens(self) -> float:
+        """Whole store (messages, text and metadata included) per 1,000 prompt + response tokens."""
+        return 1000 * self.db_bytes / self.n_tokens if self.n_tokens else 0.0
+
+    @property
+    def token_bytes_per_1k_tokens(self) -> float:
+        """Token arrays alone per 1,000 tokens: 4 bytes per prompt token, 12 per response token."""
+        return 1000 * self.token_bytes / self.n_tokens if self.n_tokens else 0.0
+
+
+class TraceStore:
+    """One run's traces in one SQLite file. Thread-safe; several processes may write the same file.
+
+    ``TraceStore(path, config=...)`` creates the file (and its folder) if needed, or opens it to append;
+    ``config`` (the run's configuration, JSON-able) is stored once and must match when given again.
+    ``readonly=True`` opens an existing store for reading only (e.g. while another process writes it).
+    """
+
+    def __init__(self, path: str | Path, *, config: Mapping[str, Any] | None = None, readonly: bool = False):
+        self.path = Path(path)
+        """The SQLite file."""
+        self.readonly = readonly
+        """Opened for reading only."""
+        self._lock = threading.RLock()  # one connection shared by the threads of this process
+        self._conn: sqlite3.Connection | None = None
+        if readonly and config is not None:
+            raise ConfigError(f"TraceStore({str(self.path)!r}): a read-only store cannot take a config")
+        if readonly and not self.path.is_file():
+            raise StoreNotFoundError(f"no trace store at {self.path}")
+        if self.path.is_dir():
+            raise TraceStoreError(f"trace store path {self.path} is a directory; give a file name")
+        if not readonly:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self._conn = self._connect()
+            meta = self._open(config)
+            self._absent = self._read(_serde.absent_columns)  # newer layouts' columns an old store lacks
+        except BaseException:
+            self.close()
+            raise
+        self.schema_version: int = int(meta["schema_version"])
+        """Schema version the store was written with."""
+        self.created: float = float(meta["created"])
+        """Unix time the store was created."""
+        self.config: dict[str, Any] = json.loads(meta["config"])
+        """The run configuration given when the store was created ({} if none)."""
+
+    # -- opening -----------------------------------------------------------------------------------
+
+    def _connect(self) -> sqlite3.Connection:
+        target, uri = (
+            (self.path.resolve().as_uri() + "?mode=ro", True) if self.readonly else (str(self.path), False)
+        )
+        try:
+            conn = sqlite3.connect(
+                target, uri=uri, timeout=_BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=False
+            )
+        except sqlite3.Error as e:
+            raise TraceStoreError(f"cannot open trace store {self.path}: {e}") from e
+        return conn
+
+    def _open(self, config: Mapping[str, Any] | None) -> dict[str, str]:
+        """Check (or create) the layout and return the meta table."""
+        with self._errors("open"):
+            if not self.readonly:
+                self._retry_busy(lambda: self._conn.execute("PRAGMA journal_mode=WAL").fetchone())
+                self._conn.execute("PRAGMA synchronous=NORMAL")
+                return self._transaction(lambda conn: self._init_layout(conn, config))
+            return self._read_meta(self._conn)
+
+    def _read_meta(self, conn: sqlite3.Connection) -> dict[str, str]:
+        tables = {row[0] for row in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        if "meta" not in tables:
+            what = f"it has tables {', '.join(sorted(tables))} but no 'meta'" if tables else "it is empty"
+            raise CorruptStoreError(f"{self.path} is not a drmas-graph trace store ({what})")
+        meta = dict(conn.execute("SELECT key, value FROM meta").fetchall())
+        version = int(meta.get("schema_version", 0))
+        if version > SCHEMA_VERSION:
+            raise SchemaVersionError(
+                f"store {self.path} was written by schema version {version}; this drmas-graph reads version "
+                f"{SCHEMA_VERSION}; upgrade drmas-graph"
+            )
+        if version < SCHEMA_VERSION:
+            raise SchemaVersionError(
+                f"store {self.path} has schema version {version}, older than the version {SCHEMA_VERSION} "
+                "this drmas-graph reads, and there is no migration from it; open it with the drmas-graph "
+                "release that wrote it"
+            )
+        return meta
+
+    def _init_layout(self, conn: sqlite3.Connection, config: Mapping[str, Any] | None) -> dict[str, str]:
+        tables = {row[0] for row in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        if not tables:
+            statement = ""
+            for line in _serde.SCHEMA.splitlines(keepends=True):  # not executescript: it would COMMIT
+                statement += line
+                if sqlite3.complete_statement(statement):
+                    conn.execute(statement)
+                    statement = ""
+            conn.executemany(
+                "INSERT INTO meta (key, value) VALUES (?, ?)",
+                [
+                    ("schema_version", str(SCHEMA_VERSION)),
+                    ("created", repr(time.time())),
+                    ("config", _serde.to_json(dict(config or {}), "config")),
+                ],
+            )
+        meta = self._read_meta(conn)
+        _serde.add_absent_columns(conn)  # a store written before a column was added gains it (NULL)
+        given = None if config is None else json.loads(_serde.to_json(dict(config), "config"))
+        if given is not None and given != json.loads(meta["config"]):
+            raise ConfigError(
+                f"trace store {self.path} already holds a run with a different config; open it without "
+                "config=... to append to that run, or write this run to a new file"
+            )
+        return meta
+
+    # -- plumbing ----------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _errors(self, doing: str) -> Iterator[None]:
+        """Turn sqlite3 errors into TraceStoreError/CorruptStoreError naming the file."""
+        try:
+            yield
+        except sqlite3.OperationalError as e:
+            raise TraceStoreError(f"cannot {doing} trace store {self.path}: {e}") from e
+        except sqlite3.DatabaseError as e:  # "file is not a database", "database disk image is malformed"
+            raise CorruptStoreError(f"{self.path} is not a readable trace store ({e})") from e
+
+    def _connection(self) -> sqlite3.Connection:
+        if self._conn is None:
+            raise TraceStoreError(f"trace store {self.path} is closed")
+        return self._conn
+
+    def _retry_busy(self, fn: Callable[[], Any]) -> Any:
+        for attempt in range(_WRITE_RETRIES + 1):
+            try:
+                return fn()
+            except sqlite3.OperationalError as e:
+                busy = "locked" in str(e) or "busy" in str(e)
+                if not busy or attempt == _WRITE_RETRIES:
+                    raise
+                time.sleep(0.05 * 2**attempt)
+
+    def _transaction(self, body: Callable[[sqlite3.Connection], Any]) -> Any:
+        """Run `body` in one write transaction (BEGIN IMMEDIATE: take the write lock up front, so a busy
+        file is waited on, not failed mid-way), retrying when another writer holds the file."""
+        if self.readonly:
+            raise TraceStoreError(f"trace store {self.path} is open read-only")
+
+        def attempt() -> Any:
+            conn = self._connection()
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                result = body(conn)
+                conn.execute("COMMIT")
+            except BaseException:
+                if conn.in_transaction:
+                    conn.execute("ROLLBACK")
+                raise
+            return result
+
+        with self._lock:
+            return self._retry_busy(attempt)
+
+    def _read(self, body: Callable[[sqlite3.Connection], Any]) -> Any:
+        with self._lock, self._errors("read"):
+            return body(self._connection())
+
+    # -- writing -----------------------------------------------------------------------------------
+
+    def write_episode(self, episode: Episode, *, step: int | None = None) -> None:
+        """Store one episode, all or nothing. ``step``: the training step it is used in, if known.
+
+        Values of ``final_state`` (or metadata) with no JSON form are stored as their repr with a
+        `TraceStoreWarning` naming the key. Writing an id that is already stored raises TraceStoreError.
+        """
+        episode_row, turn_rows, reward_rows = _serde.episode_rows(episode, step)  # encode outside the lock
+
+        def insert(conn: sqlite3.Connection) -> None:
+            try:
+                conn.execute(_insert_sql("episodes", _serde.EPISODE_COLUMNS), episode_row)
+            except sqlite3.IntegrityError as e:
+                raise TraceStoreError(
+                    f"episode {episode.id} is already in {self.path}; an episode is written once "
+                    "(use update_training to add rewards and advantages)"
+                ) from e
+            conn.executemany(_insert_sql("turns", _serde.TURN_COLUMNS), turn_rows)
+            conn.executemany("INSERT INTO rewards (episode_id, agent, reward) VALUES (?, ?, ?)", reward_rows)
+
+        with self._errors("write to"):
+            self._transaction(insert)
+
+    def update_training(
+        self,
+        episode_id: str,
+        *,
+        step: int | None,
+        rewards: Mapping[str, float] | None = None,
+        turn_rewards: Sequence[float] | None = None,
+        advantages: Sequence[float] | None = None,
+    ) -> None:
+        """Record what training made of a stored episode: its training step, its rewards per agent, and
+        per-turn rewards and advantages (aligned with its turns). Arguments left None keep their value."""
+        with self._errors("write to"):
+            self._transaction(
+                lambda conn: self._update(conn, episode_id, step, rewards, turn_rewards, advantages)
+            )
+
+    def record_training(self, step: int, episodes: Iterable[Episode]) -> None:
+        """`update_training` for many stored episodes at once (one transaction), taking ``rewards``,
+        ``turn_rewards`` and ``advantages`` from each episode as the trainer filled them."""
+        updates = [(ep.id, ep.rewards, ep.turn_rewards, ep.advantages) for ep in episodes]
+
+        def body(conn: sqlite3.Connection) -> None:
+            for episode_id, rewards, turn_rewards, advantages in updates:
+                self._update(conn, episode_id, step, rewards, turn_rewards, advantages)
+
+        with self._errors("write to"):
+            self._transaction(body)
+
+    def _update(
+        self,
+        conn: sqlite3.Connection,
+        episode_id: str,
+        step: int | None,
+        rewards: Mapping[str, float] | None,
+        turn_rewards: Sequence[float] | None,
+        advantages: Sequence[float] | None,
+    ) -> None:
+        row = conn.execute("SELECT n_turns FROM episodes WHERE id = ?", (episode_id,)).fetchone()
+        if row is None:
+            raise EpisodeNotFoundError(f"no episode {episode_id!r} in trace store {self.path}")
+        n_turns = row[0]
+        if step is not None:
+            conn.execute("UPDATE episodes SET step = ?, trained = ? WHERE id = ?", (step, time.time(), episode_id))
+        if rewards is not None:
+            conn.execute(
+                "UPDATE episodes SET rewards = ?, reward = ? WHERE id = ?",
+                (_serde.to_json(dict(rewards), "rewards"), _serde.mean(rewards.values()), episode_id),
+            )
+            conn.execute("DELETE FROM rewards WHERE episode_id = ?", (episode_id,))
+            conn.executemany(
+                "INSERT INTO rewards (episode_id, agent, reward) VALUES (?, ?, ?)",
+                [(episode_id, agent, float(r)) for agent, r in rewards.items()],
+            )
+        for name, column, values in (
+            ("turn_rewards", "turn_reward", turn_rewards),
+            ("advantages", "advantage", advantages),
+        ):
+            if values is None:
+                continue
+            _serde.check_aligned(name, values, n_turns, episode_id)
+            conn.executemany(
+                f"UPDATE turns SET {column} = ? WHERE episode_id = ? AND position = ?",
+                [(float(v), episode_id, i) for i, v in enumerate(values)],
+            )
+
+    # -- reading -----------------------------------------------------------------------------------
+
+    def episodes(
+        self,
+        *,
+        step: int | None = None,
+        agent: str | None = None,
+        task_id: str | None = None,
+        min_reward: float | None = None,
+        max_reward: float | None = None,
+        failed: bool | None = None,
+        limit: int | None = None,
+    ) -> list[EpisodeSummary]:
+        """Summaries of the stored episodes, in the order they were written, filtered by: training
+        ``step``; ``agent`` (episodes where it made a call); ``task_id``; reward bounds (inclusive; on the
+        ``agent``'s own reward when ``agent`` is given, else on the mean reward; episodes without reward
+        are left out); ``failed`` (True: only failed runs, False: only successful ones)."""
+        where: list[str] = []
+        params: list[Any] = []
+        if step is not None:
+            where.append("e.step = ?")
+            params.append(step)
+        if task_id is not None:
+            where.append("e.task_id = ?")
+            params.append(task_id)
+        if agent is not None:
+            where.append("EXISTS (SELECT 1 FROM turns t WHERE t.agent = ? AND t.episode_id = e.id)")
+            params.append(agent)
+        if failed is not None:
+            where.append("e.error IS NOT NULL" if failed else "e.error IS NULL")
+        reward = (
+            "(SELECT r.reward FROM rewards r WHERE r.episode_id = e.id AND r.agent = ?)"
+            if agent is not None
+            else "e.reward"
+        )
+        for bound, op in ((min_reward, ">="), (max_reward, "<=")):
+            if bound is not None:
+                where.append(f"{reward} {op} ?")
+                params.extend([agent, bound] if agent is not None else [bound])
+        sql = f"SELECT {', '.join('e.' + c for c in _SUMMARY_COLUMNS)} FROM episodes e"
+        if where:
+            sql += " WHERE " + " AND ".join(where)
+        sql += " ORDER BY e.rowid"
+        if limit is not None:
+            sql += " LIMIT ?"
+            params.append(limit)
+        rows = self._read(lambda conn: conn.execute(sql, params).fetchall())
+        return [_summary(row) for row in rows]
+
+    def trained_episodes(self, *, step: int | None = None) -> list[str]:
+        """Ids of the episodes the run's training used, in the order written: those with a training step
+        and no error, less the ones a resume superseded. An episode is superseded when a rollout for its
+        step or an earlier one was made after training recorded it: the run went back to a checkpoint
+        and trained that step again. Eval, failed and never-trained episodes have no step. Stores
+        written before training times were recorded cannot tell superseded episodes apart."""
+        sql = "SELECT id, step, created, trained FROM episodes WHERE step IS NOT NULL AND error IS NULL"
+        if "trained" in {c for _, c in self._absent}:
+            sql = sql.replace("trained FROM", "NULL FROM")
+        rows = self._read(lambda conn: conn.execute(sql + " ORDER BY rowid").fetchall())
+        latest_rollout: dict[int, float] = {}  # step -> latest `created` among steps <= it
+        running = float("-inf")
+        for s, created in sorted((r[1], r[2]) for r in rows):
+            running = max(running, created)
+            latest_rollout[s] = running
+        return [i for i, s, _, trained in rows
+                if (step is None or s == step) and (trained is None or latest_rollout[s] <= trained)]
+
+    def __len__(self) -> int:
+        return self._read(lambda conn: conn.execute("SELECT count(*) FROM episodes").fetchone()[0])
+
+    def __contains__(self, episode_id: object) -> bool:
+        sql = "SELECT 1 FROM episodes WHERE id = ?"
+        return self._read(lambda conn: conn.execute(sql, (episode_id,)).fetchone()) is not None
+
+    def summary(self, episode_id: str) -> EpisodeSummary:
+        """The summary of one episode (its training step, counts, rewards)."""
+        sql = f"SELECT {', '.join(_SUMMARY_COLUMNS)} FROM episodes WHERE id = ?"
+        row = self._read(lambda conn: conn.execute(sql, (episode_id,)).fetchone())
+        if row is None:
+            raise EpisodeNotFoundError(f"no episode {episode_id!r} in trace store {self.path}")
+        return _summary(row)
+
+    def load_episode(self, episode_id: str) -> Episode:
+        """The whole episode, exactly as written (tuples in final_state/metadata come back as lists)."""
+
+        def read(conn: sqlite3.Connection) -> tuple[Any, list[Any]]:
+            episode_row = conn.execute(
+                f"SELECT {_serde.select_list('episodes', _serde.EPISODE_COLUMNS, self._absent)} FROM episodes "
+                "WHERE id = ?", (episode_id,)
+            ).fetchone()
+            turn_rows = conn.execute(
+                f"SELECT {_serde.select_list('turns', _serde.TURN_COLUMNS, self._absent)} FROM turns "
+                "WHERE episode_id = ? ORDER BY position",
+                (episode_id,),
+            ).fetchall()
+            return episode_row, turn_rows
+
+        episode_row, turn_rows = self._read(read)
+        if episode_row is None:
+            raise EpisodeNotFoundError(f"no episode {episode_id!r} in trace store {self.path}")
+        return _serde.episode_from_rows(
+            dict(zip(_serde.EPISODE_COLUMNS, episode_row, strict=True)), turn_rows
+        )
+
+    def iter_episodes(self, **filters: Any) -> Iterator[Episode]:
+        """Load the episodes `episodes(**filters)` selects, one at a time."""
+        for summary in self.episodes(**filters):
+            yield self.load_episode(summary.id)
+
+    def stats(self) -> StoreStats:
+        """Counts, tokens and bytes over the whole store."""
+
+        def read(conn: sqlite3.Connection) -> StoreStats:
+            n_episodes, n_failed = conn.execute("SELECT count(*), count(error) FROM episodes").fetchone()
+            n_turns, n_trainable, n_prompt, n_response, token_bytes = conn.execute(
+                "SELECT count(*), total(trainable), total(n_prompt_tokens), total(n_response_tokens), "
+                "total(length(prompt_ids) + length(response_ids) + length(response_logprobs)) FROM turns"
+            ).fetchone()
+            by_agent = dict(conn.execute("SELECT agent, count(*) FROM turns GROUP BY agent ORDER BY agent"))
+            steps = [r[0] for r in conn.execute("SELECT DISTINCT step FROM episodes WHERE step IS NOT NULL")]
+            page_size = conn.execute("PRAGMA page_size").fetchone()[0]
+            pages = (
+                conn.execute("PRAGMA page_count").fetchone()[0]
+                - conn.execute("PRAGMA freelist_count").fetchone()[0]
+            )
+            return StoreStats(
+                n_episodes=n_episodes,
+                n_failed=n_failed,
+                n_turns=n_turns,
+                n_trainable_turns=int(n_trainable),
+                n_prompt_tokens=int(n_prompt),
+                n_response_tokens=int(n_response),
+                turns_by_agent=by_agent,
+                steps=tuple(sorted(steps)),
+                db_bytes=pages * page_size,
+                token_bytes=int(token_bytes),
+            )
+
+        return self._read(read)
+
+    def export(
+        self,
+        path: str | Path,
+        format: str = "jsonl",
+        *,
+        agent: str | None = None,
+        step: int | None = None,
+    ) -> int:
+        """Write per-agent trajectories, one row per LLM call, to ``path`` as ``jsonl`` or ``parquet``;
+        returns the number of rows. Columns: `drmas_graph.traces._serde.EXPORT_COLUMNS`. ``reward`` is
+        the agent's episode reward; ``turn_reward`` and ``advantage`` are what training stored."""
+        if format not in _serde.EXPORT_WRITERS:
+            valid = ", ".join(_serde.EXPORT_WRITERS)
+            raise ConfigError(f"unknown export format {format!r}; valid formats: {valid}")
+        where, params = [], []
+        if agent is not None:
+            where.append("t.agent = ?")
+            params.append(agent)
+        if step is not None:
+            where.append("e.step = ?")
+            params.append(step)
+        sql = _serde.EXPORT_SELECT + (" WHERE " + " AND ".join(where) if where else "") + _serde.EXPORT_ORDER
+        with self._lock, self._errors("export"):
+            cursor = self._connection().execute(sql, params)
+            return _serde.EXPORT_WRITERS[format](Path(path), _serde.export_rows(cursor))
+
+    # -- lifetime ----------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Close the file (idempotent). The store cannot be used afterwards."""
+        with self._lock:
+            if self._conn is not None:
+                self._conn.close()
+                self._conn = None
+
+    def __enter__(self) -> TraceStore:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        mode = "readonly" if self.readonly else "read-write"
+        return f"TraceStore({str(self.path)!r}, {mode}, {'closed' if self._conn is None else 'open'})"
+
+
+# -- helpers -----------------------------------------------------------------------------------------
+
+
+def _summary(row: Sequence[Any]) -> EpisodeSummary:
+    values = dict(zip(_SUMMARY_COLUMNS, row, strict=True))
+    values["agents"] = tuple(json.loads(values["agents"]))
+    values["rewards"] = json.loads(values["rewards"])
+    return EpisodeSummary(**values)

@@ -1,0 +1,118 @@
+"""From finished episodes to training samples: rewards, advantages, and the step's metrics record.
+
+- `score_runs`: the environment's reward for every episode (minus the invalid-turn penalty); an episode whose
+  reward is unusable (None, NaN, or the env raised) is dropped from its group and counted.
+- `samples_with_advantages`: advantages of every policy-served turn (`compute_advantages`, estimator by name)
+  and one `Sample` per turn of a trained agent.
+- `step_record`: the metrics of one training step, per agent.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from drmas_graph.config import TrainConfig
+from drmas_graph.env import BadRewardError, EpisodeScore, score_episode, trainable_agent_turns
+from drmas_graph.errors import RolloutError
+from drmas_graph.train.advantages import compute_advantages
+from drmas_graph.train.metrics import mean_std
+from drmas_graph.types import Episode, Sample
+
+__all__ = ["score_runs", "samples_with_advantages", "step_record", "nothing_to_train"]
+
+log = logging.getLogger(__name__)
+
+Scored = list[tuple[Any, Episode, EpisodeScore]]
+"""(task, episode, score) of every episode that got a usable reward."""
+
+
+def score_runs(env: Any, runs: list[tuple[Any, Episode]], counts: dict[str, int], *, invalid_penalty: float,
+               on_error: Callable[[BadRewardError], None]) -> tuple[Scored, list[BadRewardError]]:
+    """Score every run; bad-reward episodes get their `error`, are counted in `counts` and reported to
+    `on_error`, and are left out of the returned list."""
+    scored, errors, counts["bad_reward_episodes"] = [], [], 0
+    for task, episode in runs:
+        try:
+            score = score_episode(env, task, episode, invalid_penalty=invalid_penalty)
+        except BadRewardError as exc:
+            counts["bad_reward_episodes"] += 1
+            episode.error = f"BadRewardError: {exc}"
+            errors.append(exc)
+            on_error(exc)
+            continue
+        episode.rewards, episode.turn_rewards = score.rewards, score.turn_rewards
+        scored.append((task, episode, score))
+    return scored, errors
+
+
+def samples_with_advantages(scored: Scored, cfg: TrainConfig, trained_agents: Sequence[str]
+                            ) -> tuple[list[Sample], Any]:
+    """Advantages for every policy-served turn (written to `episode.advantages`); Samples for the turns of
+    trained agents, and the estimator's statistics."""
+    rows = []  # (episode, turn position, turn, reward, group, agent-turn index)
+    for _, episode, score in scored:
+        agent_turns = trainable_agent_turns(episode.turns)
+        for i, turn in enumerate(episode.turns):
+            if turn.trainable:
+                rows.append((episode, i, turn, score.turn_rewards[i], episode.group_id, agent_turns[i]))
+    for _, episode, _ in scored:
+        episode.advantages = [0.0] * len(episode.turns)
+    if not rows:
+        return [], None
+    adv_N, stats = compute_advantages(
+        [r[3] for r in rows], group_ids=[r[4] for r in rows], agent_ids=[r[2].agent for r in rows],
+        episode_ids=[r[0].id for r in rows], turn_ids=[r[5] for r in rows], estimator=cfg.estimator,
+        norm_by_std=cfg.norm_by_std, eps=cfg.adv_eps, return_stats=True)
+    trained = set(trained_agents)
+    samples = []
+    for (episode, i, turn, *_), adv in zip(rows, adv_N.tolist()):
+        episode.advantages[i] = adv
+        if turn.agent in trained:
+            samples.append(Sample.from_turn(turn, adv, episode.id))
+    return samples, stats
+
+
+def step_record(step: int, agents: Sequence[str], scored: Scored, counts: dict[str, int], adv_stats: Any,
+                update_metrics: dict[str, float], t: tuple[float, float, float, float],
+                sync_s: float) -> dict[str, Any]:
+    """The metrics of one step: counts, time split, team reward, and per agent reward, advantage, calls,
+    invalid rate and response length; then the updaters' metrics."""
+    t0, t1, t2, t3 = t
+    record: dict[str, Any] = {"step": step, **counts, "episodes": len(scored),
+                              "time/rollout_s": t1 - t0, "time/score_s": t2 - t1, "time/update_s": t3 - t2 - sync_s,
+                              "time/sync_s": sync_s, "time/step_s": time.perf_counter() - t0}
+    episodes = [ep for _, ep, _ in scored]
+    n_tokens = sum(len(turn.response_ids) for ep in episodes for turn in ep.turns)
+    record["rollout/tokens_per_s"] = n_tokens / max(t1 - t0, 1e-9)
+    record["reward/team_mean"] = mean_std([s.team for *_, s in scored])[0]
+    record["adv/zero_variance_pools"] = getattr(adv_stats, "n_zero_variance_pools", 0)
+    record["adv/pools"] = getattr(adv_stats, "n_pools", 0)
+    for agent in agents:
+        rewards = [ep.rewards[agent] for ep in episodes if agent in ep.rewards]
+        turns = [(ep, i) for ep in episodes for i, turn in enumerate(ep.turns) if turn.agent == agent]
+        advs = [ep.advantages[i] for ep, i in turns]
+        invalid = [sc.invalid[i] for _, ep, sc in scored for i, turn in enumerate(ep.turns) if turn.agent == agent]
+        record[f"agent/{agent}/reward_mean"], record[f"agent/{agent}/reward_std"] = mean_std(rewards)
+        record[f"agent/{agent}/adv_mean"], record[f"agent/{agent}/adv_std"] = mean_std(advs)
+        record[f"agent/{agent}/calls"] = len(turns)
+        record[f"agent/{agent}/invalid_rate"] = sum(invalid) / len(invalid) if invalid else 0.0
+        record[f"agent/{agent}/response_len"] = mean_std(
+            [len(ep.turns[i].response_ids) for ep, i in turns])[0] if turns else 0.0
+        if not turns:
+            record[f"agent/{agent}/never_acted"] = 1
+    record.update(update_metrics)
+    return record
+
+
+def nothing_to_train(step: int, n: int, errors: Sequence[BaseException], run_dir: Path) -> RolloutError:
+    """The error that stops a run whose step lost every episode (raised with the first failure chained)."""
+    first = (list(errors) or [None])[0]
+    err = RolloutError(f"step {step}: all {n} episodes failed or got no usable reward, nothing to train on; "
+                       f"the first: {first}. Fix the graph or the environment (failed episodes are in "
+                       f"{run_dir / 'traces.db'}, with their error)", getattr(first, "episode", None))
+    err.__cause__ = first
+    return err

@@ -1,0 +1,336 @@
+"""`train_graph(graph, env)`: agent-wise GRPO (Dr. MAS) over an existing LangGraph app.
+
+One step: sample B tasks (a seeded, resumable order) -> G concurrent rollouts each through the
+instrumented graph -> rewards (team or per agent, minus the invalid-turn penalty) -> advantages
+(`compute_advantages`, estimator by name) -> one `ModelUpdater.update` per trainable model -> new weights
+visible to the rollout backend -> metrics, periodic evaluation (avg@k, pass@k) and checkpoints.
+
+Weights reach the rollout backend in one of two ways. An embedded policy (`TransformersPolicy`) serves the
+very module the updater trains: the update runs inside `policy.updating_weights()`, which bumps its version.
+A served policy (SGLang, vLLM: anything with `sync_weights(dir, version)`) has no local model: the updater
+trains a local copy, which is written to run_dir/sync/<model>/ (Hugging Face format + tokenizer) and loaded
+into every server with version = steps done; a server that fails or reports another version stops the run.
+
+The parts live next to this module: `_build` (policies and updaters from the config), `_rollouts` (G
+concurrent episodes per task), `_scoring` (rewards, advantages, the step's metrics), `update` (the optimizer
+step), `_checkpoints` (checkpoints, resume, weight sync), `evaluate` (avg@k, pass@k).
+
+Departures from the reference code (langfengQ/DrMAS): no duplicate padding of per-model batches before
+advantage estimation (it biases the statistics); failed episodes, bad rewards and episodes without LLM
+calls are dropped from their group and counted, never silently trained on.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import random
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from drmas_graph.config import AgentConfig, TrainConfig, merge_overrides
+from drmas_graph.env import BadRewardError
+from drmas_graph.errors import RolloutError
+from drmas_graph.instrumentation.instrumented import InstrumentedGraph
+from drmas_graph.policy import Policy
+from drmas_graph.traces.store import TraceStore
+from drmas_graph.traces.weave_export import WeaveExporter, start_exporter
+from drmas_graph.train import _build, _checkpoints, _distributed, _scoring
+from drmas_graph.train._old_logprobs import with_trainer_logprobs
+from drmas_graph.train._rollouts import EpisodeJob, episode_config, run_episodes
+from drmas_graph.train.evaluate import evaluate
+from drmas_graph.train.metrics import RunLogger
+from drmas_graph.types import Episode, Sample
+
+__all__ = ["train_graph", "TrainResult", "Trainer", "evaluate"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainResult:
+    """What a training run produced."""
+
+    run_dir: Path
+    """Folder holding traces.db, metrics.jsonl, tensorboard/ and checkpoints/."""
+    history: list[dict[str, Any]] = field(default_factory=list)
+    """One metrics record per training step."""
+    evals: list[dict[str, Any]] = field(default_factory=list)
+    """One record per evaluation (step 0 = before training)."""
+    checkpoint: Path | None = None
+    """The last checkpoint written."""
+
+    def summary(self) -> str:
+        """A short table: per-agent reward (turn reward incl. invalid-turn penalties) and avg@k / pass@k,
+        at the first and the last evaluation; the training reward of the first and last step."""
+        lines = []
+        if self.evals:
+            first, last = self.evals[0], self.evals[-1]
+            k, split = last["k"], last["split"]
+            lines.append(f"{'evaluation on ' + split:<28}{'step ' + str(first['step']):>12}{'step ' + str(last['step']):>12}")
+            agents = sorted({key.split("/")[0] for key in last if key.endswith("/reward")})
+            for a in agents:
+                key = f"{a}/reward"
+                lines.append(f"{'  reward ' + a:<28}{first.get(key, float('nan')):>12.3f}{last.get(key, float('nan')):>12.3f}")
+            for metric in ("avg@k", "pass@k"):
+                name = metric.replace("k", str(k))
+                lines.append(f"{'  ' + name:<28}{first[metric]:>12.3f}{last[metric]:>12.3f}")
+        if self.history:
+            first, last = self.history[0], self.history[-1]
+            lines.append(f"{'training reward (team)':<28}{'step ' + str(first['step']):>12}{'step ' + str(last['step']):>12}")
+            lines.append(f"{'':<28}{first['reward/team_mean']:>12.3f}{last['reward/team_mean']:>12.3f}")
+        lines.append(f"run folder: {self.run_dir}")
+        return "\n".join(lines)
+
+
+def train_graph(graph: Any, env: Any, config: TrainConfig | None = None, *,
+                policies: Mapping[str, Policy] | None = None, train_models: Mapping[str, Any] | None = None,
+                rollout_config: Mapping[str, Any] | None = None, **overrides: Any) -> TrainResult:
+    """Train the policies behind `graph` on `env` with agent-wise GRPO.
+
+    Args:
+        graph: the app's compiled LangGraph graph (or StateGraph builder); it is not modified.
+        env: tasks(split), reward(task, episode), optional turn_is_valid(task, turn) (see `Env`).
+        config: a `TrainConfig` (or None for defaults); `overrides` replace fields (`steps=3`,
+            `eval__k=2` for nested ones).
+        policies: agent -> Policy built in Python (instead of, or on top of, `config.models`).
+        train_models: policy name -> the Hugging Face model to train for a *served* policy given in
+            `policies` (its local copy, with the weights the servers started from; it never generates).
+            After each update it is pushed to the servers. Embedded policies train their own `.model`.
+        rollout_config: a LangGraph RunnableConfig merged into every episode's config (`configurable`,
+            `recursion_limit`, `callbacks`, ...); each episode still gets its own `configurable.thread_id`
+            (see the config's `rollout` section for limits per episode).
+
+    Served models, from a config (`models.<name>.serve`, see `ServeConfig`) or from Python:
+
+        policy = SGLangPolicy(url, tokenizer, name="qwen")          # servers started from /models/qwen
+        local = AutoModelForCausalLM.from_pretrained("/models/qwen")
+        train_graph(graph, env, cfg, policies={"solver": policy}, train_models={"qwen": local})
+    """
+    cfg = merge_overrides(config, overrides)
+    trainer = Trainer(graph, env, cfg, policies=policies, train_models=train_models, rollout_config=rollout_config)
+    try:
+        return trainer.run()
+    finally:
+        trainer.close()
+
+
+class Trainer:
+    """Holds the run's pieces; `run()` is the loop. Build it through `train_graph`."""
+
+    def __init__(self, graph: Any, env: Any, cfg: TrainConfig, *, policies: Mapping[str, Policy] | None = None,
+                 train_models: Mapping[str, Any] | None = None, train: bool = True,
+                 rollout_config: Mapping[str, Any] | None = None):
+        self.cfg, self.env = cfg, env
+        self.rollout_config = dict(rollout_config or {})
+        episode_config(self.rollout_config, cfg.rollout)  # refuse a shared thread_id now, not mid-run
+        self.rollout_errors: list[RolloutError] = []
+        """Errors of the failed episodes of the last `rollouts` call, in job order."""
+        self.reward_errors: list[BadRewardError] = []
+        """Errors of the bad-reward episodes of the last step's scoring."""
+        self._reward_raise_logged = False
+        _distributed.check_divisible(cfg.tasks_per_step)  # under torchrun / deepspeed: whole groups per rank
+        _distributed.check_no_launch({n: mc.serve.launch for n, mc in cfg.models.items() if mc.serve is not None})
+        _distributed.check_zero3_served(
+            [n for n, mc in cfg.models.items() if mc.trainable and mc.serve is None and (mc.update or cfg.update).zero() == 3]
+            + (["<policies passed to train_graph>"] if policies and cfg.update.zero() == 3 else []))
+        _distributed.init_process_group(use_deepspeed=_build.uses_deepspeed(cfg, policies))
+        self.run_dir = Path(cfg.run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.train_models: dict[str, Any] = {}
+        """Model name -> the module its updater trains (the embedded policy's own, or a served model's local copy)."""
+        self._built: list[Policy] = []
+        self.weave: WeaveExporter | None = None
+        """Exports episodes and evaluations to W&B Weave (`logging.weave`), off the training thread."""
+        try:
+            self.agent_policies, self.model_policies = _build.build_policies(
+                cfg, policies, train_models, trained=self.train_models, built=self._built)
+            self.agent_cfgs = {a: cfg.agents.get(a) or AgentConfig(model=self._model_of(a)) for a in self.agent_policies}
+            self.train_tasks = _build.load_tasks(env, "train")
+            # a resumed run appends to its own store (its config may differ in `steps`, `resume`); so does an
+            # evaluation-only Trainer (train=False), which adds eval episodes to whatever run the folder holds
+            pinned = not cfg.resume and (train or not (self.run_dir / "traces.db").exists())
+            self.store = TraceStore(_distributed.store_path(self.run_dir),  # rank r > 0: traces.rank<r>.db
+                                    config=cfg.model_dump(mode="json") if pinned else None)
+            self.app = InstrumentedGraph(graph, self.agent_policies, agents=cfg.node_agents, strict=cfg.strict,
+                                         store=self.store)
+            # configured agents sample as configured; others keep their policy's own defaults
+            self.app.sampling.update({a: _build.agent_sampling(c) for a, c in cfg.agents.items()
+                                      if a in self.agent_policies})
+            _build.check_sampling(self.agent_policies, self.app.sampling)
+            self.updaters = _build.build_updaters(cfg, self.agent_policies, self.model_policies, self.agent_cfgs,
+                                                  self.train_models, self.on_model_thread) if train else {}
+            self.invalid_penalty = cfg.invalid_penalty if cfg.invalid_penalty is not None else float(
+                getattr(env, "invalid_penalty", 0.0))
+            self.start_step = _checkpoints.resume(self) if cfg.resume else 0
+            if self.start_step == 0:  # adapters loaded by name must exist on the servers before the first rollout
+                for name in (n for n, p in self.model_policies.items() if getattr(p, "lora_by_name", ())):
+                    self.sync_weights(name, version=0)
+            # rank 0 exports from the merged store
+            self.weave = start_exporter(cfg, self.run_dir / "traces.db") if _distributed.is_main() else None
+        except BaseException:
+            self._close_built()  # e.g. servers launched for a run that never starts
+            if getattr(self, "store", None) is not None:
+                self.store.close()
+            raise
+        # never overwrite a training run's config; under several processes rank 0 writes it
+        if _distributed.is_main() and (train or not (self.run_dir / "config.yaml").exists()):
+            cfg.to_yaml(self.run_dir / "config.yaml")
+        self.result = TrainResult(run_dir=self.run_dir)
+
+    def _model_of(self, agent: str) -> str:
+        policy = self.agent_policies[agent]
+        return next(name for name, p in self.model_policies.items() if p is policy)
+
+    def on_model_thread(self, name: str, fn: Any) -> Any:
+        """Run `fn()` (compute on model `name`) on its embedded policy's generation thread, else here.
+
+        On CPU, torch compute from a second OS thread slows the embedded engine's decoding for the rest of
+        the process (see `transformers_policy`): the update, the logprob passes and checkpoints of an
+        embedded model run on the thread that decodes with it.
+        """
+        run = getattr(self.model_policies[name], "run_on_worker", None)
+        return run(fn) if run is not None else fn()
+
+    def trained_agents(self) -> list[str]:
+        return [a for a, p in self.agent_policies.items() if self._model_of(a) in self.updaters
+                and not self.agent_cfgs[a].frozen]
+
+    # ---- the loop -----------------------------------------------------------------------------
+    def run(self) -> TrainResult:
+        cfg = self.cfg
+        logger_cls = RunLogger if _distributed.is_main() else _distributed.NullLogger  # rank 0 writes metrics
+        logger = logger_cls(self.run_dir, tensorboard=cfg.logging.tensorboard, wandb=cfg.logging.wandb,
+                            progress=cfg.logging.progress, total_steps=cfg.steps, start_step=self.start_step,
+                            agents=list(self.agent_policies), run_name=cfg.name, config=cfg.model_dump(mode="json"))
+        try:
+            if cfg.eval.before_training and self.start_step == 0:
+                self._evaluate(0, logger)
+            for step in range(self.start_step, cfg.steps):
+                record = self.train_step(step)
+                self.result.history.append(record)
+                logger.log(record)
+                logger.progress(step, record)
+                done = step + 1
+                if cfg.eval.every and done % cfg.eval.every == 0 and done < cfg.steps:
+                    self._evaluate(done, logger)
+                if cfg.checkpoint_every and done % cfg.checkpoint_every == 0 and done < cfg.steps:
+                    self.save_checkpoint(done)
+            if self.start_step < cfg.steps:
+                self._evaluate(cfg.steps, logger)
+                self.save_checkpoint(cfg.steps)
+            _distributed.remove_rank_stores(self.run_dir, self.store.close)  # every rank's traces in traces.db
+        finally:
+            logger.close()
+        return self.result
+
+    def batch_tasks(self, step: int) -> list[Any]:
+        """Tasks of a step: position p = step * B + i in an endless sequence of seeded shuffles of the split."""
+        n, out = len(self.train_tasks), []
+        for p in range(step * self.cfg.tasks_per_step, (step + 1) * self.cfg.tasks_per_step):
+            epoch, i = divmod(p, n)
+            order = list(range(n))
+            random.Random(f"{self.cfg.seed}:{epoch}").shuffle(order)
+            out.append(self.train_tasks[order[i]])
+        return out
+
+    def train_step(self, step: int) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        tasks = self.batch_tasks(step)
+        runs, counts = self.rollouts(tasks, step, self.cfg.group_size, phase="train")
+        t1 = time.perf_counter()
+        scored, self.reward_errors = _scoring.score_runs(self.env, runs, counts, invalid_penalty=self.invalid_penalty,
+                                                         on_error=self._log_reward_raise)
+        if not any(_distributed.gather(bool(scored))):  # every rank decides alike (one rank's loss is not fatal)
+            raise _scoring.nothing_to_train(step, len(tasks) * self.cfg.group_size,
+                                            self.rollout_errors or self.reward_errors, self.run_dir)
+        samples, adv_stats = _scoring.samples_with_advantages(scored, self.cfg, self.trained_agents())
+        t2 = time.perf_counter()
+        update_metrics: dict[str, float] = {}
+        sync_s = 0.0
+        for name, updater in self.updaters.items():
+            policy = self.model_policies[name]
+            model_samples = self._old_logprobs(name, [s for s in samples if self.agent_policies[s.agent] is policy],
+                                               update_metrics)
+            if _build.is_served(policy):
+                update_metrics.update(updater.update(model_samples).to_dict())
+                update_metrics[f"model/{name}/sync_s"] = self.sync_weights(name, version=step + 1)
+                sync_s += update_metrics[f"model/{name}/sync_s"]
+            else:
+                with policy.updating_weights():  # the policy serves the trained module itself
+                    metrics = self.on_model_thread(name, functools.partial(updater.update, model_samples))
+                    update_metrics.update(metrics.to_dict())
+        t3 = time.perf_counter()
+        self.store.record_training(step, [ep for _, ep, _ in scored])
+        scored, counts, adv_stats = _distributed.merge_step(scored, counts, adv_stats)  # every rank's groups
+        _distributed.merge_traces(self.run_dir)
+        if self.weave is not None:
+            self.weave.submit_step(step)
+        return _scoring.step_record(step, list(self.agent_policies), scored, counts, adv_stats, update_metrics,
+                                    (t0, t1, t2, t3), sync_s)
+
+    def _old_logprobs(self, name: str, samples: list[Sample], metrics: dict[str, float]) -> list[Sample]:
+        """Model `name`'s samples with the PPO ratio's old logprobs chosen by `cfg.old_logprobs` (auto:
+        recomputed by the trainer for embedded policies, see `_old_logprobs`; as rolled out for served ones)."""
+        mode = self.cfg.old_logprobs
+        if mode == "auto":
+            mode = "rollout" if _build.is_served(self.model_policies[name]) else "trainer"
+        if mode == "rollout" or not samples:
+            return samples
+        logprobs = self.on_model_thread(name, functools.partial(self.updaters[name].compute_logprobs, samples))
+        samples, gaps = with_trainer_logprobs(samples, logprobs)
+        metrics.update(gaps)
+        return samples
+
+    def sync_weights(self, name: str, *, version: int) -> float:
+        """Push model `name`'s trained weights to its servers (`_checkpoints.push_weights`); return the seconds."""
+        return _checkpoints.push_weights(self.run_dir, name, self.train_models[name], self.model_policies[name],
+                                         self.updaters.get(name), version=version)
+
+    def rollouts(self, tasks: Sequence[Any], step: int, group_size: int, *, phase: str
+                 ) -> tuple[list[tuple[Any, Episode]], dict[str, int]]:
+        """G rollouts per task, concurrently (see `_rollouts.run_episodes`: per-episode config, seed and limits).
+        Failed episodes are counted (and stored), not returned; their errors go to `self.rollout_errors`."""
+        jobs = [EpisodeJob(task, f"{phase}:{step}:{task.id}", b, j)
+                for b, task in _distributed.owned(tasks) for j in range(group_size)]
+        batch = run_episodes(self.app, jobs, phase=phase, step=step, run_seed=self.cfg.seed,
+                             max_concurrency=self.cfg.max_concurrency, rollout=self.cfg.rollout,
+                             base_config=self.rollout_config)
+        self.rollout_errors = batch.errors
+        if batch.errors:
+            log.warning("%s step %d: %d of %d episodes failed; the first: %s", phase, step, len(batch.errors),
+                        len(jobs), batch.errors[0])
+        return batch.runs, batch.counts
+
+    def _log_reward_raise(self, exc: BadRewardError) -> None:
+        """The first env.reward / turn_is_valid exception of the run, with its traceback (later ones are counted)."""
+        if exc.__cause__ is not None and not self._reward_raise_logged:
+            self._reward_raise_logged = True
+            log.warning("%s; the episode counts as a bad-reward episode (metric bad_reward_episodes); later "
+                        "exceptions of the environment are counted, not logged", exc, exc_info=exc.__cause__)
+
+    def _evaluate(self, step: int, logger: RunLogger) -> dict[str, Any]:
+        rollouts: list[Any] | None = [] if self.weave is not None else None
+        record = evaluate(self, step=step, rollouts=rollouts)
+        if self.weave is not None:
+            self.weave.submit_evaluation(record, rollouts)
+        self.result.evals.append(record)
+        logger.log({"step": step, **{f"eval/{k}": v for k, v in record.items() if k != "step"}})
+        return record
+
+    def save_checkpoint(self, step: int) -> Path:
+        self.result.checkpoint = _checkpoints.save_checkpoint(self, step)
+        return self.result.checkpoint
+
+    def close(self) -> None:
+        if self.weave is not None:
+            self.weave.close()  # exports what is queued; never raises an export error
+        self.store.close()
+        self._close_built()
+
+    def _close_built(self) -> None:
+        for policy in self._built:  # the policies built from `models`; a served one stops its launched server
+            policy.close()

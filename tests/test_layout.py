@@ -1,0 +1,216 @@
+"""The package's layout: sub-packages by layer, imports pointing down the layers, no import cycles, no
+module over 600 lines, and every exported name resolving to its object whatever the import order.
+
+Imports are read with `ast` from the source (top-level, inside functions and under TYPE_CHECKING alike),
+so a lazy import cannot hide a cycle or an upward dependency.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1] / "drmas_graph"
+
+SHARED = {"types", "errors", "config", "env", "policy", "_chat", "_structured", "_moved"}
+"""Top-level modules every layer may import (`_moved` names modules by strings only)."""
+FACADES = {"", "testing"}
+"""The package itself and the public name of the tiny test models: they may import anything."""
+LAYERS = {  # layer -> the layers it may import (besides itself and the shared modules)
+    "shared": set(),
+    "instrumentation": set(),
+    "engine": set(),
+    "served": {"instrumentation"},
+    "traces": {"instrumentation"},
+    "train": {"instrumentation", "engine", "served", "traces"},
+    "cli": {"instrumentation", "engine", "served", "traces", "train"},
+}
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in ROOT.rglob("*.py"):
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = path
+    return out
+
+
+def _layer(module: str) -> str:
+    head = module.split(".")[0]
+    if module in SHARED:
+        return "shared"
+    if module in FACADES:
+        return "facade"
+    if head in LAYERS:
+        return head
+    raise AssertionError(f"drmas_graph.{module} belongs to no layer: move it into a sub-package or add it to "
+                         "SHARED / FACADES in tests/test_layout.py (and say why)")
+
+
+def _imports(module: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """drmas_graph modules imported by `module` (relative to the package, '' = the package)."""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".") if package else []
+                base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
+                base = f"drmas_graph.{base}" if base else "drmas_graph"
+            names = [f"{base}.{a.name}" for a in node.names] + [base]
+        else:
+            continue
+        for name in names:
+            if name == "drmas_graph" or not name.startswith("drmas_graph."):
+                continue
+            rel = name.removeprefix("drmas_graph.")
+            while rel and rel not in modules:  # `from pkg import name`: the module is pkg
+                rel = rel.rpartition(".")[0]
+            if rel and rel != module:
+                found.add(rel)
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    return {m: _imports(m, p, modules) for m, p in modules.items()}
+
+
+def test_every_module_belongs_to_a_layer_and_imports_only_downward():
+    bad = []
+    for module, deps in _graph().items():
+        layer = _layer(module)
+        if layer == "facade":
+            continue
+        for dep in deps:
+            dep_layer = _layer(dep)
+            if dep_layer == "facade" or (dep_layer not in ("shared", layer) and dep_layer not in LAYERS[layer]):
+                bad.append(f"drmas_graph.{module} ({layer}) imports drmas_graph.{dep} ({dep_layer})")
+    assert not bad, "upward imports:\n" + "\n".join(sorted(bad))
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_cycles():
+    graph = {m: d for m, d in _graph().items() if _layer(m) != "facade"}
+    assert _cycles(graph) == []
+
+
+def test_the_cycle_check_finds_a_cycle():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_config_does_not_import_training_code():
+    assert _graph()["config"] <= {"errors"}
+
+
+def test_no_module_over_600_lines():
+    long = {m: len(p.read_text().splitlines()) for m, p in _modules().items()}
+    assert {m: n for m, n in long.items() if n > 600} == {}
+
+
+def test_every_sub_package_says_what_it_owns_and_may_import():
+    for package in LAYERS.keys() - {"shared"}:
+        doc = ast.get_docstring(ast.parse((ROOT / package / "__init__.py").read_text())) or ""
+        assert "May import" in doc, f"drmas_graph/{package}/__init__.py: say what it may import"
+
+
+def test_registries_match_the_names_the_config_accepts():
+    from drmas_graph import config
+    from drmas_graph.train.advantages import ADVANTAGE_ESTIMATORS
+    from drmas_graph.train.losses import LOSS_AGGREGATIONS
+
+    assert set(config.ESTIMATORS) == set(ADVANTAGE_ESTIMATORS)
+    assert set(config.LOSS_AGGREGATIONS) == set(LOSS_AGGREGATIONS)
+
+
+_EVERY_NAME_AFTER_EVERY_MODULE = """
+import importlib, inspect, pkgutil, sys, types, warnings
+warnings.simplefilter("ignore", DeprecationWarning)
+import drmas_graph
+from drmas_graph import _moved
+names = [m.name for m in pkgutil.walk_packages(drmas_graph.__path__, "drmas_graph.") if not m.name.endswith("__main__")]
+for name in names + sorted(_moved.MOVED):
+    importlib.import_module(name)
+wrong = [n for n in drmas_graph.__all__ if isinstance(getattr(drmas_graph, n), types.ModuleType)]
+exec("from drmas_graph import " + ", ".join(drmas_graph.__all__))
+wrong += [n for n in drmas_graph.__all__ if isinstance(eval(n), types.ModuleType)]
+print(len(names), sorted(set(wrong)))
+"""
+
+
+def test_every_exported_name_is_its_object_after_every_module_is_imported():
+    """`from drmas_graph import replay` is the function even after `import drmas_graph.replay` (an old module
+    path) and after every sub-module was imported, in a fresh interpreter."""
+    out = subprocess.run([sys.executable, "-c", _EVERY_NAME_AFTER_EVERY_MODULE], capture_output=True, text=True,
+                         check=True, cwd=ROOT.parent).stdout.split()
+    assert int(out[0]) > 40 and out[1:] == ["[]"]
+
+
+@pytest.mark.parametrize("old", ["drmas_graph.trainer", "drmas_graph.store", "drmas_graph.replay",
+                                 "drmas_graph._distributed", "drmas_graph._cli_train"])
+def test_old_module_paths_are_the_moved_modules_and_say_where_they_are(old):
+    from drmas_graph import _moved
+
+    code = (f"import warnings, importlib; warnings.simplefilter('always')\n"
+            f"with warnings.catch_warnings(record=True) as caught:\n"
+            f"    alias = importlib.import_module({old!r})\n"
+            f"real = importlib.import_module({_moved.MOVED[old]!r})\n"
+            f"print(alias is real, real.__spec__.name == real.__name__, [str(w.message) for w in caught])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT.parent)
+    assert out.stdout.startswith("True True ") and f"moved to {_moved.MOVED[old]}" in out.stdout
+
+
+def test_names_that_left_the_old_lora_module_are_found_where_they_live_now():
+    from drmas_graph.served._lora import served_adapter
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        from drmas_graph.lora import served_adapter as old
+    assert old is served_adapter
+    assert any("drmas_graph.served._lora.served_adapter" in str(w.message) for w in caught)
+    with pytest.raises(ImportError):
+        from drmas_graph.lora import no_such_name  # noqa: F401
