@@ -291,3 +291,49 @@ def test_each_process_takes_its_own_gpu(monkeypatch):
     with pytest.raises(ConfigError, match=r"models\.m\.device: 'cuda:0' would put all 2 processes on one GPU; "
                                           r"set it to 'cuda'"):
         _distributed.local_device("cuda:0", "models.m.device")
+
+
+def test_an_evaluation_under_a_launcher_ignores_tasks_per_step_and_hands_rank_0_every_rollout(tmp_path):
+    """Evaluation-only runs are not refused over tasks_per_step (they shard tasks, any number), and rank 0's
+    rollouts (what its Weave export logs) hold every rank's tasks, agreeing with the merged record (rev3_c)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+           str(ROOT / "tests" / "_dist_eval_worker.py"), str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=launcher_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads((tmp_path / "eval.json").read_text())
+    record, rollouts = out["record"], out["rollouts"]
+    assert record["tasks"] == 5 and record["k"] == 2 and record["failed_episodes"] == 0
+    by_task: dict[str, list[bool]] = {}
+    for row in rollouts:
+        by_task.setdefault(row["task"], []).append(row["ok"])
+    assert sorted(by_task) == [f"test-{i}" for i in range(5)] and all(len(v) == 2 for v in by_task.values())
+    assert [row["task"] for row in rollouts[:4]] == ["test-0", "test-0", "test-1", "test-1"]  # rank 0's first
+    assert sum(sum(v) / 2 for v in by_task.values()) / 5 == pytest.approx(record["avg@k"])
+    assert sum(any(v) for v in by_task.values()) / 5 == pytest.approx(record["pass@k"])
+    assert [row["rewards"] for row in rollouts if row["task"] == "test-4"] == [None, None]  # NaN reward: no score
+    with TraceStore(tmp_path / "run" / "traces.db", readonly=True) as store:  # rank 1's episodes, as stored
+        for row in rollouts:
+            stored = store.load_episode(row["episode"])
+            assert stored.task_id == row["task"] and row["final_state"]["answer"] == stored.final_state["answer"]
+
+
+def test_one_world_size_before_and_after_the_process_group():
+    """The launcher's WORLD_SIZE / RANK answer until this process joins a group, the group after, for every
+    caller (checks before joining and collectives after can never disagree). A fresh process: a group lives
+    as long as its process."""
+    code = f"""
+import torch
+from drmas_graph.train import _distributed, _engines
+assert (_distributed.world_size(), _distributed.rank(), _distributed.is_main()) == (2, 1, False)
+assert (_engines._world_size(), _engines._rank()) == (2, 1)
+assert _distributed.owned(list("abcd")) == [(2, "c"), (3, "d")]
+_distributed.check_divisible(4)
+torch.distributed.init_process_group("gloo", init_method="tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+assert (_distributed.world_size(), _distributed.rank(), _distributed.is_main()) == (1, 0, True)
+assert (_engines._world_size(), _engines._rank()) == (1, 0)
+torch.distributed.destroy_process_group()
+print("ok")
+"""
+    env = {**launcher_env(), "WORLD_SIZE": "2", "RANK": "1"}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
