@@ -81,13 +81,13 @@ def _cmd_train(args: argparse.Namespace, console: Console) -> int:
 
     cfg = load_config(args.config, args.set)
     graph, env = build_graph_and_env(cfg)
-    if _distributed.rank_from_env() == 0:  # under a launcher, rank 0 alone reports
+    if _distributed.is_main():  # under a launcher, rank 0 alone reports
         console.print(f"training {cfg.name}: run folder {cfg.run_dir}", markup=False)
     try:
         result = train_graph(graph, env, cfg)
     finally:
         _distributed.shutdown()
-    if _distributed.rank_from_env() == 0:
+    if _distributed.is_main():
         console.print(result.summary(), markup=False)
     return 0
 
