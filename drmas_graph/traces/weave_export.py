@@ -46,7 +46,8 @@ from drmas_graph.errors import ConfigError
 from drmas_graph.types import Episode, Turn
 
 __all__ = ["EPISODE_OP", "TURN_OP", "REWARD_FEEDBACK", "WeaveExportWarning", "WeaveExporter", "require_weave",
-           "connect", "export_episode", "log_evaluation", "sample_groups", "export_store", "start_exporter"]
+           "connect", "evaluation_episode", "export_episode", "log_evaluation", "sample_groups", "export_store",
+           "start_exporter"]
 
 EPISODE_OP = "drmas.episode"
 """Op name of an episode's root call."""
@@ -252,6 +253,14 @@ def log_evaluation(record: Mapping[str, Any], rollouts: Iterable[tuple[Any, Epis
         pred.finish()
     ev.log_summary({key: v for key, v in record.items() if isinstance(v, int | float | str)})
     return ev
+
+
+def evaluation_episode(episode: Episode) -> Episode:
+    """What `log_evaluation` logs of an episode (id, task, group, error, rewards, the final state made JSON-safe)
+    and nothing else: small, and free of user objects that may not pickle, so another process can send it."""
+    return Episode(id=episode.id, task_id=episode.task_id, group_id=episode.group_id, error=episode.error,
+                   final_state=_safe(episode.final_state, f"episode {episode.id} final_state"),
+                   rewards=dict(episode.rewards), metadata={"phase": (episode.metadata or {}).get("phase")})
 
 
 def _task_scores(runs: list[tuple[Episode, Any, bool]], k: int, threshold: float) -> dict[str, float]:
