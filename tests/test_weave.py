@@ -49,7 +49,11 @@ def weave_env(monkeypatch):
 
 
 def by_op(client, op):
-    return sorted((c for c in client.get_calls() if f"/op/{op}:" in c.op_name), key=lambda c: c.started_at)
+    """The calls of one op by start time, calls that started together (turns of a trace without turn start
+    times) by their `index` attribute. Never by arrival: the client sends call starts from a thread pool, so
+    the server sees them in any order (and `get_calls` returns them in that order)."""
+    return sorted((c for c in client.get_calls() if f"/op/{op}:" in c.op_name),
+                  key=lambda c: (c.started_at, c.attributes.get("index", -1)))
 
 
 def utc(ts):
