@@ -14,7 +14,8 @@ module decides who does what around it.
 - Sharding: a step's B task groups are cut into P contiguous blocks, rank r runs groups [rB/P, (r+1)B/P).
   A group never splits, so every advantage pool (group, agent) is computed on one rank, exactly as one
   process would. `owned` yields each group with its *global* index (its identity for seeds and ids).
-  Evaluation tasks are sharded the same way (uneven blocks allowed) and the counts gathered.
+  Evaluation tasks are sharded the same way (uneven blocks allowed) and the counts gathered (and the
+  rollouts, when rank 0 exports them to Weave: `merge_rollouts`).
 - Reductions: the step's scored episodes (slimmed: no messages, prompts or graph state) are gathered to
   every rank, so the step record is computed over all groups, identically everywhere.
 - Served models (`serve.urls`): every rank rolls out through the same servers; after an update rank 0 writes
