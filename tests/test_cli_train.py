@@ -94,7 +94,8 @@ def test_eval_of_a_checkpoint_on_attached_servers_pushes_its_weights_first(tmp_p
     tok.save_pretrained(ckpt / "m" / "model")
     server = SGLangDouble(str(base), weight_version="0").start()
     try:
-        cfg = write_config(tmp_path, models={"m": {"path": str(base), "serve": {"engine": "sglang", "urls": [server.url]}}},
+        served = {"path": str(base), "serve": {"engine": "sglang", "urls": [server.url]}}
+        cfg = write_config(tmp_path, models={"m": served},
                            agents={"solver": {"model": "m", "sampling": {"max_new_tokens": 3}},
                                    "verifier": {"model": "m", "sampling": {"max_new_tokens": 3}}})
         assert main(["eval", str(cfg), "--checkpoint", str(ckpt), "--k", "1"]) == 0
@@ -103,5 +104,5 @@ def test_eval_of_a_checkpoint_on_attached_servers_pushes_its_weights_first(tmp_p
         server.stop()
     out = capsys.readouterr().out
     assert updates == 1 and "model m: loaded" in out and server.url in out
-    served, want = load_file(f"{served_path}/model.safetensors"), load_file(ckpt / "m" / "model" / "model.safetensors")
-    assert set(served) == set(want) and all(torch.equal(served[k], want[k]) for k in want)
+    pushed, want = load_file(f"{served_path}/model.safetensors"), load_file(ckpt / "m" / "model" / "model.safetensors")
+    assert set(pushed) == set(want) and all(torch.equal(pushed[k], want[k]) for k in want)

@@ -47,8 +47,8 @@ from drmas_graph.train._world import group_initialized, local_rank, rank, world_
 
 __all__ = [
     "NullLogger", "barrier", "check_divisible", "check_no_launch", "check_resume_world", "gather", "init_process_group",
-    "is_main", "local_device", "local_rank", "merge_eval", "merge_rollouts", "merge_step", "merge_traces", "owned", "rank", "shutdown",
-    "remove_rank_stores", "store_path", "world_size",
+    "is_main", "local_device", "local_rank", "merge_eval", "merge_rollouts", "merge_step", "merge_traces", "owned",
+    "rank", "shutdown", "remove_rank_stores", "store_path", "world_size",
 ]
 
 T = TypeVar("T")
