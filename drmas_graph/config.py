@@ -197,7 +197,8 @@ class WeaveConfig(_Strict):
 
 
 class LoggingConfig(_Strict):
-    progress: bool = Field(True, description="Show a progress bar (step, reward per agent, ETA).")
+    progress: bool = Field(True, description="Show progress: a bar (step, reward per agent, ETA) on a terminal, "
+                           "else one plain line per step (step, reward per agent, time).")
     tensorboard: bool = Field(True, description="Write TensorBoard scalars under run_dir/tensorboard (needs the tensorboard package).")
     wandb: bool = Field(False, description="Log to Weights & Biases (needs wandb and a login).")
     weave: WeaveConfig | None = Field(None, description="Export episodes and LLM calls to W&B Weave (off a background thread); null = off.")

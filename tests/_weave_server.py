@@ -153,7 +153,7 @@ class InMemoryTraceServer:
         unknown = set(flt) - set(keys) - {"op_names", "trace_roots_only"}
         if any(flt[k] for k in unknown):
             raise NotImplementedError(f"in-memory trace server: filter keys {sorted(unknown)}")
-        return sorted(calls, key=lambda c: c["_order"])
+        return sorted(calls, key=lambda c: c["_order"])  # arrival order: the client's thread pool may reorder starts
 
     def calls_query_stream(self, req: dict[str, Any]) -> Iterator[Call]:
         self._log("calls_query_stream")

@@ -70,3 +70,39 @@ def test_eval_twice_in_one_run_folder_gets_a_folder_each(tmp_path, capsys):
             assert len(store.episodes()) == k
             assert store.config["eval"]["k"] == k
         assert yaml.safe_load((tmp_path / "run" / "eval" / name / "config.yaml").read_text())["eval"]["k"] == k
+
+
+def test_eval_of_a_checkpoint_on_attached_servers_pushes_its_weights_first(tmp_path, capsys):
+    """rev3_b: servers attached by `serve.urls` hold whatever they held; `eval --checkpoint` loads the
+    checkpoint's weights into them before evaluating, and says so."""
+    import torch
+    from safetensors.torch import load_file
+
+    from drmas_graph.testing import tiny_model, tiny_tokenizer
+    from tests.sglang_double import SGLangDouble
+
+    tok = tiny_tokenizer()
+    base = tmp_path / "base"
+    tiny_model(tok, seed=0).save_pretrained(base)
+    tok.save_pretrained(base)
+    ckpt = tmp_path / "run" / "checkpoints" / "step_000005"
+    trained = tiny_model(tok, seed=0)
+    with torch.no_grad():
+        for p in trained.parameters():
+            p.add_(0.05)  # stands in for training
+    trained.save_pretrained(ckpt / "m" / "model")
+    tok.save_pretrained(ckpt / "m" / "model")
+    server = SGLangDouble(str(base), weight_version="0").start()
+    try:
+        served = {"path": str(base), "serve": {"engine": "sglang", "urls": [server.url]}}
+        cfg = write_config(tmp_path, models={"m": served},
+                           agents={"solver": {"model": "m", "sampling": {"max_new_tokens": 3}},
+                                   "verifier": {"model": "m", "sampling": {"max_new_tokens": 3}}})
+        assert main(["eval", str(cfg), "--checkpoint", str(ckpt), "--k", "1"]) == 0
+        updates, served_path = server.updates, server.model_path
+    finally:
+        server.stop()
+    out = capsys.readouterr().out
+    assert updates == 1 and "model m: loaded" in out and server.url in out
+    pushed, want = load_file(f"{served_path}/model.safetensors"), load_file(ckpt / "m" / "model" / "model.safetensors")
+    assert set(pushed) == set(want) and all(torch.equal(pushed[k], want[k]) for k in want)

@@ -1,6 +1,7 @@
 """TransformersPolicy: exact ids and logprobs, seeded sampling, stop rules, dynamic batching, weight updates."""
 
 import threading
+import time
 
 import pytest
 import torch
@@ -190,3 +191,30 @@ def test_run_on_worker_runs_on_the_decoding_thread_after_rows_in_flight(policy):
     assert policy.version == 1
     # a call from the worker itself runs at once
     assert policy.run_on_worker(lambda: policy.run_on_worker(lambda: 3)) == 3
+
+
+def test_run_on_worker_inside_updating_weights_serves_a_request_that_arrived_meanwhile(policy):
+    """rev3_h: an idle worker that picks up a request while an update holds the weights must not block on
+    them, or the update's run_on_worker call (queued behind the request) would wait for it forever."""
+    prompt = policy.render(MSGS)
+    policy.generate(prompt, SamplingParams(max_new_tokens=2, seed=0))  # the worker exists
+    time.sleep(0.2)  # and goes idle, waiting on its queue for the next request (not a timing assertion)
+    holding, requested = threading.Event(), threading.Event()
+    out = {}
+
+    def update():
+        with policy.updating_weights():  # the trainer's pattern: the update runs on the worker thread
+            holding.set()
+            requested.wait()
+            out["call"] = policy.run_on_worker(lambda: threading.current_thread().name)
+
+    updater = threading.Thread(target=update, daemon=True)
+    updater.start()
+    holding.wait()
+    request = policy.submit(prompt, SamplingParams(max_new_tokens=3, seed=1))  # queued before the call
+    requested.set()
+    updater.join(timeout=60)
+    assert not updater.is_alive(), "run_on_worker deadlocked with a request that arrived during the update"
+    gen = request.result(timeout=60)
+    assert out["call"] == f"{policy.name}-batcher"
+    assert gen.policy_version == 1 and len(gen.token_ids) == 3  # served after the update, on its weights

@@ -48,6 +48,9 @@ def test_uniforms_are_uniform_and_keyed_by_seed_and_position():
     (SamplingParams(temperature=0.7, top_k=3), [0, 1, 2]),
     (SamplingParams(top_p=0.75), [0, 1, 2]),  # p = .38 .23 .14 .06 ...: mass before token 2 is .61 < .75
     (SamplingParams(top_k=2, top_p=0.9), [0, 1]),
+    # top-p after top-k renormalises: p(0) = e^2 / (e^2 + e^1.5) = .62 >= .5 keeps token 0 alone (HF, vLLM);
+    # on the untruncated softmax (p(0) = .44 < .5) token 1 would pass too
+    (SamplingParams(top_k=2, top_p=0.5), [0]),
 ])
 def test_empirical_distribution_matches_truncated_softmax(params, allowed):
     n = 40000
@@ -60,6 +63,33 @@ def test_empirical_distribution_matches_truncated_softmax(params, allowed):
     assert ((freq - expected).abs() <= 5 * sigma + 1e-9).all(), (freq, expected)
     chi2 = float(((freq - expected) ** 2 / expected).sum() * n)
     assert chi2 < 25  # <= 5 degrees of freedom: p < 1e-4 under the null
+
+
+def test_top_k_then_top_p_keeps_the_tokens_hugging_face_keeps():
+    """Random rows with both filters set: the support equals HF's TopKLogitsWarper then TopPLogitsWarper
+    (the order `generate` and vLLM use), row by row, whatever the other rows ask."""
+    from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
+
+    from drmas_graph.engine._sampling import truncated_weights
+
+    gen = torch.Generator().manual_seed(0)
+    V, B = 50, 64
+    logits_BV = torch.randn(B, V, generator=gen) * 2
+    ks = torch.randint(1, 12, (B,), generator=gen).tolist()
+    ps = (torch.rand(B, generator=gen) * 0.9 + 0.05).tolist()
+    params = [SamplingParams(temperature=0.8, top_k=k, top_p=p) for k, p in zip(ks, ps)]
+    scaled_BV = logits_BV / 0.8
+    max_B = scaled_BV.amax(-1, keepdim=True)
+    e_BV = torch.exp(scaled_BV - max_B)
+    weights_BV = truncated_weights(scaled_BV, e_BV, e_BV.sum(-1, keepdim=True),
+                                   RowParams.build(params, range(B), V, "cpu"))
+    fewer = 0
+    for i, (k, p) in enumerate(zip(ks, ps)):
+        hf = TopPLogitsWarper(p)(None, TopKLogitsWarper(k)(None, scaled_BV[i:i + 1].clone()))[0]
+        assert torch.equal(weights_BV[i] > 0, torch.isfinite(hf)), (i, k, p)
+        untruncated = torch.softmax(scaled_BV[i], -1).sort(descending=True).values
+        fewer += int((weights_BV[i] > 0).sum()) < min(k, int(((untruncated.cumsum(0) - untruncated) < p).sum()))
+    assert fewer > 0  # rows where renormalising first keeps fewer tokens than the joint rule: the order matters
 
 
 def test_two_level_race_is_exact_across_blocks():

@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from drmas_graph.train import _distributed
+from drmas_graph.train import _distributed, _world
 from drmas_graph.errors import ConfigError
 from drmas_graph.traces.store import TraceStore
 from drmas_graph.types import Episode, Turn
@@ -27,6 +27,20 @@ from tests import _dist_train_worker as worker
 ROOT = Path(__file__).resolve().parents[1]
 needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed")
 ZERO2 = {"backend": "deepspeed", "zero_stage": 2}
+
+
+@pytest.fixture
+def launched(monkeypatch):
+    """`launched(n, LOCAL_RANK=...)` makes this process look like one of n a launcher started, before it joins
+    their process group: the launcher's variables then answer the world size (`_world`). Earlier tests may
+    have left this pytest process in a 1-process DeepSpeed group, which would answer instead."""
+
+    def as_worker(world_size: int, **env: str) -> None:
+        monkeypatch.setattr(_world, "group_initialized", lambda: False)
+        for key, value in {"WORLD_SIZE": str(world_size), **env}.items():
+            monkeypatch.setenv(key, value)
+
+    return as_worker
 
 
 def free_port() -> int:
@@ -132,8 +146,8 @@ def test_two_processes_train_like_one_resume_after_a_kill_and_merge_their_traces
     assert killed_rank1[0][0] >= 1
 
 
-def test_tasks_per_step_must_divide_over_the_processes(monkeypatch, tmp_path):
-    monkeypatch.setenv("WORLD_SIZE", "4")
+def test_tasks_per_step_must_divide_over_the_processes(launched, tmp_path):
+    launched(4)
     with pytest.raises(ConfigError, match=r"tasks_per_step=6 is not divisible by the number of processes \(4\).*"
                                           r"multiple of 4 \(e\.g\. 8\) or launch 1 or 2 or 3 or 6 processes"):
         worker.train_graph(None, None, worker.config(tmp_path / "run", steps=1), tasks_per_step=6)
@@ -258,15 +272,15 @@ def test_two_processes_roll_out_through_shared_servers_and_rank_0_pushes_the_wei
         double.stop()
 
 
-def test_serve_launch_is_refused_under_a_multi_process_launcher(monkeypatch):
-    monkeypatch.setenv("WORLD_SIZE", "2")
+def test_serve_launch_is_refused_under_a_multi_process_launcher(launched):
+    launched(2)
     with pytest.raises(ConfigError, match=r"models\.m\.serve\.launch: true would start one server per process.*"
                                           r"serve\.urls"):
         _distributed.check_no_launch({"m": True, "other": False})
     _distributed.check_no_launch({"other": False})
 
 
-def test_zero3_with_an_embedded_policy_is_refused_under_a_multi_process_launcher(monkeypatch, tmp_path):
+def test_zero3_with_an_embedded_policy_is_refused_under_a_multi_process_launcher(launched, tmp_path):
     from drmas_graph.config import TrainConfig
     from drmas_graph.train.trainer import Trainer
     from tests import _graphs
@@ -277,17 +291,62 @@ def test_zero3_with_an_embedded_policy_is_refused_under_a_multi_process_launcher
         run_dir=str(tmp_path), tasks_per_step=2, models={"m": {"tiny": {}}},
         agents={"solver": {"model": "m"}, "verifier": {"model": "m"}},
         update={"backend": "deepspeed", "zero_stage": 3}, logging={"progress": False, "tensorboard": False}))
-    monkeypatch.setenv("WORLD_SIZE", "2")
+    launched(2)
     with pytest.raises(ConfigError, match=r"models\.m: update\.zero_stage 3 under 2 processes needs served rollouts"):
         Trainer(_graphs.solver_verifier(Unreachable()).compile(), ParityEnv(), cfg)
     _distributed.check_zero3_served([])  # nothing embedded on ZeRO-3: fine
 
 
-def test_each_process_takes_its_own_gpu(monkeypatch):
+def test_each_process_takes_its_own_gpu(launched):
     assert _distributed.local_device("cuda") == "cuda"  # one process: as configured
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    monkeypatch.setenv("LOCAL_RANK", "1")
+    launched(2, LOCAL_RANK="1")
     assert _distributed.local_device("cuda") == "cuda:1" and _distributed.local_device("cpu") == "cpu"
     with pytest.raises(ConfigError, match=r"models\.m\.device: 'cuda:0' would put all 2 processes on one GPU; "
                                           r"set it to 'cuda'"):
         _distributed.local_device("cuda:0", "models.m.device")
+
+
+def test_an_evaluation_under_a_launcher_ignores_tasks_per_step_and_hands_rank_0_every_rollout(tmp_path):
+    """Evaluation-only runs are not refused over tasks_per_step (they shard tasks, any number), and rank 0's
+    rollouts (what its Weave export logs) hold every rank's tasks, agreeing with the merged record (rev3_c)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+           str(ROOT / "tests" / "_dist_eval_worker.py"), str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=launcher_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads((tmp_path / "eval.json").read_text())
+    record, rollouts = out["record"], out["rollouts"]
+    assert record["tasks"] == 5 and record["k"] == 2 and record["failed_episodes"] == 0
+    by_task: dict[str, list[bool]] = {}
+    for row in rollouts:
+        by_task.setdefault(row["task"], []).append(row["ok"])
+    assert sorted(by_task) == [f"test-{i}" for i in range(5)] and all(len(v) == 2 for v in by_task.values())
+    assert [row["task"] for row in rollouts[:4]] == ["test-0", "test-0", "test-1", "test-1"]  # rank 0's first
+    assert sum(sum(v) / 2 for v in by_task.values()) / 5 == pytest.approx(record["avg@k"])
+    assert sum(any(v) for v in by_task.values()) / 5 == pytest.approx(record["pass@k"])
+    assert [row["rewards"] for row in rollouts if row["task"] == "test-4"] == [None, None]  # NaN reward: no score
+    with TraceStore(tmp_path / "run" / "traces.db", readonly=True) as store:  # rank 1's episodes, as stored
+        for row in rollouts:
+            stored = store.load_episode(row["episode"])
+            assert stored.task_id == row["task"] and row["final_state"]["answer"] == stored.final_state["answer"]
+
+
+def test_one_world_size_before_and_after_the_process_group():
+    """The launcher's WORLD_SIZE / RANK answer until this process joins a group, the group after, for every
+    caller (checks before joining and collectives after can never disagree). A fresh process: a group lives
+    as long as its process."""
+    code = f"""
+import torch
+from drmas_graph.train import _distributed, _engines
+assert (_distributed.world_size(), _distributed.rank(), _distributed.is_main()) == (2, 1, False)
+assert (_engines._world_size(), _engines._rank()) == (2, 1)
+assert _distributed.owned(list("abcd")) == [(2, "c"), (3, "d")]
+_distributed.check_divisible(4)
+torch.distributed.init_process_group("gloo", init_method="tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+assert (_distributed.world_size(), _distributed.rank(), _distributed.is_main()) == (1, 0, True)
+assert (_engines._world_size(), _engines._rank()) == (1, 0)
+torch.distributed.destroy_process_group()
+print("ok")
+"""
+    env = {**launcher_env(), "WORLD_SIZE": "2", "RANK": "1"}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]

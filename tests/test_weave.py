@@ -49,7 +49,11 @@ def weave_env(monkeypatch):
 
 
 def by_op(client, op):
-    return sorted((c for c in client.get_calls() if f"/op/{op}:" in c.op_name), key=lambda c: c.started_at)
+    """The calls of one op by start time, calls that started together (turns of a trace without turn start
+    times) by their `index` attribute. Never by arrival: the client sends call starts from a thread pool, so
+    the server sees them in any order (and `get_calls` returns them in that order)."""
+    return sorted((c for c in client.get_calls() if f"/op/{op}:" in c.op_name),
+                  key=lambda c: (c.started_at, c.attributes.get("index", -1)))
 
 
 def utc(ts):
@@ -237,6 +241,28 @@ def test_failed_rollouts_of_a_step_are_exported_with_their_error(weave_env, tmp_
     assert len(episodes) == 8 and len(failed) == 4 and trainer.weave.errors == 0
     assert {c.inputs["task_id"] for c in failed} == {"train-0"} and {c.attributes["train_step"] for c in failed} == {0}
     assert all("this task makes the graph raise" in c.exception for c in failed)
+
+
+def test_rollouts_whose_reward_failed_are_exported_as_not_trained_on(weave_env, tmp_path, monkeypatch):
+    """train-1's reward is NaN: its 4 rollouts finished (no error stored) but the step did not train on them;
+    they are exported with their step, marked by why, next to train-0's trained rollouts."""
+    _, client = weave_env
+    monkeypatch.setattr(wx, "connect", lambda project: client)
+    policy = tiny_policy(seed=0, sampling=SamplingParams(max_new_tokens=4))
+    cfg = small_config(tmp_path, steps=1, eval={"k": 1, "n_tasks": 1, "before_training": False},
+                       logging={"progress": False, "tensorboard": False,
+                                "weave": {"project": "p", "sample_per_step": None, "evaluations": False}})
+    trainer = Trainer(graph(), ParityEnv(n_train=2, bad_reward=("train-1",)), cfg,
+                      policies={"solver": policy, "verifier": policy})
+    result = trainer.run()
+    trainer.close()
+    assert result.history[0]["bad_reward_episodes"] == 4
+    episodes = [c for c in by_op(client, wx.EPISODE_OP) if c.attributes["phase"] == "train"]
+    assert trainer.weave.errors == 0 and len(episodes) == 8 and {c.attributes["train_step"] for c in episodes} == {0}
+    untrained = [c for c in episodes if c.exception]
+    assert {c.inputs["task_id"] for c in untrained} == {"train-1"} and len(untrained) == 4
+    assert all(wx.unused_error(0) in c.exception for c in untrained)
+    assert all(c.summary["drmas"]["rewards"] == {} for c in untrained)  # no reward was recorded for them
 
 
 def test_export_errors_never_fail_training_and_are_reported_once(weave_env, tmp_path, monkeypatch):

@@ -20,7 +20,8 @@ from drmas_graph.cli._imports import import_object
 from drmas_graph.config import TrainConfig, config_reference, load_config
 from drmas_graph.errors import ConfigError
 
-__all__ = ["add_train_commands", "StandInChatModel", "build_graph_and_env", "eval_dir"]
+__all__ = ["add_train_commands", "StandInChatModel", "attached_servers", "build_graph_and_env", "eval_dir",
+           "point_at_checkpoint"]
 
 
 class StandInChatModel(BaseChatModel):
@@ -81,13 +82,13 @@ def _cmd_train(args: argparse.Namespace, console: Console) -> int:
 
     cfg = load_config(args.config, args.set)
     graph, env = build_graph_and_env(cfg)
-    if _distributed.rank_from_env() == 0:  # under a launcher, rank 0 alone reports
+    if _distributed.is_main():  # under a launcher, rank 0 alone reports
         console.print(f"training {cfg.name}: run folder {cfg.run_dir}", markup=False)
     try:
         result = train_graph(graph, env, cfg)
     finally:
         _distributed.shutdown()
-    if _distributed.rank_from_env() == 0:
+    if _distributed.is_main():
         console.print(result.summary(), markup=False)
     return 0
 
@@ -103,19 +104,19 @@ def _cmd_eval(args: argparse.Namespace, console: Console) -> int:
     if args.n_tasks:
         overrides.append(f"eval.n_tasks={args.n_tasks}")
     cfg = load_config(args.config, overrides)
-    if args.checkpoint is not None:
-        if not args.checkpoint.is_dir():
-            raise ConfigError(f"checkpoint {str(args.checkpoint)!r} is not a folder")
-        for name, model in list(cfg.models.items()):
-            path = args.checkpoint / name / "model"
-            if model.trainable and path.is_dir() and model.lora is None:  # LoRA: the adapters load below
-                cfg.models[name] = model.model_copy(update={"path": str(path), "gguf_file": None, "tiny": None})
+    from_checkpoint = point_at_checkpoint(cfg, args.checkpoint) if args.checkpoint is not None else []
     cfg.run_dir = str(eval_dir(Path(cfg.run_dir), args.checkpoint, args.split or cfg.eval.split, cfg.eval.k))
     graph, env = build_graph_and_env(cfg)
     trainer = Trainer(graph, env, cfg, train=False)
     try:
         if args.checkpoint is not None:
-            load_checkpoint_adapters(trainer, args.checkpoint)
+            load_checkpoint_adapters(trainer, args.checkpoint)  # LoRA: into the models, and their servers
+        for name in attached_servers(cfg, from_checkpoint):  # they serve what they held: push the checkpoint
+            trainer.sync_weights(name, version=trainer.model_policies[name].version)
+            if _distributed.is_main():
+                mc = cfg.models[name]
+                console.print(f"model {name}: loaded {mc.path} into its servers {', '.join(mc.serve.urls)} (they keep "
+                              "serving it after this evaluation)", markup=False)
         record = evaluate(trainer, step=0, split=args.split)  # sharded over the processes of a launcher
         _distributed.remove_rank_stores(trainer.run_dir, trainer.store.close)
         main = _distributed.is_main()
@@ -133,6 +134,26 @@ def _cmd_eval(args: argparse.Namespace, console: Console) -> int:
     console.print(table)
     console.print(f"episodes and config: {cfg.run_dir}", markup=False)
     return 0
+
+
+def point_at_checkpoint(cfg: TrainConfig, checkpoint: Path) -> list[str]:
+    """Point every trainable full model whose weights the checkpoint holds (``<checkpoint>/<model>/model``) at
+    them, in place; return their names. LoRA models keep their base (their adapters load into the trainer)."""
+    if not checkpoint.is_dir():
+        raise ConfigError(f"checkpoint {str(checkpoint)!r} is not a folder")
+    names = []
+    for name, model in list(cfg.models.items()):
+        path = checkpoint / name / "model"
+        if model.trainable and path.is_dir() and model.lora is None:
+            cfg.models[name] = model.model_copy(update={"path": str(path), "gguf_file": None, "tiny": None})
+            names.append(name)
+    return names
+
+
+def attached_servers(cfg: TrainConfig, names: list[str]) -> list[str]:
+    """Those of `names` served by servers the run attaches to (`serve.urls`): they were started elsewhere and
+    hold their own weights, so the checkpoint must be pushed to them (launched servers start from `path`)."""
+    return [n for n in names if cfg.models[n].serve is not None and not cfg.models[n].serve.launch]
 
 
 def eval_dir(run_dir: Path, checkpoint: Path | None, split: str, k: int) -> Path:

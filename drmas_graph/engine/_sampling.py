@@ -19,8 +19,11 @@ Logprobs are log_softmax(logits / T) at the sampled token over the *untruncated*
 greedy rows): the quantity a trainer recomputes from a forward pass.
 
 Top-k keeps the k highest logits (ties at the k-th value kept); top-p (nucleus, Holtzman et al. 2020) keeps
-the smallest set of most likely tokens whose probability under the untruncated softmax(logits / T) reaches
-top_p (the top token always); with both set a token must pass both.
+the smallest set of most likely tokens whose probability reaches top_p (the top token always). With both
+set, top-p applies to the distribution renormalised after top-k, as Hugging Face `generate`
+(`TopKLogitsWarper` then `TopPLogitsWarper`) and vLLM (`apply_top_k_top_p`) do: p = [.40, .35, .25],
+top_k=2, top_p=0.5 keeps token 0 alone (.40 / .75 = .53 >= .5). (SGLang filters both on the untruncated
+distribution, `filter_apply_order="joint"`, and would keep tokens 0 and 1 there.)
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from drmas_graph.errors import ConfigError
 from drmas_graph.types import SamplingParams
 
 __all__ = ["RowParams", "entropy_from_logits", "hash_uniform", "mix32", "mix32_py", "row_keys", "sample_rows",
-           "split_seed", "token_logprobs", "vocab_hash"]
+           "split_seed", "token_logprobs", "truncated_weights", "vocab_hash"]
 
 _MASK32 = 0xFFFFFFFF
 _MUL_A = 0x7FEB352D  # odd multipliers (bijective modulo 2^32), below 2^31 so they fit an int32
@@ -165,7 +168,7 @@ def _top_k_keep(scaled_BV: torch.Tensor, rp: RowParams) -> torch.Tensor:
 
 
 def _top_p_keep(p_BV: torch.Tensor, rp: RowParams) -> torch.Tensor:
-    """Nucleus: keep token i when the mass of the tokens ranked above it is < top_p (p_BV normalised)."""
+    """Nucleus: keep token i when the mass of the tokens ranked above it is < top_p (each row of p_BV sums to 1)."""
     V = p_BV.shape[-1]
     K = min(_TOP_P_CANDIDATES, V)
     while True:
@@ -196,6 +199,22 @@ def _two_level_race(w_BV: torch.Tensor, keys_B: torch.Tensor, table: torch.Tenso
     return block_B * _BLOCK + inner_B
 
 
+def truncated_weights(scaled_BV: torch.Tensor, e_BV: torch.Tensor, sum_B: torch.Tensor,
+                      rp: RowParams) -> torch.Tensor:
+    """The unnormalised weights w_i = exp(z_i / T - max) a row samples from: zero outside top-k, then zero
+    outside the nucleus of the distribution renormalised after top-k, w / sum(w) (HF and vLLM order).
+
+    `e_BV` = exp(scaled_BV - max) and `sum_B` its row sums (B, 1): what a row without top-k renormalises by.
+    """
+    weights_BV = e_BV
+    if rp.max_top_k > 0:
+        weights_BV = weights_BV * _top_k_keep(scaled_BV, rp)
+    if rp.any_top_p:
+        mass_B = weights_BV.sum(-1, keepdim=True) if rp.max_top_k > 0 else sum_B
+        weights_BV = weights_BV * _top_p_keep(weights_BV / mass_B, rp)
+    return weights_BV
+
+
 def sample_rows(logits_BV: torch.Tensor, rp: RowParams, positions_B: torch.Tensor,
                 vocab_hash_V: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row on the logits' device; return (ids_B int64, logprobs_B float32), both on device.
@@ -206,11 +225,7 @@ def sample_rows(logits_BV: torch.Tensor, rp: RowParams, positions_B: torch.Tenso
     max_B = scaled_BV.amax(-1, keepdim=True)
     e_BV = torch.exp(scaled_BV - max_B)
     sum_B = e_BV.sum(-1, keepdim=True)
-    weights_BV = e_BV
-    if rp.max_top_k > 0:
-        weights_BV = weights_BV * _top_k_keep(scaled_BV, rp)
-    if rp.any_top_p:
-        weights_BV = weights_BV * _top_p_keep(e_BV / sum_B, rp)
+    weights_BV = truncated_weights(scaled_BV, e_BV, sum_B, rp)
     ids_B = _two_level_race(weights_BV, row_keys(rp.seeds_B, positions_B), vocab_hash_V)
     if rp.any_greedy:
         ids_B = torch.where(rp.greedy_B, scaled_BV.argmax(-1), ids_B)

@@ -162,7 +162,9 @@ class TransformersPolicy(Policy):
         The trainer runs its update and logprob passes of this policy's model here, so that one OS thread
         does all of the model's compute (see the module docstring: on CPU a second thread running torch
         ops slows decoding down for the rest of the process). Generation requests wait while `fn` runs;
-        a call made from the worker thread itself runs at once. Safe inside `updating_weights()`.
+        a call made from the worker thread itself runs at once. Safe inside `updating_weights()`, also when
+        requests arrive meanwhile: the worker never waits for the weights, it runs the queued calls while an
+        update holds them and admits the requests after it.
         """
         if threading.current_thread() is self._worker:
             return fn()
@@ -312,7 +314,10 @@ class TransformersPolicy(Policy):
                 else:
                     stop = self._drain(pending) or stop
                 if not holding:
-                    self._weights_lock.acquire()
+                    # never block on the weights: an update holding them may queue a call (run_on_worker) and
+                    # wait for this thread; back at the top, the idle branch runs its calls until it is done
+                    if not self._weights_lock.acquire(blocking=False):
+                        continue
                     holding = True
                 admit = self._admit(pending, engine)
                 if admit or len(engine):

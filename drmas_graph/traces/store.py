@@ -406,13 +406,18 @@ class TraceStore:
         max_reward: float | None = None,
         failed: bool | None = None,
         limit: int | None = None,
+        group_prefix: str | None = None,
     ) -> list[EpisodeSummary]:
         """Summaries of the stored episodes, in the order they were written, filtered by: training
         ``step``; ``agent`` (episodes where it made a call); ``task_id``; reward bounds (inclusive; on the
         ``agent``'s own reward when ``agent`` is given, else on the mean reward; episodes without reward
-        are left out); ``failed`` (True: only failed runs, False: only successful ones)."""
+        are left out); ``failed`` (True: only failed runs, False: only successful ones); ``group_prefix``
+        (group ids that start with it, e.g. "train:3:" for the groups the trainer rolled out in step 3)."""
         where: list[str] = []
         params: list[Any] = []
+        if group_prefix is not None:
+            where.append("substr(e.group_id, 1, ?) = ?")
+            params.extend([len(group_prefix), group_prefix])
         if step is not None:
             where.append("e.step = ?")
             params.append(step)

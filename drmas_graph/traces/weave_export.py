@@ -36,6 +36,7 @@ import queue
 import random
 import re
 import threading
+import time
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -46,7 +47,8 @@ from drmas_graph.errors import ConfigError
 from drmas_graph.types import Episode, Turn
 
 __all__ = ["EPISODE_OP", "TURN_OP", "REWARD_FEEDBACK", "WeaveExportWarning", "WeaveExporter", "require_weave",
-           "connect", "export_episode", "log_evaluation", "sample_groups", "export_store", "start_exporter"]
+           "connect", "evaluation_episode", "export_episode", "log_evaluation", "sample_groups", "export_store",
+           "start_exporter"]
 
 EPISODE_OP = "drmas.episode"
 """Op name of an episode's root call."""
@@ -254,6 +256,14 @@ def log_evaluation(record: Mapping[str, Any], rollouts: Iterable[tuple[Any, Epis
     return ev
 
 
+def evaluation_episode(episode: Episode) -> Episode:
+    """What `log_evaluation` logs of an episode (id, task, group, error, rewards, the final state made JSON-safe)
+    and nothing else: small, and free of user objects that may not pickle, so another process can send it."""
+    return Episode(id=episode.id, task_id=episode.task_id, group_id=episode.group_id, error=episode.error,
+                   final_state=_safe(episode.final_state, f"episode {episode.id} final_state"),
+                   rewards=dict(episode.rewards), metadata={"phase": (episode.metadata or {}).get("phase")})
+
+
 def _task_scores(runs: list[tuple[Episode, Any, bool]], k: int, threshold: float) -> dict[str, float]:
     """Scores of one task's k rollouts; names keep to [A-Za-z0-9_] (Weave strips other characters)."""
     scores = {"avg_at_k": sum(ok for *_, ok in runs) / k, "pass_at_k": float(any(ok for *_, ok in runs))}
@@ -287,7 +297,8 @@ class WeaveExporter:
     """Exports a training run to Weave on a background thread; the training thread only enqueues.
 
     `submit_step(step)` after the step's rewards and advantages are stored: `sample_per_step` of its groups
-    (all their rollouts, failed ones included) are read from the trace store and exported. `submit_evaluation`
+    (all their rollouts, those the step did not train on included: failed runs with their error, runs whose
+    reward failed with `unused_error`) are read from the trace store and exported. `submit_evaluation`
     logs an evaluation. Export errors never reach training: each is counted (`errors`) and the first is
     reported once as a `WeaveExportWarning`. `close()` drains the queue and flushes the client.
     """
@@ -304,8 +315,7 @@ class WeaveExporter:
         self.first_error: BaseException | None = None
         self._owns_client = _activate(client)
         self._store: Any = None
-        self._failed_by_step: dict[int, list[Episode]] = {}  # training step -> its failed rollouts not exported yet
-        self._failed_seen: set[str] = set()
+        self._started = time.time()  # rollouts stored before (an earlier, killed run's) are not this run's
         self._queue: queue.Queue = queue.Queue()
         # weave keeps its settings (those weave.init got) in a context variable: run the thread in this context
         context = contextvars.copy_context()
@@ -354,26 +364,25 @@ class WeaveExporter:
 
         if self._store is None:
             self._store = TraceStore(self.store_path, readonly=True)
-        self._collect_failed()
         used = self._store.episodes(step=step)
-        failed = self._failed_by_step.pop(step, [])
-        groups = [s.group_id for s in used] + [ep.group_id for ep in failed]
-        chosen = set(sample_groups(groups, self.sample_per_step, seed=self.seed, step=step))
-        episodes = [self._store.load_episode(s.id) for s in used if s.group_id in chosen]
-        for episode in episodes + [ep for ep in failed if ep.group_id in chosen]:
+        unused = self._unused(step)
+        chosen = set(sample_groups([s.group_id for s in used + unused], self.sample_per_step, seed=self.seed,
+                                   step=step))
+        for summary in used + unused:
+            if summary.group_id not in chosen:
+                continue
+            episode = self._store.load_episode(summary.id)
+            if summary.step is None and episode.error is None:
+                episode.error = unused_error(step)
             export_episode(self.client, episode, train_step=step, run=self.run)
             self.exported_episodes += 1
 
-    def _collect_failed(self) -> None:
-        """Sort newly stored failed training rollouts (never used in a step) by the step in their metadata."""
-        for summary in self._store.episodes(failed=True):
-            if summary.step is not None or summary.id in self._failed_seen:
-                continue
-            self._failed_seen.add(summary.id)
-            episode = self._store.load_episode(summary.id)
-            meta = episode.metadata or {}
-            if meta.get("phase") == "train" and isinstance(meta.get("step"), int):
-                self._failed_by_step.setdefault(meta["step"], []).append(episode)
+    def _unused(self, step: int) -> list[Any]:
+        """The rollouts of training step `step` that it did not train on: failed runs (their error stored) and
+        finished runs whose reward failed (no error stored). The trainer names a step's groups
+        "train:<step>:<task id>"; only rollouts stored since this exporter started count."""
+        return [s for s in self._store.episodes(group_prefix=f"train:{step}:") if s.step is None
+                and s.created >= self._started]
 
     def _failed(self, exc: BaseException) -> None:
         self.errors += 1
@@ -382,6 +391,12 @@ class WeaveExporter:
             warnings.warn(f"exporting to Weave failed ({type(exc).__name__}: {exc}); training goes on, later "
                           "export errors are counted (WeaveExporter.errors) but not reported", WeaveExportWarning,
                           stacklevel=2)
+
+
+def unused_error(step: int) -> str:
+    """What a rollout of training step `step` that finished but was not trained on shows as its error."""
+    return (f"BadRewardError: not trained on in step {step}: its reward was unusable (env.reward or turn_is_valid "
+            "raised, or a reward was missing or not finite); the step's bad_reward_episodes counts it")
 
 
 def start_exporter(cfg: Any, store_path: Path) -> WeaveExporter | None:

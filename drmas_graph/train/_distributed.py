@@ -14,7 +14,8 @@ module decides who does what around it.
 - Sharding: a step's B task groups are cut into P contiguous blocks, rank r runs groups [rB/P, (r+1)B/P).
   A group never splits, so every advantage pool (group, agent) is computed on one rank, exactly as one
   process would. `owned` yields each group with its *global* index (its identity for seeds and ids).
-  Evaluation tasks are sharded the same way (uneven blocks allowed) and the counts gathered.
+  Evaluation tasks are sharded the same way (uneven blocks allowed) and the counts gathered (and the
+  rollouts, when rank 0 exports them to Weave: `merge_rollouts`).
 - Reductions: the step's scored episodes (slimmed: no messages, prompts or graph state) are gathered to
   every rank, so the step record is computed over all groups, identically everywhere.
 - Served models (`serve.urls`): every rank rolls out through the same servers; after an update rank 0 writes
@@ -42,12 +43,12 @@ from typing import Any, TypeVar
 import torch
 
 from drmas_graph.errors import ConfigError, TraceStoreError
+from drmas_graph.train._world import group_initialized, local_rank, rank, world_size
 
 __all__ = [
     "NullLogger", "barrier", "check_divisible", "check_no_launch", "check_resume_world", "gather", "init_process_group",
-    "is_main", "launched_world_size", "local_device", "local_rank", "merge_eval", "merge_step", "merge_traces",
-    "owned", "rank", "rank_from_env", "shutdown",
-    "remove_rank_stores", "store_path", "world_size",
+    "is_main", "local_device", "local_rank", "merge_eval", "merge_rollouts", "merge_step", "merge_traces", "owned",
+    "rank", "shutdown", "remove_rank_stores", "store_path", "world_size",
 ]
 
 T = TypeVar("T")
@@ -58,26 +59,7 @@ _objects_group: Any = None
 """A gloo group for object collectives when the default group is NCCL (objects travel on CPU)."""
 
 
-# --- who am I ------------------------------------------------------------------------------------------
-
-
-def _initialized() -> bool:
-    return torch.distributed.is_available() and torch.distributed.is_initialized()
-
-
-def world_size() -> int:
-    """Processes in the run (1 without a process group)."""
-    return torch.distributed.get_world_size() if _initialized() else 1
-
-
-def rank() -> int:
-    """This process's rank (0 without a process group)."""
-    return torch.distributed.get_rank() if _initialized() else 0
-
-
-def local_rank() -> int:
-    """This process's index on its machine (the launcher's LOCAL_RANK)."""
-    return int(os.environ.get("LOCAL_RANK", "0"))
+# --- who am I (`_world`: the launcher's variables before the process group exists, the group after) -----
 
 
 def is_main() -> bool:
@@ -85,22 +67,12 @@ def is_main() -> bool:
     return rank() == 0
 
 
-def rank_from_env() -> int:
-    """The launcher's RANK (0 without a launcher); usable before the process group exists."""
-    return int(os.environ.get("RANK", "0"))
-
-
-def launched_world_size() -> int:
-    """WORLD_SIZE as the launcher set it (1 when run without one)."""
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
 def local_device(device: str, where: str = "device") -> str:
     """A model's device for this process: under a multi-process launcher a bare "cuda" means this process's
     own GPU (cuda:LOCAL_RANK); an explicit GPU index, which would put every process on one GPU, is an error."""
-    if launched_world_size() > 1 and device.startswith("cuda"):
+    if world_size() > 1 and device.startswith("cuda"):
         if device != "cuda":
-            raise ConfigError(f"{where}: {device!r} would put all {launched_world_size()} processes on one GPU; "
+            raise ConfigError(f"{where}: {device!r} would put all {world_size()} processes on one GPU; "
                               "set it to 'cuda' (each process then takes cuda:LOCAL_RANK)")
         return f"cuda:{local_rank()}"
     return device
@@ -115,7 +87,7 @@ def init_process_group(use_deepspeed: bool) -> None:
     With DeepSpeed in use, `deepspeed.init_distributed` does it (it picks NCCL on CUDA, gloo on CPU, as the
     updater's engines expect); else torch.distributed with NCCL on CUDA, gloo on CPU.
     """
-    if launched_world_size() <= 1 or _initialized():
+    if world_size() <= 1 or group_initialized():
         return
     missing = [k for k in _LAUNCHER_ENV if k not in os.environ]
     if missing:
@@ -137,7 +109,7 @@ def shutdown() -> None:
     tearing down the communication threads during interpreter exit (a 1-process group is kept: later
     DeepSpeed engines in this process reuse it)."""
     global _objects_group
-    if world_size() > 1:
+    if group_initialized() and world_size() > 1:
         torch.distributed.destroy_process_group()
         _objects_group = None
 
@@ -171,7 +143,7 @@ def gather(obj: T) -> list[T]:
 
 def check_divisible(tasks_per_step: int, processes: int | None = None) -> None:
     """Every rank runs the same number of whole groups: tasks_per_step must be a multiple of the processes."""
-    processes = processes or launched_world_size()
+    processes = processes or world_size()
     if tasks_per_step % processes:
         fits = [n for n in range(1, tasks_per_step + 1) if tasks_per_step % n == 0]
         raise ConfigError(
@@ -185,9 +157,9 @@ def check_no_launch(launch_by_model: dict[str, bool]) -> None:
     """Under a multi-process launcher, served models attach to servers every rank shares (`serve.urls`):
     `serve.launch` would start one server per process, and rank 0 pushes new weights to its own only."""
     launched = sorted(name for name, launch in launch_by_model.items() if launch)
-    if launched and launched_world_size() > 1:
+    if launched and world_size() > 1:
         raise ConfigError(
-            f"models.{launched[0]}.serve.launch: true would start one server per process ({launched_world_size()} "
+            f"models.{launched[0]}.serve.launch: true would start one server per process ({world_size()} "
             "processes); start the servers once and give every process their addresses in serve.urls (rank 0 "
             "pushes the new weights to all of them after each update)")
 
@@ -195,9 +167,9 @@ def check_no_launch(launch_by_model: dict[str, bool]) -> None:
 def check_zero3_served(embedded_zero3: list[str]) -> None:
     """ZeRO-3 shards the weights over processes: an embedded policy generating from them would gather them in
     every forward pass, and processes generating different batches would wait on each other forever."""
-    if embedded_zero3 and launched_world_size() > 1:
+    if embedded_zero3 and world_size() > 1:
         raise ConfigError(
-            f"models.{embedded_zero3[0]}: update.zero_stage 3 under {launched_world_size()} processes needs served "
+            f"models.{embedded_zero3[0]}: update.zero_stage 3 under {world_size()} processes needs served "
             "rollouts (models.<name>.serve: the local copy trains, the servers generate); for an embedded policy "
             "use zero_stage 1 or 2")
 
@@ -271,6 +243,18 @@ def merge_eval(successes: dict[str, list[bool]], per_agent: dict[str, dict[str, 
             all_counts[key] = all_counts.get(key, 0) + value
         total += part_runs
     return all_successes, all_agents, all_counts, total
+
+
+def merge_rollouts(rollouts: list[tuple[Any, Any, Any, bool]], tasks: Sequence[Any], portable: Callable[[Any], Any]
+                   ) -> list[tuple[Any, Any, Any, bool]]:
+    """An evaluation's (task, episode, score, success) rows of every rank, in rank order, on every rank (a
+    collective call). Tasks travel as their ids and come back as the objects of `tasks` (every rank holds the
+    same list); episodes travel as `portable(episode)` (free of user objects that may not pickle)."""
+    if world_size() == 1:
+        return rollouts
+    by_id = {task.id: task for task in tasks}
+    parts = gather([(task.id, portable(episode), score, ok) for task, episode, score, ok in rollouts])
+    return [(by_id[task_id], episode, score, ok) for part in parts for task_id, episode, score, ok in part]
 
 
 class NullLogger:

@@ -18,21 +18,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from drmas_graph.errors import ConfigError
+from drmas_graph.train._world import rank as _rank, world_size as _world_size  # the package's one answer
 
 if TYPE_CHECKING:
     from drmas_graph.train._settings import UpdateSettings
 
 # --- distributed helpers -----------------------------------------------------------------------------------
-
-
-def _world_size() -> int:
-    dist = torch.distributed
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
-def _rank() -> int:
-    dist = torch.distributed
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def _all_reduce(values: list[float], op: str, device: torch.device) -> list[float]:

@@ -132,7 +132,8 @@ class Trainer:
         self.reward_errors: list[BadRewardError] = []
         """Errors of the bad-reward episodes of the last step's scoring."""
         self._reward_raise_logged = False
-        _distributed.check_divisible(cfg.tasks_per_step)  # under torchrun / deepspeed: whole groups per rank
+        if train:  # under torchrun / deepspeed: whole groups per rank (evaluation shards tasks, any number)
+            _distributed.check_divisible(cfg.tasks_per_step)
         _distributed.check_no_launch({n: mc.serve.launch for n, mc in cfg.models.items() if mc.serve is not None})
         _distributed.check_zero3_served(
             [n for n, mc in cfg.models.items() if mc.trainable and mc.serve is None and (mc.update or cfg.update).zero() == 3]
