@@ -9,7 +9,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-__all__ = ["RunLogger", "mean_std"]
+__all__ = ["RunLogger", "mean_std", "progress_status"]
 
 
 def mean_std(values: list[float]) -> tuple[float, float]:
@@ -21,6 +21,21 @@ def mean_std(values: list[float]) -> tuple[float, float]:
     if n < 2:
         return mu, 0.0
     return mu, math.sqrt(sum((v - mu) ** 2 for v in values) / (n - 1))
+
+
+def progress_status(agents: list[str], record: dict[str, Any]) -> str:
+    """The progress bar's text for a step: reward per agent, then the episodes that did not finish (truncated,
+    model errors) when there were any: 'reward solver=0.50 judge=0.25  truncated 3/8  model errors 1/8'."""
+    parts = [f"{a}={record[f'agent/{a}/reward_mean']:.2f}" for a in agents
+             if isinstance(record.get(f"agent/{a}/reward_mean"), float)
+             and not math.isnan(record[f"agent/{a}/reward_mean"])]
+    status = "reward " + " ".join(parts)
+    total = sum(record.get(k, 0) for k in ("episodes", "failed_episodes", "no_llm_call_episodes",
+                                           "bad_reward_episodes", "masked_truncated_episodes"))
+    for key, name in (("truncated_episodes", "truncated"), ("model_error_episodes", "model errors")):
+        if record.get(key):
+            status += f"  {name} {record[key]}/{total}"
+    return status
 
 
 class RunLogger:
@@ -84,10 +99,7 @@ class RunLogger:
     def progress(self, step: int, record: dict[str, Any]) -> None:
         if self._progress is None:
             return
-        parts = [f"{a}={record[f'agent/{a}/reward_mean']:.2f}" for a in self.agents
-                 if isinstance(record.get(f"agent/{a}/reward_mean"), float)
-                 and not math.isnan(record[f"agent/{a}/reward_mean"])]
-        self._progress.update(self._task, completed=step + 1, status="reward " + " ".join(parts))
+        self._progress.update(self._task, completed=step + 1, status=progress_status(self.agents, record))
 
     def close(self) -> None:
         if self._progress is not None:
