@@ -193,7 +193,7 @@ def test_mask_truncated_drops_the_episodes_of_the_limits_it_names(tmp_path):
         assert rec["samples/truncated_share"] == (0.0 if kept == 2 else pytest.approx(10 / 14))
 
 
-def test_the_default_caps_bound_an_app_that_loops_forever(tmp_path):
+def test_the_default_caps_bound_an_app_that_loops_forever(tmp_path, caplog):
     rollout = TrainConfig().rollout
     assert (rollout.max_llm_calls, rollout.timeout_s, rollout.truncated_reward) == (50, 1800.0, 0.0)
     policy = _policy()
@@ -203,6 +203,7 @@ def test_the_default_caps_bound_an_app_that_loops_forever(tmp_path):
     assert result.history[0]["truncated/max_llm_calls"] == 1
     (episode,) = _stored(tmp_path, step=0)
     assert len(episode.turns) == 50 and "rollout.max_llm_calls=50" in episode.truncated
+    assert "step 0: 1 of 1 episodes did not finish: 1 truncated (max_llm_calls 1;" in caplog.text  # one warning
 
 
 def test_wall_time_cap_cancels_an_episode_stuck_between_calls_and_stores_it(tmp_path):
