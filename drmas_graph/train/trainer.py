@@ -17,7 +17,9 @@ step), `_checkpoints` (checkpoints, resume, weight sync), `evaluate` (avg@k, pas
 
 Departures from the reference code (langfengQ/DrMAS): no duplicate padding of per-model batches before
 advantage estimation (it biases the statistics); failed episodes, bad rewards and episodes without LLM
-calls are dropped from their group and counted, never silently trained on.
+calls are dropped from their group and counted, never silently trained on. Like the reference, episodes
+that a limit stopped (truncated) and those the policy's output broke (model errors) are trained on, with
+the configured rewards (`rollout.truncated_reward`, `rollout.model_error_reward`).
 """
 
 from __future__ import annotations
