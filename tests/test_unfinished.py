@@ -141,14 +141,19 @@ class FinishedOnlyEnv(LoopEnv):
         return 1.0
 
 
-def _spy_updates(trainer, monkeypatch):
+def _one_step(graph, env, cfg, policies, monkeypatch):
+    """(the step's record, model name -> the Samples its updater received) of one training step."""
+    trainer = Trainer(graph, env, cfg, policies=policies)
     seen = {}
     for name, updater in trainer.updaters.items():
         def update(samples, _real=updater.update, _name=name):
             seen[_name] = list(samples)
             return _real(samples)
         monkeypatch.setattr(updater, "update", update)
-    return seen
+    try:
+        return trainer.train_step(0), seen
+    finally:
+        trainer.close()
 
 
 def test_a_truncated_episodes_samples_reach_the_update_with_the_truncated_reward(tmp_path, monkeypatch):
@@ -162,13 +167,8 @@ def test_a_truncated_episodes_samples_reach_the_update_with_the_truncated_reward
     cfg = small_config(tmp_path, steps=1, tasks_per_step=1, group_size=2, max_concurrency=1,
                        eval={"k": 1, "before_training": False}, rollout={"max_llm_calls": 4})
     env = FinishedOnlyEnv()
-    trainer = Trainer(_judge_until_done(Unreachable(), Unreachable()), env, cfg,
-                      policies={"solver": solver, "judge": judge})
-    seen = _spy_updates(trainer, monkeypatch)
-    try:
-        record = trainer.train_step(0)
-    finally:
-        trainer.close()
+    record, seen = _one_step(_judge_until_done(Unreachable(), Unreachable()), env, cfg,
+                             {"solver": solver, "judge": judge}, monkeypatch)
     assert record["truncated_episodes"] == 1 and record["episodes"] == 2
     assert [ep.outcome for ep in env.scored] == ["finished"]  # the truncated one got truncated_reward, not env's
     with TraceStore(tmp_path / "run" / "traces.db", readonly=True) as store:
@@ -198,12 +198,7 @@ def test_broken_json_turns_are_penalised_and_a_model_error_episode_is_trained(tm
     clarifier = scripted_policy(["oops", _CLARIFY_OK, "x", "y", "z"], name="clarifier")
     cfg = small_config(tmp_path, steps=1, tasks_per_step=1, group_size=2, max_concurrency=1,
                        eval={"k": 1, "before_training": False})
-    trainer = Trainer(build_research(Unreachable()), ResearchEnv(), cfg, policies={"clarify": clarifier})
-    seen = _spy_updates(trainer, monkeypatch)
-    try:
-        record = trainer.train_step(0)
-    finally:
-        trainer.close()
+    record, seen = _one_step(build_research(Unreachable()), ResearchEnv(), cfg, {"clarify": clarifier}, monkeypatch)
     assert record["model_error_episodes"] == 1 and record["agent/clarify/model_error_episodes"] == 1
     assert record["samples/model_error_share"] == pytest.approx(3 / 5)
     with TraceStore(tmp_path / "run" / "traces.db", readonly=True) as store:

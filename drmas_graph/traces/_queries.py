@@ -11,7 +11,7 @@ from typing import Any
 from drmas_graph.errors import ConfigError
 
 __all__ = ["EpisodeSummary", "StoreStats", "SUMMARY_COLUMNS", "OUTCOMES", "summary_from_row", "summary_select",
-           "episodes_sql", "read_stats"]
+           "conditions", "episodes_sql", "read_stats"]
 
 SUMMARY_COLUMNS = (
     "id", "task_id", "group_id", "step", "n_turns", "agents", "n_prompt_tokens", "n_response_tokens",
@@ -125,21 +125,18 @@ def summary_select(absent: set[tuple[str, str]], alias: str = "e") -> str:
     return ", ".join(f"NULL AS {c}" if ("episodes", c) in absent else f"{alias}.{c}" for c in SUMMARY_COLUMNS)
 
 
+def conditions(*pairs: tuple[str, Any]) -> tuple[list[str], list[Any]]:
+    """(SQL conditions, their parameters) of the (condition with one '?', value) pairs whose value is set."""
+    chosen = [(sql, value) for sql, value in pairs if value is not None]
+    return [sql for sql, _ in chosen], [value for _, value in chosen]
+
+
 def episodes_sql(absent: set[tuple[str, str]], *, step: int | None, agent: str | None, task_id: str | None,
                  min_reward: float | None, max_reward: float | None, failed: bool | None, outcome: str | None,
                  limit: int | None) -> tuple[str, list[Any]]:
     """(SQL, parameters) selecting the summaries `TraceStore.episodes` documents, in the order written."""
-    where: list[str] = []
-    params: list[Any] = []
-    if step is not None:
-        where.append("e.step = ?")
-        params.append(step)
-    if task_id is not None:
-        where.append("e.task_id = ?")
-        params.append(task_id)
-    if agent is not None:
-        where.append("EXISTS (SELECT 1 FROM turns t WHERE t.agent = ? AND t.episode_id = e.id)")
-        params.append(agent)
+    where, params = conditions(("e.step = ?", step), ("e.task_id = ?", task_id),
+                               ("EXISTS (SELECT 1 FROM turns t WHERE t.agent = ? AND t.episode_id = e.id)", agent))
     if failed is not None:
         where.append("e.error IS NOT NULL" if failed else "e.error IS NULL")
     if outcome is not None:

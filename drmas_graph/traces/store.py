@@ -424,13 +424,7 @@ class TraceStore:
         if format not in _serde.EXPORT_WRITERS:
             valid = ", ".join(_serde.EXPORT_WRITERS)
             raise ConfigError(f"unknown export format {format!r}; valid formats: {valid}")
-        where, params = [], []
-        if agent is not None:
-            where.append("t.agent = ?")
-            params.append(agent)
-        if step is not None:
-            where.append("e.step = ?")
-            params.append(step)
+        where, params = _queries.conditions(("t.agent = ?", agent), ("e.step = ?", step))
         sql = _serde.EXPORT_SELECT + (" WHERE " + " AND ".join(where) if where else "") + _serde.EXPORT_ORDER
         with self._lock, self._errors("export"):
             cursor = self._connection().execute(sql, params)

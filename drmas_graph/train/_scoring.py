@@ -167,7 +167,8 @@ def unfinished_warning(record: dict[str, Any], n_episodes: int) -> str | None:
 def nothing_to_train(step: int, n: int, errors: Sequence[BaseException], run_dir: Path) -> RolloutError:
     """The error that stops a run whose step lost every episode (raised with the first failure chained)."""
     first = (list(errors) or [None])[0]
-    err = RolloutError(f"step {step}: all {n} episodes failed or got no usable reward, nothing to train on; "
+    err = RolloutError(f"step {step}: all {n} episodes failed or got no usable reward (or rollout.mask_truncated "
+                       f"dropped them), nothing to train on; "
                        f"the first: {first}. Fix the graph or the environment (failed episodes are in "
                        f"{run_dir / 'traces.db'}, with their error)", getattr(first, "episode", None))
     err.__cause__ = first
