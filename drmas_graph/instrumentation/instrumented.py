@@ -337,7 +337,8 @@ class InstrumentedGraph(Runnable):
         try:
             with self._recording(episode):
                 output = self.graph.invoke(input, config, **kwargs)
-        except Exception:
+        except Exception as exc:
+            note_stop(episode, exc)
             self._write(episode)
             raise
         self._finish(episode, output, require_calls=False)
@@ -348,7 +349,8 @@ class InstrumentedGraph(Runnable):
         try:
             with self._recording(episode):
                 output = await self.graph.ainvoke(input, config, **kwargs)
-        except Exception:
+        except Exception as exc:
+            note_stop(episode, exc)
             self._write(episode)
             raise
         self._finish(episode, output, require_calls=False)
