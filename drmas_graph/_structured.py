@@ -6,7 +6,9 @@ the call's kwargs into a JSON-able spec that is recorded on the Turn (`Turn.resp
 rendered into the prompt the policy sees (an instruction appended to the system message, see `instruction`),
 and (3) checked on the way back: the answer is the message LangChain's parsers expect (`parsed` in
 `additional_kwargs` for OpenAI's `response_format` path, a tool call for a forced `tool_choice`), or a
-`StructuredOutputError` naming the agent and node when the generated text does not satisfy the request.
+`InvalidReplyError` (a `StructuredOutputError`) naming the agent and node when the generated text does not
+satisfy the request. That error is the policy's doing (training keeps the episode as a model error); a
+`StructuredOutputError` raised for a request that cannot be honoured is the app's.
 
 Specs (the `type` key):
 - `json_schema`: `{"name", "schema"}`: reply is one JSON object conforming to the schema.
@@ -27,7 +29,15 @@ from typing import Any
 from drmas_graph._chat import ParsedResponse
 from drmas_graph.errors import StructuredOutputError
 
-__all__ = ["output_spec", "instruction", "apply_spec"]
+__all__ = ["output_spec", "instruction", "apply_spec", "InvalidReplyError"]
+
+
+class InvalidReplyError(StructuredOutputError):
+    """The policy's reply does not satisfy the structured-output request of its call (not the JSON, not the
+    forced tool call): the policy's own output broke the call, not the app."""
+
+    turn_index: int | None = None
+    """`Turn.index` of the call in its episode, set by the recorder once the reply's turn is recorded."""
 
 _UNSUPPORTED_KWARGS = ("response_schema", "response_mime_type", "response_json_schema", "output_format",
                        "guided_json", "json_schema")
@@ -139,7 +149,7 @@ def _json_object(text: str) -> dict | None:
 def apply_spec(spec: dict, model_class: Any, text: str, parse: Callable[[str], ParsedResponse], where: str
                ) -> tuple[ParsedResponse, dict[str, Any]]:
     """(the message parts, additional_kwargs) for a reply to a structured-output call; raises
-    `StructuredOutputError` (naming `where`) when `text` does not satisfy `spec`."""
+    `InvalidReplyError` (naming `where`) when `text` does not satisfy `spec`."""
     kind = spec["type"]
     head = text.strip()[:300]
     if kind in ("tool", "any_tool"):
@@ -150,13 +160,13 @@ def apply_spec(spec: dict, model_class: Any, text: str, parse: Callable[[str], P
             return ParsedResponse(content=parsed.content, tool_calls=calls), {}
         args = _json_object(text) if kind == "tool" else None
         if args is None:
-            raise StructuredOutputError(f"{where}: the call forces a call of tool {' or '.join(map(repr, wanted))}, "
+            raise InvalidReplyError(f"{where}: the call forces a call of tool {' or '.join(map(repr, wanted))}, "
                                         f"but the policy's reply is not one: {head!r}. The turn is recorded.")
         call = {"name": spec["name"], "args": args, "id": "call_" + uuid.uuid4().hex[:24], "type": "tool_call"}
         return ParsedResponse(content="", tool_calls=[call]), {}
     obj = _json_object(text)
     if obj is None:
-        raise StructuredOutputError(f"{where}: the call asks for a JSON object ({kind}), but the policy's reply "
+        raise InvalidReplyError(f"{where}: the call asks for a JSON object ({kind}), but the policy's reply "
                                     f"is not one: {head!r}. The turn is recorded.")
     content = text.strip()
     if kind == "json_object":
@@ -166,6 +176,6 @@ def apply_spec(spec: dict, model_class: Any, text: str, parse: Callable[[str], P
         try:
             parsed_value = model_class.model_validate(obj)
         except ValueError as exc:
-            raise StructuredOutputError(f"{where}: the policy's JSON reply does not validate against "
+            raise InvalidReplyError(f"{where}: the policy's JSON reply does not validate against "
                                         f"{model_class.__name__}: {exc}. Reply: {head!r}. The turn is recorded.") from exc
     return ParsedResponse(content=content), {"parsed": parsed_value, "refusal": None}

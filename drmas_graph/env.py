@@ -32,7 +32,9 @@ class Env(Protocol):
 
     Required: `tasks(split)` returns the tasks of a split ('train', 'test', ...), each with `.id` and
     `.input`; `reward(task, episode)` returns a team reward (float) or a reward per agent
-    ({agent: float}). Optional: `turn_is_valid(task, turn) -> bool` (an invalid turn costs
+    ({agent: float}); a truncated or model-error episode is scored by the config's `rollout.truncated_reward` /
+    `rollout.model_error_reward` unless those are null (then `reward` sees `episode.truncated` /
+    `episode.model_error` and must handle `final_state` None). Optional: `turn_is_valid(task, turn) -> bool` (an invalid turn costs
     `invalid_penalty`, as in the paper: math 0.1, search 0.01) and `is_success(task, episode) -> bool`
     for avg@k/pass@k (default: team reward >= the config's success_threshold).
     """
@@ -61,13 +63,21 @@ class BadRewardError(ValueError):
     or `turn_is_valid` raised (the exception is the `__cause__`)."""
 
 
-def score_episode(env: Any, task: Any, episode: Episode, *, invalid_penalty: float) -> EpisodeScore:
-    """Call the environment's reward and validity check for one finished episode.
+def score_episode(env: Any, task: Any, episode: Episode, *, invalid_penalty: float,
+                  truncated_reward: float | None = None, model_error_reward: float | None = None) -> EpisodeScore:
+    """Call the environment's reward and validity check for one episode the trainer kept.
+
+    The team reward of a truncated episode is `truncated_reward` and that of a model-error episode
+    `model_error_reward` (the config's `rollout` fields); None asks `env.reward` (it sees `episode.truncated`
+    / `episode.model_error`; `final_state` is None unless the app caught the stop). A turn is invalid when
+    `env.turn_is_valid` says so, when its reply failed its structured-output request or its tool calls do not
+    parse (`Turn.format_error`), or when it is the turn that caused the model error.
 
     Raises `BadRewardError` for an unusable reward and when `env.reward` or `env.turn_is_valid` raises
     (chained), so one bad episode costs its group a sample, never the run.
     """
-    raw = _call_env(env.reward, task, episode)
+    fixed = {"truncated": truncated_reward, "model_error": model_error_reward}.get(episode.outcome)
+    raw = fixed if fixed is not None else _call_env(env.reward, task, episode)
     agents = episode.agents
     if isinstance(raw, Mapping):
         missing = [a for a in agents if a not in raw]
@@ -79,7 +89,8 @@ def score_episode(env: Any, task: Any, episode: Episode, *, invalid_penalty: flo
         team = _finite(raw, task, "team")
         rewards = {a: team for a in agents}
     check = getattr(env, "turn_is_valid", None)
-    invalid = [bool(check is not None and not _call_env(check, task, t)) for t in episode.turns]
+    invalid = [bool(t.format_error) or i == episode.model_error_turn
+               or bool(check is not None and not _call_env(check, task, t)) for i, t in enumerate(episode.turns)]
     turn_rewards = [rewards[t.agent] - invalid_penalty * bad for t, bad in zip(episode.turns, invalid)]
     return EpisodeScore(rewards=rewards, turn_rewards=turn_rewards, invalid=invalid, team=team)
 

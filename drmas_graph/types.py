@@ -133,6 +133,9 @@ class Turn:
     `tool_choice`): {'type': 'json_schema'|'tool', 'name', 'schema'}, {'type': 'json_object'} or
     {'type': 'any_tool', 'names'}; None for free text. `Policy.render(messages, tools, response_format)`
     reproduces prompt_ids."""
+    format_error: str | None = None
+    """Why the reply is not what the call asked for: not the JSON a structured-output call asked for, or a
+    tool call (tools bound) that does not parse; None when it is. Training counts such a turn as invalid."""
 
     @property
     def n_prompt_tokens(self) -> int:
@@ -171,10 +174,37 @@ class Episode:
     """'start' and 'end' (unix time), 'wall_s', 'llm_s' (sum of call latencies), 'turn_starts' (unix start of each turn)."""
     metadata: dict[str, Any] = field(default_factory=dict)
     """Free-form extras (the input, the run config's thread id, the training step, ...)."""
+    truncated: str | None = None
+    """'<limit>: <why>' when a limit stopped the run before its end (limit: max_llm_calls, timeout_s or
+    recursion_limit); its turns are kept, rewarded and trained on. None when it ran to its end."""
+    model_error: str | None = None
+    """'turn <i> (agent, node): <exception>' when the policy's own output broke the app (a reply that is not the
+    JSON a structured-output call asked for, an unparsable output, tool arguments that fail the tool's
+    schema); the episode is kept with `rollout.model_error_reward`. None otherwise."""
+    model_error_turn: int | None = None
+    """Position in `turns` of the turn whose output caused `model_error` (training counts it as invalid)."""
 
     @property
     def ok(self) -> bool:
         return self.error is None
+
+    @property
+    def outcome(self) -> str:
+        """'finished', 'truncated' (a limit stopped it), 'model_error' (the policy's output broke the app) or
+        'failed' (anything else: not trained on)."""
+        if self.error is not None:
+            return "failed"
+        return "truncated" if self.truncated else "model_error" if self.model_error else "finished"
+
+    @property
+    def truncated_by(self) -> str | None:
+        """The limit that truncated the episode (the part of `truncated` before ':'); None if not truncated."""
+        return self.truncated.split(":", 1)[0] if self.truncated else None
+
+    @property
+    def stop_reason(self) -> str | None:
+        """Why the run did not finish normally (`error`, `truncated` or `model_error`); None if it did."""
+        return self.error or self.truncated or self.model_error
 
     def by_agent(self) -> dict[str, list[Turn]]:
         """Turns grouped by agent, each list in call order; agents in order of first call."""

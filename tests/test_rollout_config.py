@@ -1,22 +1,25 @@
 """Per-episode config and limits (config `rollout`, `train_graph(rollout_config=...)`): checkpointed graphs,
-recursion_limit, caps on LLM calls and wall time, and what a step does when every episode fails."""
+recursion_limit, caps on LLM calls and wall time (episodes they stop are truncated and trained on), the default
+caps, masking truncated episodes, and the backstop for an episode stuck between LLM calls."""
 
 import asyncio
+import threading
+import time
 
 import pytest
 from langchain_core.messages import HumanMessage
 from langchain_core.runnables import RunnableConfig
 from langgraph.checkpoint.memory import MemorySaver
-from langgraph.errors import GraphRecursionError
 from langgraph.graph import END, START, StateGraph
 
 from drmas_graph import SamplingParams
-from drmas_graph.instrumentation._limits import EpisodeLimitError
+from drmas_graph.config import TrainConfig
+from drmas_graph.instrumentation._limits import StuckEpisodeError
 from drmas_graph.env import Task
 from drmas_graph.errors import ConfigError, RolloutError
 from drmas_graph.traces.store import TraceStore
 from drmas_graph.testing import tiny_policy
-from drmas_graph.train.trainer import train_graph
+from drmas_graph.train.trainer import Trainer, train_graph
 from tests import _graphs
 from tests._envs import ParityEnv
 from tests.test_instrument import Unreachable
@@ -119,58 +122,91 @@ def test_a_shared_thread_id_is_refused_at_construction(tmp_path):
         _cfg(tmp_path, rollout={"configurable": {"thread_id": "x"}})
 
 
-def test_llm_call_cap_stops_looping_episodes_and_counts_them_failed(tmp_path):
+def _stored(tmp_path, **filters):
+    with TraceStore(tmp_path / "run" / "traces.db", readonly=True) as store:
+        return [store.load_episode(e.id) for e in store.episodes(**filters)]
+
+
+def test_llm_call_cap_truncates_looping_episodes_and_trains_them(tmp_path):
     policy = _policy()
     env = LoopEnv(["easy one", "hard one"])  # easy ends after 2 calls; hard loops until the cap
     cfg = _cfg(tmp_path, tasks_per_step=2, group_size=2, rollout={"max_llm_calls": 5})
     result = train_graph(_judge_loop(Unreachable()), env, cfg, policies={"solver": policy, "judge": policy})
     rec = result.history[0]
-    assert rec["failed_episodes"] == 2 and rec["episodes"] == 2
-    with TraceStore(tmp_path / "run" / "traces.db", readonly=True) as store:
-        failed = [store.load_episode(e.id) for e in store.episodes(failed=True)]
-    assert len(failed) == 2 and all(ep.task_id == "train-1" for ep in failed)
-    assert all(len(ep.turns) == 5 and "rollout.max_llm_calls=5" in ep.error for ep in failed)
+    assert rec["failed_episodes"] == 0 and rec["episodes"] == 4
+    assert rec["truncated_episodes"] == rec["truncated/max_llm_calls"] == 2
+    # samples: 2 x 2 calls of the easy group + 2 x 5 of the hard one; 10 of 14 come from truncated episodes
+    assert rec["samples/truncated_share"] == pytest.approx(10 / 14)
+    truncated = [ep for ep in _stored(tmp_path, step=0) if ep.truncated]
+    assert len(truncated) == 2 and all(ep.task_id == "train-1" and ep.error is None for ep in truncated)
+    assert all(len(ep.turns) == 5 and ep.truncated.startswith("max_llm_calls: ") for ep in truncated)
+    assert all("rollout.max_llm_calls=5" in ep.truncated for ep in truncated)
+    assert all([t.index for t in ep.turns] == [0, 1, 2, 3, 4] for ep in truncated)  # the refused 6th call: no turn
+    assert all(ep.turn_rewards == [0.0] * 5 for ep in truncated)  # rollout.truncated_reward (0.0), env not asked
 
 
-def test_an_app_that_swallows_the_limit_error_still_fails_the_episode(tmp_path):
+def test_an_app_that_swallows_the_limit_error_still_truncates_the_episode(tmp_path):
     policy = _policy()
     env = LoopEnv(["hard", "hard too"])
     cfg = _cfg(tmp_path, tasks_per_step=2, group_size=2, rollout={"max_llm_calls": 3})
-    with pytest.raises(RolloutError, match="all 4 episodes failed") as info:
-        train_graph(_judge_loop(Unreachable(), swallow=True), env, cfg, policies={"solver": policy, "judge": policy})
-    first = info.value.__cause__
-    assert "EpisodeLimitError" in first.episode.error and "rollout.max_llm_calls=3" in first.episode.error
-    assert first.episode.final_state["verdict"] == "fallback"  # the graph itself ended normally
+    result = train_graph(_judge_loop(Unreachable(), swallow=True), env, cfg,
+                         policies={"solver": policy, "judge": policy})
+    rec = result.history[0]
+    assert rec["truncated_episodes"] == 4 and rec["episodes"] == 4 and rec["failed_episodes"] == 0
+    stored = _stored(tmp_path, step=0)
+    assert all(ep.truncated_by == "max_llm_calls" and "rollout.max_llm_calls=3" in ep.truncated for ep in stored)
+    assert all(ep.final_state["verdict"] == "fallback" and len(ep.turns) == 3 for ep in stored)  # the graph ended
 
 
-def test_every_episode_stopped_stops_the_run_with_the_limit_error_chained(tmp_path):
-    policy = _policy()
-    cfg = _cfg(tmp_path, tasks_per_step=1, group_size=2, rollout={"max_llm_calls": 4, "recursion_limit": 1000})
-    with pytest.raises(RolloutError, match="step 0: all 2 episodes failed") as info:
-        train_graph(_judge_loop(Unreachable()), LoopEnv(["hard"]), cfg, policies={"solver": policy, "judge": policy})
-    assert isinstance(info.value.__cause__.__cause__, EpisodeLimitError)
-
-
-def test_recursion_limit_applies_to_every_episode(tmp_path):
+def test_recursion_limit_truncates_every_episode_that_reaches_it(tmp_path):
     policy = _policy()
     cfg = _cfg(tmp_path, tasks_per_step=1, group_size=2, rollout={"recursion_limit": 3})
-    with pytest.raises(RolloutError) as info:
-        train_graph(_judge_loop(Unreachable()), LoopEnv(["hard"]), cfg, policies={"solver": policy, "judge": policy})
-    first = info.value.__cause__
-    assert isinstance(first.__cause__, GraphRecursionError) and len(first.episode.turns) == 3
+    result = train_graph(_judge_loop(Unreachable()), LoopEnv(["hard"]), cfg,
+                         policies={"solver": policy, "judge": policy})
+    assert result.history[0]["truncated/recursion_limit"] == 2
+    stored = _stored(tmp_path, step=0)
+    assert len(stored) == 2 and all(len(ep.turns) == 3 and ep.truncated_by == "recursion_limit" for ep in stored)
+    assert all("Recursion limit of 3" in ep.truncated and ep.final_state is None for ep in stored)
 
 
-def test_wall_time_cap_stops_a_looping_episode_at_its_next_call(tmp_path):
+def test_wall_time_cap_truncates_a_looping_episode_at_its_next_call(tmp_path):
     policy = _policy()
-    cfg = _cfg(tmp_path, tasks_per_step=1, group_size=2, rollout={"timeout_s": 0.3, "recursion_limit": 100_000})
-    with pytest.raises(RolloutError) as info:
-        train_graph(_judge_loop(Unreachable()), LoopEnv(["hard"]), cfg, policies={"solver": policy, "judge": policy})
-    first = info.value.__cause__
-    assert isinstance(first.__cause__, EpisodeLimitError) and "rollout.timeout_s=0.3" in first.episode.error
-    assert first.episode.turns  # it ran until a call found the time was up
+    cfg = _cfg(tmp_path, tasks_per_step=1, group_size=2,
+               rollout={"timeout_s": 0.3, "recursion_limit": 100_000, "max_llm_calls": None})
+    result = train_graph(_judge_loop(Unreachable()), LoopEnv(["hard"]), cfg,
+                         policies={"solver": policy, "judge": policy})
+    assert result.history[0]["truncated/timeout_s"] == 2
+    stored = _stored(tmp_path, step=0)
+    assert all(ep.truncated_by == "timeout_s" and "rollout.timeout_s=0.3" in ep.truncated for ep in stored)
+    assert all(ep.turns for ep in stored)  # it ran until a call found the time was up
 
 
-def test_wall_time_cap_cancels_an_episode_stuck_between_calls(tmp_path):
+def test_mask_truncated_drops_the_episodes_of_the_limits_it_names(tmp_path):
+    policy = _policy()
+    env = LoopEnv(["easy one", "hard one"])
+    for mask, kept in ((True, 2), (["timeout_s"], 4), (["max_llm_calls"], 2)):
+        run = tmp_path / str(mask)
+        cfg = _cfg(run, tasks_per_step=2, group_size=2, rollout={"max_llm_calls": 5, "mask_truncated": mask})
+        rec = train_graph(_judge_loop(Unreachable()), env, cfg, policies={"solver": policy, "judge": policy}).history[0]
+        assert rec["episodes"] == kept and rec["truncated_episodes"] == 2
+        assert rec["masked_truncated_episodes"] == 4 - kept
+        assert rec["samples/truncated_share"] == (0.0 if kept == 2 else pytest.approx(10 / 14))
+
+
+def test_the_default_caps_bound_an_app_that_loops_forever(tmp_path, caplog):
+    rollout = TrainConfig().rollout
+    assert (rollout.max_llm_calls, rollout.timeout_s, rollout.truncated_reward) == (50, 1800.0, 0.0)
+    policy = _policy()
+    cfg = _cfg(tmp_path, tasks_per_step=1, group_size=1)  # no rollout section: the defaults
+    result = train_graph(_judge_loop(Unreachable()), LoopEnv(["hard"]), cfg,
+                         policies={"solver": policy, "judge": policy})
+    assert result.history[0]["truncated/max_llm_calls"] == 1
+    (episode,) = _stored(tmp_path, step=0)
+    assert len(episode.turns) == 50 and "rollout.max_llm_calls=50" in episode.truncated
+    assert "step 0: 1 of 1 episodes did not finish: 1 truncated (max_llm_calls 1;" in caplog.text  # one warning
+
+
+def test_wall_time_cap_cancels_an_episode_stuck_between_calls_and_stores_it(tmp_path):
     llm = Unreachable()
 
     async def solver(state):
@@ -189,4 +225,42 @@ def test_wall_time_cap_cancels_an_episode_stuck_between_calls(tmp_path):
     cfg = _cfg(tmp_path, tasks_per_step=1, group_size=2, rollout={"timeout_s": 0.5})
     with pytest.raises(RolloutError, match="without starting another LLM call") as info:
         train_graph(g.compile(), ParityEnv(), cfg, policies={"solver": policy})
-    assert isinstance(info.value.__cause__, EpisodeLimitError)
+    assert isinstance(info.value.__cause__, StuckEpisodeError)
+    stored = _stored(tmp_path, outcome="failed")
+    assert len(stored) == 2 and all(len(ep.turns) == 1 and "stuck in a node" in ep.error for ep in stored)
+
+
+def test_a_sync_node_blocked_in_a_tool_costs_its_episode_not_the_step(tmp_path, caplog):
+    """rev3_d: the backstop cancels the stuck episode, and the step does not wait for its thread (asyncio.run
+    would join it, forever for a tool that never returns)."""
+    release = threading.Event()
+    llm = Unreachable()
+
+    def solver(state):
+        answer = llm.invoke([HumanMessage(state["question"])]).content
+        if state["question"] == "slow":
+            release.wait(120)  # a blocking tool call (an HTTP request without a timeout, a subprocess, ...)
+        return {"answer": answer}
+
+    g = StateGraph(_graphs.QA)
+    g.add_node("solver", solver)
+    g.add_edge(START, "solver")
+    g.add_edge("solver", END)
+    env = LoopEnv(["fast", "slow"])
+    cfg = _cfg(tmp_path, tasks_per_step=2, group_size=1, max_concurrency=2, rollout={"timeout_s": 1.0})
+    policy = _policy()
+    trainer = Trainer(g.compile(), env, cfg, policies={"solver": policy})
+    try:
+        start = time.perf_counter()
+        runs, counts = trainer.rollouts(env.train, 0, 1, phase="train")
+        elapsed = time.perf_counter() - start
+    finally:
+        release.set()
+        trainer.close()
+    assert elapsed < 60  # a hang bound (the tool blocks for 120 s), not a speed measurement
+    assert [task.id for task, _ in runs] == ["train-0"] and counts["failed_episodes"] == 1
+    (error,) = trainer.rollout_errors
+    assert isinstance(error, StuckEpisodeError) and "'train-1'" in str(error)
+    assert "left behind" in caplog.text
+    (stuck,) = _stored(tmp_path, outcome="failed")
+    assert stuck.task_id == "train-1" and len(stuck.turns) == 1 and "rollout.timeout_s=1" in stuck.error

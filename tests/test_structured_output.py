@@ -109,6 +109,27 @@ def test_a_reply_that_ignores_the_request_fails_naming_agent_and_node(openai_llm
         app.rollout({"q": "q"})
 
 
+@pytest.mark.parametrize("method", ["json_schema", "json_mode"])
+def test_include_raw_returns_the_parsing_error_instead_of_raising(openai_llm, method):
+    """issue 16: with include_raw=True LangChain returns {raw, parsed, parsing_error}; a reply that is not the
+    JSON asked for used to raise StructuredOutputError out of the model call instead."""
+    policy = scripted_policy(["I think it is fine.", '{"ok": true}'])
+    app = instrument(judge_graph(lambda: openai_llm.with_structured_output(Verdict, method=method, include_raw=True)),
+                     {"judge": policy})
+    bad, good = app.rollout({"q": "q"}), app.rollout({"q": "q"})
+    out = bad.final_state["v"]
+    assert out["parsed"] is None and isinstance(out["parsing_error"], Exception)
+    assert out["raw"].content == "I think it is fine."
+    assert "not one: 'I think it is fine.'" in bad.turns[0].format_error  # recorded: training penalises it
+    assert good.final_state["v"]["parsed"] in (Verdict(ok=True), {"ok": True})
+    assert good.final_state["v"]["parsing_error"] is None and good.turns[0].format_error is None
+    from drmas_graph import PolicyChatModel  # outside instrumented runs: BaseChatModel's forced-tool form
+
+    model = PolicyChatModel(policy=scripted_policy(["not a tool call"]))
+    out = model.with_structured_output(Verdict, include_raw=True).invoke("is 2+2=4?")
+    assert out["parsed"] is None and out["raw"].content == "not a tool call"  # LangChain: no call, no error
+
+
 def test_response_format_round_trips_through_the_trace_store(openai_llm, tmp_path):
     policy = scripted_policy(['{"ok": true}'])
     store = TraceStore(tmp_path / "t.db")

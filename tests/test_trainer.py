@@ -299,3 +299,46 @@ def test_every_forward_pass_of_an_embedded_model_runs_on_its_decoding_thread(tmp
     train_graph(graph(), ParityEnv(), cfg, policies={"solver": solver, "verifier": solver})
     assert {name for name, _ in seen} == {f"{solver.name}-batcher"}
     assert any(grad for _, grad in seen) and any(not grad for _, grad in seen)  # the update and decoding
+
+
+def test_a_task_twice_in_one_step_is_two_groups_with_their_own_ids_whatever_the_sharding(tmp_path):
+    """rev3_a: a step that straddles the end of a 3-task split holds train-1 twice. Each copy is its own GRPO
+    group (4 group ids, 4 x 2 agent pools); seeds stay those of the batch positions (so groups that do not
+    repeat sample as before), and two processes (groups 0-1 and 2-3) compute the advantages of one."""
+    from drmas_graph.instrumentation._seeds import episode_seed
+
+    policy = tiny_policy(seed=0, sampling=SamplingParams(max_new_tokens=4))
+    cfg = small_config(tmp_path, steps=1, tasks_per_step=4, group_size=4, eval={"k": 1, "before_training": False})
+    trainer = Trainer(graph(), ParityEnv(n_train=3), cfg, policies={"solver": policy, "verifier": policy})
+    try:
+        tasks = trainer.batch_tasks(0)
+        assert [t.id for t in tasks] == ["train-1", "train-0", "train-2", "train-1"]
+        runs, counts = trainer.rollouts(tasks, 0, cfg.group_size, phase="train")
+        scored = trainer._score(runs, counts)
+        samples, stats = trainer._advantages(scored)
+        halves = trainer._advantages(scored[:8])[0] + trainer._advantages(scored[8:])[0]
+    finally:
+        trainer.close()
+    episodes = [ep for _, ep, _ in scored]
+    assert [ep.group_id for ep in episodes[::4]] == ["train:0:train-1", "train:0:train-0", "train:0:train-2",
+                                                     "train:0:train-1#2"]
+    assert stats.n_pools == 8
+    assert [ep.metadata["seed"] for ep in episodes] == [episode_seed(cfg.seed, "train", 0, b, j)
+                                                        for b in range(4) for j in range(4)]
+    assert [s.advantage for s in halves] == [s.advantage for s in samples]
+
+
+def test_the_progress_line_and_the_warning_say_which_episodes_did_not_finish():
+    from drmas_graph.train._scoring import unfinished_warning
+    from drmas_graph.train.metrics import progress_status
+
+    record = {"step": 3, "agent/solver/reward_mean": 0.5, "episodes": 6, "failed_episodes": 1,
+              "no_llm_call_episodes": 0, "bad_reward_episodes": 0, "masked_truncated_episodes": 1,
+              "truncated_episodes": 3, "truncated/max_llm_calls": 2, "truncated/timeout_s": 1,
+              "truncated/recursion_limit": 0, "model_error_episodes": 2, "agent/solver/model_error_episodes": 2,
+              "agent/judge/model_error_episodes": 0}
+    assert progress_status(["solver"], record) == "reward solver=0.50  truncated 3/8  model errors 2/8"
+    warning = unfinished_warning(record, 8)
+    assert warning.startswith("step 3: 5 of 8 episodes did not finish: 3 truncated (max_llm_calls 2, timeout_s 1;")
+    assert "2 model errors (by agent: solver 2;" in warning
+    assert unfinished_warning({**record, "model_error_episodes": 1}, 8) is None  # 4 of 8: not more than half

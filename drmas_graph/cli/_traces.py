@@ -37,8 +37,12 @@ def add_traces_commands(groups: Any) -> None:
     outcome = p.add_mutually_exclusive_group()
     outcome.add_argument("--failed", action="store_const", const=True, dest="failed", help="only failed runs")
     outcome.add_argument(
-        "--ok", action="store_const", const=False, dest="failed", help="only runs that ended"
+        "--ok", action="store_const", const=False, dest="failed", help="only runs that did not fail"
     )
+    outcome.add_argument("--truncated", action="store_const", const="truncated", dest="outcome",
+                         help="only runs a limit stopped (max_llm_calls, timeout_s, recursion_limit)")
+    outcome.add_argument("--model-errors", action="store_const", const="model_error", dest="outcome",
+                         help="only runs the policy's output broke (model errors)")
     p.add_argument("--limit", type=int, help="at most this many episodes")
     p.set_defaults(func=_cmd_list)
 
@@ -108,11 +112,10 @@ def _cmd_rescore(args: argparse.Namespace, console: Console) -> int:
 
 def _cmd_list(args: argparse.Namespace, console: Console) -> int:
     with TraceStore(args.path, readonly=True) as store:
-        summaries = store.episodes(
-            step=args.step, agent=args.agent, task_id=args.task, failed=args.failed, limit=args.limit
-        )
+        summaries = store.episodes(step=args.step, agent=args.agent, task_id=args.task, failed=args.failed,
+                                   outcome=args.outcome, limit=args.limit)
     table = Table(title=Text(f"{len(summaries)} episodes in {args.path}"), title_justify="left")
-    for column in ("episode", "task", "group", "step", "turns", "agents", "tokens p/r", "reward", "error"):
+    for column in ("episode", "task", "group", "step", "turns", "agents", "tokens p/r", "reward", "outcome"):
         table.add_column(column, overflow="fold")
     for s in summaries:
         cells = (
@@ -124,7 +127,7 @@ def _cmd_list(args: argparse.Namespace, console: Console) -> int:
             ", ".join(s.agents),
             f"{s.n_prompt_tokens}/{s.n_response_tokens}",
             _number(s.reward),
-            _snippet(s.error or "", 60) or "-",
+            _outcome_cell(s.outcome, s.error or s.truncated or s.model_error),
         )
         table.add_row(*map(Text, cells))  # Text: '[...]' in user data is not rich markup
     console.print(table)
@@ -150,6 +153,8 @@ def _cmd_stats(args: argparse.Namespace, console: Console) -> int:
     rows = [
         ("episodes", stats.n_episodes),
         ("failed episodes", stats.n_failed),
+        ("truncated episodes", stats.n_truncated),
+        ("model-error episodes", stats.n_model_errors),
         ("turns (LLM calls)", stats.n_turns),
         ("trainable turns", stats.n_trainable_turns),
         ("prompt tokens", stats.n_prompt_tokens),
@@ -195,6 +200,9 @@ def _cmd_replay(args: argparse.Namespace, console: Console) -> int:
         result = asyncio.run(areplay_episode(graph, episode))
     if result.unreproducible:
         console.print(f"episode {episode.id} cannot be reproduced exactly: {result.unreproducible}", markup=False)
+    if episode.truncated:
+        console.print(f"episode {episode.id} was truncated ({episode.truncated_by}): the recording ends where the "
+                      "limit stopped it, and so does the replay", markup=False)
     divergences = list(result.divergences)
     if not divergences:
         same = "the recorded final state" if result.state_matches else "a DIFFERENT final state"
@@ -215,6 +223,11 @@ def _cmd_replay(args: argparse.Namespace, console: Console) -> int:
 def _default_export_path(path: Path, format: str, agent: str | None) -> Path:
     suffix = f".{agent.replace('/', '_')}.{format}" if agent else f".{format}"
     return path.with_name(path.stem + suffix)
+
+
+def _outcome_cell(outcome: str, reason: str | None) -> str:
+    """'finished', or the outcome with the start of its reason ('truncated: max_llm_calls: ...')."""
+    return outcome if not reason else f"{outcome}: {_snippet(reason, 60)}"
 
 
 def _or_dash(value: object) -> str:
@@ -251,6 +264,10 @@ def _episode_header(episode: Episode, train_step: int | None) -> Panel:
         f"rewards {rewards}",
         f"error {episode.error or '-'}",
     ]
+    if episode.truncated:
+        lines.append(f"truncated {episode.truncated}   (kept: trained with rollout.truncated_reward)")
+    if episode.model_error:
+        lines.append(f"model error {episode.model_error}   (kept: trained with rollout.model_error_reward)")
     return Panel(Text("\n".join(lines)), title=Text(f"episode {episode.id}"), title_align="left")
 
 
@@ -274,4 +291,8 @@ def _turn_block(episode: Episode, position: int, turn: Turn) -> Panel:
     if turn.tool_calls:
         calls = ", ".join(f"{c.get('name')}({_snippet(str(c.get('args', {})), 80)})" for c in turn.tool_calls)
         body.append(Text(f"tools    {calls}"))
+    if turn.format_error:
+        body.append(Text(f"invalid  {_snippet(turn.format_error)}"))
+    if position == episode.model_error_turn:
+        body.append(Text("this turn's output broke the app (the episode's model error)"))
     return Panel(Group(*body), title=Text(title), title_align="left")

@@ -3,7 +3,8 @@
 Owns the path of one call: a node calls a chat model -> `_intercept` (the run-scoped hook on LangChain's
 `BaseChatModel`; which node, which `Send`, which task: `_task_paths`) -> `_recorder` (the agent, the seed
 derived from the call's identity (`_seeds`), the episode's limits (`_limits`), the policy's answer in the
-form LangChain expects) -> a `Turn` on the `Episode`. Entry points: `instrumented.instrument` /
+form LangChain expects) -> a `Turn` on the `Episode`; a run that raised is truncated, a model error or failed
+(`_outcomes`). Entry points: `instrumented.instrument` /
 `InstrumentedGraph` (an app's runs as episodes), `chat_model.PolicyChatModel` (a policy as a chat model),
 `_threads` (where a checkpointed thread started).
 

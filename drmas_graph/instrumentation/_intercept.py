@@ -73,6 +73,8 @@ class CallSite:
     """Node instance key: node path, plus '[i]' for the i-th `Send` to the node."""
     kwargs: dict[str, Any] = field(default_factory=dict)
     """The model call's keyword arguments (`tool_choice`, `response_format`, ...), as bound by the caller."""
+    tags: tuple[str, ...] = ()
+    """The call's run tags (`map:key:raw`: the raw branch of `with_structured_output(include_raw=True)`)."""
 
 
 class CallHandler(Protocol):
@@ -185,7 +187,7 @@ def _site(model: BaseChatModel, messages: list[BaseMessage], stop: list[str] | N
                     tools=normalize_tools(kwargs.get("tools")), metadata=metadata, node=node,
                     step=int(step) if isinstance(step, int) else -1,
                     call_key=call_key(metadata, node, _task_paths.task_paths_of(run_manager)),
-                    kwargs=dict(kwargs))
+                    kwargs=dict(kwargs), tags=tuple(getattr(run_manager, "tags", None) or ()))
 
 
 def _unattributed(model: BaseChatModel) -> None:

@@ -15,12 +15,17 @@ from drmas_graph._chat import ParsedResponse, _text
 from drmas_graph.instrumentation._intercept import CallSite
 from drmas_graph.instrumentation._limits import enforce_limits
 from drmas_graph.instrumentation._seeds import seeded
-from drmas_graph._structured import apply_spec, output_spec
-from drmas_graph.errors import StrictModeError, StructuredOutputError
+from drmas_graph._structured import InvalidReplyError, apply_spec, output_spec
+from drmas_graph.errors import StrictModeError
 from drmas_graph.policy import Policy
 from drmas_graph.types import Episode, Generation, SamplingParams, Turn
 
-__all__ = ["_EpisodeRecorder", "served_message", "_cut_at_stop", "structured_parts"]
+__all__ = ["_EpisodeRecorder", "served_message", "_cut_at_stop", "structured_parts", "RAW_BRANCH_TAG"]
+
+RAW_BRANCH_TAG = "map:key:raw"
+"""Run tag of the model call inside `with_structured_output(..., include_raw=True)` (LangChain runs it as the
+`raw` step of a RunnableMap): there a reply that fails the request is returned, and LangChain's own parser
+reports it as `parsing_error`, instead of raising."""
 
 
 class _EpisodeRecorder:
@@ -112,7 +117,7 @@ class _EpisodeRecorder:
         else:
             try:
                 parsed, extra = apply_spec(spec, model_class, reply, policy.parse, where)
-            except StructuredOutputError as exc:
+            except InvalidReplyError as exc:
                 failure, parsed = exc, ParsedResponse(content=reply.strip())
         finish = "tool_calls" if parsed.tool_calls and gen.finish_reason == "stop" else gen.finish_reason
         message = served_message(parsed, finish=finish, policy_name=policy.name, policy_version=gen.policy_version,
@@ -124,10 +129,12 @@ class _EpisodeRecorder:
             response_text=text, tool_calls=tuple(parsed.tool_calls), finish_reason=finish, policy=policy.name,
             policy_version=gen.policy_version, trainable=True, latency_s=time.perf_counter() - start,
             call_key=site.call_key, node_call_index=nci, sampling=params, tools=tuple(site.tools),
-            message_id=message.id, response_format=spec,
+            message_id=message.id, response_format=spec, format_error=_format_error(failure, parsed, site.tools),
         ))
         if failure is not None:
-            raise failure
+            failure.turn_index = index
+            if RAW_BRANCH_TAG not in site.tags:
+                raise failure
         return ChatResult(generations=[ChatGeneration(message=message)])
 
     def _message_id(self, index: int) -> str:
@@ -168,6 +175,16 @@ def structured_parts(turn: Turn, parse: Callable[[str], ParsedResponse]) -> tupl
     stops = turn.sampling.stop if turn.sampling else ()
     parts, extra = apply_spec(turn.response_format, None, _cut_at_stop(turn.response_text, stops), parse, where)
     return ParsedResponse(content=parts.content, tool_calls=[dict(c) for c in turn.tool_calls]), extra
+
+
+def _format_error(failure: InvalidReplyError | None, parsed: ParsedResponse, tools: Sequence[dict]) -> str | None:
+    """`Turn.format_error`: the structured-output failure, else tool calls that did not parse (tools bound)."""
+    if failure is not None:
+        return str(failure)
+    if tools and parsed.invalid_tool_calls:
+        errors = "; ".join(str(c.get("error") or c.get("args")) for c in parsed.invalid_tool_calls)
+        return f"{len(parsed.invalid_tool_calls)} tool call(s) in the reply do not parse: {errors}"[:500]
+    return None
 
 
 def _cut_at_stop(text: str, stops: Sequence[str]) -> str:

@@ -15,9 +15,9 @@ from langchain_core.outputs import ChatGeneration, ChatResult
 from langchain_core.utils.function_calling import convert_to_openai_tool
 from pydantic import ConfigDict
 
-from drmas_graph._chat import normalize_tools
-from drmas_graph.instrumentation._recorder import _cut_at_stop
-from drmas_graph._structured import apply_spec, output_spec
+from drmas_graph._chat import ParsedResponse, normalize_tools
+from drmas_graph.instrumentation._recorder import RAW_BRANCH_TAG, _cut_at_stop
+from drmas_graph._structured import InvalidReplyError, apply_spec, output_spec
 from drmas_graph.policy import Policy
 
 __all__ = ["PolicyChatModel"]
@@ -46,8 +46,14 @@ class PolicyChatModel(BaseChatModel):
         prompt_ids = self.policy.render(messages, tools, spec)
         gen = self.policy.generate(prompt_ids, params)
         text = _cut_at_stop(self.policy.decode(gen.token_ids), params.stop)
-        parsed, extra = (self.policy.parse(text), {}) if spec is None else apply_spec(
-            spec, model_class, text, self.policy.parse, where)
+        parsed, extra = self.policy.parse(text), {}
+        if spec is not None:
+            try:
+                parsed, extra = apply_spec(spec, model_class, text, self.policy.parse, where)
+            except InvalidReplyError:  # include_raw=True: LangChain's parser reports it as parsing_error
+                if RAW_BRANCH_TAG not in (getattr(run_manager, "tags", None) or ()):
+                    raise
+                parsed = ParsedResponse(content=text.strip())
         finish = "tool_calls" if parsed.tool_calls and gen.finish_reason == "stop" else gen.finish_reason
         message = AIMessage(content=parsed.content, tool_calls=parsed.tool_calls,
                             invalid_tool_calls=parsed.invalid_tool_calls, additional_kwargs=extra,

@@ -27,6 +27,7 @@ from langchain_core.runnables import Runnable
 
 from drmas_graph.instrumentation import _threads
 from drmas_graph.instrumentation._intercept import ACTIVE_HANDLER, CallSite, app_models, install, register_run, unregister_run
+from drmas_graph.instrumentation._outcomes import note_stop
 from drmas_graph.instrumentation._recorder import _cut_at_stop, _EpisodeRecorder, served_message, structured_parts  # noqa: F401
 from drmas_graph.errors import (
     ConfigError,
@@ -277,9 +278,11 @@ class InstrumentedGraph(Runnable):
         return episode
 
     def _failed(self, episode: Episode, exc: BaseException) -> RolloutError:
+        note_stop(episode, exc)  # truncated by a limit, a model error, or failed (`_outcomes`)
         self._write(episode)
-        return RolloutError(f"episode {episode.id} (task {episode.task_id}) failed after {len(episode.turns)} LLM "
-                            f"call(s): {episode.error}", episode)
+        verb = "failed" if episode.error else "stopped"
+        return RolloutError(f"episode {episode.id} (task {episode.task_id}) {verb} after {len(episode.turns)} LLM "
+                            f"call(s): {episode.stop_reason}", episode)
 
     def _write(self, episode: Episode) -> None:
         if self.store is not None:
@@ -324,6 +327,9 @@ class InstrumentedGraph(Runnable):
                 output = await self.graph.ainvoke(input, config)
         except Exception as exc:
             raise self._failed(episode, exc) from exc
+        except asyncio.CancelledError:  # e.g. the trainer's backstop: stored with its turns so far and the reason
+            self._write(episode)
+            raise
         return self._finish(episode, output, require_calls=True)
 
     def invoke(self, input: Any, config: Any = None, **kwargs: Any) -> Any:
@@ -331,7 +337,8 @@ class InstrumentedGraph(Runnable):
         try:
             with self._recording(episode):
                 output = self.graph.invoke(input, config, **kwargs)
-        except Exception:
+        except Exception as exc:
+            note_stop(episode, exc)
             self._write(episode)
             raise
         self._finish(episode, output, require_calls=False)
@@ -342,7 +349,8 @@ class InstrumentedGraph(Runnable):
         try:
             with self._recording(episode):
                 output = await self.graph.ainvoke(input, config, **kwargs)
-        except Exception:
+        except Exception as exc:
+            note_stop(episode, exc)
             self._write(episode)
             raise
         self._finish(episode, output, require_calls=False)

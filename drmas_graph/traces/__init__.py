@@ -1,6 +1,7 @@
 """Traces: every episode of a run, stored exactly, and what is done with stored episodes.
 
-Owns `store.TraceStore` (one SQLite file per run; rows and their layout in `_serde`), `replay` (re-run a
+Owns `store.TraceStore` (one SQLite file per run; rows and their layout in `_serde`, summaries and counts in
+`_queries`), `replay` (re-run a
 graph with every LLM call answered from a recording, reporting the first divergence) and `weave_export`
 (episodes and evaluations as W&B Weave traces).
 

@@ -238,7 +238,10 @@ CREATE TABLE IF NOT EXISTS episodes (
     timings TEXT NOT NULL,
     metadata TEXT NOT NULL,
     created REAL NOT NULL,
-    trained REAL                  -- Unix time update_training recorded `step`; NULL otherwise (old stores too)
+    trained REAL,                 -- Unix time update_training recorded `step`; NULL otherwise (old stores too)
+    truncated TEXT,               -- Episode.truncated: '<limit>: <why>' when a limit stopped the run; NULL otherwise
+    model_error TEXT,             -- Episode.model_error: the policy's output that broke the app; NULL otherwise
+    model_error_turn INTEGER      -- Episode.model_error_turn: position of the offending turn
 );
 CREATE TABLE IF NOT EXISTS rewards (
     episode_id TEXT NOT NULL REFERENCES episodes (id),
@@ -274,6 +277,7 @@ CREATE TABLE IF NOT EXISTS turns (
     turn_reward REAL,             -- Episode.turn_rewards[position]; NULL until training fills it
     advantage REAL,               -- Episode.advantages[position]; NULL until training fills it
     response_format TEXT,         -- JSON Turn.response_format (structured output asked for); NULL for free text
+    format_error TEXT,            -- Turn.format_error: why the reply is not what the call asked for; NULL if it is
     PRIMARY KEY (episode_id, position)
 );
 CREATE INDEX IF NOT EXISTS turns_by_agent ON turns (agent, episode_id);
@@ -284,10 +288,15 @@ CREATE INDEX IF NOT EXISTS episodes_by_task ON episodes (task_id);
 EPISODE_COLUMNS = (
     "id", "task_id", "group_id", "step", "error", "n_turns", "n_prompt_tokens", "n_response_tokens",
     "agents", "reward", "rewards", "input", "final_state", "timings", "metadata", "created", "trained",
+    "truncated", "model_error", "model_error_turn",
 )  # fmt: skip
 ADDED_COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("episodes", "trained", "REAL"),
     ("turns", "response_format", "TEXT"),
+    ("episodes", "truncated", "TEXT"),
+    ("episodes", "model_error", "TEXT"),
+    ("episodes", "model_error_turn", "INTEGER"),
+    ("turns", "format_error", "TEXT"),
 )
 """Columns added to the layout after schema version 1 was released: (table, column, SQL type), each
 nullable. They keep the schema version: opening an older store to write adds them (NULL in old rows),
@@ -297,7 +306,7 @@ TURN_COLUMNS = (
     "messages", "prompt_ids", "response_ids", "response_logprobs", "n_prompt_tokens", "n_response_tokens",
     "response_text", "tool_calls", "finish_reason", "policy", "policy_version", "trainable", "latency_s",
     "sampling", "tools", "message_id", "turn_reward", "advantage",
-    "response_format",
+    "response_format", "format_error",
 )  # fmt: skip
 
 
@@ -366,6 +375,9 @@ def episode_rows(episode: Episode, step: int | None) -> tuple[tuple, list[tuple]
         to_json(dict(episode.metadata), "metadata"),
         time.time(),
         None,  # trained: set by TraceStore.update_training/record_training, never guessed at write time
+        episode.truncated,
+        episode.model_error,
+        episode.model_error_turn,
     )
     reward_rows = [(episode.id, agent, float(r)) for agent, r in episode.rewards.items()]
     return episode_row, turn_rows, reward_rows
@@ -401,6 +413,7 @@ def _turn_row(episode: Episode, position: int, turn: Turn) -> tuple:
         None if episode.turn_rewards is None else float(episode.turn_rewards[position]),
         None if episode.advantages is None else float(episode.advantages[position]),
         None if turn.response_format is None else to_json(turn.response_format, f"{where} response_format"),
+        turn.format_error,
     )
 
 
@@ -427,6 +440,7 @@ def _turn_from_row(row: Mapping[str, Any]) -> Turn:
         tools=tuple(json.loads(row["tools"])),
         message_id=row["message_id"],
         response_format=None if row.get("response_format") is None else json.loads(row["response_format"]),
+        format_error=row.get("format_error"),
     )
 
 
@@ -454,6 +468,9 @@ def episode_from_rows(row: Mapping[str, Any], turn_rows: list[tuple]) -> Episode
         error=row["error"],
         timings=json.loads(row["timings"]),
         metadata=from_json(row["metadata"]),
+        truncated=row.get("truncated"),
+        model_error=row.get("model_error"),
+        model_error_turn=row.get("model_error_turn"),
     )
 
 

@@ -6,7 +6,8 @@ never by global arrival order, so parallel branches and `Send` fan-outs (into su
 exactly; calls made concurrently inside one node instance are matched by prompt. When the graph has
 changed, the first call whose prompt differs from the recording (or that has no recording, or whose
 recording is never asked for) is reported as a `Divergence` with a readable diff; replay then stops
-(every later call stops too), or, with `policies=`, continues live.
+(every later call stops too), or, with `policies=`, continues live. A truncated recording (a limit stopped
+it at an LLM call) stops the replay at that same call, without a divergence.
 
 An episode that continued a checkpointed thread starts from the thread's recorded checkpoint, copied to a
 new thread (`drmas_graph.instrumentation._threads`); when that checkpoint is not available the result says so
@@ -77,8 +78,9 @@ class ReplayResult:
     recorded: Episode | None = None
     """The episode that was replayed."""
     stopped: bool = False
-    """True when replay stopped at the first divergence (in stop mode; also when the graph caught the stop
-    and carried on: every call it made afterwards was refused too)."""
+    """True when replay stopped at the first divergence, or where a limit stopped a truncated recording (in
+    stop mode; also when the graph caught the stop and carried on: every call it made afterwards was refused
+    too)."""
     wall_s: float = 0.0
     """Time the re-run took."""
     unreproducible: str | None = None
@@ -134,6 +136,9 @@ class _ReplayHandler:
         self.continue_live = continue_live
         self.agent_of = agent_of
         self.divergences: list[Divergence] = []
+        self.truncated = recorded.truncated
+        self.ended = False
+        """A truncated recording was used up: the re-run reached the call the limit stopped (no divergence)."""
         self.turns: list[Turn] = []
         self._per_key: dict[str, int] = {}
         self._lock = threading.Lock()
@@ -153,6 +158,11 @@ class _ReplayHandler:
                 self.used.add((turn.call_key, turn.node_call_index))
                 self.turns.append(turn)
                 return turn
+            if self.truncated and len(self.used) == len(self.by_key):  # where the limit stopped the recording
+                self.ended = True
+                if self.continue_live:
+                    return None
+                raise _StopReplay(f"the recording ends here, where a limit stopped it: {self.truncated}")
             d = self._divergence(site, n)
             self.divergences.append(d)
         if not self.continue_live:
@@ -273,7 +283,7 @@ def _thread_config(run: _Run, forked: dict | None, reason: str | None) -> None:
 def _finish(run: _Run, episode: Episode, final_state: Any, stopped: bool) -> ReplayResult:
     run.live.finish()
     handler = run.handler
-    stopped = stopped or (bool(handler.divergences) and not handler.continue_live)
+    stopped = stopped or ((bool(handler.divergences) or handler.ended) and not handler.continue_live)
     if not stopped and not handler.divergences:
         handler.divergences.extend(handler.missing_calls())
     return ReplayResult(final_state=final_state, turns=handler.turns + run.live_episode.turns,

@@ -22,6 +22,9 @@ int32 bytes, logprobs as float64 bytes, see `drmas_graph.traces._serde`). Nothin
 Columns added since version 1 (`_serde.ADDED_COLUMNS`, all nullable) keep the version: opening an older
 store to write adds them, opening it read-only reads them as NULL.
 
+Every episode is stored whatever its outcome (`Episode.outcome`: finished, truncated, model error, failed);
+summaries and store-wide counts are queried in `drmas_graph.traces._queries`.
+
 Two "steps" appear: an episode's ``step`` is the *training* step it was used in (None until it is), a
 turn's ``step`` is the LangGraph superstep of the node that made the call (`Turn.step`).
 """
@@ -34,11 +37,11 @@ import sqlite3
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from drmas_graph.traces import _serde
+from drmas_graph.traces import _queries, _serde
+from drmas_graph.traces._queries import EpisodeSummary, StoreStats
 from drmas_graph.traces._serde import TraceStoreWarning
 from drmas_graph.errors import (
     ConfigError,
@@ -66,84 +69,8 @@ _BUSY_TIMEOUT_S = 30.0
 _WRITE_RETRIES = 5
 """Extra attempts (with backoff) after SQLITE_BUSY outlived the busy timeout or bypassed it."""
 
-_SUMMARY_COLUMNS = (
-    "id", "task_id", "group_id", "step", "n_turns", "agents", "n_prompt_tokens", "n_response_tokens",
-    "reward", "rewards", "error", "created",
-)  # fmt: skip
-
-
 def _insert_sql(table: str, columns: Sequence[str]) -> str:
     return f"INSERT INTO {table} ({', '.join(columns)}) VALUES ({', '.join('?' * len(columns))})"
-
-
-@dataclass(frozen=True)
-class EpisodeSummary:
-    """One light row of `TraceStore.episodes`: counts and rewards, no turns."""
-
-    id: str
-    """Episode id."""
-    task_id: str | None
-    """Task the episode ran on."""
-    group_id: str | None
-    """GRPO group of the episode."""
-    step: int | None
-    """Training step the episode was used in; None if it was not (yet)."""
-    n_turns: int
-    """Number of LLM calls."""
-    agents: tuple[str, ...]
-    """Agents that made calls, in order of first call."""
-    n_prompt_tokens: int
-    """Prompt tokens summed over the calls."""
-    n_response_tokens: int
-    """Response tokens summed over the calls."""
-    reward: float | None
-    """Mean of `rewards` over agents (the team reward when every agent got it); None without rewards."""
-    rewards: dict[str, float]
-    """Reward per agent."""
-    error: str | None
-    """The failure, if the run failed."""
-    created: float
-    """Unix time the episode was written."""
-
-
-@dataclass(frozen=True)
-class StoreStats:
-    """Counts and sizes over a whole store (`TraceStore.stats`)."""
-
-    n_episodes: int
-    """Episodes stored."""
-    n_failed: int
-    """Episodes whose run failed (error set)."""
-    n_turns: int
-    """LLM calls stored."""
-    n_trainable_turns: int
-    """Calls served by a policy (with token ids and logprobs)."""
-    n_prompt_tokens: int
-    """Prompt tokens over all calls."""
-    n_response_tokens: int
-    """Response tokens over all calls."""
-    turns_by_agent: dict[str, int]
-    """Number of calls per agent."""
-    steps: tuple[int, ...]
-    """Training steps that have episodes, ascending."""
-    db_bytes: int
-    """Bytes of database pages in use (the file once checkpointed, without free pages)."""
-    token_bytes: int
-    """Bytes of the token id and logprob arrays alone."""
-
-    @property
-    def n_tokens(self) -> int:
-        return self.n_prompt_tokens + self.n_response_tokens
-
-    @property
-    def bytes_per_1k_tokens(self) -> float:
-        """Whole store (messages, text and metadata included) per 1,000 prompt + response tokens."""
-        return 1000 * self.db_bytes / self.n_tokens if self.n_tokens else 0.0
-
-    @property
-    def token_bytes_per_1k_tokens(self) -> float:
-        """Token arrays alone per 1,000 tokens: 4 bytes per prompt token, 12 per response token."""
-        return 1000 * self.token_bytes / self.n_tokens if self.n_tokens else 0.0
 
 
 class TraceStore:
@@ -405,48 +332,21 @@ class TraceStore:
         min_reward: float | None = None,
         max_reward: float | None = None,
         failed: bool | None = None,
+        outcome: str | None = None,
         limit: int | None = None,
         group_prefix: str | None = None,
     ) -> list[EpisodeSummary]:
         """Summaries of the stored episodes, in the order they were written, filtered by: training
         ``step``; ``agent`` (episodes where it made a call); ``task_id``; reward bounds (inclusive; on the
         ``agent``'s own reward when ``agent`` is given, else on the mean reward; episodes without reward
-        are left out); ``failed`` (True: only failed runs, False: only successful ones); ``group_prefix``
-        (group ids that start with it, e.g. "train:3:" for the groups the trainer rolled out in step 3)."""
-        where: list[str] = []
-        params: list[Any] = []
-        if group_prefix is not None:
-            where.append("substr(e.group_id, 1, ?) = ?")
-            params.extend([len(group_prefix), group_prefix])
-        if step is not None:
-            where.append("e.step = ?")
-            params.append(step)
-        if task_id is not None:
-            where.append("e.task_id = ?")
-            params.append(task_id)
-        if agent is not None:
-            where.append("EXISTS (SELECT 1 FROM turns t WHERE t.agent = ? AND t.episode_id = e.id)")
-            params.append(agent)
-        if failed is not None:
-            where.append("e.error IS NOT NULL" if failed else "e.error IS NULL")
-        reward = (
-            "(SELECT r.reward FROM rewards r WHERE r.episode_id = e.id AND r.agent = ?)"
-            if agent is not None
-            else "e.reward"
-        )
-        for bound, op in ((min_reward, ">="), (max_reward, "<=")):
-            if bound is not None:
-                where.append(f"{reward} {op} ?")
-                params.extend([agent, bound] if agent is not None else [bound])
-        sql = f"SELECT {', '.join('e.' + c for c in _SUMMARY_COLUMNS)} FROM episodes e"
-        if where:
-            sql += " WHERE " + " AND ".join(where)
-        sql += " ORDER BY e.rowid"
-        if limit is not None:
-            sql += " LIMIT ?"
-            params.append(limit)
+        are left out); ``failed`` (True: only failed runs, False: only the others); ``outcome``
+        ('finished', 'truncated', 'model_error' or 'failed', as `Episode.outcome`); ``group_prefix`` (group ids
+        that start with it, e.g. "train:3:" for the groups the trainer rolled out in step 3)."""
+        sql, params = _queries.episodes_sql(self._absent, step=step, agent=agent, task_id=task_id,
+                                            min_reward=min_reward, max_reward=max_reward, failed=failed,
+                                            outcome=outcome, limit=limit, group_prefix=group_prefix)
         rows = self._read(lambda conn: conn.execute(sql, params).fetchall())
-        return [_summary(row) for row in rows]
+        return [_queries.summary_from_row(row) for row in rows]
 
     def trained_episodes(self, *, step: int | None = None) -> list[str]:
         """Ids of the episodes the run's training used, in the order written: those with a training step
@@ -475,11 +375,11 @@ class TraceStore:
 
     def summary(self, episode_id: str) -> EpisodeSummary:
         """The summary of one episode (its training step, counts, rewards)."""
-        sql = f"SELECT {', '.join(_SUMMARY_COLUMNS)} FROM episodes WHERE id = ?"
+        sql = f"SELECT {_queries.summary_select(self._absent)} FROM episodes e WHERE id = ?"
         row = self._read(lambda conn: conn.execute(sql, (episode_id,)).fetchone())
         if row is None:
             raise EpisodeNotFoundError(f"no episode {episode_id!r} in trace store {self.path}")
-        return _summary(row)
+        return _queries.summary_from_row(row)
 
     def load_episode(self, episode_id: str) -> Episode:
         """The whole episode, exactly as written (tuples in final_state/metadata come back as lists)."""
@@ -510,34 +410,7 @@ class TraceStore:
 
     def stats(self) -> StoreStats:
         """Counts, tokens and bytes over the whole store."""
-
-        def read(conn: sqlite3.Connection) -> StoreStats:
-            n_episodes, n_failed = conn.execute("SELECT count(*), count(error) FROM episodes").fetchone()
-            n_turns, n_trainable, n_prompt, n_response, token_bytes = conn.execute(
-                "SELECT count(*), total(trainable), total(n_prompt_tokens), total(n_response_tokens), "
-                "total(length(prompt_ids) + length(response_ids) + length(response_logprobs)) FROM turns"
-            ).fetchone()
-            by_agent = dict(conn.execute("SELECT agent, count(*) FROM turns GROUP BY agent ORDER BY agent"))
-            steps = [r[0] for r in conn.execute("SELECT DISTINCT step FROM episodes WHERE step IS NOT NULL")]
-            page_size = conn.execute("PRAGMA page_size").fetchone()[0]
-            pages = (
-                conn.execute("PRAGMA page_count").fetchone()[0]
-                - conn.execute("PRAGMA freelist_count").fetchone()[0]
-            )
-            return StoreStats(
-                n_episodes=n_episodes,
-                n_failed=n_failed,
-                n_turns=n_turns,
-                n_trainable_turns=int(n_trainable),
-                n_prompt_tokens=int(n_prompt),
-                n_response_tokens=int(n_response),
-                turns_by_agent=by_agent,
-                steps=tuple(sorted(steps)),
-                db_bytes=pages * page_size,
-                token_bytes=int(token_bytes),
-            )
-
-        return self._read(read)
+        return self._read(lambda conn: _queries.read_stats(conn, self._absent))
 
     def export(
         self,
@@ -553,13 +426,7 @@ class TraceStore:
         if format not in _serde.EXPORT_WRITERS:
             valid = ", ".join(_serde.EXPORT_WRITERS)
             raise ConfigError(f"unknown export format {format!r}; valid formats: {valid}")
-        where, params = [], []
-        if agent is not None:
-            where.append("t.agent = ?")
-            params.append(agent)
-        if step is not None:
-            where.append("e.step = ?")
-            params.append(step)
+        where, params = _queries.conditions(("t.agent = ?", agent), ("e.step = ?", step))
         sql = _serde.EXPORT_SELECT + (" WHERE " + " AND ".join(where) if where else "") + _serde.EXPORT_ORDER
         with self._lock, self._errors("export"):
             cursor = self._connection().execute(sql, params)
@@ -583,13 +450,3 @@ class TraceStore:
     def __repr__(self) -> str:
         mode = "readonly" if self.readonly else "read-write"
         return f"TraceStore({str(self.path)!r}, {mode}, {'closed' if self._conn is None else 'open'})"
-
-
-# -- helpers -----------------------------------------------------------------------------------------
-
-
-def _summary(row: Sequence[Any]) -> EpisodeSummary:
-    values = dict(zip(_SUMMARY_COLUMNS, row, strict=True))
-    values["agents"] = tuple(json.loads(values["agents"]))
-    values["rewards"] = json.loads(values["rewards"])
-    return EpisodeSummary(**values)

@@ -1,35 +1,58 @@
 """One step's episodes: G rollouts per task, concurrently, each with its own config, seed and limits.
 
+A group (the G rollouts of one task) is identified by its position b in the step's task batch: the seeds of
+its episodes are derived from b (`_seeds`), processes own contiguous blocks of positions (`_distributed.owned`),
+and its id (`group_ids`: pooling in advantages, traces) is unique per position, also when a step holds a task
+twice (a step that straddles the end of a small split).
+
 Every episode gets
 - its own RunnableConfig: the user's `rollout_config` and the config's `rollout.configurable`, a fresh
   `configurable.thread_id` (a graph compiled with a checkpointer needs one; sharing one would make
   concurrent episodes write to the same thread) and `rollout.recursion_limit`;
-- a seed derived from (run seed, phase, step, group, index in the group) (`_seeds`), so its sampling
-  does not depend on which episode reaches a policy first;
-- the limits `rollout.max_llm_calls` and `rollout.timeout_s` (`_limits`), plus a wall-clock backstop
-  for an episode stuck between LLM calls.
-Failed episodes are counted by kind and their errors kept (in job order), never returned as runs.
+- a seed derived from (run seed, phase, step, group position, index in the group), so its sampling does not
+  depend on which episode reaches a policy first;
+- the limits `rollout.max_llm_calls` and `rollout.timeout_s` (`_limits`), plus a backstop for an episode
+  stuck between LLM calls: past timeout_s + `BACKSTOP_GRACE_S` its task is cancelled and it fails
+  (`StuckEpisodeError`); its run is stored with its turns so far and the reason.
+
+Sync graph nodes run on daemon threads that are never joined (`_NodeThreads`): a node stuck in a tool that
+never returns costs its episode, not the step or the process; such a thread is left behind with a warning.
+
+Episodes that finished, were truncated by a limit or broke on their policy's output (model errors, see
+`drmas_graph.instrumentation._outcomes`) are returned as runs; the others are counted by kind and their
+errors kept (in job order).
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-from collections.abc import Mapping, Sequence
+import contextvars
+import functools
+import logging
+import queue
+import threading
+from collections.abc import Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
-from drmas_graph.instrumentation._limits import EpisodeLimitError, limit_metadata
-from drmas_graph.instrumentation._seeds import episode_seed
 from drmas_graph.config import RolloutConfig
 from drmas_graph.errors import ConfigError, NoLLMCallError, RolloutError
+from drmas_graph.instrumentation._limits import LIMITS, StuckEpisodeError, limit_metadata
+from drmas_graph.instrumentation._seeds import episode_seed
 from drmas_graph.types import Episode, new_id
 
-__all__ = ["EpisodeJob", "RolloutBatch", "episode_config", "run_episodes"]
+__all__ = ["EpisodeJob", "RolloutBatch", "episode_config", "group_ids", "run_episodes"]
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 BACKSTOP_GRACE_S = 1.0
 """An episode past rollout.timeout_s is stopped at its next LLM call; one that starts none within this many
 seconds more (stuck in a tool, or in a long generation) is cancelled."""
+CANCEL_GRACE_S = 5.0
+"""How long a cancelled episode (and, at the end of a step, any task left over) may take to unwind before it
+is abandoned."""
 
 
 @dataclass(frozen=True)
@@ -39,9 +62,9 @@ class EpisodeJob:
     task: Any
     """The task (`.id`, `.input`)."""
     group_id: str
-    """The GRPO group it belongs to."""
+    """The GRPO group it belongs to (`group_ids`)."""
     group: int
-    """Position of its group in the step's task batch."""
+    """Position of its group in the step's task batch (seeds and sharding use it)."""
     index: int
     """Its index within the group (0..G-1)."""
 
@@ -51,11 +74,24 @@ class RolloutBatch:
     """What running a list of jobs produced."""
 
     runs: list[tuple[Any, Episode]] = field(default_factory=list)
-    """(task, episode) of every episode that finished without error, in job order."""
-    counts: dict[str, int] = field(default_factory=lambda: {"failed_episodes": 0, "no_llm_call_episodes": 0})
-    """Failed episodes by kind."""
+    """(task, episode) of every episode kept for scoring (finished, truncated or a model error), in job order."""
+    counts: dict[str, int] = field(default_factory=lambda: {
+        "failed_episodes": 0, "no_llm_call_episodes": 0, "truncated_episodes": 0, "model_error_episodes": 0,
+        **{f"truncated/{limit}": 0 for limit in LIMITS}})
+    """Episodes by kind: failed and without LLM calls (dropped), truncated (also by limit) and model errors (kept)."""
     errors: list[RolloutError] = field(default_factory=list)
-    """The error of every failed episode, in job order."""
+    """The error of every dropped episode, in job order."""
+
+
+def group_ids(tasks: Sequence[Any], phase: str, step: int) -> list[str]:
+    """The group id of each position of a step's task batch: 'phase:step:task_id', with '#k' appended for the
+    k-th (k >= 2) occurrence of a task the batch holds more than once; each group is one GRPO pool."""
+    seen: dict[str, int] = {}
+    out = []
+    for task in tasks:
+        seen[task.id] = seen.get(task.id, 0) + 1
+        out.append(f"{phase}:{step}:{task.id}" + (f"#{seen[task.id]}" if seen[task.id] > 1 else ""))
+    return out
 
 
 def episode_config(base: Mapping[str, Any] | None, rollout: RolloutConfig) -> dict[str, Any]:
@@ -79,9 +115,6 @@ def run_episodes(app: Any, jobs: Sequence[EpisodeJob], *, phase: str, step: int,
     """Run `jobs` through the instrumented graph `app`, at most `max_concurrency` at a time."""
 
     async def main() -> list[Episode | RolloutError]:
-        # sync graph nodes run in the loop's default executor: size it so every episode can be in flight
-        asyncio.get_running_loop().set_default_executor(
-            concurrent.futures.ThreadPoolExecutor(max_concurrency, thread_name_prefix="rollout"))
         gate = asyncio.Semaphore(max_concurrency)
 
         async def one(job: EpisodeJob) -> Episode | RolloutError:
@@ -91,10 +124,21 @@ def run_episodes(app: Any, jobs: Sequence[EpisodeJob], *, phase: str, step: int,
 
         return await asyncio.gather(*(one(job) for job in jobs))
 
+    threads = _NodeThreads(max_concurrency)  # every episode can have a sync node in flight
+    outcomes = _run_loop(main(), threads)
+    if threads.busy:
+        log.warning("%s step %d: %d graph node thread(s) are still running after their episode was cancelled "
+                    "(a tool or a blocking call that does not return); they are left behind (daemon threads, they "
+                    "end with the process)", phase, step, threads.busy)
     batch = RolloutBatch()
-    for job, outcome in zip(jobs, asyncio.run(main())):
+    for job, outcome in zip(jobs, outcomes):
         if isinstance(outcome, Episode):
             batch.runs.append((job.task, outcome))
+            if outcome.outcome in ("truncated", "model_error"):
+                batch.counts[f"{outcome.outcome}_episodes"] += 1
+            if outcome.truncated_by is not None:
+                key = f"truncated/{outcome.truncated_by}"
+                batch.counts[key] = batch.counts.get(key, 0) + 1
             continue
         kind = "no_llm_call_episodes" if isinstance(outcome, NoLLMCallError) else "failed_episodes"
         batch.counts[kind] += 1
@@ -106,17 +150,115 @@ async def _run_one(app: Any, job: EpisodeJob, *, phase: str, step: int, run_seed
                    base_config: Mapping[str, Any] | None) -> Episode | RolloutError:
     metadata = {"phase": phase, "step": step, "seed": episode_seed(run_seed, phase, step, job.group, job.index),
                 **limit_metadata(rollout.max_llm_calls, rollout.timeout_s)}
-    run = app.arollout(job.task.input, episode_config(base_config, rollout), task_id=job.task.id,
-                       group_id=job.group_id, metadata=metadata)
+    run = asyncio.ensure_future(app.arollout(job.task.input, episode_config(base_config, rollout),
+                                             task_id=job.task.id, group_id=job.group_id, metadata=metadata))
+    deadline = None if rollout.timeout_s is None else rollout.timeout_s + BACKSTOP_GRACE_S
+    done, _ = await asyncio.wait({run}, timeout=deadline)
+    if not done:  # stuck between LLM calls (a hung tool, a slow server): the backstop
+        reason = (f"an episode of task {job.task.id!r} ({job.group_id}, #{job.index}) ran past rollout.timeout_s="
+                  f"{rollout.timeout_s:g} (+{BACKSTOP_GRACE_S:g} s) without starting another LLM call: stuck in a "
+                  "node (a tool or a blocking call that does not return); it was cancelled and fails")
+        run.cancel(reason)
+        done, _ = await asyncio.wait({run}, timeout=CANCEL_GRACE_S)
+        return StuckEpisodeError(reason + (" (it is in the trace store with its turns so far)" if done else
+                                           f"; it did not unwind within {CANCEL_GRACE_S:g} s of being cancelled and "
+                                           "is not in the trace store"))
     try:
-        episode = await (run if rollout.timeout_s is None else asyncio.wait_for(run, rollout.timeout_s + BACKSTOP_GRACE_S))
+        episode = run.result()
     except RolloutError as exc:
-        return exc
-    except TimeoutError:  # stuck between LLM calls (a hung tool, a slow server): the backstop
-        return EpisodeLimitError(f"an episode of task {job.task.id!r} ({job.group_id}) ran past "
-                                 f"rollout.timeout_s={rollout.timeout_s:g} (+{BACKSTOP_GRACE_S:g} s) without starting "
-                                 "another LLM call and was cancelled (it is not in the trace store)")
-    if episode.error:  # the app swallowed an exception that must fail the episode (e.g. EpisodeLimitError)
+        return _kept(exc)
+    if episode.error:  # the app swallowed an exception that must fail the episode
         return RolloutError(f"episode {episode.id} (task {episode.task_id}) failed after {len(episode.turns)} LLM "
                             f"call(s): {episode.error}", episode)
     return episode
+
+
+def _kept(exc: RolloutError) -> Episode | RolloutError:
+    """The episode of a run that raised, if training keeps it (truncated, or a model error, with at least one
+    LLM call); else the error (the episode is dropped)."""
+    episode = exc.episode
+    if episode is None or episode.outcome not in ("truncated", "model_error"):
+        return exc
+    if not episode.turns:
+        return NoLLMCallError(f"episode {episode.id} (task {episode.task_id}) was stopped before its first LLM "
+                              f"call ({episode.stop_reason}); there is nothing to train on", episode)
+    return episode
+
+
+class _NodeThreads(concurrent.futures.ThreadPoolExecutor):
+    """The event loop's executor for one step's sync graph nodes: daemon threads that are never joined.
+
+    `asyncio.run` joins its default executor's threads when the loop closes, and the interpreter joins every
+    `ThreadPoolExecutor` thread at exit: a node stuck in a tool that never returns would hold the step, and
+    then the process, forever. These threads are daemons; one still busy when the step ends is left behind
+    (`busy` counts them). Each work item runs in a copy of the submitter's context (LangChain copies it
+    too), so the episode's call handler follows it. A ThreadPoolExecutor only because asyncio requires one.
+    """
+
+    def __init__(self, max_workers: int) -> None:
+        super().__init__(max_workers)
+        self._work: queue.SimpleQueue = queue.SimpleQueue()
+        self._idle = threading.Semaphore(0)
+        self._lock = threading.Lock()
+        self._n_threads = 0
+        self._busy = 0
+
+    @property
+    def busy(self) -> int:
+        """Threads running a work item now."""
+        with self._lock:
+            return self._busy
+
+    def submit(self, fn: Any, /, *args: Any, **kwargs: Any) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._work.put((future, functools.partial(contextvars.copy_context().run, fn, *args, **kwargs)))
+        with self._lock:
+            start = not self._idle.acquire(blocking=False) and self._n_threads < self._max_workers
+            self._n_threads += start
+        if start:
+            threading.Thread(target=self._serve, name=f"rollout-{self._n_threads}", daemon=True).start()
+        return future
+
+    def _serve(self) -> None:
+        while (item := self._work.get()) is not None:
+            future, call = item
+            if future.set_running_or_notify_cancel():
+                with self._lock:
+                    self._busy += 1
+                try:
+                    result = call()
+                except BaseException as exc:  # noqa: BLE001 - handed to the future, as ThreadPoolExecutor does
+                    future.set_exception(exc)
+                else:
+                    future.set_result(result)
+                finally:
+                    with self._lock:
+                        self._busy -= 1
+            self._idle.release()
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        """Stop the threads once their work item is done; never waits (see the class docstring)."""
+        for _ in range(self._n_threads):
+            self._work.put(None)
+
+
+def _run_loop(main: Coroutine[Any, Any, T], threads: _NodeThreads) -> T:
+    """`asyncio.run(main)` with `threads` as the default executor, without its last step (joining the
+    executor's threads, forever for a thread stuck in a tool). Tasks left over are cancelled and given
+    `CANCEL_GRACE_S` to unwind."""
+    loop = asyncio.new_event_loop()
+    loop.set_default_executor(threads)
+    asyncio.set_event_loop(loop)
+    try:
+        return loop.run_until_complete(main)
+    finally:
+        try:
+            leftover = asyncio.all_tasks(loop)
+            for task in leftover:
+                task.cancel()
+            if leftover:
+                loop.run_until_complete(asyncio.wait(leftover, timeout=CANCEL_GRACE_S))
+            loop.run_until_complete(loop.shutdown_asyncgens())
+        finally:
+            asyncio.set_event_loop(None)
+            loop.close()  # shuts `threads` down without waiting

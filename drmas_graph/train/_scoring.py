@@ -1,10 +1,13 @@
 """From finished episodes to training samples: rewards, advantages, and the step's metrics record.
 
-- `score_runs`: the environment's reward for every episode (minus the invalid-turn penalty); an episode whose
-  reward is unusable (None, NaN, or the env raised) is dropped from its group and counted.
+- `score_runs`: the reward of every kept episode (minus the invalid-turn penalty): the environment's for a
+  finished one, `rollout.truncated_reward` / `rollout.model_error_reward` for one that did not finish
+  (`score_episode`); a truncated episode `rollout.mask_truncated` names is dropped and counted, so is one
+  whose reward is unusable (None, NaN, or the env raised).
 - `samples_with_advantages`: advantages of every policy-served turn (`compute_advantages`, estimator by name)
   and one `Sample` per turn of a trained agent.
-- `step_record`: the metrics of one training step, per agent.
+- `step_record`: the metrics of one training step, per agent (truncated and model-error episodes and their
+  share of the samples included); `unfinished_warning`: one line when most episodes did not finish.
 """
 
 from __future__ import annotations
@@ -15,14 +18,15 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from drmas_graph.config import TrainConfig
+from drmas_graph.config import RolloutConfig, TrainConfig
 from drmas_graph.env import BadRewardError, EpisodeScore, score_episode, trainable_agent_turns
 from drmas_graph.errors import RolloutError
 from drmas_graph.train.advantages import compute_advantages
 from drmas_graph.train.metrics import mean_std
 from drmas_graph.types import Episode, Sample
 
-__all__ = ["score_runs", "samples_with_advantages", "step_record", "nothing_to_train"]
+__all__ = ["score_runs", "masked", "samples_with_advantages", "step_record", "unfinished_metrics",
+           "unfinished_warning", "nothing_to_train"]
 
 log = logging.getLogger(__name__)
 
@@ -31,13 +35,19 @@ Scored = list[tuple[Any, Episode, EpisodeScore]]
 
 
 def score_runs(env: Any, runs: list[tuple[Any, Episode]], counts: dict[str, int], *, invalid_penalty: float,
-               on_error: Callable[[BadRewardError], None]) -> tuple[Scored, list[BadRewardError]]:
+               rollout: RolloutConfig, on_error: Callable[[BadRewardError], None]) -> tuple[Scored, list[BadRewardError]]:
     """Score every run; bad-reward episodes get their `error`, are counted in `counts` and reported to
-    `on_error`, and are left out of the returned list."""
-    scored, errors, counts["bad_reward_episodes"] = [], [], 0
+    `on_error`, and are left out of the returned list; so are (counted, not reported) truncated episodes
+    that `rollout.mask_truncated` drops."""
+    scored, errors, counts["bad_reward_episodes"], counts["masked_truncated_episodes"] = [], [], 0, 0
     for task, episode in runs:
+        if masked(episode, rollout.mask_truncated):
+            counts["masked_truncated_episodes"] += 1
+            continue
         try:
-            score = score_episode(env, task, episode, invalid_penalty=invalid_penalty)
+            score = score_episode(env, task, episode, invalid_penalty=invalid_penalty,
+                                  truncated_reward=rollout.truncated_reward,
+                                  model_error_reward=rollout.model_error_reward)
         except BadRewardError as exc:
             counts["bad_reward_episodes"] += 1
             episode.error = f"BadRewardError: {exc}"
@@ -47,6 +57,14 @@ def score_runs(env: Any, runs: list[tuple[Any, Episode]], counts: dict[str, int]
         episode.rewards, episode.turn_rewards = score.rewards, score.turn_rewards
         scored.append((task, episode, score))
     return scored, errors
+
+
+def masked(episode: Episode, mask_truncated: bool | Sequence[str]) -> bool:
+    """True for a truncated episode that `rollout.mask_truncated` drops (all of them, or those of the limits
+    it lists)."""
+    if episode.truncated_by is None:
+        return False
+    return mask_truncated is True or (not isinstance(mask_truncated, bool) and episode.truncated_by in mask_truncated)
 
 
 def samples_with_advantages(scored: Scored, cfg: TrainConfig, trained_agents: Sequence[str]
@@ -91,6 +109,7 @@ def step_record(step: int, agents: Sequence[str], scored: Scored, counts: dict[s
     record["reward/team_mean"] = mean_std([s.team for *_, s in scored])[0]
     record["adv/zero_variance_pools"] = getattr(adv_stats, "n_zero_variance_pools", 0)
     record["adv/pools"] = getattr(adv_stats, "n_pools", 0)
+    record.update(unfinished_metrics(agents, episodes))
     for agent in agents:
         rewards = [ep.rewards[agent] for ep in episodes if agent in ep.rewards]
         turns = [(ep, i) for ep in episodes for i, turn in enumerate(ep.turns) if turn.agent == agent]
@@ -108,10 +127,48 @@ def step_record(step: int, agents: Sequence[str], scored: Scored, counts: dict[s
     return record
 
 
+def unfinished_metrics(agents: Sequence[str], episodes: Sequence[Episode]) -> dict[str, float]:
+    """Among the scored episodes: the share of the policy-served turns (the samples) that come from truncated
+    and from model-error episodes, over all agents (`samples/...`) and per agent; per agent also the
+    model-error episodes whose offending turn was its."""
+    record: dict[str, float] = {}
+    served = [(ep, t) for ep in episodes for t in ep.turns if t.trainable]
+    for prefix, rows in [("samples", served)] + [(f"agent/{a}", [r for r in served if r[1].agent == a]) for a in agents]:
+        for kind in ("truncated", "model_error"):
+            record[f"{prefix}/{kind}_share"] = sum(ep.outcome == kind for ep, _ in rows) / len(rows) if rows else 0.0
+    for agent in agents:
+        record[f"agent/{agent}/model_error_episodes"] = sum(
+            ep.outcome == "model_error" and ep.turns[ep.model_error_turn].agent == agent for ep in episodes)
+    return record
+
+
+def unfinished_warning(record: dict[str, Any], n_episodes: int) -> str | None:
+    """One line when more than half of a step's `n_episodes` were truncated or model errors, naming the limits
+    and the agents; None otherwise."""
+    truncated, model_errors = record.get("truncated_episodes", 0), record.get("model_error_episodes", 0)
+    if truncated + model_errors <= n_episodes / 2:
+        return None
+    parts = []
+    if truncated:
+        limits = ", ".join(f"{k.split('/', 1)[1]} {int(v)}" for k, v in record.items()
+                           if k.startswith("truncated/") and v)
+        parts.append(f"{truncated} truncated ({limits}; raise the limit in the config's `rollout` "
+                     "section if episodes legitimately need more)")
+    if model_errors:
+        agents = ", ".join(f"{k.split('/')[1]} {int(v)}" for k, v in record.items()
+                           if k.endswith("/model_error_episodes") and v)
+        parts.append(f"{model_errors} model errors (by agent: {agents}; the policy's output broke the app, e.g. "
+                     "not the JSON its structured-output call asked for)")
+    return (f"step {record['step']}: {truncated + model_errors} of {n_episodes} episodes did not finish: "
+            + "; ".join(parts) + ". They are trained on with rollout.truncated_reward / rollout.model_error_reward "
+            "(metrics truncated_episodes, model_error_episodes)")
+
+
 def nothing_to_train(step: int, n: int, errors: Sequence[BaseException], run_dir: Path) -> RolloutError:
     """The error that stops a run whose step lost every episode (raised with the first failure chained)."""
     first = (list(errors) or [None])[0]
-    err = RolloutError(f"step {step}: all {n} episodes failed or got no usable reward, nothing to train on; "
+    err = RolloutError(f"step {step}: all {n} episodes failed or got no usable reward (or rollout.mask_truncated "
+                       f"dropped them), nothing to train on; "
                        f"the first: {first}. Fix the graph or the environment (failed episodes are in "
                        f"{run_dir / 'traces.db'}, with their error)", getattr(first, "episode", None))
     err.__cause__ = first

@@ -2,9 +2,9 @@
 
 Every task is rolled out k times with `eval.temperature` / `eval.top_p` (never trained on, so truncated
 sampling is fine on every backend); an episode succeeds when its team reward reaches `success_threshold`
-(or `env.is_success` says so); failed episodes count as failures. Under a launcher each process evaluates
-its share of the tasks and the counts are merged; the rollouts a caller asks for (rank 0's Weave export)
-come from every process.
+(or `env.is_success` says so; truncated and model-error episodes get their configured rewards, as in
+training); failed episodes count as failures. Under a launcher each process evaluates its share of the tasks
+and the counts are merged; the rollouts a caller asks for (rank 0's Weave export) come from every process.
 """
 
 from __future__ import annotations
@@ -42,7 +42,8 @@ def evaluate(trainer: Any, *, step: int, split: str | None = None,
     per_agent: dict[str, dict[str, list[float]]] = {}
     for task, episode in runs:
         try:
-            score = score_episode(trainer.env, task, episode, invalid_penalty=trainer.invalid_penalty)
+            score = score_episode(trainer.env, task, episode, invalid_penalty=trainer.invalid_penalty,
+                                  **trainer.unfinished_rewards)
         except BadRewardError:
             successes[task.id].append(False)
             if local is not None:

@@ -16,7 +16,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-__all__ = ["RunLogger", "agent_rewards", "mean_std"]
+__all__ = ["RunLogger", "mean_std", "progress_status"]
 
 
 def mean_std(values: list[float]) -> tuple[float, float]:
@@ -30,10 +30,19 @@ def mean_std(values: list[float]) -> tuple[float, float]:
     return mu, math.sqrt(sum((v - mu) ** 2 for v in values) / (n - 1))
 
 
-def agent_rewards(record: dict[str, Any], agents: list[str]) -> list[str]:
-    """The mean reward of each agent in a step record, as "agent=0.50" (agents without one are left out)."""
-    means = {a: record.get(f"agent/{a}/reward_mean") for a in agents}
-    return [f"{a}={m:.2f}" for a, m in means.items() if isinstance(m, float) and not math.isnan(m)]
+def progress_status(agents: list[str], record: dict[str, Any]) -> str:
+    """The progress bar's text for a step: reward per agent, then the episodes that did not finish (truncated,
+    model errors) when there were any: 'reward solver=0.50 judge=0.25  truncated 3/8  model errors 1/8'."""
+    parts = [f"{a}={record[f'agent/{a}/reward_mean']:.2f}" for a in agents
+             if isinstance(record.get(f"agent/{a}/reward_mean"), float)
+             and not math.isnan(record[f"agent/{a}/reward_mean"])]
+    status = "reward " + " ".join(parts)
+    total = sum(record.get(k, 0) for k in ("episodes", "failed_episodes", "no_llm_call_episodes",
+                                           "bad_reward_episodes", "masked_truncated_episodes"))
+    for key, name in (("truncated_episodes", "truncated"), ("model_error_episodes", "model errors")):
+        if record.get(key):
+            status += f"  {name} {record[key]}/{total}"
+    return status
 
 
 class RunLogger:
@@ -105,7 +114,7 @@ class RunLogger:
 
     def progress(self, step: int, record: dict[str, Any]) -> None:
         """Show that `step` is done: advance the bar, or print its line (see the module docstring)."""
-        status = "reward " + " ".join(agent_rewards(record, self.agents))
+        status = progress_status(self.agents, record)
         if self._lines:
             print(f"step {step + 1}/{self.total_steps}  {status}  step {record.get('time/step_s', math.nan):.1f} s  "
                   f"elapsed {time.perf_counter() - self._started:.1f} s", flush=True)

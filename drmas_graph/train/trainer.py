@@ -17,7 +17,9 @@ step), `_checkpoints` (checkpoints, resume, weight sync), `evaluate` (avg@k, pas
 
 Departures from the reference code (langfengQ/DrMAS): no duplicate padding of per-model batches before
 advantage estimation (it biases the statistics); failed episodes, bad rewards and episodes without LLM
-calls are dropped from their group and counted, never silently trained on.
+calls are dropped from their group and counted, never silently trained on. Like the reference, episodes
+that a limit stopped (truncated) and those the policy's output broke (model errors) are trained on, with
+the configured rewards (`rollout.truncated_reward`, `rollout.model_error_reward`).
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from drmas_graph.traces.store import TraceStore
 from drmas_graph.traces.weave_export import WeaveExporter, start_exporter
 from drmas_graph.train import _build, _checkpoints, _distributed, _scoring
 from drmas_graph.train._old_logprobs import with_trainer_logprobs
-from drmas_graph.train._rollouts import EpisodeJob, episode_config, run_episodes
+from drmas_graph.train._rollouts import EpisodeJob, episode_config, group_ids, run_episodes
 from drmas_graph.train.evaluate import evaluate
 from drmas_graph.train.metrics import RunLogger
 from drmas_graph.types import Episode, Sample
@@ -166,6 +168,9 @@ class Trainer:
                                                   self.train_models, self.on_model_thread) if train else {}
             self.invalid_penalty = cfg.invalid_penalty if cfg.invalid_penalty is not None else float(
                 getattr(env, "invalid_penalty", 0.0))
+            self.unfinished_rewards = {"truncated_reward": cfg.rollout.truncated_reward,
+                                       "model_error_reward": cfg.rollout.model_error_reward}
+            """`score_episode` keywords: the rewards of truncated and model-error episodes (None: env.reward)."""
             self.start_step = _checkpoints.resume(self) if cfg.resume else 0
             if self.start_step == 0:  # adapters loaded by name must exist on the servers before the first rollout
                 for name in (n for n, p in self.model_policies.items() if getattr(p, "lora_by_name", ())):
@@ -241,14 +246,13 @@ class Trainer:
     def train_step(self, step: int) -> dict[str, Any]:
         t0 = time.perf_counter()
         tasks = self.batch_tasks(step)
-        runs, counts = self.rollouts(tasks, step, self.cfg.group_size, phase="train")
+        runs, counts = self._rollouts(tasks, step, self.cfg.group_size, phase="train")
         t1 = time.perf_counter()
-        scored, self.reward_errors = _scoring.score_runs(self.env, runs, counts, invalid_penalty=self.invalid_penalty,
-                                                         on_error=self._log_reward_raise)
+        scored = self._score(runs, counts)
         if not any(_distributed.gather(bool(scored))):  # every rank decides alike (one rank's loss is not fatal)
             raise _scoring.nothing_to_train(step, len(tasks) * self.cfg.group_size,
                                             self.rollout_errors or self.reward_errors, self.run_dir)
-        samples, adv_stats = _scoring.samples_with_advantages(scored, self.cfg, self.trained_agents())
+        samples, adv_stats = self._advantages(scored)
         t2 = time.perf_counter()
         update_metrics: dict[str, float] = {}
         sync_s = 0.0
@@ -270,8 +274,24 @@ class Trainer:
         _distributed.merge_traces(self.run_dir)
         if self.weave is not None:
             self.weave.submit_step(step)
-        return _scoring.step_record(step, list(self.agent_policies), scored, counts, adv_stats, update_metrics,
-                                    (t0, t1, t2, t3), sync_s)
+        record = _scoring.step_record(step, list(self.agent_policies), scored, counts, adv_stats, update_metrics,
+                                      (t0, t1, t2, t3), sync_s)
+        warning = _scoring.unfinished_warning(record, len(tasks) * self.cfg.group_size)
+        if warning is not None and _distributed.is_main():
+            log.warning(warning)
+        return record
+
+    def _score(self, runs: list[tuple[Any, Episode]], counts: dict[str, int]) -> _scoring.Scored:
+        """Rewards of the step's runs (`_scoring.score_runs`: masked truncated episodes and bad rewards are
+        left out and counted); bad-reward errors go to `self.reward_errors`."""
+        scored, self.reward_errors = _scoring.score_runs(
+            self.env, runs, counts, invalid_penalty=self.invalid_penalty, rollout=self.cfg.rollout,
+            on_error=self._log_reward_raise)
+        return scored
+
+    def _advantages(self, scored: _scoring.Scored) -> tuple[list[Sample], Any]:
+        """Advantages of every policy-served turn and the Samples of the trained agents' turns."""
+        return _scoring.samples_with_advantages(scored, self.cfg, self.trained_agents())
 
     def _old_logprobs(self, name: str, samples: list[Sample], metrics: dict[str, float]) -> list[Sample]:
         """Model `name`'s samples with the PPO ratio's old logprobs chosen by `cfg.old_logprobs` (auto:
@@ -294,9 +314,10 @@ class Trainer:
     def rollouts(self, tasks: Sequence[Any], step: int, group_size: int, *, phase: str
                  ) -> tuple[list[tuple[Any, Episode]], dict[str, int]]:
         """G rollouts per task, concurrently (see `_rollouts.run_episodes`: per-episode config, seed and limits).
-        Failed episodes are counted (and stored), not returned; their errors go to `self.rollout_errors`."""
-        jobs = [EpisodeJob(task, f"{phase}:{step}:{task.id}", b, j)
-                for b, task in _distributed.owned(tasks) for j in range(group_size)]
+        Failed episodes are counted (and stored), not returned; their errors go to `self.rollout_errors`.
+        Truncated and model-error episodes are returned (and counted)."""
+        ids = group_ids(tasks, phase, step)  # over the whole batch: every rank names the groups alike
+        jobs = [EpisodeJob(task, ids[b], b, j) for b, task in _distributed.owned(tasks) for j in range(group_size)]
         batch = run_episodes(self.app, jobs, phase=phase, step=step, run_seed=self.cfg.seed,
                              max_concurrency=self.cfg.max_concurrency, rollout=self.cfg.rollout,
                              base_config=self.rollout_config)
@@ -305,6 +326,8 @@ class Trainer:
             log.warning("%s step %d: %d of %d episodes failed; the first: %s", phase, step, len(batch.errors),
                         len(jobs), batch.errors[0])
         return batch.runs, batch.counts
+
+    _rollouts = rollouts  # the name before the layout change (issue 19); the repro scripts call it
 
     def _log_reward_raise(self, exc: BadRewardError) -> None:
         """The first env.reward / turn_is_valid exception of the run, with its traceback (later ones are counted)."""
