@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
-import fnmatch
 import functools
 import warnings
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
@@ -27,6 +26,7 @@ from langchain_core.runnables import Runnable
 
 from drmas_graph.instrumentation import _threads
 from drmas_graph.instrumentation._intercept import ACTIVE_HANDLER, CallSite, app_models, install, register_run, unregister_run
+from drmas_graph.instrumentation._routing import AgentRouter, under_node
 from drmas_graph.instrumentation._recorder import _cut_at_stop, _EpisodeRecorder, served_message, structured_parts  # noqa: F401
 from drmas_graph.errors import (
     ConfigError,
@@ -127,7 +127,6 @@ class InstrumentedGraph(Runnable):
         self.strict = strict
         self.store = store
         self.nodes: list[str] = graph_node_paths(graph)
-        self._agent_of_node: dict[str, str] = {}
         self.sampling: dict[str, SamplingParams] = {}
         """Per-agent sampling overrides; an agent without one uses its policy's `sampling`."""
         self._unbound: set[str] = set()
@@ -194,12 +193,7 @@ class InstrumentedGraph(Runnable):
 
     # ---- validation and routing -------------------------------------------------------------
     def _validate(self) -> None:
-        for pattern, agent in self.agents.items():
-            if not any(fnmatch.fnmatchcase(n, pattern) or _under_node(n, pattern) for n in self.nodes):
-                raise UnknownAgentError(
-                    f"agents: pattern {pattern!r} (agent {agent!r}) matches no node; nodes found: {self.nodes}. "
-                    "Patterns are globs over node paths ('outer/inner' inside subgraphs, also for a subgraph "
-                    "that a node's function invokes).")
+        self.router = AgentRouter(self.agents, self.nodes)  # refuses a glob that can match no node path
         for name, policy in self.policies.items():
             if not isinstance(policy, Policy):
                 raise ConfigError(f"policies[{name!r}] is a {type(policy).__name__}, not a drmas_graph Policy; "
@@ -207,18 +201,18 @@ class InstrumentedGraph(Runnable):
         check_unique_policy_names(self.policies)
         known = set(self.nodes) | set(self.agents.values())
         self._unbound = {name for name in self.policies
-                         if name not in known and not any(_under_node(n, name) for n in self.nodes)}
+                         if name not in known and not any(under_node(n, name) for n in self.nodes)}
 
     def agent_for_node(self, node: str) -> str:
-        """The agent of calls made by `node` (without a `drmas_agent` override)."""
-        agent = self._agent_of_node.get(node)
-        if agent is None:
-            agent = next((a for p, a in self.agents.items() if fnmatch.fnmatchcase(node, p)), node)
-            self._agent_of_node[node] = agent
-        return agent
+        """The agent of calls made by `node` outside any named agent (without a `drmas_agent` override)."""
+        return self.router.agent_of({}, node)
+
+    def agent_of(self, site: CallSite) -> str:
+        """The agent of a call: `drmas_agent` metadata > `agent:<name>` entries > node-path globs > node path."""
+        return self.router.agent_of(site.metadata, site.node)
 
     def _route(self, site: CallSite) -> tuple[str, Policy | None]:
-        agent = site.metadata.get("drmas_agent") or self.agent_for_node(site.node)
+        agent = self.agent_of(site)
         policy = self.policies.get(agent)
         if policy is None and self.strict:
             raise StrictModeError(
@@ -235,8 +229,9 @@ class InstrumentedGraph(Runnable):
 
     def _check_unbound(self, episode: Episode) -> None:
         """After the first episode: warn about agents that only `drmas_agent` metadata could reach and that
-        did not act (a typo in `policies=` shows up here)."""
-        if self._first_episode_checked or not self._unbound:
+        did not act, and about `agents` entries that only a run could check and that matched no call (a typo
+        in `policies=` or `agents=` shows up here)."""
+        if self._first_episode_checked:
             return
         self._first_episode_checked = True
         idle = sorted(self._unbound - set(episode.agents))
@@ -246,6 +241,12 @@ class InstrumentedGraph(Runnable):
                 f"(nodes: {self.nodes}) nor mapped by agents=, so only calls carrying "
                 "with_config(metadata={'drmas_agent': <name>}) reach them; check the names.", UserWarning,
                 stacklevel=4)
+        unmatched = self.router.unmatched()
+        if unmatched:
+            warnings.warn(
+                f"agents: {unmatched} matched no LLM call in the first episode; calls came from node paths "
+                f"{sorted({t.node for t in episode.turns})} and LangChain agent names "
+                f"{sorted(self.router.names_seen)}; check the patterns.", UserWarning, stacklevel=4)
 
     # ---- running ----------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -447,13 +448,6 @@ class InstrumentedGraph(Runnable):
     async def abulk_update_state(self, *args: Any, **kwargs: Any) -> Any:
         with _outside_episode(self, "abulk_update_state"):
             return await self.graph.abulk_update_state(*args, **kwargs)
-
-
-def _under_node(node: str, pattern: str) -> bool:
-    """True when `pattern` names something inside `node`: a node's function may invoke a compiled subgraph,
-    whose calls are recorded as 'node/inner' although `get_graph` cannot list 'inner'."""
-    nodes, parts = node.split("/"), pattern.split("/")
-    return len(parts) > len(nodes) and all(fnmatch.fnmatchcase(n, p) for n, p in zip(nodes, parts))
 
 
 def _no_v3(version: str) -> None:

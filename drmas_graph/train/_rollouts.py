@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -73,15 +74,22 @@ def episode_config(base: Mapping[str, Any] | None, rollout: RolloutConfig) -> di
     return config
 
 
+def rollout_executor() -> concurrent.futures.ThreadPoolExecutor:
+    """The event loop's default executor during rollouts: sync graph code (nodes, a sync `@entrypoint`, sync
+    `@task`s) runs there. It starts a thread whenever every thread is busy and has no upper bound, because a
+    thread may block on work queued behind it: a sync entrypoint waits in `task(...).result()` for a task that
+    needs a thread of the same pool, so any fixed size deadlocks once that many entrypoints are in flight.
+    Threads are reused, so their number is the peak of sync work in flight, not the number of calls."""
+    return concurrent.futures.ThreadPoolExecutor(max_workers=sys.maxsize, thread_name_prefix="rollout")
+
+
 def run_episodes(app: Any, jobs: Sequence[EpisodeJob], *, phase: str, step: int, run_seed: int,
                  max_concurrency: int, rollout: RolloutConfig, base_config: Mapping[str, Any] | None = None
                  ) -> RolloutBatch:
     """Run `jobs` through the instrumented graph `app`, at most `max_concurrency` at a time."""
 
     async def main() -> list[Episode | RolloutError]:
-        # sync graph nodes run in the loop's default executor: size it so every episode can be in flight
-        asyncio.get_running_loop().set_default_executor(
-            concurrent.futures.ThreadPoolExecutor(max_concurrency, thread_name_prefix="rollout"))
+        asyncio.get_running_loop().set_default_executor(rollout_executor())
         gate = asyncio.Semaphore(max_concurrency)
 
         async def one(job: EpisodeJob) -> Episode | RolloutError:
