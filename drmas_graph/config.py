@@ -181,6 +181,7 @@ class RolloutConfig(_Strict):
     max_llm_calls: int | None = Field(None, ge=1, description="Stop an episode at its next LLM call once it made this many (counted as failed); null = no cap.")
     timeout_s: float | None = Field(None, gt=0, description="Stop an episode that runs longer than this many seconds (counted as failed); null = no cap.")
     configurable: dict[str, Any] = Field(default_factory=dict, description="`configurable` entries of every episode's config; each episode gets its own `thread_id` (graphs with a checkpointer).")
+    max_resumes: int = Field(16, ge=0, description="Most runs of an episode's thread after its first: answers to `interrupt()` (env.resume) and a conversation's next inputs (env.next_input); an episode that needs more fails.")
 
     @field_validator("configurable")
     @classmethod

@@ -17,6 +17,7 @@ from langgraph.types import Send
 import drmas_graph
 from drmas_graph import instrument
 from drmas_graph.errors import ConfigError
+from drmas_graph.instrumentation._segments import EpisodeInterruptedError
 from drmas_graph.traces.replay import areplay, areplay_episode, comparable, replay, replay_episode
 from drmas_graph.traces.store import TraceStore
 from drmas_graph.testing import scripted_policy
@@ -404,8 +405,9 @@ def test_replay_of_a_run_that_resumed_an_interrupt(tmp_path):
     thread = {"configurable": {"thread_id": "review-1"}}
     with TraceStore(tmp_path / "r.db") as store:
         app = instrument(graph, {"draft": echo_policy(name="draft"), "final": echo_policy(name="final")}, store=store)
-        app.rollout({"messages": [HumanMessage("write a haiku")]}, thread)
-        resumed = app.rollout(Command(resume="shorter please"), thread)
+        with pytest.raises(EpisodeInterruptedError, match="interrupted at node 'review' \\(value 'approve\\?'\\)"):
+            app.rollout({"messages": [HumanMessage("write a haiku")]}, thread)  # a paused episode is no finished one
+        resumed = app.rollout(Command(resume="shorter please"), thread)  # a person answers, as in a chat UI
     assert [t.agent for t in resumed.turns] == ["final"]
     assert resumed.turns[0].messages[-1].content == "reviewer: shorter please"
     with TraceStore(tmp_path / "r.db", readonly=True) as store:

@@ -74,6 +74,12 @@ class CallSite:
     kwargs: dict[str, Any] = field(default_factory=dict)
     """The model call's keyword arguments (`tool_choice`, `response_format`, ...), as bound by the caller."""
 
+    @property
+    def agent_name(self) -> str | None:
+        """LangChain agent name of the call's run (`lc_agent_name`: `create_agent(name=...)`, Deep Agents)."""
+        name = self.metadata.get("lc_agent_name")
+        return str(name) if name else None
+
 
 class CallHandler(Protocol):
     """What an instrumented run (or a replay) does with a call. `original` runs the app's own model."""

@@ -27,6 +27,12 @@ from langchain_core.runnables import Runnable
 from drmas_graph.instrumentation import _threads
 from drmas_graph.instrumentation._intercept import ACTIVE_HANDLER, CallSite, app_models, install, register_run, unregister_run
 from drmas_graph.instrumentation._routing import AgentRouter, under_node
+from drmas_graph.instrumentation._segments import (
+    DEFAULT_MAX_RESUMES,
+    Continuation,
+    EpisodeInterruptedError,
+    SegmentRunner,
+)
 from drmas_graph.instrumentation._recorder import _cut_at_stop, _EpisodeRecorder, served_message, structured_parts  # noqa: F401
 from drmas_graph.errors import (
     ConfigError,
@@ -279,7 +285,8 @@ class InstrumentedGraph(Runnable):
 
     def _failed(self, episode: Episode, exc: BaseException) -> RolloutError:
         self._write(episode)
-        return RolloutError(f"episode {episode.id} (task {episode.task_id}) failed after {len(episode.turns)} LLM "
+        kind = EpisodeInterruptedError if isinstance(exc, EpisodeInterruptedError) else RolloutError
+        return kind(f"episode {episode.id} (task {episode.task_id}) failed after {len(episode.turns)} LLM "
                             f"call(s): {episode.error}", episode)
 
     def _write(self, episode: Episode) -> None:
@@ -300,29 +307,46 @@ class InstrumentedGraph(Runnable):
         return Episode(task_id=task_id, group_id=group_id, input=input, metadata=metadata)
 
     def rollout(self, input: Any, config: Any = None, *, task_id: str | None = None,
-                group_id: str | None = None, metadata: dict[str, Any] | None = None) -> Episode:
+                group_id: str | None = None, metadata: dict[str, Any] | None = None,
+                resume: Callable[[Episode, list[Any]], Any] | None = None,
+                next_input: Callable[[Episode], Any] | None = None,
+                max_resumes: int = DEFAULT_MAX_RESUMES) -> Episode:
         """Run the graph once and return the run as an Episode (final_state = what invoke returns).
 
+        A graph that stops at `interrupt()` is resumed on the same thread with `Command(resume=...)` while
+        `resume(episode, interrupts)` answers; after a run that finished, `next_input(episode)` may continue
+        the thread with the next user input (a conversation). All runs are one episode, at most
+        `max_resumes` after the first (see `_segments`).
+
         Raises `RolloutError` (with `.episode`, also written to the store) if the graph raises (or refused a
-        call in strict mode, even if the app caught that error), and `NoLLMCallError` if the run made no LLM
-        call. `metadata` is stored with the episode.
+        call in strict mode, even if the app caught that error), `EpisodeInterruptedError` (a RolloutError)
+        if it is left paused at an interrupt, and `NoLLMCallError` if the run made no LLM call. `metadata` is
+        stored with the episode.
         """
+        continuation = Continuation(resume, next_input, max_resumes)
+        SegmentRunner.check(self.graph, config, continuation)
         episode = self._new_episode(input, config, task_id, group_id, metadata)
         try:
-            with self._recording(episode):
-                output = self.graph.invoke(input, config)
+            with self._recording(episode) as recorder:
+                output = SegmentRunner(self.graph, episode, recorder, config, continuation).run(input)
         except Exception as exc:
             raise self._failed(episode, exc) from exc
         return self._finish(episode, output, require_calls=True)
 
     async def arollout(self, input: Any, config: Any = None, *, task_id: str | None = None,
-                       group_id: str | None = None, metadata: dict[str, Any] | None = None) -> Episode:
-        """Async `rollout`: many can run concurrently in one event loop without cross-talk."""
+                       group_id: str | None = None, metadata: dict[str, Any] | None = None,
+                       resume: Callable[[Episode, list[Any]], Any] | None = None,
+                       next_input: Callable[[Episode], Any] | None = None,
+                       max_resumes: int = DEFAULT_MAX_RESUMES) -> Episode:
+        """Async `rollout`: many can run concurrently in one event loop without cross-talk. The hooks may be
+        `async def`; sync ones run in worker threads."""
+        continuation = Continuation(resume, next_input, max_resumes)
+        SegmentRunner.check(self.graph, config, continuation)
         episode = self._new_episode(input, config, task_id, group_id, metadata,
                                     start=await _threads.athread_start(self.graph, config))
         try:
-            with self._recording(episode):
-                output = await self.graph.ainvoke(input, config)
+            with self._recording(episode) as recorder:
+                output = await SegmentRunner(self.graph, episode, recorder, config, continuation).arun(input)
         except Exception as exc:
             raise self._failed(episode, exc) from exc
         return self._finish(episode, output, require_calls=True)

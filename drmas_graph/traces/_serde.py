@@ -35,7 +35,7 @@ import numpy as np
 from langchain_core.messages import BaseMessage, messages_from_dict, messages_to_dict
 
 from drmas_graph.errors import ConfigError
-from drmas_graph.types import Episode, SamplingParams, Turn
+from drmas_graph.types import Episode, SamplingParams, Segment, Turn
 
 __all__ = [
     "SCHEMA",
@@ -238,7 +238,8 @@ CREATE TABLE IF NOT EXISTS episodes (
     timings TEXT NOT NULL,
     metadata TEXT NOT NULL,
     created REAL NOT NULL,
-    trained REAL                  -- Unix time update_training recorded `step`; NULL otherwise (old stores too)
+    trained REAL,                 -- Unix time update_training recorded `step`; NULL otherwise (old stores too)
+    segments TEXT                 -- JSON Episode.segments (runs of the thread: resumes, next inputs); NULL if one run
 );
 CREATE TABLE IF NOT EXISTS rewards (
     episode_id TEXT NOT NULL REFERENCES episodes (id),
@@ -274,6 +275,8 @@ CREATE TABLE IF NOT EXISTS turns (
     turn_reward REAL,             -- Episode.turn_rewards[position]; NULL until training fills it
     advantage REAL,               -- Episode.advantages[position]; NULL until training fills it
     response_format TEXT,         -- JSON Turn.response_format (structured output asked for); NULL for free text
+    agent_name TEXT,              -- Turn.agent_name (LangChain lc_agent_name); NULL outside a named agent
+    segment INTEGER,              -- Turn.segment (run of the episode's thread); NULL = 0
     PRIMARY KEY (episode_id, position)
 );
 CREATE INDEX IF NOT EXISTS turns_by_agent ON turns (agent, episode_id);
@@ -284,10 +287,14 @@ CREATE INDEX IF NOT EXISTS episodes_by_task ON episodes (task_id);
 EPISODE_COLUMNS = (
     "id", "task_id", "group_id", "step", "error", "n_turns", "n_prompt_tokens", "n_response_tokens",
     "agents", "reward", "rewards", "input", "final_state", "timings", "metadata", "created", "trained",
+    "segments",
 )  # fmt: skip
 ADDED_COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("episodes", "trained", "REAL"),
     ("turns", "response_format", "TEXT"),
+    ("episodes", "segments", "TEXT"),
+    ("turns", "agent_name", "TEXT"),
+    ("turns", "segment", "INTEGER"),
 )
 """Columns added to the layout after schema version 1 was released: (table, column, SQL type), each
 nullable. They keep the schema version: opening an older store to write adds them (NULL in old rows),
@@ -297,7 +304,7 @@ TURN_COLUMNS = (
     "messages", "prompt_ids", "response_ids", "response_logprobs", "n_prompt_tokens", "n_response_tokens",
     "response_text", "tool_calls", "finish_reason", "policy", "policy_version", "trainable", "latency_s",
     "sampling", "tools", "message_id", "turn_reward", "advantage",
-    "response_format",
+    "response_format", "agent_name", "segment",
 )  # fmt: skip
 
 
@@ -366,6 +373,7 @@ def episode_rows(episode: Episode, step: int | None) -> tuple[tuple, list[tuple]
         to_json(dict(episode.metadata), "metadata"),
         time.time(),
         None,  # trained: set by TraceStore.update_training/record_training, never guessed at write time
+        to_json(list(episode.segments), "segments") if episode.segments else None,
     )
     reward_rows = [(episode.id, agent, float(r)) for agent, r in episode.rewards.items()]
     return episode_row, turn_rows, reward_rows
@@ -401,6 +409,8 @@ def _turn_row(episode: Episode, position: int, turn: Turn) -> tuple:
         None if episode.turn_rewards is None else float(episode.turn_rewards[position]),
         None if episode.advantages is None else float(episode.advantages[position]),
         None if turn.response_format is None else to_json(turn.response_format, f"{where} response_format"),
+        turn.agent_name,
+        turn.segment or None,
     )
 
 
@@ -427,6 +437,8 @@ def _turn_from_row(row: Mapping[str, Any]) -> Turn:
         tools=tuple(json.loads(row["tools"])),
         message_id=row["message_id"],
         response_format=None if row.get("response_format") is None else json.loads(row["response_format"]),
+        agent_name=row.get("agent_name"),
+        segment=row.get("segment") or 0,
     )
 
 
@@ -454,7 +466,14 @@ def episode_from_rows(row: Mapping[str, Any], turn_rows: list[tuple]) -> Episode
         error=row["error"],
         timings=json.loads(row["timings"]),
         metadata=from_json(row["metadata"]),
+        segments=segments_from_json(row.get("segments")),
     )
+
+
+def segments_from_json(text: str | None) -> list[Segment]:
+    """`Episode.segments` back from its column (Commands revived; interrupts as dicts); [] for NULL."""
+    return [Segment(kind=s["kind"], input=s.get("input"), interrupts=tuple(s.get("interrupts") or ()))
+            for s in from_json(text) or ()]
 
 
 # -- export: one flat row per LLM call -------------------------------------------------------------------

@@ -8,6 +8,8 @@ Every episode gets
   does not depend on which episode reaches a policy first;
 - the limits `rollout.max_llm_calls` and `rollout.timeout_s` (`_limits`), plus a wall-clock backstop
   for an episode stuck between LLM calls.
+- the environment's optional `resume` / `next_input` hooks (`_segments`): interrupts answered and
+  conversations continued on the episode's thread, at most `rollout.max_resumes` runs after the first.
 Failed episodes are counted by kind and their errors kept (in job order), never returned as runs.
 """
 
@@ -22,6 +24,7 @@ from typing import Any
 
 from drmas_graph.instrumentation._limits import EpisodeLimitError, limit_metadata
 from drmas_graph.instrumentation._seeds import episode_seed
+from drmas_graph.instrumentation._segments import EpisodeInterruptedError, continuation_from_env
 from drmas_graph.config import RolloutConfig
 from drmas_graph.errors import ConfigError, NoLLMCallError, RolloutError
 from drmas_graph.types import Episode, new_id
@@ -53,8 +56,9 @@ class RolloutBatch:
 
     runs: list[tuple[Any, Episode]] = field(default_factory=list)
     """(task, episode) of every episode that finished without error, in job order."""
-    counts: dict[str, int] = field(default_factory=lambda: {"failed_episodes": 0, "no_llm_call_episodes": 0})
-    """Failed episodes by kind."""
+    counts: dict[str, int] = field(default_factory=lambda: {"failed_episodes": 0, "no_llm_call_episodes": 0,
+                                                            "interrupted_episodes": 0})
+    """Failed episodes by kind; `interrupted_episodes` (left paused at an interrupt) are also `failed_episodes`."""
     errors: list[RolloutError] = field(default_factory=list)
     """The error of every failed episode, in job order."""
 
@@ -84,9 +88,10 @@ def rollout_executor() -> concurrent.futures.ThreadPoolExecutor:
 
 
 def run_episodes(app: Any, jobs: Sequence[EpisodeJob], *, phase: str, step: int, run_seed: int,
-                 max_concurrency: int, rollout: RolloutConfig, base_config: Mapping[str, Any] | None = None
-                 ) -> RolloutBatch:
-    """Run `jobs` through the instrumented graph `app`, at most `max_concurrency` at a time."""
+                 max_concurrency: int, rollout: RolloutConfig, base_config: Mapping[str, Any] | None = None,
+                 env: Any = None) -> RolloutBatch:
+    """Run `jobs` through the instrumented graph `app`, at most `max_concurrency` at a time. The environment's
+    optional `resume` / `next_input` hooks continue an episode's thread (interrupts, conversations)."""
 
     async def main() -> list[Episode | RolloutError]:
         asyncio.get_running_loop().set_default_executor(rollout_executor())
@@ -95,7 +100,7 @@ def run_episodes(app: Any, jobs: Sequence[EpisodeJob], *, phase: str, step: int,
         async def one(job: EpisodeJob) -> Episode | RolloutError:
             async with gate:
                 return await _run_one(app, job, phase=phase, step=step, run_seed=run_seed, rollout=rollout,
-                                      base_config=base_config)
+                                      base_config=base_config, env=env)
 
         return await asyncio.gather(*(one(job) for job in jobs))
 
@@ -106,16 +111,19 @@ def run_episodes(app: Any, jobs: Sequence[EpisodeJob], *, phase: str, step: int,
             continue
         kind = "no_llm_call_episodes" if isinstance(outcome, NoLLMCallError) else "failed_episodes"
         batch.counts[kind] += 1
+        batch.counts["interrupted_episodes"] += isinstance(outcome, EpisodeInterruptedError)
         batch.errors.append(outcome)
     return batch
 
 
 async def _run_one(app: Any, job: EpisodeJob, *, phase: str, step: int, run_seed: int, rollout: RolloutConfig,
-                   base_config: Mapping[str, Any] | None) -> Episode | RolloutError:
+                   base_config: Mapping[str, Any] | None, env: Any = None) -> Episode | RolloutError:
     metadata = {"phase": phase, "step": step, "seed": episode_seed(run_seed, phase, step, job.group, job.index),
                 **limit_metadata(rollout.max_llm_calls, rollout.timeout_s)}
+    cont = continuation_from_env(env, job.task, rollout.max_resumes)
     run = app.arollout(job.task.input, episode_config(base_config, rollout), task_id=job.task.id,
-                       group_id=job.group_id, metadata=metadata)
+                       group_id=job.group_id, metadata=metadata, resume=cont.resume, next_input=cont.next_input,
+                       max_resumes=cont.max_resumes)
     try:
         episode = await (run if rollout.timeout_s is None else asyncio.wait_for(run, rollout.timeout_s + BACKSTOP_GRACE_S))
     except RolloutError as exc:
