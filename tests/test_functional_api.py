@@ -117,3 +117,41 @@ def test_globs_over_task_paths_work_like_globs_over_node_paths(policy):
                                                    "calls came from node paths ['essay_workflow/write']")):
         episode = app.rollout("cats", {"configurable": {"thread_id": "typo"}})
     assert [t.agent for t in episode.turns] == ["essay_workflow/write"]
+
+
+def test_a_functional_api_app_that_asks_a_human_is_resumed_stored_and_replayed(tmp_path):
+    from langgraph.types import interrupt
+
+    from drmas_graph import TraceStore
+    from drmas_graph.traces.replay import replay
+
+    llm = Unreachable()
+
+    @task
+    def write(topic):
+        return llm.invoke([HumanMessage(f"write about {topic}")]).content
+
+    @task
+    def revise(essay, note):
+        return llm.invoke([HumanMessage(f"revise '{essay}': {note}")]).content
+
+    @entrypoint(checkpointer=InMemorySaver())
+    def essay_workflow(topic):
+        essay = write(topic).result()
+        note = interrupt({"essay": essay})  # the run stops; the task's result is kept in the checkpoint
+        return revise(essay, note).result()
+
+    policy = scripted_policy(["a draft", "the revision"])
+    with TraceStore(tmp_path / "t.db") as store:
+        app = instrument(essay_workflow, {"writer": policy}, agents={"*write": "writer", "*revise": "writer"},
+                         strict=True, store=store)
+        episode = finishes(lambda: app.rollout("cats", {"configurable": {"thread_id": "e"}},
+                                               resume=lambda ep, its: f"shorter than {its[0].value['essay']!r}"))
+    assert [(t.node, t.segment, t.response_text) for t in episode.turns] == [
+        ("essay_workflow/write", 0, "a draft"), ("essay_workflow/revise", 1, "the revision")]  # write ran once
+    assert episode.turns[1].messages[-1].content == "revise 'a draft': shorter than 'a draft'"
+    assert episode.final_state == "the revision"
+    assert episode.segments[0].interrupts == ({"node": "essay_workflow", "id": episode.segments[0].interrupts[0]["id"],
+                                               "value": {"essay": "a draft"}},)
+    result = replay(essay_workflow, tmp_path / "t.db", episode.id)
+    assert result.divergences == [] and result.state_matches and result.final_state == "the revision"
