@@ -2,8 +2,10 @@
 
 The graph is not modified. Each run (`invoke`, `stream`, `rollout`, ...) installs an `_EpisodeRecorder`
 in a context variable (see `_intercept`); every chat-model call made inside the run is attributed to an
-agent (`drmas_agent` run metadata > first matching `agents` glob > node path), rendered with that agent's
-policy's chat template, generated, parsed back into an `AIMessage`, and recorded as a `Turn`.
+agent (`drmas_agent` run metadata > `agent:<name>` entry of `agents` > first matching node glob > node path,
+see `_routing`), rendered with that agent's policy's chat template, generated, parsed back into an
+`AIMessage`, and recorded as a `Turn`. `rollout` runs the thread again while the caller answers interrupts
+or continues a conversation (`_segments`).
 
 `InstrumentedGraph` is a LangChain `Runnable`: every way of running it (`with_config`, `with_retry`,
 `with_listeners`, `batch`, `astream_events`, `astream_log`, `|` ...) ends in its own `invoke`/`ainvoke`/
@@ -39,7 +41,6 @@ from drmas_graph.errors import (
     NoLLMCallError,
     RolloutError,
     StrictModeError,
-    UnknownAgentError,
     UnservedCallWarning,
 )
 from drmas_graph.policy import Policy
@@ -60,8 +61,10 @@ def instrument(graph: Any = None, policies: Mapping[str, Policy] | None = None, 
             distinct policies need distinct names. An agent that is no node path is reached by calls
             carrying `with_config(metadata={"drmas_agent": name})` (a warning after the first episode
             if it never acted).
-        agents: node-path glob -> agent name (first match wins), e.g. {"research/*": "researcher"}.
-            Without a match the agent is the node path itself ('outer/inner' inside subgraphs).
+        agents: node-path glob -> agent name (first match wins), e.g. {"research/*": "researcher"}, and
+            "agent:<glob>" -> agent name over LangChain agent names (`create_agent(name=...)`, Deep Agents
+            sub-agents), e.g. {"agent:calculator": "calc"}, which go before node globs. Without a match the
+            agent is the node path itself ('outer/inner' inside subgraphs). See `_routing`.
         strict: raise `StrictModeError` when a call's agent has no policy, or when a call made while this
             run is active cannot be attributed to it (a plain thread); the episode fails even if the app
             catches the error. Default: the app's own model answers (the turn is recorded as
