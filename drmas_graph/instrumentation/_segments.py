@@ -26,6 +26,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from langgraph.types import Command
+
 from drmas_graph.errors import ConfigError, RolloutError
 from drmas_graph.instrumentation._intercept import app_models
 from drmas_graph.instrumentation._limits import EpisodeLimitError
@@ -230,8 +232,6 @@ class SegmentRunner:
 
     def _answered(self, answer: Any, fn: Callable[..., Any]) -> Any:
         """The next run's input from the hook's answer, or _DONE."""
-        from langgraph.types import Command
-
         if fn is self.cont.resume:
             if answer is None:
                 raise self._paused(f"{_describe(self._pending.records)}, and resume() returned None (return "
