@@ -40,6 +40,7 @@ _EXPORTS: dict[str, str] = {
     # core types
     "Episode": "drmas_graph.types",
     "Turn": "drmas_graph.types",
+    "Segment": "drmas_graph.types",
     "Generation": "drmas_graph.types",
     "SamplingParams": "drmas_graph.types",
     # traces and replay
@@ -73,6 +74,7 @@ _EXPORTS: dict[str, str] = {
     "PolicyError": "drmas_graph.errors",
     "RolloutError": "drmas_graph.errors",
     "NoLLMCallError": "drmas_graph.errors",
+    "EpisodeInterruptedError": "drmas_graph.instrumentation._segments",
     "TraceStoreError": "drmas_graph.errors",
 }
 
@@ -136,4 +138,5 @@ if TYPE_CHECKING:  # for type checkers and IDEs
     from drmas_graph.train.rescore import rescore
     from drmas_graph.traces.store import TraceStore
     from drmas_graph.engine.transformers_policy import TransformersPolicy
-    from drmas_graph.types import Episode, Generation, SamplingParams, Turn
+    from drmas_graph.instrumentation._segments import EpisodeInterruptedError
+    from drmas_graph.types import Episode, Generation, SamplingParams, Segment, Turn

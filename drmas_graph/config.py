@@ -190,6 +190,7 @@ class RolloutConfig(_Strict):
     model_error_reward: float | None = Field(0.0, description="Team reward of an episode the policy's own output broke (model error; the turn that broke it is also invalid); null = env.reward scores it.")
     mask_truncated: bool | list[TruncationLimit] = Field(False, description="Drop truncated episodes instead of training on them (rLLM's mask_truncated_samples): true = all, or a list of the limits whose episodes are dropped.")
     configurable: dict[str, Any] = Field(default_factory=dict, description="`configurable` entries of every episode's config; each episode gets its own `thread_id` (graphs with a checkpointer).")
+    max_resumes: int = Field(16, ge=0, description="Most runs of an episode's thread after its first: answers to `interrupt()` (env.resume) and a conversation's next inputs (env.next_input); an episode that needs more fails.")
 
     @field_validator("configurable")
     @classmethod

@@ -37,6 +37,13 @@ class Env(Protocol):
     `episode.model_error` and must handle `final_state` None). Optional: `turn_is_valid(task, turn) -> bool` (an invalid turn costs
     `invalid_penalty`, as in the paper: math 0.1, search 0.01) and `is_success(task, episode) -> bool`
     for avg@k/pass@k (default: team reward >= the config's success_threshold).
+
+    Optional, for episodes that are several runs of one thread (the environment plays the human; at most
+    `rollout.max_resumes` runs after the first; see `drmas_graph.instrumentation._segments`):
+    `resume(task, episode, interrupts)` answers the LangGraph `Interrupt`s a run stopped at (a value,
+    {interrupt id: value} for several, or a `Command`; None leaves the episode paused, and it fails), and
+    `next_input(task, episode)` returns the next user input on the same thread after a run that finished, or
+    None to end the conversation. Either may be `async def`; sync ones run on worker threads.
     """
 
     def tasks(self, split: str) -> Sequence[Any]: ...

@@ -14,7 +14,7 @@ from typing import Any
 
 from langchain_core.messages import BaseMessage
 
-__all__ = ["SamplingParams", "Generation", "Turn", "Episode", "Sample", "new_id"]
+__all__ = ["SamplingParams", "Generation", "Turn", "Segment", "Episode", "Sample", "new_id"]
 
 
 def new_id() -> str:
@@ -89,7 +89,8 @@ class Turn:
     """One LLM call made by one node during an episode: one training sample."""
 
     agent: str
-    """The agent the call was attributed to (drmas_agent metadata > `agents` glob > node path)."""
+    """The agent the call was attributed to (drmas_agent metadata > `agent:<name>` entry > `agents` glob > node
+    path)."""
     node: str
     """Node path; a node inside a subgraph is 'outer/inner'."""
     step: int
@@ -136,6 +137,12 @@ class Turn:
     format_error: str | None = None
     """Why the reply is not what the call asked for: not the JSON a structured-output call asked for, or a
     tool call (tools bound) that does not parse; None when it is. Training counts such a turn as invalid."""
+    agent_name: str | None = None
+    """LangChain agent name of the run that made the call (`lc_agent_name` metadata: `create_agent(name=...)`,
+    a Deep Agents agent or sub-agent); None outside a named agent."""
+    segment: int = 0
+    """Which run of the episode's thread made the call: its position in `Episode.segments` (0 = the first
+    run; later ones answer an interrupt or continue a conversation)."""
 
     @property
     def n_prompt_tokens(self) -> int:
@@ -144,6 +151,20 @@ class Turn:
     @property
     def n_response_tokens(self) -> int:
         return len(self.response_ids)
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One run of an episode's thread. An episode is several runs when the environment answers the graph's
+    `interrupt()`s (`Command(resume=...)`) or plays the user of a conversation (the next input)."""
+
+    kind: str
+    """'start' (the episode's first run), 'resume' (it answered interrupts) or 'input' (the next user input)."""
+    input: Any = None
+    """What the thread was run with: the `Command(resume=...)` or the next graph input; None for 'start',
+    which ran on `Episode.input`."""
+    interrupts: tuple[dict, ...] = ()
+    """The interrupts the run stopped at, each {'node': node path, 'id', 'value'}; empty when it finished."""
 
 
 @dataclass
@@ -183,6 +204,9 @@ class Episode:
     schema); the episode is kept with `rollout.model_error_reward`. None otherwise."""
     model_error_turn: int | None = None
     """Position in `turns` of the turn whose output caused `model_error` (training counts it as invalid)."""
+    segments: list[Segment] = field(default_factory=list)
+    """Every run of the episode's thread, in order, when there was more than one or the last one stopped at
+    an interrupt; empty for an episode that ran once to the end."""
 
     @property
     def ok(self) -> bool:

@@ -17,6 +17,7 @@ from langgraph.types import Send
 import drmas_graph
 from drmas_graph import instrument
 from drmas_graph.errors import ConfigError
+from drmas_graph.instrumentation._segments import EpisodeInterruptedError
 from drmas_graph.traces.replay import areplay, areplay_episode, comparable, replay, replay_episode
 from drmas_graph.traces.store import TraceStore
 from drmas_graph.testing import scripted_policy
@@ -379,33 +380,17 @@ def test_functional_api_task_calls_are_keyed_by_call_order():
 
 
 def test_replay_of_a_run_that_resumed_an_interrupt(tmp_path):
-    from langgraph.types import Command, interrupt
+    from langgraph.types import Command
 
-    llm = Unreachable()
+    from tests.test_interrupts import review_graph
 
-    def draft(state):
-        return {"messages": [llm.invoke(state["messages"])]}
-
-    def review(state):
-        note = interrupt("approve?")  # the human's answer arrives with Command(resume=...)
-        return {"messages": [HumanMessage(f"reviewer: {note}")]}
-
-    def final(state):
-        return {"messages": [llm.invoke(state["messages"])]}
-
-    g = StateGraph(MessagesState)
-    for name, fn in (("draft", draft), ("review", review), ("final", final)):
-        g.add_node(name, fn)
-    g.add_edge(START, "draft")
-    g.add_edge("draft", "review")
-    g.add_edge("review", "final")
-    g.add_edge("final", END)
-    graph = g.compile(checkpointer=InMemorySaver())
+    graph = review_graph(Unreachable())  # draft -> review (interrupt) -> final
     thread = {"configurable": {"thread_id": "review-1"}}
     with TraceStore(tmp_path / "r.db") as store:
         app = instrument(graph, {"draft": echo_policy(name="draft"), "final": echo_policy(name="final")}, store=store)
-        app.rollout({"messages": [HumanMessage("write a haiku")]}, thread)
-        resumed = app.rollout(Command(resume="shorter please"), thread)
+        with pytest.raises(EpisodeInterruptedError, match="interrupted at node 'review' \\(value {'question': 'approve"):
+            app.rollout({"messages": [HumanMessage("write a haiku")]}, thread)  # a paused episode is no finished one
+        resumed = app.rollout(Command(resume="shorter please"), thread)  # a person answers, as in a chat UI
     assert [t.agent for t in resumed.turns] == ["final"]
     assert resumed.turns[0].messages[-1].content == "reviewer: shorter please"
     with TraceStore(tmp_path / "r.db", readonly=True) as store:

@@ -76,6 +76,12 @@ class CallSite:
     tags: tuple[str, ...] = ()
     """The call's run tags (`map:key:raw`: the raw branch of `with_structured_output(include_raw=True)`)."""
 
+    @property
+    def agent_name(self) -> str | None:
+        """LangChain agent name of the call's run (`lc_agent_name`: `create_agent(name=...)`, Deep Agents)."""
+        name = self.metadata.get("lc_agent_name")
+        return str(name) if name else None
+
 
 class CallHandler(Protocol):
     """What an instrumented run (or a replay) does with a call. `original` runs the app's own model."""

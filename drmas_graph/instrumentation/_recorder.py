@@ -42,6 +42,8 @@ class _EpisodeRecorder:
         self._per_key: dict[str, int] = {}
         self._turns: list[Turn] = []
         self._starts: dict[int, float] = {}  # call index -> unix start time
+        self.segment = 0
+        """The run of the episode's thread now in progress (`Turn.segment` of its calls)."""
 
     def refused(self, error: StrictModeError) -> None:
         with self._lock:
@@ -61,9 +63,14 @@ class _EpisodeRecorder:
         with self._lock:
             self._turns.append(turn)
 
-    def finish(self) -> None:
+    def sync_turns(self) -> None:
+        """Put the calls recorded so far on the episode, in call order (between runs of a multi-run episode)."""
         with self._lock:
             self.episode.turns = sorted(self._turns, key=lambda t: t.index)
+
+    def finish(self) -> None:
+        self.sync_turns()
+        with self._lock:
             self.episode.timings["turn_starts"] = [self._starts[t.index] for t in self.episode.turns]
         self.episode._stop_clock()
 
@@ -130,6 +137,7 @@ class _EpisodeRecorder:
             policy_version=gen.policy_version, trainable=True, latency_s=time.perf_counter() - start,
             call_key=site.call_key, node_call_index=nci, sampling=params, tools=tuple(site.tools),
             message_id=message.id, response_format=spec, format_error=_format_error(failure, parsed, site.tools),
+            agent_name=site.agent_name, segment=self.segment,
         ))
         if failure is not None:
             failure.turn_index = index
@@ -151,7 +159,7 @@ class _EpisodeRecorder:
             tool_calls=tuple(getattr(message, "tool_calls", ()) or ()),
             finish_reason=str((message.response_metadata or {}).get("finish_reason", "stop")), policy=None,
             policy_version=None, trainable=False, latency_s=latency, call_key=site.call_key, node_call_index=nci,
-            tools=tuple(site.tools), message_id=message.id,
+            tools=tuple(site.tools), message_id=message.id, agent_name=site.agent_name, segment=self.segment,
         )
 
 

@@ -2,8 +2,10 @@
 
 The graph is not modified. Each run (`invoke`, `stream`, `rollout`, ...) installs an `_EpisodeRecorder`
 in a context variable (see `_intercept`); every chat-model call made inside the run is attributed to an
-agent (`drmas_agent` run metadata > first matching `agents` glob > node path), rendered with that agent's
-policy's chat template, generated, parsed back into an `AIMessage`, and recorded as a `Turn`.
+agent (`drmas_agent` run metadata > `agent:<name>` entry of `agents` > first matching node glob > node path,
+see `_routing`), rendered with that agent's policy's chat template, generated, parsed back into an
+`AIMessage`, and recorded as a `Turn`. `rollout` runs the thread again while the caller answers interrupts
+or continues a conversation (`_segments`).
 
 `InstrumentedGraph` is a LangChain `Runnable`: every way of running it (`with_config`, `with_retry`,
 `with_listeners`, `batch`, `astream_events`, `astream_log`, `|` ...) ends in its own `invoke`/`ainvoke`/
@@ -16,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
-import fnmatch
 import functools
 import warnings
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
@@ -28,13 +29,19 @@ from langchain_core.runnables import Runnable
 from drmas_graph.instrumentation import _threads
 from drmas_graph.instrumentation._intercept import ACTIVE_HANDLER, CallSite, app_models, install, register_run, unregister_run
 from drmas_graph.instrumentation._outcomes import note_stop
+from drmas_graph.instrumentation._routing import AgentRouter, under_node
+from drmas_graph.instrumentation._segments import (
+    DEFAULT_MAX_RESUMES,
+    Continuation,
+    EpisodeInterruptedError,
+    SegmentRunner,
+)
 from drmas_graph.instrumentation._recorder import _cut_at_stop, _EpisodeRecorder, served_message, structured_parts  # noqa: F401
 from drmas_graph.errors import (
     ConfigError,
     NoLLMCallError,
     RolloutError,
     StrictModeError,
-    UnknownAgentError,
     UnservedCallWarning,
 )
 from drmas_graph.policy import Policy
@@ -55,8 +62,10 @@ def instrument(graph: Any = None, policies: Mapping[str, Policy] | None = None, 
             distinct policies need distinct names. An agent that is no node path is reached by calls
             carrying `with_config(metadata={"drmas_agent": name})` (a warning after the first episode
             if it never acted).
-        agents: node-path glob -> agent name (first match wins), e.g. {"research/*": "researcher"}.
-            Without a match the agent is the node path itself ('outer/inner' inside subgraphs).
+        agents: node-path glob -> agent name (first match wins), e.g. {"research/*": "researcher"}, and
+            "agent:<glob>" -> agent name over LangChain agent names (`create_agent(name=...)`, Deep Agents
+            sub-agents), e.g. {"agent:calculator": "calc"}, which go before node globs. Without a match the
+            agent is the node path itself ('outer/inner' inside subgraphs). See `_routing`.
         strict: raise `StrictModeError` when a call's agent has no policy, or when a call made while this
             run is active cannot be attributed to it (a plain thread); the episode fails even if the app
             catches the error. Default: the app's own model answers (the turn is recorded as
@@ -128,7 +137,6 @@ class InstrumentedGraph(Runnable):
         self.strict = strict
         self.store = store
         self.nodes: list[str] = graph_node_paths(graph)
-        self._agent_of_node: dict[str, str] = {}
         self.sampling: dict[str, SamplingParams] = {}
         """Per-agent sampling overrides; an agent without one uses its policy's `sampling`."""
         self._unbound: set[str] = set()
@@ -195,12 +203,7 @@ class InstrumentedGraph(Runnable):
 
     # ---- validation and routing -------------------------------------------------------------
     def _validate(self) -> None:
-        for pattern, agent in self.agents.items():
-            if not any(fnmatch.fnmatchcase(n, pattern) or _under_node(n, pattern) for n in self.nodes):
-                raise UnknownAgentError(
-                    f"agents: pattern {pattern!r} (agent {agent!r}) matches no node; nodes found: {self.nodes}. "
-                    "Patterns are globs over node paths ('outer/inner' inside subgraphs, also for a subgraph "
-                    "that a node's function invokes).")
+        self.router = AgentRouter(self.agents, self.nodes)  # refuses a glob that can match no node path
         for name, policy in self.policies.items():
             if not isinstance(policy, Policy):
                 raise ConfigError(f"policies[{name!r}] is a {type(policy).__name__}, not a drmas_graph Policy; "
@@ -208,18 +211,18 @@ class InstrumentedGraph(Runnable):
         check_unique_policy_names(self.policies)
         known = set(self.nodes) | set(self.agents.values())
         self._unbound = {name for name in self.policies
-                         if name not in known and not any(_under_node(n, name) for n in self.nodes)}
+                         if name not in known and not any(under_node(n, name) for n in self.nodes)}
 
     def agent_for_node(self, node: str) -> str:
-        """The agent of calls made by `node` (without a `drmas_agent` override)."""
-        agent = self._agent_of_node.get(node)
-        if agent is None:
-            agent = next((a for p, a in self.agents.items() if fnmatch.fnmatchcase(node, p)), node)
-            self._agent_of_node[node] = agent
-        return agent
+        """The agent of calls made by `node` outside any named agent (without a `drmas_agent` override)."""
+        return self.router.agent_of({}, node)
+
+    def agent_of(self, site: CallSite) -> str:
+        """The agent of a call: `drmas_agent` metadata > `agent:<name>` entries > node-path globs > node path."""
+        return self.router.agent_of(site.metadata, site.node)
 
     def _route(self, site: CallSite) -> tuple[str, Policy | None]:
-        agent = site.metadata.get("drmas_agent") or self.agent_for_node(site.node)
+        agent = self.agent_of(site)
         policy = self.policies.get(agent)
         if policy is None and self.strict:
             raise StrictModeError(
@@ -236,8 +239,9 @@ class InstrumentedGraph(Runnable):
 
     def _check_unbound(self, episode: Episode) -> None:
         """After the first episode: warn about agents that only `drmas_agent` metadata could reach and that
-        did not act (a typo in `policies=` shows up here)."""
-        if self._first_episode_checked or not self._unbound:
+        did not act, and about `agents` entries that only a run could check and that matched no call (a typo
+        in `policies=` or `agents=` shows up here)."""
+        if self._first_episode_checked:
             return
         self._first_episode_checked = True
         idle = sorted(self._unbound - set(episode.agents))
@@ -247,6 +251,12 @@ class InstrumentedGraph(Runnable):
                 f"(nodes: {self.nodes}) nor mapped by agents=, so only calls carrying "
                 "with_config(metadata={'drmas_agent': <name>}) reach them; check the names.", UserWarning,
                 stacklevel=4)
+        unmatched = self.router.unmatched()
+        if unmatched:
+            warnings.warn(
+                f"agents: {unmatched} matched no LLM call in the first episode; calls came from node paths "
+                f"{sorted({t.node for t in episode.turns})} and LangChain agent names "
+                f"{sorted(self.router.names_seen)}; check the patterns.", UserWarning, stacklevel=4)
 
     # ---- running ----------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -281,8 +291,9 @@ class InstrumentedGraph(Runnable):
         note_stop(episode, exc)  # truncated by a limit, a model error, or failed (`_outcomes`)
         self._write(episode)
         verb = "failed" if episode.error else "stopped"
-        return RolloutError(f"episode {episode.id} (task {episode.task_id}) {verb} after {len(episode.turns)} LLM "
-                            f"call(s): {episode.stop_reason}", episode)
+        kind = EpisodeInterruptedError if isinstance(exc, EpisodeInterruptedError) else RolloutError
+        return kind(f"episode {episode.id} (task {episode.task_id}) {verb} after {len(episode.turns)} LLM "
+                    f"call(s): {episode.stop_reason}", episode)
 
     def _write(self, episode: Episode) -> None:
         if self.store is not None:
@@ -302,29 +313,46 @@ class InstrumentedGraph(Runnable):
         return Episode(task_id=task_id, group_id=group_id, input=input, metadata=metadata)
 
     def rollout(self, input: Any, config: Any = None, *, task_id: str | None = None,
-                group_id: str | None = None, metadata: dict[str, Any] | None = None) -> Episode:
+                group_id: str | None = None, metadata: dict[str, Any] | None = None,
+                resume: Callable[[Episode, list[Any]], Any] | None = None,
+                next_input: Callable[[Episode], Any] | None = None,
+                max_resumes: int = DEFAULT_MAX_RESUMES) -> Episode:
         """Run the graph once and return the run as an Episode (final_state = what invoke returns).
 
+        A graph that stops at `interrupt()` is resumed on the same thread with `Command(resume=...)` while
+        `resume(episode, interrupts)` answers; after a run that finished, `next_input(episode)` may continue
+        the thread with the next user input (a conversation). All runs are one episode, at most
+        `max_resumes` after the first (see `_segments`).
+
         Raises `RolloutError` (with `.episode`, also written to the store) if the graph raises (or refused a
-        call in strict mode, even if the app caught that error), and `NoLLMCallError` if the run made no LLM
-        call. `metadata` is stored with the episode.
+        call in strict mode, even if the app caught that error), `EpisodeInterruptedError` (a RolloutError)
+        if it is left paused at an interrupt, and `NoLLMCallError` if the run made no LLM call. `metadata` is
+        stored with the episode.
         """
+        continuation = Continuation(resume, next_input, max_resumes)
+        SegmentRunner.check(self.graph, config, continuation)
         episode = self._new_episode(input, config, task_id, group_id, metadata)
         try:
-            with self._recording(episode):
-                output = self.graph.invoke(input, config)
+            with self._recording(episode) as recorder:
+                output = SegmentRunner(self.graph, episode, recorder, config, continuation).run(input)
         except Exception as exc:
             raise self._failed(episode, exc) from exc
         return self._finish(episode, output, require_calls=True)
 
     async def arollout(self, input: Any, config: Any = None, *, task_id: str | None = None,
-                       group_id: str | None = None, metadata: dict[str, Any] | None = None) -> Episode:
-        """Async `rollout`: many can run concurrently in one event loop without cross-talk."""
+                       group_id: str | None = None, metadata: dict[str, Any] | None = None,
+                       resume: Callable[[Episode, list[Any]], Any] | None = None,
+                       next_input: Callable[[Episode], Any] | None = None,
+                       max_resumes: int = DEFAULT_MAX_RESUMES) -> Episode:
+        """Async `rollout`: many can run concurrently in one event loop without cross-talk. The hooks may be
+        `async def`; sync ones run in worker threads."""
+        continuation = Continuation(resume, next_input, max_resumes)
+        SegmentRunner.check(self.graph, config, continuation)
         episode = self._new_episode(input, config, task_id, group_id, metadata,
                                     start=await _threads.athread_start(self.graph, config))
         try:
-            with self._recording(episode):
-                output = await self.graph.ainvoke(input, config)
+            with self._recording(episode) as recorder:
+                output = await SegmentRunner(self.graph, episode, recorder, config, continuation).arun(input)
         except Exception as exc:
             raise self._failed(episode, exc) from exc
         except asyncio.CancelledError:  # e.g. the trainer's backstop: stored with its turns so far and the reason
@@ -455,13 +483,6 @@ class InstrumentedGraph(Runnable):
     async def abulk_update_state(self, *args: Any, **kwargs: Any) -> Any:
         with _outside_episode(self, "abulk_update_state"):
             return await self.graph.abulk_update_state(*args, **kwargs)
-
-
-def _under_node(node: str, pattern: str) -> bool:
-    """True when `pattern` names something inside `node`: a node's function may invoke a compiled subgraph,
-    whose calls are recorded as 'node/inner' although `get_graph` cannot list 'inner'."""
-    nodes, parts = node.split("/"), pattern.split("/")
-    return len(parts) > len(nodes) and all(fnmatch.fnmatchcase(n, p) for n, p in zip(nodes, parts))
 
 
 def _no_v3(version: str) -> None:

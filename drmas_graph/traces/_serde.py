@@ -35,7 +35,7 @@ import numpy as np
 from langchain_core.messages import BaseMessage, messages_from_dict, messages_to_dict
 
 from drmas_graph.errors import ConfigError
-from drmas_graph.types import Episode, SamplingParams, Turn
+from drmas_graph.types import Episode, SamplingParams, Segment, Turn
 
 __all__ = [
     "SCHEMA",
@@ -241,7 +241,8 @@ CREATE TABLE IF NOT EXISTS episodes (
     trained REAL,                 -- Unix time update_training recorded `step`; NULL otherwise (old stores too)
     truncated TEXT,               -- Episode.truncated: '<limit>: <why>' when a limit stopped the run; NULL otherwise
     model_error TEXT,             -- Episode.model_error: the policy's output that broke the app; NULL otherwise
-    model_error_turn INTEGER      -- Episode.model_error_turn: position of the offending turn
+    model_error_turn INTEGER,     -- Episode.model_error_turn: position of the offending turn
+    segments TEXT                 -- JSON Episode.segments (runs of the thread: resumes, next inputs); NULL if one run
 );
 CREATE TABLE IF NOT EXISTS rewards (
     episode_id TEXT NOT NULL REFERENCES episodes (id),
@@ -278,6 +279,8 @@ CREATE TABLE IF NOT EXISTS turns (
     advantage REAL,               -- Episode.advantages[position]; NULL until training fills it
     response_format TEXT,         -- JSON Turn.response_format (structured output asked for); NULL for free text
     format_error TEXT,            -- Turn.format_error: why the reply is not what the call asked for; NULL if it is
+    agent_name TEXT,              -- Turn.agent_name (LangChain lc_agent_name); NULL outside a named agent
+    segment INTEGER,              -- Turn.segment (run of the episode's thread); NULL = 0
     PRIMARY KEY (episode_id, position)
 );
 CREATE INDEX IF NOT EXISTS turns_by_agent ON turns (agent, episode_id);
@@ -289,6 +292,7 @@ EPISODE_COLUMNS = (
     "id", "task_id", "group_id", "step", "error", "n_turns", "n_prompt_tokens", "n_response_tokens",
     "agents", "reward", "rewards", "input", "final_state", "timings", "metadata", "created", "trained",
     "truncated", "model_error", "model_error_turn",
+    "segments",
 )  # fmt: skip
 ADDED_COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("episodes", "trained", "REAL"),
@@ -297,6 +301,9 @@ ADDED_COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("episodes", "model_error", "TEXT"),
     ("episodes", "model_error_turn", "INTEGER"),
     ("turns", "format_error", "TEXT"),
+    ("episodes", "segments", "TEXT"),
+    ("turns", "agent_name", "TEXT"),
+    ("turns", "segment", "INTEGER"),
 )
 """Columns added to the layout after schema version 1 was released: (table, column, SQL type), each
 nullable. They keep the schema version: opening an older store to write adds them (NULL in old rows),
@@ -307,6 +314,7 @@ TURN_COLUMNS = (
     "response_text", "tool_calls", "finish_reason", "policy", "policy_version", "trainable", "latency_s",
     "sampling", "tools", "message_id", "turn_reward", "advantage",
     "response_format", "format_error",
+    "response_format", "agent_name", "segment",
 )  # fmt: skip
 
 
@@ -378,6 +386,7 @@ def episode_rows(episode: Episode, step: int | None) -> tuple[tuple, list[tuple]
         episode.truncated,
         episode.model_error,
         episode.model_error_turn,
+        to_json(list(episode.segments), "segments") if episode.segments else None,
     )
     reward_rows = [(episode.id, agent, float(r)) for agent, r in episode.rewards.items()]
     return episode_row, turn_rows, reward_rows
@@ -414,6 +423,8 @@ def _turn_row(episode: Episode, position: int, turn: Turn) -> tuple:
         None if episode.advantages is None else float(episode.advantages[position]),
         None if turn.response_format is None else to_json(turn.response_format, f"{where} response_format"),
         turn.format_error,
+        turn.agent_name,
+        turn.segment or None,
     )
 
 
@@ -441,6 +452,8 @@ def _turn_from_row(row: Mapping[str, Any]) -> Turn:
         message_id=row["message_id"],
         response_format=None if row.get("response_format") is None else json.loads(row["response_format"]),
         format_error=row.get("format_error"),
+        agent_name=row.get("agent_name"),
+        segment=row.get("segment") or 0,
     )
 
 
@@ -471,7 +484,14 @@ def episode_from_rows(row: Mapping[str, Any], turn_rows: list[tuple]) -> Episode
         truncated=row.get("truncated"),
         model_error=row.get("model_error"),
         model_error_turn=row.get("model_error_turn"),
+        segments=segments_from_json(row.get("segments")),
     )
+
+
+def segments_from_json(text: str | None) -> list[Segment]:
+    """`Episode.segments` back from its column (Commands revived; interrupts as dicts); [] for NULL."""
+    return [Segment(kind=s["kind"], input=s.get("input"), interrupts=tuple(s.get("interrupts") or ()))
+            for s in from_json(text) or ()]
 
 
 # -- export: one flat row per LLM call -------------------------------------------------------------------

@@ -12,12 +12,18 @@ it at an LLM call) stops the replay at that same call, without a divergence.
 An episode that continued a checkpointed thread starts from the thread's recorded checkpoint, copied to a
 new thread (`drmas_graph.instrumentation._threads`); when that checkpoint is not available the result says so
 (`ReplayResult.unreproducible`). `areplay` runs graphs whose nodes are async-only.
+
+An episode of several runs of its thread (interrupts the environment answered, a conversation's next inputs:
+`Episode.segments`) is replayed run by run on one new thread: each run gets the recorded `Command(resume=...)`
+or next input (interrupt ids in a resume map are translated to the new thread's, which differ), and where a
+run stopped at other interrupts than recorded (node or value) the divergence is `interrupt_changed`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import difflib
 import json
 import threading
@@ -29,15 +35,16 @@ from typing import Any, Literal
 
 from langchain_core.messages import BaseMessage
 from langchain_core.outputs import ChatGeneration, ChatResult
+from langgraph.types import Command, Interrupt
 
-from drmas_graph.instrumentation import _threads
+from drmas_graph.instrumentation import _segments, _threads
 from drmas_graph._chat import ParsedResponse, _text, parse_hermes
 from drmas_graph.instrumentation._intercept import ACTIVE_HANDLER, CallSite, install
 from drmas_graph.errors import ConfigError, DrmasError
 from drmas_graph.instrumentation.instrumented import InstrumentedGraph, _cut_at_stop, _EpisodeRecorder, served_message
 from drmas_graph.instrumentation.instrumented import structured_parts
 from drmas_graph.policy import Policy
-from drmas_graph.types import Episode, Turn
+from drmas_graph.types import Episode, Segment, Turn
 
 __all__ = ["replay", "areplay", "replay_episode", "areplay_episode", "ReplayResult", "Divergence", "render_prompt",
            "comparable"]
@@ -47,8 +54,9 @@ __all__ = ["replay", "areplay", "replay_episode", "areplay_episode", "ReplayResu
 class Divergence:
     """Where the re-run stopped agreeing with the recording."""
 
-    kind: Literal["prompt_changed", "tools_changed", "unrecorded_call", "missing_call"]
-    """What differs: the prompt, the bound tools, a call the recording lacks, a recorded call never made."""
+    kind: Literal["prompt_changed", "tools_changed", "unrecorded_call", "missing_call", "interrupt_changed"]
+    """What differs: the prompt, the bound tools, a call the recording lacks, a recorded call never made, or
+    the interrupts a run of the thread stopped at (then `call_index` is the run's `Segment` position)."""
     agent: str
     """Agent of the call (from the recording when there is one)."""
     node: str
@@ -261,8 +269,7 @@ def _prepare(graph: Any, episode: Episode, policies: Mapping[str, Policy] | None
     install()
     live_episode = Episode(task_id=episode.task_id, group_id=episode.group_id, input=episode.input)
     live = _EpisodeRecorder(app, live_episode)
-    handler = _ReplayHandler(episode, live, on_divergence == "continue",
-                             lambda site: site.metadata.get("drmas_agent") or app.agent_for_node(site.node))
+    handler = _ReplayHandler(episode, live, on_divergence == "continue", app.agent_of)
     return _Run(app, handler, live, live_episode, dict(config or {}), _unstorable_input(episode))
 
 
@@ -325,15 +332,76 @@ def _stopped(exc: BaseException) -> bool:
     return False
 
 
+_END = object()
+
+
+class _Runs:
+    """The recorded runs of a multi-run episode (`Episode.segments`), fed to the replay one after another."""
+
+    def __init__(self, run: _Run, episode: Episode) -> None:
+        self.run, self.segments, self.k = run, episode.segments, 0
+        if len(self.segments) > 1 and getattr(run.app.graph, "checkpointer", None) is None:
+            raise ConfigError(f"episode {episode.id} is {len(self.segments)} runs of one thread (interrupts answered "
+                              "or a conversation continued); replaying it needs the graph compiled with a "
+                              "checkpointer (e.g. compile(checkpointer=InMemorySaver()))")
+
+    @property
+    def recorded(self) -> bool:
+        """Whether the episode recorded its runs (else it ran once to the end: nothing to check between runs)."""
+        return bool(self.segments)
+
+    def after(self, pending: Any) -> Any:
+        """The input of the next run once run k stopped at `pending`; `_END` when the replay is done."""
+        recorded = self.segments[self.k]
+        live = pending.records if pending is not None else []
+        if _interrupts_text(recorded.interrupts) != _interrupts_text(live):
+            d = Divergence("interrupt_changed", "", (list(recorded.interrupts) or live or [{"node": ""}])[0]["node"],
+                           "", self.k, _diff(_interrupts_text(recorded.interrupts), _interrupts_text(live),
+                                             "recorded interrupts", "new interrupts"))
+            self.run.handler.divergences.append(d)
+            if not self.run.handler.continue_live:
+                raise _StopReplay(str(d))
+            return _END
+        if self.k + 1 >= len(self.segments):
+            return _END
+        self.k += 1
+        self.run.live.segment = self.k
+        return _translated(self.segments[self.k], recorded.interrupts, live)
+
+
+def _interrupts_text(records: Sequence[Mapping[str, Any]]) -> str:
+    """Interrupts as lines of node and value (ids differ from thread to thread: they are left out)."""
+    return "\n".join(f"{r['node']}: {json.dumps(comparable(r['value']), sort_keys=True, default=repr)}"
+                     for r in records)
+
+
+def _translated(segment: Segment, recorded: Sequence[Mapping[str, Any]], live: Sequence[Mapping[str, Any]]) -> Any:
+    """The segment's input for the new thread: a resume map keyed by recorded interrupt ids is re-keyed by the
+    ids of the new thread's interrupts, matched by position."""
+    value = segment.input
+    if isinstance(value, Command) and isinstance(value.resume, Mapping) and value.resume:
+        ids = {r["id"]: n["id"] for r, n in zip(recorded, live) if r["id"] is not None}
+        if all(key in ids for key in value.resume):
+            return dataclasses.replace(value, resume={ids[key]: v for key, v in value.resume.items()})
+    return value
+
+
 def replay_episode(graph: Any, episode: Episode, *, policies: Mapping[str, Policy] | None = None,
                    agents: Mapping[str, str] | None = None, on_divergence: Literal["stop", "continue"] = "stop",
                    config: dict | None = None) -> ReplayResult:
     """Replay an in-memory `Episode` (see `replay`)."""
     run = _prepare(graph, episode, policies, agents, on_divergence, config)
+    runs = _Runs(run, episode)
     start = None if _own_thread(run) else episode.metadata.get("thread_start")
     _thread_config(run, *_threads.fork_config(run.app.graph, start))
     with _serving(run) as outcome:
-        outcome.final_state = run.app.graph.invoke(episode.input, run.config or None)
+        output = run.app.graph.invoke(episode.input, run.config or None)
+        while runs.recorded:
+            nxt = runs.after(_segments.pending_interrupts(run.app.graph, run.config, output))
+            if nxt is _END:
+                break
+            output = run.app.graph.invoke(nxt, run.config)
+        outcome.final_state = output
     return _finish(run, episode, outcome.final_state, outcome.stopped)
 
 
@@ -343,10 +411,17 @@ async def areplay_episode(graph: Any, episode: Episode, *, policies: Mapping[str
                           ) -> ReplayResult:
     """`replay_episode` through the graph's async API (`ainvoke`): for graphs with async-only nodes."""
     run = _prepare(graph, episode, policies, agents, on_divergence, config)
+    runs = _Runs(run, episode)
     start = None if _own_thread(run) else episode.metadata.get("thread_start")
     _thread_config(run, *await _threads.afork_config(run.app.graph, start))
     with _serving(run) as outcome:
-        outcome.final_state = await run.app.graph.ainvoke(episode.input, run.config or None)
+        output = await run.app.graph.ainvoke(episode.input, run.config or None)
+        while runs.recorded:
+            nxt = runs.after(await _segments.apending_interrupts(run.app.graph, run.config, output))
+            if nxt is _END:
+                break
+            output = await run.app.graph.ainvoke(nxt, run.config)
+        outcome.final_state = output
     return _finish(run, episode, outcome.final_state, outcome.stopped)
 
 
@@ -421,8 +496,9 @@ langgraph-supervisor's handoff messages) and the ToolMessage's reference to one.
 def comparable(value: Any) -> Any:
     """A JSON-like form of a graph state for equality, up to generated ids: inside LangChain messages, every
     id (message id, tool-call id, a ToolMessage's tool_call_id) is renamed '<id:k>' in order of first
-    appearance. The renaming is consistent, so a ToolMessage still has to answer the same tool call as in
-    the recording, while two runs that drew different uuids compare equal."""
+    appearance, and so is the id of every LangGraph `Interrupt` (compared by value; a stored one is a dict).
+    The renaming is consistent, so a ToolMessage still has to answer the same tool call as in the recording,
+    while two runs that drew different uuids compare equal. Dataclasses compare as their fields."""
     return _Canonical().walk(value, in_message=False)
 
 
@@ -436,16 +512,32 @@ class _Canonical:
     def walk(self, value: Any, in_message: bool) -> Any:
         if isinstance(value, BaseMessage):
             return {"__message__": self.walk(value.model_dump(), in_message=True)}
+        if isinstance(value, Interrupt):
+            return self.interrupt(value.value, value.id)
         if isinstance(value, Mapping):
             if len(value) == 1 and "__message__" in value:  # a message stored as data (see _serde)
                 return {"__message__": self.walk(value["__message__"], in_message=True)}
-            return {str(k): (self.rename(v) if in_message and k in _GENERATED_ID_KEYS and isinstance(v, str)
-                             else self.walk(v, in_message)) for k, v in value.items()}
+            return {str(k): self.entry(k, v, in_message) for k, v in value.items()}
         if isinstance(value, (list, tuple)):
             return [self.walk(v, in_message) for v in value]
         if hasattr(value, "model_dump") and not isinstance(value, type):
             return self.walk(value.model_dump(), in_message)
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):  # stored as its fields (see _serde)
+            return self.walk({f.name: getattr(value, f.name) for f in dataclasses.fields(value)}, in_message)
         return value
+
+    def entry(self, key: Any, value: Any, in_message: bool) -> Any:
+        if in_message and key in _GENERATED_ID_KEYS and isinstance(value, str):
+            return self.rename(value)
+        if key == "__interrupt__" and isinstance(value, (list, tuple)):  # a run that stopped at interrupt()
+            return [self.interrupt(i.get("value"), i.get("id")) if isinstance(i, Mapping) else self.walk(i, in_message)
+                    for i in value]
+        return self.walk(value, in_message)
+
+    def interrupt(self, value: Any, interrupt_id: Any) -> dict[str, Any]:
+        """An interrupt by value: its id hashes the task's checkpoint namespace, new on every thread."""
+        return {"value": self.walk(value, False),
+                "id": self.rename(interrupt_id) if isinstance(interrupt_id, str) else interrupt_id}
 
 
 def _state_text(state: Any) -> str:

@@ -203,7 +203,7 @@ def _slim(episode: Any) -> Any:
     """The episode without what the step metrics never read (messages, prompts, graph input and state):
     small to send, and free of user objects that may not pickle."""
     turns = [dataclasses.replace(t, messages=(), prompt_ids=(), tool_calls=(), tools=()) for t in episode.turns]
-    return dataclasses.replace(episode, turns=turns, input=None, final_state=None, metadata={})
+    return dataclasses.replace(episode, turns=turns, input=None, final_state=None, metadata={}, segments=[])
 
 
 def merge_step(scored: list[tuple[Any, Any, Any]], counts: dict[str, int], adv_stats: Any

@@ -13,10 +13,14 @@ Every episode gets
   depend on which episode reaches a policy first;
 - the limits `rollout.max_llm_calls` and `rollout.timeout_s` (`_limits`), plus a backstop for an episode
   stuck between LLM calls: past timeout_s + `BACKSTOP_GRACE_S` its task is cancelled and it fails
-  (`StuckEpisodeError`); its run is stored with its turns so far and the reason.
+  (`StuckEpisodeError`); its run is stored with its turns so far and the reason;
+- the environment's optional `resume` / `next_input` hooks (`_segments`): interrupts answered and
+  conversations continued on the episode's thread, at most `rollout.max_resumes` runs after the first.
 
-Sync graph nodes run on daemon threads that are never joined (`_NodeThreads`): a node stuck in a tool that
-never returns costs its episode, not the step or the process; such a thread is left behind with a warning.
+Sync graph code (nodes, a sync `@entrypoint`, sync `@task`s) runs on daemon threads that are never joined
+(`_NodeThreads`), with no upper bound on their number: a node stuck in a tool that never returns costs its
+episode, not the step or the process (such a thread is left behind with a warning), and a sync entrypoint
+waiting in `task(...).result()` for a task that needs another thread never deadlocks the pool.
 
 Episodes that finished, were truncated by a limit or broke on their policy's output (model errors, see
 `drmas_graph.instrumentation._outcomes`) are returned as runs; the others are counted by kind and their
@@ -31,11 +35,13 @@ import contextvars
 import functools
 import logging
 import queue
+import sys
 import threading
 from collections.abc import Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from drmas_graph.instrumentation._segments import EpisodeInterruptedError, continuation_from_env
 from drmas_graph.config import RolloutConfig
 from drmas_graph.errors import ConfigError, NoLLMCallError, RolloutError
 from drmas_graph.instrumentation._limits import LIMITS, StuckEpisodeError, limit_metadata
@@ -76,9 +82,10 @@ class RolloutBatch:
     runs: list[tuple[Any, Episode]] = field(default_factory=list)
     """(task, episode) of every episode kept for scoring (finished, truncated or a model error), in job order."""
     counts: dict[str, int] = field(default_factory=lambda: {
-        "failed_episodes": 0, "no_llm_call_episodes": 0, "truncated_episodes": 0, "model_error_episodes": 0,
-        **{f"truncated/{limit}": 0 for limit in LIMITS}})
-    """Episodes by kind: failed and without LLM calls (dropped), truncated (also by limit) and model errors (kept)."""
+        "failed_episodes": 0, "no_llm_call_episodes": 0, "interrupted_episodes": 0, "truncated_episodes": 0,
+        "model_error_episodes": 0, **{f"truncated/{limit}": 0 for limit in LIMITS}})
+    """Episodes by kind: failed (of which `interrupted_episodes` were left paused at an interrupt) and without LLM
+    calls (dropped), truncated (also by limit) and model errors (kept)."""
     errors: list[RolloutError] = field(default_factory=list)
     """The error of every dropped episode, in job order."""
 
@@ -110,9 +117,10 @@ def episode_config(base: Mapping[str, Any] | None, rollout: RolloutConfig) -> di
 
 
 def run_episodes(app: Any, jobs: Sequence[EpisodeJob], *, phase: str, step: int, run_seed: int,
-                 max_concurrency: int, rollout: RolloutConfig, base_config: Mapping[str, Any] | None = None
-                 ) -> RolloutBatch:
-    """Run `jobs` through the instrumented graph `app`, at most `max_concurrency` at a time."""
+                 max_concurrency: int, rollout: RolloutConfig, base_config: Mapping[str, Any] | None = None,
+                 env: Any = None) -> RolloutBatch:
+    """Run `jobs` through the instrumented graph `app`, at most `max_concurrency` at a time. The environment's
+    optional `resume` / `next_input` hooks continue an episode's thread (interrupts, conversations)."""
 
     async def main() -> list[Episode | RolloutError]:
         gate = asyncio.Semaphore(max_concurrency)
@@ -120,11 +128,11 @@ def run_episodes(app: Any, jobs: Sequence[EpisodeJob], *, phase: str, step: int,
         async def one(job: EpisodeJob) -> Episode | RolloutError:
             async with gate:
                 return await _run_one(app, job, phase=phase, step=step, run_seed=run_seed, rollout=rollout,
-                                      base_config=base_config)
+                                      base_config=base_config, env=env)
 
         return await asyncio.gather(*(one(job) for job in jobs))
 
-    threads = _NodeThreads(max_concurrency)  # every episode can have a sync node in flight
+    threads = _NodeThreads()
     outcomes = _run_loop(main(), threads)
     if threads.busy:
         log.warning("%s step %d: %d graph node thread(s) are still running after their episode was cancelled "
@@ -142,16 +150,20 @@ def run_episodes(app: Any, jobs: Sequence[EpisodeJob], *, phase: str, step: int,
             continue
         kind = "no_llm_call_episodes" if isinstance(outcome, NoLLMCallError) else "failed_episodes"
         batch.counts[kind] += 1
+        batch.counts["interrupted_episodes"] += isinstance(outcome, EpisodeInterruptedError)
         batch.errors.append(outcome)
     return batch
 
 
 async def _run_one(app: Any, job: EpisodeJob, *, phase: str, step: int, run_seed: int, rollout: RolloutConfig,
-                   base_config: Mapping[str, Any] | None) -> Episode | RolloutError:
+                   base_config: Mapping[str, Any] | None, env: Any = None) -> Episode | RolloutError:
     metadata = {"phase": phase, "step": step, "seed": episode_seed(run_seed, phase, step, job.group, job.index),
                 **limit_metadata(rollout.max_llm_calls, rollout.timeout_s)}
+    cont = continuation_from_env(env, job.task, rollout.max_resumes)
     run = asyncio.ensure_future(app.arollout(job.task.input, episode_config(base_config, rollout),
-                                             task_id=job.task.id, group_id=job.group_id, metadata=metadata))
+                                             task_id=job.task.id, group_id=job.group_id, metadata=metadata,
+                                             resume=cont.resume, next_input=cont.next_input,
+                                             max_resumes=cont.max_resumes))
     deadline = None if rollout.timeout_s is None else rollout.timeout_s + BACKSTOP_GRACE_S
     done, _ = await asyncio.wait({run}, timeout=deadline)
     if not done:  # stuck between LLM calls (a hung tool, a slow server): the backstop
@@ -191,12 +203,15 @@ class _NodeThreads(concurrent.futures.ThreadPoolExecutor):
     `asyncio.run` joins its default executor's threads when the loop closes, and the interpreter joins every
     `ThreadPoolExecutor` thread at exit: a node stuck in a tool that never returns would hold the step, and
     then the process, forever. These threads are daemons; one still busy when the step ends is left behind
-    (`busy` counts them). Each work item runs in a copy of the submitter's context (LangChain copies it
+    (`busy` counts them). A thread starts only when none is idle, and there is no upper bound: a sync
+    `@entrypoint` waits in `task(...).result()` for a task that needs a thread of the same pool, so any fixed
+    size deadlocks once that many entrypoints are in flight (threads are reused: their number is the peak of
+    sync work in flight). Each work item runs in a copy of the submitter's context (LangChain copies it
     too), so the episode's call handler follows it. A ThreadPoolExecutor only because asyncio requires one.
     """
 
-    def __init__(self, max_workers: int) -> None:
-        super().__init__(max_workers)
+    def __init__(self) -> None:
+        super().__init__(max_workers=sys.maxsize)  # no bound: a thread may block on work queued behind it
         self._work: queue.SimpleQueue = queue.SimpleQueue()
         self._idle = threading.Semaphore(0)
         self._lock = threading.Lock()

@@ -320,7 +320,7 @@ class Trainer:
         jobs = [EpisodeJob(task, ids[b], b, j) for b, task in _distributed.owned(tasks) for j in range(group_size)]
         batch = run_episodes(self.app, jobs, phase=phase, step=step, run_seed=self.cfg.seed,
                              max_concurrency=self.cfg.max_concurrency, rollout=self.cfg.rollout,
-                             base_config=self.rollout_config)
+                             base_config=self.rollout_config, env=self.env)
         self.rollout_errors = batch.errors
         if batch.errors:
             log.warning("%s step %d: %d of %d episodes failed; the first: %s", phase, step, len(batch.errors),
