@@ -75,7 +75,7 @@ def test_functional_api_episodes_never_deadlock(max_concurrency, sync_entry, syn
     jobs = [EpisodeJob(Task(id=f"t{i}", input=f"topic {i}"), f"g{i // 2}", i // 2, i % 2) for i in range(8)]
     batch = finishes(lambda: run_episodes(app, jobs, phase="train", step=0, run_seed=0,
                                           max_concurrency=max_concurrency, rollout=RolloutConfig()))
-    assert batch.counts == {"failed_episodes": 0, "no_llm_call_episodes": 0, "interrupted_episodes": 0}
+    assert batch.counts["interrupted_episodes"] == 0 and set(batch.counts.values()) == {0}  # nothing failed or cut
     assert [ep.final_state for _, ep in batch.runs] == [f"essay on topic {i}" for i in range(8)]
     for _, ep in batch.runs:
         assert [(t.agent, t.node, t.call_key) for t in ep.turns] == [

@@ -314,7 +314,7 @@ TURN_COLUMNS = (
     "response_text", "tool_calls", "finish_reason", "policy", "policy_version", "trainable", "latency_s",
     "sampling", "tools", "message_id", "turn_reward", "advantage",
     "response_format", "format_error",
-    "response_format", "agent_name", "segment",
+    "agent_name", "segment",
 )  # fmt: skip
 
 
