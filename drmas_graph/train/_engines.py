@@ -181,8 +181,11 @@ class _TorchEngine:
                         "loss_scale": (self.loss_scale.scale, self.loss_scale.good_steps)},
                        directory / "optimizer.pt")
 
-    def load(self, directory: Path) -> None:
-        _load_hf_weights(self.module, directory / "model")
+    def load(self, directory: Path, *, weights: Path | None) -> None:
+        """Optimizer state and float32 masters from ``directory``; the weights from the Hugging Face folder
+        ``weights`` (None: already in the module)."""
+        if weights is not None:
+            _load_hf_weights(self.module, weights)
         state = torch.load(directory / "optimizer.pt", map_location="cpu", weights_only=True)
         self.optimizer.load_state_dict(state["optimizer"])
         with torch.no_grad():
@@ -346,7 +349,8 @@ class _DeepSpeedEngine:
         # frozen parameters (a LoRA model's base) are not saved: they never change
         self.engine.save_checkpoint(str(directory / "deepspeed"), tag=self._TAG, exclude_frozen_parameters=True)
 
-    def load(self, directory: Path) -> None:
+    def load(self, directory: Path, *, weights: Path | None) -> None:
+        """The DeepSpeed checkpoint holds the trained parameters itself: ``weights`` is not read."""
         frozen = any(not p.requires_grad for p in self.module.parameters())
         path, _ = self.engine.load_checkpoint(str(directory / "deepspeed"), tag=self._TAG, load_module_strict=not frozen,
                                               load_optimizer_states=True, load_lr_scheduler_states=False)

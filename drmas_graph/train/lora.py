@@ -212,7 +212,7 @@ class LoraUpdater:
         if missing or unknown:
             raise ConfigError(f"LoraUpdater {name!r}: agents without an adapter {missing}, unknown adapters {unknown} "
                               f"(the model's adapters: {sorted(model.peft_config)})")
-        self.model, self.name = model, name
+        self.model, self.name, self.settings = model, name, settings
         self.agent_adapters = {a: agent_adapters[a] for a in agent_settings}
         self.updaters: dict[str, ModelUpdater] = {}
         for adapter in dict.fromkeys(self.agent_adapters.values()):
@@ -261,25 +261,35 @@ class LoraUpdater:
             by_adapter[self.agent_adapters[s.agent]].append(s)
         return by_adapter
 
+    def full_weights(self) -> contextlib.AbstractContextManager:
+        """`ModelUpdater.full_weights` of every adapter's updater (ZeRO-3 gathers each adapter; collective)."""
+        stack = contextlib.ExitStack()
+        for updater in self.updaters.values():
+            stack.enter_context(updater.full_weights())
+        return stack
+
     def save(self, directory: str | os.PathLike) -> None:
-        """``directory/model``: every adapter in peft format; ``directory/adapters/<adapter>/``: each
-        updater's optimizer and RNG state. Collective, like `ModelUpdater.save`."""
+        """``directory/model/<adapter>/``: every adapter once, in peft format; ``directory/adapters/<adapter>/``:
+        each updater's optimizer and RNG state (`ModelUpdater.save_state`). Collective, like `ModelUpdater.save`."""
+        from drmas_graph.train._engines import _barrier, _rank
+
         directory = Path(directory)
+        with self.full_weights():
+            if _rank() == 0:
+                (directory / "model").mkdir(parents=True, exist_ok=True)
+                self.model.save_pretrained(directory / "model")
+        _barrier()
         for adapter, updater in self.updaters.items():
             self._activate(adapter)
-            updater.save(directory / "adapters" / adapter)
-        (directory / "model").mkdir(parents=True, exist_ok=True)
-        from drmas_graph.train._engines import _rank
-
-        if _rank() == 0:
-            self.model.save_pretrained(directory / "model")
+            updater.save_state(directory / "adapters" / adapter)
 
     def load(self, directory: str | os.PathLike) -> None:
-        """Restore what `save` wrote (adapters, optimizers, RNG)."""
+        """Restore what `save` wrote: the adapters (once), then each updater's optimizer and RNG state."""
         directory = Path(directory)
+        load_adapter_weights(self.model, directory / "model")
         for adapter, updater in self.updaters.items():
             self._activate(adapter)
-            updater.load(directory / "adapters" / adapter)
+            updater.load_state(directory / "adapters" / adapter, weights=None)
 
 
 def build_updater(model: Any, *, name: str, settings: UpdateSettings, agent_settings: Mapping[str, LossSettings],

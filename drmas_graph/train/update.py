@@ -252,6 +252,13 @@ class ModelUpdater:
             if _rank() == 0:
                 self.model.save_pretrained(directory / "model", safe_serialization=True)
         _barrier()
+        self.save_state(directory)
+
+    def save_state(self, directory: str | os.PathLike) -> None:
+        """`save` without the Hugging Face weights: the optimizer (a DeepSpeed checkpoint holds its own copy of
+        the trained parameters) and RNG state. `LoraUpdater` writes the adapters once, then this per adapter."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
         self._engine.save(directory)
         state = {"n_updates": self.n_updates, "torch_rng": torch.get_rng_state()}
         torch.save(state, directory / f"updater_state_rank{_rank()}.pt")
@@ -259,13 +266,18 @@ class ModelUpdater:
 
     def load(self, directory: str | os.PathLike) -> None:
         """Restore weights (in place), optimizer state and RNG written by `save`."""
+        self.load_state(directory, weights=Path(directory) / "model")
+
+    def load_state(self, directory: str | os.PathLike, *, weights: Path | None) -> None:
+        """Restore what `save_state` wrote; the torch backend also copies the Hugging Face weights at ``weights``
+        into the model (None: the caller restored them, as `LoraUpdater.load` does for all adapters at once)."""
         directory = Path(directory)
         state_file = directory / f"updater_state_rank{_rank()}.pt"
         if not state_file.exists():  # a rank the saving run did not have (resumed by more processes)
             state_file = directory / "updater_state_rank0.pt"  # takes rank 0's counters and RNG state
         if not state_file.exists():
             raise ConfigError(f"{state_file} not found: not a ModelUpdater checkpoint")
-        self._engine.load(directory)
+        self._engine.load(directory, weights=weights)
         state = torch.load(state_file, map_location="cpu", weights_only=True)
         self.n_updates = int(state["n_updates"])
         torch.set_rng_state(state["torch_rng"])
