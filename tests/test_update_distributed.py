@@ -1,5 +1,5 @@
-"""Two processes (torchrun, gloo, DeepSpeed ZeRO-2) each given part of the samples take exactly the step of
-one process given all of them."""
+"""Two processes (torchrun, gloo) each given part of the samples take exactly the step of one process given
+all of them: DeepSpeed ZeRO-2, and the torch backend with two mini-batches per update (one global shuffle)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from drmas_graph.train.update import ModelUpdater, UpdateSettings
-from tests._dist_worker import AGENT_SETTINGS, SETTINGS, build_model, checksum, make_samples
+from tests._dist_worker import AGENT_SETTINGS, CASES, SETTINGS, build_model, checksum, make_samples
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -26,13 +26,31 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def update_in_process(backend: str, zero_stage: int):
-    """The update of one process given all seven samples: (metrics, parameters)."""
+def update_in_process(backend: str, zero_stage: int, base: UpdateSettings = SETTINGS, n_updates: int = 1):
+    """The updates of one process given all seven samples: (metrics of the last, parameters, checksum)."""
     model = build_model()
     samples = make_samples(model)
-    settings = UpdateSettings(**{**vars(SETTINGS), "backend": backend, "zero_stage": zero_stage})
-    metrics = ModelUpdater(model, name="m", settings=settings, agent_settings=AGENT_SETTINGS).update(samples)
+    settings = UpdateSettings(**{**vars(base), "backend": backend, "zero_stage": zero_stage})
+    updater = ModelUpdater(model, name="m", settings=settings, agent_settings=AGENT_SETTINGS)
+    for _ in range(n_updates):
+        metrics = updater.update(samples)
     return metrics.to_dict(), {k: v.detach().clone() for k, v in model.state_dict().items()}, checksum(model)
+
+
+def run_workers(tmp_path: Path, case: str) -> tuple[dict, dict]:
+    """Two torchrun workers on CASE: (rank 0's result.json, its parameters)."""
+    # torchrun sets the rendezvous variables for its workers; drop any left by in-process DeepSpeed.
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    env["OMP_NUM_THREADS"] = "1"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+           str(ROOT / "tests" / "_dist_worker.py"), str(tmp_path), case]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-8000:]
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["world_size"] == 2
+    return result, torch.load(tmp_path / "params.pt", weights_only=True)
 
 
 @pytest.mark.slow
@@ -48,19 +66,7 @@ def test_two_process_zero2_update_equals_one_process_update(tmp_path):
     for key, value in want_params.items():
         torch.testing.assert_close(ds_params[key], value, atol=1e-6, rtol=0, msg=key)
 
-    # torchrun sets the rendezvous variables for its workers; drop any left by in-process DeepSpeed.
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    env["OMP_NUM_THREADS"] = "1"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-           str(ROOT / "tests" / "_dist_worker.py"), str(tmp_path)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-8000:]
-    result = json.loads((tmp_path / "result.json").read_text())
-    assert result["world_size"] == 2
-
-    got_params = torch.load(tmp_path / "params.pt", weights_only=True)
+    result, got_params = run_workers(tmp_path, "zero2")
     for key, value in want_params.items():
         torch.testing.assert_close(got_params[key], value, atol=1e-5, rtol=0, msg=key)
     assert result["checksum"] == pytest.approx(want_checksum, rel=1e-6)
@@ -70,3 +76,20 @@ def test_two_process_zero2_update_equals_one_process_update(tmp_path):
     for key in want:  # loss, pre-clip grad norm and every per-agent metric, over both processes
         assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-5), key
         assert ds_metrics[key] == pytest.approx(want[key], rel=1e-4, abs=1e-5), key
+
+
+@pytest.mark.slow
+def test_two_processes_form_the_mini_batches_of_one_process(tmp_path):
+    """n_minibatches: 2 over two updates (four optimizer steps): the shuffle that cuts the samples into
+    mini-batches is one for all processes, so 2 processes take the steps of 1 (a per-rank shuffle formed
+    other mini-batches: the second AdamW step then differs)."""
+    settings, n_updates = CASES["minibatches"]
+    want, want_params, want_checksum = update_in_process("torch", 0, settings, n_updates)
+    result, got_params = run_workers(tmp_path, "minibatches")
+    for key, value in want_params.items():
+        torch.testing.assert_close(got_params[key], value, atol=1e-5, rtol=0, msg=key)
+    assert result["checksum"] == pytest.approx(want_checksum, rel=1e-6)
+    got = result["metrics"]
+    assert got["model/m/n_minibatches"] == want["model/m/n_minibatches"] == 2
+    for key in want:
+        assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-5), key

@@ -4,7 +4,7 @@ One `ModelUpdater` owns one trainable model (``nn.Module``). Several agents may 
 setting): their samples are trained together, but every micro-batch holds samples of one agent only, so
 each agent's clip range, loss weight and micro-batch size (`LossSettings`) apply. Per iteration:
 
-    samples --seeded shuffle--> n_minibatches mini-batches (one optimizer step each)
+    samples --seeded shuffle (one for all processes)--> n_minibatches mini-batches (one optimizer step each)
     mini-batch --group by agent--> micro-batches (forward + backward each, gradients accumulate)
 
 Loss of one mini-batch M, with l_bt the per-token loss (PPO clipped surrogate with dual clip, see
@@ -19,8 +19,9 @@ the micro-batch size. Samples of agents with loss weight 0 are not counted in n(
 metrics). With KL and entropy off, samples whose advantage is exactly 0 (zero-variance groups) are not
 forwarded at all: their gradient is exactly 0, and they still count in n(M), so the step is unchanged
 (per-token metrics then cover the forwarded samples). With P processes, n(M) is summed over all of them
-and each loss is multiplied by P (DeepSpeed and the torch backend average gradients over processes), so P
-processes each given 1/P of the samples take exactly the step of one process given all of them.
+and each loss is multiplied by P (DeepSpeed and the torch backend average gradients over processes), and the
+shuffle that cuts mini-batches is one global order of the step's samples, so P processes each given a
+contiguous block of the samples take exactly the steps of one process given all of them.
 
 Backends, chosen by `UpdateSettings.backend`:
 - "deepspeed": ``deepspeed.initialize`` with a client ``torch.optim.AdamW`` and ZeRO stage 0-3 (default 1).
@@ -287,12 +288,7 @@ class ModelUpdater:
     def _plan(self, samples: Sequence[Sample]) -> list[_MiniBatch]:
         """Shuffle (seeded), split into mini-batches, group each into one-agent micro-batches, and agree
         with the other processes on the normalizers and on the number of backward passes."""
-        n_global = int(_all_reduce([float(len(samples))], "SUM", self.device)[0])
-        n_minibatches = min(self.settings.n_minibatches, n_global)
-        order = list(range(len(samples)))
-        random.Random(f"{self.settings.seed}:{self.n_updates}:{_rank()}").shuffle(order)
-        chunks = [order[k * len(order) // n_minibatches:(k + 1) * len(order) // n_minibatches]
-                  for k in range(n_minibatches)]
+        chunks = self._minibatch_rows(len(samples))
         micro = [self._micro_batches(chunk, samples) for chunk in chunks]
         local_norms = [sum(self._norm_count(samples[i]) for i in chunk) for chunk in chunks]
         norms = _all_reduce(local_norms, "SUM", self.device)
@@ -300,6 +296,25 @@ class ModelUpdater:
         # a mini-batch empty on every process (fewer samples than processes x mini-batches) is skipped
         return [_MiniBatch(micro=[[samples[i] for i in rows] for rows in m], norm=norm, n_passes=int(n))
                 for m, norm, n in zip(micro, norms, passes) if n > 0]
+
+    def _minibatch_rows(self, n_local: int) -> list[list[int]]:
+        """This process's rows of each mini-batch, from one seeded shuffle of the step's samples on all processes.
+
+        Process r holds global rows [o_r, o_r + n_r) (o_r = n_0 + ... + n_{r-1}: the trainer gives each process a
+        contiguous block of whole groups, in order). The global order is a shuffle seeded by (seed, n_updates)
+        only, cut into ``n_minibatches`` equal parts; each process keeps its rows of each part. So P processes form
+        exactly the mini-batches of one process given all the samples.
+        """
+        world, rank = _world_size(), _rank()
+        counts = [0.0] * world
+        counts[rank] = float(n_local)
+        counts = [int(c) for c in _all_reduce(counts, "SUM", self.device)]
+        offset, n_global = sum(counts[:rank]), sum(counts)
+        n_minibatches = min(self.settings.n_minibatches, n_global)
+        order = list(range(n_global))
+        random.Random(f"{self.settings.seed}:{self.n_updates}:0").shuffle(order)  # ":0": the seed one process had
+        cuts = [order[k * n_global // n_minibatches:(k + 1) * n_global // n_minibatches] for k in range(n_minibatches)]
+        return [[g - offset for g in cut if offset <= g < offset + n_local] for cut in cuts]
 
     def _micro_batches(self, rows: Sequence[int], samples: Sequence[Sample], *,
                        skip_zero_advantage: bool = True) -> list[list[int]]:
