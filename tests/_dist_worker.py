@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from drmas_graph.testing import tiny_model, tiny_tokenizer
+from drmas_graph.train import _distributed
 from drmas_graph.types import Sample
 from drmas_graph.train.update import LossSettings, ModelUpdater, UpdateSettings
 
@@ -68,7 +69,7 @@ def main(outdir: Path, case: str) -> None:
     samples = make_samples(model)
     settings, n_updates = CASES[case]
     if settings.backend == "torch":  # DeepSpeed joins the launcher's process group itself; torch needs it joined
-        torch.distributed.init_process_group(backend="gloo")
+        _distributed.init_process_group(use_deepspeed=False)
     updater = ModelUpdater(model, name="m", settings=settings, agent_settings=AGENT_SETTINGS)
     start, end = SHARES[rank]
     for _ in range(n_updates):

@@ -9,6 +9,7 @@ import os
 import socket
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -57,8 +58,8 @@ def run_workers(tmp_path: Path, case: str) -> tuple[dict, dict]:
 @pytest.mark.filterwarnings("ignore:.*torch.jit.script_method.*:DeprecationWarning")
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed")
 def test_two_process_zero2_update_equals_one_process_update(tmp_path):
-    # In-process references first: the DeepSpeed one also builds DeepSpeed's shared-memory op (once, ~60 s on
-    # a fresh machine), so the two workers below load it instead of racing to build it.
+    # In-process references first. The DeepSpeed one also builds DeepSpeed's shared-memory op (once, ~60 s on
+    # a fresh machine); workers that find no build would build it themselves, one at a time (torch's lock).
     ds_metrics, ds_params, _ = update_in_process("deepspeed", 2)
     want, want_params, want_checksum = update_in_process("torch", 0)
     initial = build_model().state_dict()
@@ -93,3 +94,26 @@ def test_two_processes_form_the_mini_batches_of_one_process(tmp_path):
     assert got["model/m/n_minibatches"] == want["model/m/n_minibatches"] == 2
     for key in want:
         assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-5), key
+
+
+def test_a_gloo_process_group_is_left_before_the_interpreter_finalizes():
+    """A process that exits with its gloo group alive can die of SIGABRT ("terminate called without an
+    active exception": gloo threads take the GIL during finalization; 2 of 20 bare 2-process launches here,
+    and once this file's 2-process test). The group the updater joins is destroyed by an atexit handler,
+    which runs before finalization: a handler registered earlier (so run later) sees no group left."""
+    code = textwrap.dedent("""
+        import atexit, torch
+        from drmas_graph.train._engines import _import_deepspeed, _init_process_group
+        atexit.register(lambda: print("group alive at exit:", torch.distributed.is_initialized()))
+        _init_process_group(_import_deepspeed())
+        torch.distributed.all_reduce(torch.ones(3))
+        print("backend:", torch.distributed.get_backend())
+    """)
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "backend: gloo" in proc.stdout
+    assert "group alive at exit: False" in proc.stdout, proc.stdout

@@ -7,6 +7,7 @@ Both expose forward/backward/step/lr/save/load; `update.ModelUpdater` picks one 
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import math
 import os
@@ -72,6 +73,28 @@ def _init_process_group(deepspeed: Any) -> None:
         raise ConfigError(f"backend='deepspeed': environment has {', '.join(present)} but not "
                           f"{', '.join(missing)}; launch with torchrun or set all of {', '.join(_LAUNCHER_ENV)}")
     deepspeed.init_distributed()
+    destroy_gloo_group_at_exit()
+
+
+def destroy_gloo_group_at_exit() -> None:
+    """Leave a gloo process group before the interpreter finalizes (an ``atexit`` handler; registering twice
+    keeps one).
+
+    A process that exits with its gloo group alive can die of SIGABRT ("terminate called without an active
+    exception"): gloo's worker threads still release the last collective's tensors, which takes the GIL,
+    and a thread taking the GIL while the interpreter finalizes is ended by a forced unwind through C++ code
+    that cannot unwind. It hit a 2-process test on a busy machine (and 2 of 20 bare 2-process gloo launches
+    here); atexit handlers run before finalization starts. The NCCL backend aborts its communicators in its
+    own destructor, and destroying it while a peer may still run a collective can hang: it is left alone.
+    """
+    atexit.unregister(_destroy_gloo_group)
+    atexit.register(_destroy_gloo_group)
+
+
+def _destroy_gloo_group() -> None:
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized() and dist.get_backend() == "gloo":
+        dist.destroy_process_group()
 
 
 # --- engines: the two optimizer backends -------------------------------------------------------------------
