@@ -33,8 +33,9 @@ class Updater(Protocol):
         """`update` calls done (restored by `load`); seeds the mini-batch shuffle."""
         ...
 
-    def update(self, samples: Sequence[Sample]) -> Any:
-        """Train on this process's share of the step's samples; metrics with ``to_dict()``. Collective."""
+    def update(self, samples: Sequence[Sample], *, old_logprobs: str = "given") -> Any:
+        """Train on this process's share of the step's samples; metrics with ``to_dict()``. Collective.
+        ``old_logprobs``: "given" (the samples') or "current" (the update's own, detached: on-policy)."""
         ...
 
     def compute_logprobs(self, samples: Sequence[Sample]) -> list[torch.Tensor]:
