@@ -1,19 +1,19 @@
 """One policy update, packed vs unpacked, on the CPU demo's workload and on a multi-turn one (and TRL's GRPO).
 
     python benchmarks/bench_update.py [--model auto|smollm2|tiny] [--tasks 4] [--group 8] [--repeats 2]
-        [--threads 2] [--no-trl] [--autocast]
+        [--episodes 2] [--rounds 8] [--threads 2] [--no-trl] [--autocast]
 
 Workloads (the same samples for every path):
 - demo: one training step of `graphs/math/demo.yaml` (math graph, solver + verifier, G = 8, the demo's
   update settings: DeepSpeed ZeRO-0, float32, micro-batches of 8), rolled out with the embedded policy in a
   child process (its engine thread must not share this process's OpenMP teams with the timed update).
   Model: SmolLM2-135M-Instruct when its safetensors cache exists (`--model auto`), else a tiny random Llama.
-- multi-turn: one agent, 8 tool rounds per episode, 4 episodes of one task: turn k's prompt is the system
-  prompt, the question and turns 1..k-1 (the call the agent made, the tool's result), as an agent loop that
-  appends to its context builds it (token ids concatenated: the prefix property a chat template that
-  re-renders the history preserves). Responses are tool calls of ~20 tokens, results ~30 tokens.
+- multi-turn: one agent, `--rounds` (8) tool rounds per episode, `--episodes` (2) episodes of one task: turn
+  k's prompt is the system prompt, the question and turns 1..k-1 (the call the agent made, the tool's
+  result), as an agent loop that appends to its context builds it (token ids concatenated: the prefix property
+  a chat template that re-renders the history preserves). Calls are ~20 tokens, results ~20 tokens.
 
-Paths, each from the same initial weights, timed after one warm-up update (median of `--repeats`):
+Paths, each from the same initial weights, timed after one warm-up update (fastest of `--repeats`):
 - unpacked: what the trainer did before prefix-shared packing: the old-logprob pass (`compute_logprobs`,
   `old_logprobs: auto` for an embedded policy) + the update on padded rows;
 - packed: the update on packed sequence trees with the old logprobs taken from its own forward pass
@@ -22,9 +22,10 @@ Paths, each from the same initial weights, timed after one warm-up update (media
 - trl: TRL's `GRPOTrainer.compute_loss` + backward over micro-batches of 8 and one AdamW step (its on-policy
   path: old logprobs = its own, detached; loss_type "bnpo" = token mean), when trl is installed.
 
-Printed: seconds per update, the tokens each forward pass computed, tokens/s (prompt + response tokens of the
-samples / seconds) and that rate as model FLOP/s (6 x parameters x tokens for forward + backward, +2 x for the
-old-logprob pass) against the machine's measured float32 matmul peak. The last line is the demo workload's
+Printed: seconds per update, the token positions its training passes computed (padding included; the
+old-logprob pass, when there is one, computes the padded rows once more), tokens/s (prompt + response tokens of the
+samples / seconds: what a user gets) and the FLOP/s the machine did (6 x parameters x computed token positions
+for forward + backward, +2 x for the old-logprob pass) against its measured float32 matmul peak. The last line is the demo workload's
 `update speedup packed/unpacked: X.XXx`.
 """
 
@@ -34,7 +35,6 @@ import argparse
 import copy
 import os
 import random
-import statistics
 import sys
 import tempfile
 import time
@@ -97,7 +97,7 @@ def demo_samples(model: str, tasks: int, group: int) -> list[Any]:
     return samples
 
 
-def multi_turn_samples(tokenizer: Any, *, episodes: int = 4, rounds: int = 8, seed: int = 0) -> list[Any]:
+def multi_turn_samples(tokenizer: Any, *, episodes: int, rounds: int, seed: int = 0) -> list[Any]:
     """`episodes` runs of one tool-using agent on one task, `rounds` tool calls each (module docstring)."""
     from drmas_graph.types import Sample
 
@@ -116,7 +116,7 @@ def multi_turn_samples(tokenizer: Any, *, episodes: int = 4, rounds: int = 8, se
         for k in range(rounds):
             query = " ".join(rng.choice(words) for _ in range(4))
             call = ids(f'<tool_call>{{"name": "search", "arguments": {{"query": "{query}"}}}}</tool_call>')
-            result = ids("<|im_end|>\n<|im_start|>tool\n" + " ".join(rng.choice(words) for _ in range(24))
+            result = ids("<|im_end|>\n<|im_start|>tool\n" + " ".join(rng.choice(words) for _ in range(12))
                          + "<|im_end|>\n<|im_start|>assistant\n")
             out.append(Sample(tuple(context), tuple(call), tuple(-rng.uniform(0.1, 3.0) for _ in call),
                               advantage=rng.choice((-1.0, 1.0)), agent="researcher", temperature=1.0,
@@ -144,7 +144,8 @@ def _agent_settings(cfg: Any, agents: set[str]) -> dict[str, Any]:
 
 def time_path(model: Any, samples: list[Any], settings: Any, agent_settings: dict[str, Any], *, recompute: bool,
               repeats: int) -> tuple[float, int]:
-    """(median seconds of an update after one warm-up, forward tokens of one update) of one path."""
+    """(fastest of `repeats` updates after one warm-up, token positions of its training passes) of one path.
+    The fastest, not the median: on a shared machine other work only ever adds time."""
     from drmas_graph.train._old_logprobs import with_trainer_logprobs
     from drmas_graph.train.update import ModelUpdater
 
@@ -160,11 +161,11 @@ def time_path(model: Any, samples: list[Any], settings: Any, agent_settings: dic
         if i:
             times.append(time.perf_counter() - start)
         forward = metrics.forward_tokens
-    return statistics.median(times), forward
+    return min(times), forward
 
 
 def time_trl(model: Any, tokenizer: Any, samples: list[Any], micro: int, repeats: int) -> float | None:
-    """TRL GRPOTrainer's loss + backward over micro-batches of `micro` samples and one AdamW step (median s)."""
+    """TRL GRPOTrainer's loss + backward over micro-batches of `micro` samples and one AdamW step (fastest s)."""
     try:
         import torch
         from datasets import Dataset
@@ -201,7 +202,7 @@ def time_trl(model: Any, tokenizer: Any, samples: list[Any], micro: int, repeats
         optimizer.zero_grad(set_to_none=True)
         if i:
             times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return min(times)
 
 
 def matmul_peak() -> float:
@@ -235,20 +236,23 @@ def run_workload(name: str, model: Any, tokenizer: Any, samples: list[Any], cfg:
     }
     print(f"\n{name}: {len(samples)} samples of {sorted(agents)}, {tokens} prompt + response tokens, "
           f"{len(build_distinct(samples))} distinct prefixes; model {n_params / 1e6:.1f}M parameters")
-    print(f"| path | s / update | forward tokens | tokens/s | model GFLOP/s (% of {peak:.0f} measured peak) | what |")
+    print(f"| path | s / update | tokens in the training passes | tokens/s | model GFLOP/s (% of {peak:.0f} measured peak) "
+          "| what |")
     print("|---|---|---|---|---|---|")
     seconds = {}
     for path, (changes, recompute, what) in paths.items():
         s, forward = time_path(model, samples, _settings(cfg, **changes, **extra), _agent_settings(cfg, agents),
                                recompute=recompute, repeats=args.repeats)
         seconds[path] = s
-        flops = (6 + (2 if recompute else 0)) * n_params * tokens / s / 1e9
+        flops = (6 + (2 if recompute else 0)) * n_params * forward / s / 1e9  # what the machine computed
         print(f"| {path} | {s:.2f} | {forward} | {tokens / s:.0f} | {flops:.1f} ({100 * flops / peak:.1f}%) | {what} |")
     if args.trl:
         s = time_trl(model, tokenizer, samples, 8, args.repeats)
         if s is not None:
             seconds["trl"] = s
-            flops = 6 * n_params * tokens / s / 1e9
+            padded = sum(max(len(x.prompt_ids) for x in b) + max(len(x.response_ids) for x in b)
+                         for b in (samples[k:k + 8] for k in range(0, len(samples), 8)) for _ in b)
+            flops = 6 * n_params * padded / s / 1e9
             print(f"| trl GRPOTrainer | {s:.2f} | - | {tokens / s:.0f} | {flops:.1f} ({100 * flops / peak:.1f}%) | "
                   "its loss + backward, micro-batches of 8, one AdamW step |")
     speedup = seconds["unpacked"] / seconds["packed"]
@@ -286,6 +290,8 @@ def main() -> None:
     parser.add_argument("--tasks", type=int, default=4)
     parser.add_argument("--group", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--episodes", type=int, default=2, help="multi-turn workload: episodes of the task")
+    parser.add_argument("--rounds", type=int, default=8, help="multi-turn workload: tool rounds per episode")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
     parser.add_argument("--no-trl", dest="trl", action="store_false")
     parser.add_argument("--autocast", action="store_true", help="run every path's forward passes under bf16 autocast")
@@ -302,7 +308,8 @@ def main() -> None:
     peak = matmul_peak()
     print(f"model {choice}, {torch.get_num_threads()} torch threads, measured float32 matmul peak {peak:.0f} GFLOP/s"
           + (", bf16 autocast" if args.autocast else ""))
-    multi = run_workload("multi-turn", model, tokenizer, multi_turn_samples(tokenizer), cfg, args, peak)
+    multi = run_workload("multi-turn", model, tokenizer,
+                         multi_turn_samples(tokenizer, episodes=args.episodes, rounds=args.rounds), cfg, args, peak)
     demo = run_workload("demo", model, tokenizer, samples, cfg, args, peak)
     print(f"multi-turn update speedup packed/unpacked: {multi:.2f}x")
     print(f"update speedup packed/unpacked: {demo:.2f}x")

@@ -325,3 +325,20 @@ def test_current_old_logprobs_need_one_optimizer_step(samples):
         run(samples, old_logprobs="current", n_minibatches=2)
     with pytest.raises(ConfigError, match=r"valid values are given, current"):
         run(samples, old_logprobs="trainer")
+
+
+# --- CUDA: the same code path (runs where a GPU is available) ----------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_packed_update_on_cuda_takes_the_padded_step(samples, attn):
+    """The mask is built on the model's device; SDPA and eager take it on CUDA as on CPU (float32 here)."""
+    def cuda_run(pack: bool):
+        return run(samples, model=build_model().cuda(), pack_prefixes=pack, attn_implementation=attn)
+
+    padded, packed = cuda_run(False), cuda_run(True)
+    assert packed[0].packed
+    cpu = lambda r: (r[0], {k: v.cpu() for k, v in r[1].items()}, {k: v.cpu() for k, v in r[2].items()})  # noqa: E731
+    assert_same_step(cpu(padded), cpu(packed), initial_params())
