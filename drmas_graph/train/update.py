@@ -345,7 +345,9 @@ class ModelUpdater:
 
     def _micro_batches(self, rows: Sequence[int], samples: Sequence[Sample], *,
                        skip_zero_advantage: bool = True) -> list[list[int]]:
-        """Rows grouped by agent (agents in order of first appearance), cut by each agent's micro_batch_size.
+        """Rows grouped by agent (agents in order of first appearance), cut by each agent's micro_batch_size
+        (or ``max_tokens_per_micro_batch``) into padded rows; with packing, into sequence trees of at most
+        `_packing.max_nodes` positions for the same budget (`_packing.pack_rows`).
 
         For training (``skip_zero_advantage``) with KL and entropy off, a sample with advantage exactly 0 has
         loss 0 and gradient 0 (every PPO branch is -A * ratio), so it is not forwarded; it still counts in
