@@ -50,7 +50,7 @@ class LossConfig(_Strict):
     clip_high: float = Field(0.2, ge=0, description="PPO clip: ratio upper bound is 1 + clip_high.")
     dual_clip: float | None = Field(3.0, gt=1, description="Dual-clip constant c > 1 for negative advantages; null disables.")
     loss_weight: float = Field(1.0, ge=0, allow_inf_nan=False, description="Multiplies this agent's loss (0 = the agent is served but not trained).")
-    micro_batch_size: int = Field(4, ge=1, description="Samples per forward/backward pass.")
+    micro_batch_size: int = Field(4, ge=1, description="Samples per forward/backward pass on padded rows; packed (update.pack_prefixes), a micro-batch holds at most the tokens and attention scores of this many of the agent's longest samples.")
 
 
 class UpdateConfig(_Strict):
@@ -71,8 +71,9 @@ class UpdateConfig(_Strict):
     offload_optimizer: bool = Field(False, description="Keep optimizer state and float32 master weights in CPU memory and step there (DeepSpeed ZeRO-Offload; needs zero_stage >= 1).")
     gradient_checkpointing: bool = Field(False, description="Recompute each layer's activations in the backward pass instead of keeping them (less memory, ~30% more compute).")
     attn_implementation: str | None = Field(None, description="Attention kernel of the trained model (eager, sdpa, flash_attention_2, ...); embedded policies generate with it too. null = the model's own.")
-    max_tokens_per_micro_batch: int | None = Field(None, ge=1, description="Size micro-batches in tokens: samples sorted by length are packed while rows x longest prompt+response stays within this; null = micro_batch_size samples.")
+    max_tokens_per_micro_batch: int | None = Field(None, ge=1, description="Size micro-batches in tokens: samples sorted by length are packed while rows x longest prompt+response stays within this (packed trees: while nodes^2 <= this x longest); null = micro_batch_size samples.")
     kl_reference: Literal["offload", "device"] = Field("offload", description="Where the frozen KL reference copy lives (kl_coef > 0): offload = CPU memory, moved to the device for one pass per update; device = stays there.")
+    pack_prefixes: bool = Field(True, description="Compute each distinct token once: a micro-batch's samples are packed into one sequence tree (a group's shared prompt, an agent's earlier turns inside its later prompts), with a tree attention mask (eager/sdpa; other models fall back to padded rows, logged); false = padded rows.")
     autocast: Literal["bf16"] | None = Field(None, description="bf16: the trainer's forward passes of a float32 model run under bfloat16 autocast (see the logprob_mismatch metric); null = off.")
 
     @field_validator("loss_agg")
@@ -245,7 +246,7 @@ class TrainConfig(_Strict):
     estimator: str = Field("agent", description="Advantage estimator: agent (Dr. MAS) | episode_global (vanilla GRPO) | step_global | agent_turn.")
     norm_by_std: bool = Field(True, description="Divide advantages by the pool's std (false = mean-only, Dr.GRPO style).")
     adv_eps: float = Field(1e-6, gt=0, description="eps in (R - mu) / (sigma + eps).")
-    old_logprobs: Literal["auto", "rollout", "trainer"] = Field("auto", description="Logprobs in the PPO ratio's denominator: rollout = as the rollout backend returned them; trainer = recomputed by the trainer's model before the update (one forward pass per sample; the update then does not depend on how requests were batched, so weights are identical at any max_concurrency); auto = trainer for embedded policies, rollout for served ones.")
+    old_logprobs: Literal["auto", "rollout", "trainer"] = Field("auto", description="Logprobs in the PPO ratio's denominator: rollout = as the rollout backend returned them; trainer = the trainer's model's own (the update then does not depend on how requests were batched, so weights are identical at any max_concurrency): with update.n_minibatches 1 the update's own forward pass, detached (no extra pass), else recomputed in one forward pass per sample before the update; auto = trainer for embedded policies, rollout for served ones.")
     invalid_penalty: float | None = Field(None, description="Reward subtracted per invalid turn; null = the environment's `invalid_penalty` (0 if none).")
     success_threshold: float = Field(1.0, description="An episode succeeds (avg@k, pass@k) when its team reward is >= this.")
     checkpoint_every: int = Field(0, ge=0, description="Save a checkpoint every N steps (and at the end); 0 = only at the end.")

@@ -148,7 +148,9 @@ def test_save_load_resumes_every_adapter_exactly(tmp_path, backend):
     straight = updater(model, backend)
     straight.update(samples)
     straight.save(tmp_path / "ckpt")
-    assert (tmp_path / "ckpt" / "model" / "verifier" / "adapter_model.safetensors").exists()
+    # every adapter is stored once, in peft format under model/ (was N + 1 copies: one per updater too)
+    stored = sorted(str(p.relative_to(tmp_path / "ckpt")) for p in (tmp_path / "ckpt").rglob("adapter_model.*"))
+    assert stored == ["model/solver/adapter_model.safetensors", "model/verifier/adapter_model.safetensors"]
     straight.update(samples)
     expected = groups(model)
 
@@ -262,6 +264,28 @@ def test_train_graph_trains_one_adapter_per_agent_over_a_frozen_base(tmp_path):
     with TraceStore(tmp_path / "run" / "traces.db", readonly=True) as store:
         episode = store.load_episode(store.episodes(step=1)[0].id)
         assert {t.agent: t.sampling.adapter for t in episode.turns} == {"solver": "solver", "verifier": "verifier"}
+
+
+def test_a_resumed_lora_run_gives_the_weights_of_the_uninterrupted_run(tmp_path):
+    """`resume: true` of a LoRA run (it crashed: the resume check read `settings`, which LoraUpdater lacked)."""
+    from drmas_graph.train.trainer import Trainer
+    from tests import _graphs
+    from tests._envs import ParityEnv
+    from tests.test_instrument import Unreachable
+
+    def run(run_dir, steps, resume=False):
+        cfg = config(tmp_path, run_dir=str(tmp_path / run_dir), steps=steps, resume=resume, checkpoint_every=1)
+        trainer = Trainer(_graphs.solver_verifier(Unreachable()).compile(), ParityEnv(), cfg)
+        try:
+            return trainer.run(), groups(trainer.train_models["m"])
+        finally:
+            trainer.close()
+
+    _, want = run("straight", 2)
+    run("killed", 1)
+    resumed, got = run("killed", 2, resume=True)
+    assert [r["step"] for r in resumed.history] == [1]
+    assert moved(want, got) == set()  # bit for bit, every adapter and the base
 
 
 # --- served policies ---------------------------------------------------------------------------------------

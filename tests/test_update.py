@@ -713,7 +713,8 @@ def test_memory_options_take_the_same_step(rollout, changes):
 
 def test_micro_batches_sized_in_tokens(rollout):
     samples = with_lengths(rollout, [3, 12, 7, 1, 10, 5])
-    updater = ModelUpdater(fresh_model(), name="m", settings=settings(max_tokens_per_micro_batch=60))
+    updater = ModelUpdater(fresh_model(), name="m", settings=settings(max_tokens_per_micro_batch=60,
+                                                                      pack_prefixes=False))
     lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
     micro = updater._micro_batches(list(range(6)), samples)
     assert sorted(i for m in micro for i in m) == list(range(6))
@@ -722,8 +723,35 @@ def test_micro_batches_sized_in_tokens(rollout):
         assert len(m) == 1 or len(m) * max(lengths[i] for i in m) <= 60, (m, lengths)
     assert any(len(m) > 1 for m in micro)
     # a sample longer than the budget is trained alone, not dropped
-    alone = ModelUpdater(fresh_model(), name="m", settings=settings(max_tokens_per_micro_batch=5))
+    alone = ModelUpdater(fresh_model(), name="m", settings=settings(max_tokens_per_micro_batch=5, pack_prefixes=False))
     assert sorted(alone._micro_batches(list(range(6)), samples)) == [[i] for i in range(6)]
+
+
+def test_packed_micro_batches_stay_within_the_padded_memory(rollout):
+    """Packed: a micro-batch's trie has N <= sqrt(budget x L) nodes (activations ~N <= budget, attention
+    scores ~N^2 <= budget x L, what padded rows of at most L tokens within the budget hold)."""
+    from drmas_graph.train._packing import build_tree, sequences_of
+
+    samples = with_lengths(rollout, [3, 12, 7, 1, 10, 5])
+    lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
+    for budget, micro_size in ((60, 4), (None, 2), (None, 8)):
+        updater = ModelUpdater(fresh_model(), name="m", settings=settings(max_tokens_per_micro_batch=budget),
+                               agent_settings={a: LossSettings(micro_batch_size=micro_size) for a in ("solver", "verifier")})
+        micro = updater._micro_batches(list(range(6)), samples)
+        assert sorted(i for m in micro for i in m) == list(range(6))
+        for m in micro:
+            agent_rows = [i for i in range(6) if samples[i].agent == samples[m[0]].agent]
+            longest = max(lengths[i] for i in agent_rows)
+            nodes = len(build_tree(sequences_of([samples[i] for i in m])).tokens_N)
+            assert len({samples[i].agent for i in m}) == 1
+            assert len(m) == 1 or nodes**2 <= (budget or micro_size * longest) * longest, (m, nodes)
+    # the two samples of each prompt share it: packed they cost their distinct tokens only
+    both = [s for s in rollout if s.prompt_ids == rollout[0].prompt_ids]
+    tree = build_tree(sequences_of(both))
+    shared = len(both[0].prompt_ids) + next(k for k, (a, b) in enumerate(zip(both[0].response_ids, both[1].response_ids))
+                                            if a != b)
+    assert len(tree.tokens_N) == sum(lengths_ := [len(s.prompt_ids) + len(s.response_ids) for s in both]) - shared
+    assert max(tree.depth_N) == max(lengths_) - 1
 
 
 def test_offloaded_kl_reference_equals_the_device_copy(rollout):

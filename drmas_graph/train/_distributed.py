@@ -101,7 +101,10 @@ def init_process_group(use_deepspeed: bool) -> None:
 
         _init_process_group(_import_deepspeed())
     else:
+        from drmas_graph.train._engines import destroy_gloo_group_at_exit
+
         torch.distributed.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo")
+        destroy_gloo_group_at_exit()
 
 
 def shutdown() -> None:

@@ -7,6 +7,7 @@ Both expose forward/backward/step/lr/save/load; `update.ModelUpdater` picks one 
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import math
 import os
@@ -63,6 +64,28 @@ def _init_process_group(deepspeed: Any) -> None:
         raise ConfigError(f"backend='deepspeed': environment has {', '.join(present)} but not "
                           f"{', '.join(missing)}; launch with torchrun or set all of {', '.join(_LAUNCHER_ENV)}")
     deepspeed.init_distributed()
+    destroy_gloo_group_at_exit()
+
+
+def destroy_gloo_group_at_exit() -> None:
+    """Leave a gloo process group before the interpreter finalizes (an ``atexit`` handler; registering twice
+    keeps one).
+
+    A process that exits with its gloo group alive can die of SIGABRT ("terminate called without an active
+    exception"): gloo's worker threads still release the last collective's tensors, which takes the GIL,
+    and a thread taking the GIL while the interpreter finalizes is ended by a forced unwind through C++ code
+    that cannot unwind. It hit a 2-process test on a busy machine (and 2 of 20 bare 2-process gloo launches
+    here); atexit handlers run before finalization starts. The NCCL backend aborts its communicators in its
+    own destructor, and destroying it while a peer may still run a collective can hang: it is left alone.
+    """
+    atexit.unregister(_destroy_gloo_group)
+    atexit.register(_destroy_gloo_group)
+
+
+def _destroy_gloo_group() -> None:
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized() and dist.get_backend() == "gloo":
+        dist.destroy_process_group()
 
 
 # --- engines: the two optimizer backends -------------------------------------------------------------------
@@ -172,8 +195,11 @@ class _TorchEngine:
                         "loss_scale": (self.loss_scale.scale, self.loss_scale.good_steps)},
                        directory / "optimizer.pt")
 
-    def load(self, directory: Path) -> None:
-        _load_hf_weights(self.module, directory / "model")
+    def load(self, directory: Path, *, weights: Path | None) -> None:
+        """Optimizer state and float32 masters from ``directory``; the weights from the Hugging Face folder
+        ``weights`` (None: already in the module)."""
+        if weights is not None:
+            _load_hf_weights(self.module, weights)
         state = torch.load(directory / "optimizer.pt", map_location="cpu", weights_only=True)
         self.optimizer.load_state_dict(state["optimizer"])
         with torch.no_grad():
@@ -337,7 +363,8 @@ class _DeepSpeedEngine:
         # frozen parameters (a LoRA model's base) are not saved: they never change
         self.engine.save_checkpoint(str(directory / "deepspeed"), tag=self._TAG, exclude_frozen_parameters=True)
 
-    def load(self, directory: Path) -> None:
+    def load(self, directory: Path, *, weights: Path | None) -> None:
+        """The DeepSpeed checkpoint holds the trained parameters itself: ``weights`` is not read."""
         frozen = any(not p.requires_grad for p in self.module.parameters())
         path, _ = self.engine.load_checkpoint(str(directory / "deepspeed"), tag=self._TAG, load_module_strict=not frozen,
                                               load_optimizer_states=True, load_lr_scheduler_states=False)

@@ -9,13 +9,14 @@
   Peak memory of the head: C x V floats instead of B x L x V (float32 logits at V = 152k, L = 4k are
   2.4 GB per sequence). Entropy is computed only when asked (its coefficient is > 0).
 
-Both give the same numbers (`token_logprobs` and `entropy_from_logits` on the same logits / T rows).
-Axes: _B rows, _L prompt+response positions, _T response tokens, _N valid response tokens, _H hidden, _V vocab.
+Both give the same numbers (`token_logprobs` and `entropy_from_logits` on the same logits / T rows), on padded
+rows (`collate`) or on one packed row of the samples' trie (`collate_packed`).
+Axes: _B samples, _L prompt+response positions, _T response tokens, _N valid response tokens, _H hidden, _V vocab.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,21 +24,26 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from drmas_graph.errors import ConfigError
+from drmas_graph.train._packing import build_tree, sequences_of, tree_inputs
 from drmas_graph.train.losses import entropy_from_logits, token_logprobs
 from drmas_graph.types import Sample
 
-__all__ = ["Batch", "check_chunked_head", "collate", "response_token_stats"]
+__all__ = ["Batch", "check_chunked_head", "collate", "collate_packed", "response_token_stats"]
 
 
 @dataclass(frozen=True)
 class Batch:
-    """A right-padded micro-batch of one agent: row b is prompt + response of sample b."""
+    """A micro-batch of one agent: the model's forward inputs and, per sample b, its response tokens.
+
+    The inputs are right-padded rows (row b = prompt + response of sample b, `collate`) or one packed row
+    holding the trie of all the samples (`collate_packed`, `drmas_graph.train._packing`).
+    """
 
     agent: str
-    input_ids_BL: torch.Tensor
-    attention_mask_BL: torch.Tensor
+    inputs: Mapping[str, torch.Tensor]
+    """Forward kwargs: input_ids [R, L] and attention_mask ([R, L], or [1, 1, N, N] packed), position_ids if packed."""
     logit_index_BT: torch.Tensor
-    """Position whose logits predict response token t: len(prompt) - 1 + t."""
+    """Flat position (row x L + column) whose logits predict response token t of sample b (0 at padding)."""
     response_ids_BT: torch.Tensor
     old_logprobs_BT: torch.Tensor
     mask_BT: torch.Tensor
@@ -48,33 +54,59 @@ class Batch:
     def n_tokens(self) -> int:
         return int(self.mask_BT.sum())
 
+    @property
+    def n_positions(self) -> int:
+        """Token positions the forward pass computes (padding included)."""
+        return int(self.inputs["input_ids"].numel())
+
+
+def _per_sample(samples: Sequence[Sample], device: torch.device, pad_id: int) -> dict[str, torch.Tensor]:
+    """The [B, T] / [B] tensors of `Batch` that do not depend on the layout, T = the longest response."""
+    B, T = len(samples), max(1, max(len(s.response_ids) for s in samples))
+    response_ids_BT = torch.full((B, T), pad_id, dtype=torch.long)
+    old_logprobs_BT = torch.zeros((B, T), dtype=torch.float32)
+    mask_BT = torch.zeros((B, T), dtype=torch.bool)
+    for b, s in enumerate(samples):
+        R = len(s.response_ids)
+        response_ids_BT[b, :R] = torch.tensor(s.response_ids, dtype=torch.long)
+        old_logprobs_BT[b, :R] = torch.tensor(s.old_logprobs, dtype=torch.float32)
+        mask_BT[b, :R] = True
+    return {"response_ids_BT": response_ids_BT.to(device), "old_logprobs_BT": old_logprobs_BT.to(device),
+            "mask_BT": mask_BT.to(device),
+            "advantages_B": torch.tensor([s.advantage for s in samples], dtype=torch.float32, device=device),
+            "temperatures_B": torch.tensor([s.temperature or 1.0 for s in samples], dtype=torch.float32,
+                                           device=device)}
+
 
 def collate(samples: Sequence[Sample], *, pad_id: int, device: torch.device) -> Batch:
+    """Right-padded rows, one per sample."""
     B = len(samples)
     L = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
     T = max(1, max(len(s.response_ids) for s in samples))
     input_ids_BL = torch.full((B, L), pad_id, dtype=torch.long)
     attention_mask_BL = torch.zeros((B, L), dtype=torch.long)
-    response_ids_BT = torch.full((B, T), pad_id, dtype=torch.long)
-    old_logprobs_BT = torch.zeros((B, T), dtype=torch.float32)
-    mask_BT = torch.zeros((B, T), dtype=torch.bool)
     logit_index_BT = torch.zeros((B, T), dtype=torch.long)
     for b, s in enumerate(samples):
         P, R = len(s.prompt_ids), len(s.response_ids)
         input_ids_BL[b, : P + R] = torch.tensor(s.prompt_ids + s.response_ids, dtype=torch.long)
         attention_mask_BL[b, : P + R] = 1
-        response_ids_BT[b, :R] = torch.tensor(s.response_ids, dtype=torch.long)
-        old_logprobs_BT[b, :R] = torch.tensor(s.old_logprobs, dtype=torch.float32)
-        mask_BT[b, :R] = True
-        logit_index_BT[b] = (P - 1 + torch.arange(T)).clamp(max=L - 1)
-    return Batch(
-        agent=samples[0].agent,
-        input_ids_BL=input_ids_BL.to(device), attention_mask_BL=attention_mask_BL.to(device),
-        logit_index_BT=logit_index_BT.to(device), response_ids_BT=response_ids_BT.to(device),
-        old_logprobs_BT=old_logprobs_BT.to(device), mask_BT=mask_BT.to(device),
-        advantages_B=torch.tensor([s.advantage for s in samples], dtype=torch.float32, device=device),
-        temperatures_B=torch.tensor([s.temperature or 1.0 for s in samples], dtype=torch.float32, device=device),
-    )
+        logit_index_BT[b] = b * L + (P - 1 + torch.arange(T)).clamp(max=L - 1)
+    return Batch(agent=samples[0].agent, inputs={"input_ids": input_ids_BL.to(device),
+                                                 "attention_mask": attention_mask_BL.to(device)},
+                 logit_index_BT=logit_index_BT.to(device), **_per_sample(samples, device, pad_id))
+
+
+def collate_packed(samples: Sequence[Sample], *, pad_id: int, device: torch.device, mask_kind: str,
+                   dtype: torch.dtype) -> Batch:
+    """One packed row: the trie of the samples' prompt + response sequences (`drmas_graph.train._packing`)."""
+    tree = build_tree(sequences_of(samples))
+    T = max(1, max(len(s.response_ids) for s in samples))
+    logit_index_BT = torch.zeros((len(samples), T), dtype=torch.long)
+    for b, (s, path) in enumerate(zip(samples, tree.paths)):
+        P, R = len(s.prompt_ids), len(s.response_ids)
+        logit_index_BT[b, :R] = torch.tensor(path[P - 1: P - 1 + R], dtype=torch.long)
+    return Batch(agent=samples[0].agent, inputs=tree_inputs(tree, mask_kind=mask_kind, dtype=dtype, device=device),
+                 logit_index_BT=logit_index_BT.to(device), **_per_sample(samples, device, pad_id))
 
 
 def response_token_stats(forward: Callable[..., Any], batch: Batch, *, lm_head: torch.nn.Module | None,
@@ -88,13 +120,11 @@ def response_token_stats(forward: Callable[..., Any], batch: Batch, *, lm_head: 
         logits_BTV = _response_logits(forward, batch)
         entropy_BT = entropy_from_logits(logits_BTV) if with_entropy else None
         return token_logprobs(logits_BTV, batch.response_ids_BT), entropy_BT
-    out = forward(input_ids=batch.input_ids_BL, attention_mask=batch.attention_mask_BL, use_cache=False,
-                  logits_to_keep=1, output_hidden_states=True)
+    out = forward(**batch.inputs, use_cache=False, logits_to_keep=1, output_hidden_states=True)
     hidden_BLH = out.hidden_states[-1]
     del out
     mask_BT = batch.mask_BT
-    index_BTH = batch.logit_index_BT.unsqueeze(-1).expand(-1, -1, hidden_BLH.shape[-1])
-    hidden_NH = hidden_BLH.gather(1, index_BTH)[mask_BT]
+    hidden_NH = hidden_BLH.reshape(-1, hidden_BLH.shape[-1])[batch.logit_index_BT[mask_BT]]
     ids_N = batch.response_ids_BT[mask_BT]
     temps_N = batch.temperatures_B[:, None].expand_as(mask_BT)[mask_BT]
     logprobs, entropies = [], []
@@ -127,9 +157,9 @@ def _scatter(mask_BT: torch.Tensor, chunks: list[torch.Tensor], like: torch.Tens
 
 def _response_logits(forward: Callable[..., Any], batch: Batch) -> torch.Tensor:
     """Logits / T at the response positions, float32, [B, T, V]: softmax of them is the sampling law."""
-    logits_BLV = forward(input_ids=batch.input_ids_BL, attention_mask=batch.attention_mask_BL, use_cache=False).logits
-    index_BTV = batch.logit_index_BT.unsqueeze(-1).expand(-1, -1, logits_BLV.shape[-1])
-    return logits_BLV.gather(1, index_BTV).float() / batch.temperatures_B[:, None, None]
+    logits_BLV = forward(**batch.inputs, use_cache=False).logits
+    logits_BTV = logits_BLV.reshape(-1, logits_BLV.shape[-1])[batch.logit_index_BT]
+    return logits_BTV.float() / batch.temperatures_B[:, None, None]
 
 
 @torch.no_grad()

@@ -2,10 +2,12 @@
 
 An embedded policy's rollout logprobs differ from the trainer's own only by floating-point noise that
 depends on which requests its dynamic batcher decoded together, i.e. on timing (padding and batch shape
-change the summation order). Recomputed with the updater's model, which holds the weights that generated
-them, they make the update, and so the weights, independent of `max_concurrency`. Served policies keep
-their rollout logprobs by default: there the gap is a real mismatch (another engine, maybe another
-precision) that the importance ratio should see.
+change the summation order). The trainer's own, from the updater's model, which holds the weights that
+generated them, make the update, and so the weights, independent of `max_concurrency`. With one optimizer
+step per update (``n_minibatches: 1``) they are the update's own logprobs, detached
+(``ModelUpdater.update(old_logprobs="current")``: no separate pass); with several steps they are recomputed
+here before the first one. Served policies keep their rollout logprobs by default: there the gap is a real
+mismatch (another engine, maybe another precision) that the importance ratio should see.
 """
 
 from __future__ import annotations

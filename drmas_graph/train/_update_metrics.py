@@ -42,9 +42,13 @@ class AgentUpdateMetrics:
     advantage_std: float
     """Population standard deviation of the advantages."""
     logprob_mismatch: float
-    """Mean |old_logprob - logprob| on the first mini-batch before any step: rollout vs trainer numerics."""
+    """Mean |old_logprob - logprob| on the first mini-batch before any step, old_logprob being the samples'
+    recorded one (the rollout's, or the trainer's recomputation): rollout vs trainer numerics."""
     kl_ref: float | None = None
     """Mean k3 KL to the reference model (only when kl_coef > 0)."""
+    rollout_logprob_gap: float | None = None
+    """Mean |rollout - trainer| logprob on the first mini-batch, when the ratio's old logprobs are the update's own
+    (old_logprobs='current'); the trainer reports it itself when it recomputes them."""
 
 
 @dataclass(frozen=True)
@@ -67,13 +71,19 @@ class UpdateMetrics:
     """Response tokens processed (all processes)."""
     n_minibatches: int
     """Optimizer steps taken."""
+    forward_tokens: int = 0
+    """Token positions the training forward passes computed (all processes): padded rows x length, or the
+    distinct prefixes of packed micro-batches."""
+    packed: bool = False
+    """Whether micro-batches were packed into sequence trees (`update.pack_prefixes` and a model that takes it)."""
     agents: Mapping[str, AgentUpdateMetrics] = field(default_factory=dict)
     """Per-agent metrics, by agent name."""
 
     def to_dict(self) -> dict[str, float]:
         """Flat keys: ``model/<name>/grad_norm``, ``agent/<agent>/pg_loss``, ..."""
         out: dict[str, float] = {}
-        for key in ("loss", "grad_norm", "grad_norm_max", "lr", "n_samples", "n_tokens", "n_minibatches"):
+        for key in ("loss", "grad_norm", "grad_norm_max", "lr", "n_samples", "n_tokens", "n_minibatches",
+                    "forward_tokens", "packed"):
             out[f"model/{self.model}/{key}"] = float(getattr(self, key))
         for agent, metrics in self.agents.items():
             for key, value in vars(metrics).items():
@@ -129,7 +139,8 @@ def _tally_samples(tally: _Tally, samples: Sequence[Sample]) -> None:
         tally.add(("agent", s.agent, "advantage_sq"), s.advantage**2)
 
 
-def _agent_metrics(tally: _Tally, agent: str, with_kl: bool, with_entropy: bool) -> AgentUpdateMetrics:
+def _agent_metrics(tally: _Tally, agent: str, with_kl: bool, with_entropy: bool,
+                   rollout_gap: bool) -> AgentUpdateMetrics:
     def mean(name: str) -> float:
         return tally.mean(("agent", agent, name))
 
@@ -141,4 +152,5 @@ def _agent_metrics(tally: _Tally, agent: str, with_kl: bool, with_entropy: bool)
         response_length=mean("response_length"), advantage_mean=adv_mean,
         advantage_std=math.sqrt(max(mean("advantage_sq") - adv_mean**2, 0.0)),
         logprob_mismatch=mean("logprob_mismatch"), kl_ref=mean("kl_ref") if with_kl else None,
+        rollout_logprob_gap=mean("rollout_logprob_gap") if rollout_gap else None,
     )

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -31,12 +32,15 @@ import torch
 from drmas_graph.config import check_adapter_name
 from drmas_graph.engine._adapters import is_peft_model, load_adapter_weights
 from drmas_graph.errors import ConfigError
+from drmas_graph.train._packing import check_packing
 
 if TYPE_CHECKING:
     from drmas_graph.config import AgentConfig, LoraConfig
     from drmas_graph.types import Sample
     from drmas_graph.train._settings import LossSettings, UpdateSettings
     from drmas_graph.train._update_metrics import UpdateMetrics
+
+log = logging.getLogger(__name__)
 
 __all__ = ["attach_adapters", "base_forward", "build_updater", "LoraUpdater", "LoraUpdateMetrics",
            "load_checkpoint_adapters", "merged_state_dict", "save_for_sync", "save_merged"]
@@ -212,15 +216,22 @@ class LoraUpdater:
         if missing or unknown:
             raise ConfigError(f"LoraUpdater {name!r}: agents without an adapter {missing}, unknown adapters {unknown} "
                               f"(the model's adapters: {sorted(model.peft_config)})")
-        self.model, self.name = model, name
+        self.model, self.name, self.settings = model, name, settings
         self.agent_adapters = {a: agent_adapters[a] for a in agent_settings}
         self.updaters: dict[str, ModelUpdater] = {}
+        packing = None
+        if settings.pack_prefixes:  # one probe for all adapters (they share the base's attention)
+            packing = check_packing(model)
+            if packing[1]:
+                log.warning("model %r: prefix-shared packing is off because %s; training on padded rows "
+                            "(update.pack_prefixes: false silences this)", name, packing[1])
         for adapter in dict.fromkeys(self.agent_adapters.values()):
             lr = (adapter_lr or {}).get(adapter, settings.lr)
             agents = {a: s for a, s in agent_settings.items() if self.agent_adapters[a] == adapter}
             self._activate(adapter)  # the optimizer takes the trainable parameters: this adapter's
             self.updaters[adapter] = ModelUpdater(model, name=f"{name}/{adapter}", agent_settings=agents,
-                                                  settings=_with_lr(settings, lr), reference=base_forward(model))
+                                                  settings=_with_lr(settings, lr), reference=base_forward(model),
+                                                  packing=packing)
 
     def _activate(self, adapter: str) -> None:
         """Make `adapter` the one that forward passes use and the only trainable parameters (peft)."""
@@ -230,14 +241,15 @@ class LoraUpdater:
     def n_updates(self) -> int:
         return max((u.n_updates for u in self.updaters.values()), default=0)
 
-    def update(self, samples: Sequence[Sample]) -> LoraUpdateMetrics:
-        """Train each adapter on the samples of its agents. Collective like `ModelUpdater.update`: every
-        process calls it, and every adapter's updater runs (with no samples it takes no step)."""
+    def update(self, samples: Sequence[Sample], *, old_logprobs: str = "given") -> LoraUpdateMetrics:
+        """Train each adapter on the samples of its agents (``old_logprobs`` as in `ModelUpdater.update`).
+        Collective like `ModelUpdater.update`: every process calls it, and every adapter's updater runs (with
+        no samples it takes no step)."""
         by_adapter = self._split(samples)
         out = {}
         for adapter, updater in self.updaters.items():
             self._activate(adapter)
-            out[adapter] = updater.update(by_adapter[adapter])
+            out[adapter] = updater.update(by_adapter[adapter], old_logprobs=old_logprobs)
         return LoraUpdateMetrics(out)
 
     @torch.no_grad()
@@ -261,25 +273,35 @@ class LoraUpdater:
             by_adapter[self.agent_adapters[s.agent]].append(s)
         return by_adapter
 
+    def full_weights(self) -> contextlib.AbstractContextManager:
+        """`ModelUpdater.full_weights` of every adapter's updater (ZeRO-3 gathers each adapter; collective)."""
+        stack = contextlib.ExitStack()
+        for updater in self.updaters.values():
+            stack.enter_context(updater.full_weights())
+        return stack
+
     def save(self, directory: str | os.PathLike) -> None:
-        """``directory/model``: every adapter in peft format; ``directory/adapters/<adapter>/``: each
-        updater's optimizer and RNG state. Collective, like `ModelUpdater.save`."""
+        """``directory/model/<adapter>/``: every adapter once, in peft format; ``directory/adapters/<adapter>/``:
+        each updater's optimizer and RNG state (`ModelUpdater.save_state`). Collective, like `ModelUpdater.save`."""
+        from drmas_graph.train._engines import _barrier, _rank
+
         directory = Path(directory)
+        with self.full_weights():
+            if _rank() == 0:
+                (directory / "model").mkdir(parents=True, exist_ok=True)
+                self.model.save_pretrained(directory / "model")
+        _barrier()
         for adapter, updater in self.updaters.items():
             self._activate(adapter)
-            updater.save(directory / "adapters" / adapter)
-        (directory / "model").mkdir(parents=True, exist_ok=True)
-        from drmas_graph.train._engines import _rank
-
-        if _rank() == 0:
-            self.model.save_pretrained(directory / "model")
+            updater.save_state(directory / "adapters" / adapter)
 
     def load(self, directory: str | os.PathLike) -> None:
-        """Restore what `save` wrote (adapters, optimizers, RNG)."""
+        """Restore what `save` wrote: the adapters (once), then each updater's optimizer and RNG state."""
         directory = Path(directory)
+        load_adapter_weights(self.model, directory / "model")
         for adapter, updater in self.updaters.items():
             self._activate(adapter)
-            updater.load(directory / "adapters" / adapter)
+            updater.load_state(directory / "adapters" / adapter, weights=None)
 
 
 def build_updater(model: Any, *, name: str, settings: UpdateSettings, agent_settings: Mapping[str, LossSettings],

@@ -258,15 +258,16 @@ class Trainer:
         sync_s = 0.0
         for name, updater in self.updaters.items():
             policy = self.model_policies[name]
-            model_samples = self._old_logprobs(name, [s for s in samples if self.agent_policies[s.agent] is policy],
-                                               update_metrics)
+            model_samples, old = self._old_logprobs(name, [s for s in samples if self.agent_policies[s.agent] is policy],
+                                                    update_metrics)
             if _build.is_served(policy):
-                update_metrics.update(updater.update(model_samples).to_dict())
+                update_metrics.update(updater.update(model_samples, old_logprobs=old).to_dict())
                 update_metrics[f"model/{name}/sync_s"] = self.sync_weights(name, version=step + 1)
                 sync_s += update_metrics[f"model/{name}/sync_s"]
             else:
                 with policy.updating_weights():  # the policy serves the trained module itself
-                    metrics = self.on_model_thread(name, functools.partial(updater.update, model_samples))
+                    metrics = self.on_model_thread(name, functools.partial(updater.update, model_samples,
+                                                                           old_logprobs=old))
                     update_metrics.update(metrics.to_dict())
         t3 = time.perf_counter()
         self.store.record_training(step, [ep for _, ep, _ in scored])
@@ -293,18 +294,21 @@ class Trainer:
         """Advantages of every policy-served turn and the Samples of the trained agents' turns."""
         return _scoring.samples_with_advantages(scored, self.cfg, self.trained_agents())
 
-    def _old_logprobs(self, name: str, samples: list[Sample], metrics: dict[str, float]) -> list[Sample]:
-        """Model `name`'s samples with the PPO ratio's old logprobs chosen by `cfg.old_logprobs` (auto:
-        recomputed by the trainer for embedded policies, see `_old_logprobs`; as rolled out for served ones)."""
+    def _old_logprobs(self, name: str, samples: list[Sample], metrics: dict[str, float]) -> tuple[list[Sample], str]:
+        """Model `name`'s samples and the `update(old_logprobs=...)` mode, by `cfg.old_logprobs` (auto: the
+        trainer's for embedded policies, see `_old_logprobs`; as rolled out for served ones). The trainer's are
+        the update's own (detached) when it takes one step (n_minibatches 1), else recomputed here first."""
         mode = self.cfg.old_logprobs
         if mode == "auto":
             mode = "rollout" if _build.is_served(self.model_policies[name]) else "trainer"
         if mode == "rollout" or not samples:
-            return samples
+            return samples, "given"
+        if self.updaters[name].settings.n_minibatches == 1:
+            return samples, "current"
         logprobs = self.on_model_thread(name, functools.partial(self.updaters[name].compute_logprobs, samples))
         samples, gaps = with_trainer_logprobs(samples, logprobs)
         metrics.update(gaps)
-        return samples
+        return samples, "given"
 
     def sync_weights(self, name: str, *, version: int) -> float:
         """Push model `name`'s trained weights to its servers (`_checkpoints.push_weights`); return the seconds."""

@@ -4,7 +4,7 @@ One `ModelUpdater` owns one trainable model (``nn.Module``). Several agents may 
 setting): their samples are trained together, but every micro-batch holds samples of one agent only, so
 each agent's clip range, loss weight and micro-batch size (`LossSettings`) apply. Per iteration:
 
-    samples --seeded shuffle--> n_minibatches mini-batches (one optimizer step each)
+    samples --seeded shuffle (one for all processes)--> n_minibatches mini-batches (one optimizer step each)
     mini-batch --group by agent--> micro-batches (forward + backward each, gradients accumulate)
 
 Loss of one mini-batch M, with l_bt the per-token loss (PPO clipped surrogate with dual clip, see
@@ -19,8 +19,9 @@ the micro-batch size. Samples of agents with loss weight 0 are not counted in n(
 metrics). With KL and entropy off, samples whose advantage is exactly 0 (zero-variance groups) are not
 forwarded at all: their gradient is exactly 0, and they still count in n(M), so the step is unchanged
 (per-token metrics then cover the forwarded samples). With P processes, n(M) is summed over all of them
-and each loss is multiplied by P (DeepSpeed and the torch backend average gradients over processes), so P
-processes each given 1/P of the samples take exactly the step of one process given all of them.
+and each loss is multiplied by P (DeepSpeed and the torch backend average gradients over processes), and the
+shuffle that cuts mini-batches is one global order of the step's samples, so P processes each given a
+contiguous block of the samples take exactly the steps of one process given all of them.
 
 Backends, chosen by `UpdateSettings.backend`:
 - "deepspeed": ``deepspeed.initialize`` with a client ``torch.optim.AdamW`` and ZeRO stage 0-3 (default 1).
@@ -50,6 +51,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import math
 import os
 import random
@@ -61,7 +63,8 @@ from typing import Any
 import torch
 
 from drmas_graph.train._engines import _ENGINES, _all_reduce, _barrier, _rank, _world_size
-from drmas_graph.train._logprobs import Batch, check_chunked_head, collate, response_token_stats
+from drmas_graph.train._logprobs import Batch, check_chunked_head, collate, collate_packed, response_token_stats
+from drmas_graph.train._packing import check_packing, max_nodes, pack_rows, sequences_of
 from drmas_graph.train._reference import REFERENCES, Reference
 from drmas_graph.train._settings import LossSettings, UpdateSettings
 from drmas_graph.train._update_metrics import AgentUpdateMetrics, UpdateMetrics, _agent_metrics, _Tally, _tally_samples
@@ -83,7 +86,11 @@ __all__ = [
     "UpdateSettings",
 ]
 
+log = logging.getLogger(__name__)
+
 BACKENDS = tuple(_ENGINES)
+OLD_LOGPROBS = ("given", "current")
+"""`ModelUpdater.update(old_logprobs=...)`: the samples' recorded ones, or the update's own (on-policy)."""
 ZERO_STAGES = (0, 1, 2, 3)
 AUTOCAST_DTYPES: Mapping[str | None, torch.dtype | None] = {None: None, "bf16": torch.bfloat16}
 
@@ -139,11 +146,14 @@ class ModelUpdater:
             agent whose samples reach `update` must have an entry.
         reference: the KL reference policy (`drmas_graph.train._reference.Reference`) when ``kl_coef > 0``; None
             builds ``settings.kl_reference`` (a frozen copy of the initial weights, offloaded or on device).
+        packing: what `drmas_graph.train._packing.check_packing(model)` returned, when the caller probed the model
+            already (`LoraUpdater` probes once for all its adapters); None probes it here (with
+            ``settings.pack_prefixes``), and logs why when the model cannot be packed.
     """
 
     def __init__(self, model: torch.nn.Module, *, name: str, settings: UpdateSettings,
                  agent_settings: Mapping[str, LossSettings] | None = None,
-                 reference: Reference | None = None) -> None:
+                 reference: Reference | None = None, packing: tuple[str | None, str] | None = None) -> None:
         if not isinstance(settings, UpdateSettings):
             raise ConfigError(f"settings must be an UpdateSettings, got {type(settings).__name__}")
         for agent, value in (agent_settings or {}).items():
@@ -162,6 +172,13 @@ class ModelUpdater:
         self._skip_zero_advantage = settings.kl_coef == 0 and settings.entropy_coef == 0
         self._autocast_dtype = _check_autocast(model, settings.autocast)
         self._lm_head = check_chunked_head(model) if settings.logprob_chunk_tokens > 0 else None
+        self._mask_kind = None
+        """The packed rows' attention-mask format (`_packing.MASK_KINDS`); None trains on padded rows."""
+        if settings.pack_prefixes:
+            self._mask_kind, reason = packing if packing is not None else check_packing(model)
+            if packing is None and reason:
+                log.warning("model %r: prefix-shared packing is off because %s; training on padded rows "
+                            "(update.pack_prefixes: false silences this)", name, reason)
         self._engine = _ENGINES[settings.backend](model, settings)
         pad_id = getattr(getattr(model, "config", None), "pad_token_id", None)
         self._pad_id = int(pad_id) if pad_id is not None else 0
@@ -187,24 +204,35 @@ class ModelUpdater:
         return self.agent_settings[agent]
 
     # ---- public API -----------------------------------------------------------------------------------
-    def update(self, samples: Sequence[Sample]) -> UpdateMetrics:
+    def update(self, samples: Sequence[Sample], *, old_logprobs: str = "given") -> UpdateMetrics:
         """Train on ``samples`` (this process's share): ``n_minibatches`` optimizer steps.
 
-        With several processes every one must call `update` (with possibly different sample counts).
+        ``old_logprobs`` is the PPO ratio's denominator: "given" = each sample's ``old_logprobs``; "current" =
+        the update's own logprobs, detached (on-policy: the weights are those that generated the samples, and
+        with ``n_minibatches == 1`` nothing moves them before the one step), so the ratio is exactly 1 in value
+        and its gradient is the policy gradient, without a separate pass to recompute them. With several
+        processes every one must call `update` (with possibly different sample counts).
         """
         _check_samples(samples)
         for s in samples:
             self.loss_settings(s.agent)
+        _require(old_logprobs in OLD_LOGPROBS, f"update(old_logprobs={old_logprobs!r}): valid values are "
+                 f"{', '.join(OLD_LOGPROBS)}")
+        _require(old_logprobs != "current" or self.settings.n_minibatches == 1,
+                 f"model {self.name!r}: old_logprobs='current' needs n_minibatches 1 (after the first of "
+                 f"{self.settings.n_minibatches} steps the weights are no longer those that generated the samples); "
+                 "pass the recomputed logprobs as the samples' old_logprobs instead")
         tally = _Tally()
         _tally_samples(tally, samples)
         grad_norms: list[float] = []
         self._ref_logprobs = self._reference_logprobs(samples)
         with self._training_mode():
             for i, minibatch in enumerate(self._plan(samples)):
-                grad_norms.append(self._train_minibatch(minibatch, tally, first=i == 0))
+                grad_norms.append(self._train_minibatch(minibatch, tally, first=i == 0,
+                                                        current=old_logprobs == "current"))
         self._ref_logprobs = {}
         self.n_updates += 1
-        return self._metrics(tally.merged(), grad_norms)
+        return self._metrics(tally.merged(), grad_norms, rollout_gap=old_logprobs == "current")
 
     @torch.no_grad()
     def compute_logprobs(self, samples: Sequence[Sample]) -> list[torch.Tensor]:
@@ -218,7 +246,7 @@ class ModelUpdater:
         out: list[torch.Tensor] = [torch.empty(0)] * len(samples)
         lm_head = module.get_output_embeddings() if self._lm_head is not None else None
         for rows in self._micro_batches(list(range(len(samples))), samples, skip_zero_advantage=False):
-            batch = collate([samples[i] for i in rows], pad_id=self._pad_id, device=self.device)
+            batch = self._collate([samples[i] for i in rows])
             logprobs_BT, _ = self._token_stats(module, batch, with_entropy=False, lm_head=lm_head)
             for b, i in enumerate(rows):
                 out[i] = logprobs_BT[b, : len(samples[i].response_ids)]
@@ -252,6 +280,13 @@ class ModelUpdater:
             if _rank() == 0:
                 self.model.save_pretrained(directory / "model", safe_serialization=True)
         _barrier()
+        self.save_state(directory)
+
+    def save_state(self, directory: str | os.PathLike) -> None:
+        """`save` without the Hugging Face weights: the optimizer (a DeepSpeed checkpoint holds its own copy of
+        the trained parameters) and RNG state. `LoraUpdater` writes the adapters once, then this per adapter."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
         self._engine.save(directory)
         state = {"n_updates": self.n_updates, "torch_rng": torch.get_rng_state()}
         torch.save(state, directory / f"updater_state_rank{_rank()}.pt")
@@ -259,13 +294,18 @@ class ModelUpdater:
 
     def load(self, directory: str | os.PathLike) -> None:
         """Restore weights (in place), optimizer state and RNG written by `save`."""
+        self.load_state(directory, weights=Path(directory) / "model")
+
+    def load_state(self, directory: str | os.PathLike, *, weights: Path | None) -> None:
+        """Restore what `save_state` wrote; the torch backend also copies the Hugging Face weights at ``weights``
+        into the model (None: the caller restored them, as `LoraUpdater.load` does for all adapters at once)."""
         directory = Path(directory)
         state_file = directory / f"updater_state_rank{_rank()}.pt"
         if not state_file.exists():  # a rank the saving run did not have (resumed by more processes)
             state_file = directory / "updater_state_rank0.pt"  # takes rank 0's counters and RNG state
         if not state_file.exists():
             raise ConfigError(f"{state_file} not found: not a ModelUpdater checkpoint")
-        self._engine.load(directory)
+        self._engine.load(directory, weights=weights)
         state = torch.load(state_file, map_location="cpu", weights_only=True)
         self.n_updates = int(state["n_updates"])
         torch.set_rng_state(state["torch_rng"])
@@ -275,12 +315,7 @@ class ModelUpdater:
     def _plan(self, samples: Sequence[Sample]) -> list[_MiniBatch]:
         """Shuffle (seeded), split into mini-batches, group each into one-agent micro-batches, and agree
         with the other processes on the normalizers and on the number of backward passes."""
-        n_global = int(_all_reduce([float(len(samples))], "SUM", self.device)[0])
-        n_minibatches = min(self.settings.n_minibatches, n_global)
-        order = list(range(len(samples)))
-        random.Random(f"{self.settings.seed}:{self.n_updates}:{_rank()}").shuffle(order)
-        chunks = [order[k * len(order) // n_minibatches:(k + 1) * len(order) // n_minibatches]
-                  for k in range(n_minibatches)]
+        chunks = self._minibatch_rows(len(samples))
         micro = [self._micro_batches(chunk, samples) for chunk in chunks]
         local_norms = [sum(self._norm_count(samples[i]) for i in chunk) for chunk in chunks]
         norms = _all_reduce(local_norms, "SUM", self.device)
@@ -289,9 +324,30 @@ class ModelUpdater:
         return [_MiniBatch(micro=[[samples[i] for i in rows] for rows in m], norm=norm, n_passes=int(n))
                 for m, norm, n in zip(micro, norms, passes) if n > 0]
 
+    def _minibatch_rows(self, n_local: int) -> list[list[int]]:
+        """This process's rows of each mini-batch, from one seeded shuffle of the step's samples on all processes.
+
+        Process r holds global rows [o_r, o_r + n_r) (o_r = n_0 + ... + n_{r-1}: the trainer gives each process a
+        contiguous block of whole groups, in order). The global order is a shuffle seeded by (seed, n_updates)
+        only, cut into ``n_minibatches`` equal parts; each process keeps its rows of each part. So P processes form
+        exactly the mini-batches of one process given all the samples.
+        """
+        world, rank = _world_size(), _rank()
+        counts = [0.0] * world
+        counts[rank] = float(n_local)
+        counts = [int(c) for c in _all_reduce(counts, "SUM", self.device)]
+        offset, n_global = sum(counts[:rank]), sum(counts)
+        n_minibatches = min(self.settings.n_minibatches, n_global)
+        order = list(range(n_global))
+        random.Random(f"{self.settings.seed}:{self.n_updates}:0").shuffle(order)  # ":0": the seed one process had
+        cuts = [order[k * n_global // n_minibatches:(k + 1) * n_global // n_minibatches] for k in range(n_minibatches)]
+        return [[g - offset for g in cut if offset <= g < offset + n_local] for cut in cuts]
+
     def _micro_batches(self, rows: Sequence[int], samples: Sequence[Sample], *,
                        skip_zero_advantage: bool = True) -> list[list[int]]:
-        """Rows grouped by agent (agents in order of first appearance), cut by each agent's micro_batch_size.
+        """Rows grouped by agent (agents in order of first appearance), cut by each agent's micro_batch_size
+        (or ``max_tokens_per_micro_batch``) into padded rows; with packing, into sequence trees of at most
+        `_packing.max_nodes` positions for the same budget (`_packing.pack_rows`).
 
         For training (``skip_zero_advantage``) with KL and entropy off, a sample with advantage exactly 0 has
         loss 0 and gradient 0 (every PPO branch is -A * ratio), so it is not forwarded; it still counts in
@@ -307,12 +363,23 @@ class ModelUpdater:
         out = []
         budget = self.settings.max_tokens_per_micro_batch
         for agent, agent_rows in by_agent.items():
-            if budget is not None:
-                out += _pack_by_tokens(agent_rows, [_length(samples[i]) for i in agent_rows], budget)
-                continue
             size = self.loss_settings(agent).micro_batch_size
-            out += [agent_rows[k:k + size] for k in range(0, len(agent_rows), size)]
+            if self._mask_kind is not None:  # prefix-shared packing, as memory-bounded as the padded rows
+                sequences = sequences_of([samples[i] for i in agent_rows])
+                longest = max(map(len, sequences))
+                out += pack_rows(agent_rows, sequences, max_nodes(longest, budget or size * longest))
+            elif budget is not None:
+                out += _pack_by_tokens(agent_rows, [_length(samples[i]) for i in agent_rows], budget)
+            else:
+                out += [agent_rows[k:k + size] for k in range(0, len(agent_rows), size)]
         return out
+
+    def _collate(self, samples: Sequence[Sample]) -> Batch:
+        """The micro-batch's `Batch`: one packed row of its trie, or padded rows when packing is off."""
+        if self._mask_kind is None:
+            return collate(samples, pad_id=self._pad_id, device=self.device)
+        return collate_packed(samples, pad_id=self._pad_id, device=self.device, mask_kind=self._mask_kind,
+                              dtype=next(self.model.parameters()).dtype)
 
     def _norm_count(self, sample: Sample) -> float:
         """What the aggregation averages over: tokens (token-mean) or sequences; 0 for untrained agents."""
@@ -321,13 +388,14 @@ class ModelUpdater:
         return float(len(sample.response_ids)) if self._by_tokens else 1.0
 
     # ---- training -------------------------------------------------------------------------------------
-    def _train_minibatch(self, minibatch: _MiniBatch, tally: _Tally, *, first: bool) -> float:
+    def _train_minibatch(self, minibatch: _MiniBatch, tally: _Tally, *, first: bool, current: bool) -> float:
         """Accumulate gradients over the micro-batches, then one optimizer step; returns the grad norm."""
         world = _world_size()
         for k in range(minibatch.n_passes):
             is_last = k == minibatch.n_passes - 1
             if k < len(minibatch.micro):
-                loss = self._micro_batch_loss(minibatch.micro[k], minibatch.norm, tally, first, is_last)
+                loss = self._micro_batch_loss(minibatch.micro[k], minibatch.norm, tally, first=first, is_last=is_last,
+                                              current=current)
             else:  # this process has fewer micro-batches than another: a zero loss keeps the collectives aligned
                 loss = self._engine.forward(is_last=is_last, input_ids=torch.full((1, 1), self._pad_id,
                                             device=self.device), use_cache=False).logits.sum() * 0.0
@@ -335,16 +403,17 @@ class ModelUpdater:
             self._engine.backward(loss * world)
         return self._engine.step()
 
-    def _micro_batch_loss(self, samples: list[Sample], norm: float, tally: _Tally, first: bool,
-                          is_last: bool) -> torch.Tensor:
+    def _micro_batch_loss(self, samples: list[Sample], norm: float, tally: _Tally, *, first: bool, is_last: bool,
+                          current: bool) -> torch.Tensor:
         """This micro-batch's share of the mini-batch loss, w_a * agg(l) * n(m) / n(M) (module docstring)."""
         s, loss_settings = self.settings, self.loss_settings(samples[0].agent)
-        batch = collate(samples, pad_id=self._pad_id, device=self.device)
+        batch = self._collate(samples)
         with_entropy = s.entropy_coef > 0
         logprobs_BT, entropy_BT = self._token_stats(functools.partial(self._engine.forward, is_last=is_last), batch,
                                                     with_entropy=with_entropy)
+        old_BT = logprobs_BT.detach() if current else batch.old_logprobs_BT
         pg_loss, stats = policy_loss(
-            logprobs_BT, batch.old_logprobs_BT, batch.advantages_B, batch.mask_BT,
+            logprobs_BT, old_BT, batch.advantages_B, batch.mask_BT,
             clip_low=loss_settings.clip_low, clip_high=loss_settings.clip_high,
             dual_clip=loss_settings.dual_clip, agg=s.loss_agg, norm_len=s.norm_len)
         loss = pg_loss
@@ -356,7 +425,7 @@ class ModelUpdater:
             kl_BT = kl_penalty(logprobs_BT, ref_BT, "low_var_kl")
             loss = loss + s.kl_coef * agg_loss(kl_BT, batch.mask_BT, s.loss_agg, norm_len=s.norm_len)
         n_micro = float(batch.n_tokens if self._by_tokens else len(samples))
-        self._tally_micro_batch(tally, batch, stats, logprobs_BT, entropy_BT, kl_BT, n_micro, first)
+        self._tally_micro_batch(tally, batch, stats, logprobs_BT, entropy_BT, kl_BT, n_micro, first, current)
         if loss_settings.loss_weight == 0:
             return loss * 0.0
         return loss * (loss_settings.loss_weight * n_micro / max(norm, 1.0))
@@ -370,7 +439,7 @@ class ModelUpdater:
 
     def _tally_micro_batch(self, tally: _Tally, batch: Batch, stats: Any, logprobs_BT: torch.Tensor,
                            entropy_BT: torch.Tensor | None, kl_BT: torch.Tensor | None, n_micro: float,
-                           first: bool) -> None:
+                           first: bool, current: bool) -> None:
         agent, n_tokens, mask_BT = batch.agent, float(batch.n_tokens), batch.mask_BT
 
         def token_mean(values_BT: torch.Tensor) -> float:
@@ -383,11 +452,14 @@ class ModelUpdater:
         if entropy_BT is not None:
             tally.add(("agent", agent, "entropy"), token_mean(entropy_BT), weight=n_tokens)
         tally.count(("model", "n_tokens"), n_tokens)
+        tally.count(("model", "forward_tokens"), float(batch.n_positions))
         if kl_BT is not None:
             tally.add(("agent", agent, "kl_ref"), token_mean(kl_BT), weight=n_tokens)
-        if first:
-            gap_BT = (logprobs_BT.detach() - batch.old_logprobs_BT).abs()
-            tally.add(("agent", agent, "logprob_mismatch"), token_mean(gap_BT), weight=n_tokens)
+        if first:  # the samples' recorded old logprobs (rollout's or recomputed) against the trainer's first pass
+            gap = token_mean((logprobs_BT.detach() - batch.old_logprobs_BT).abs())
+            tally.add(("agent", agent, "logprob_mismatch"), gap, weight=n_tokens)
+            if current:  # the recorded ones are the rollout's: the gap the trainer reports when it recomputes
+                tally.add(("agent", agent, "rollout_logprob_gap"), gap, weight=n_tokens)
 
     @contextlib.contextmanager
     def _training_mode(self) -> Iterator[None]:
@@ -397,7 +469,7 @@ class ModelUpdater:
         finally:
             self.model.eval()
 
-    def _metrics(self, tally: _Tally, grad_norms: list[float]) -> UpdateMetrics:
+    def _metrics(self, tally: _Tally, grad_norms: list[float], *, rollout_gap: bool) -> UpdateMetrics:
         agents = sorted({key[1] for key in tally.sums if key[0] == "agent"})
         n_steps = len(grad_norms)
         return UpdateMetrics(
@@ -405,8 +477,9 @@ class ModelUpdater:
             grad_norm=sum(grad_norms) / max(n_steps, 1), grad_norm_max=max(grad_norms, default=0.0),
             lr=self._engine.lr(), n_samples=int(sum(tally.sums[("agent", a, "n_samples")] for a in agents)),
             n_tokens=int(tally.sums[("model", "n_tokens")]), n_minibatches=n_steps,
-            agents={a: _agent_metrics(tally, a, self._reference is not None, self.settings.entropy_coef > 0)
-                    for a in agents},
+            forward_tokens=int(tally.sums[("model", "forward_tokens")]), packed=self._mask_kind is not None,
+            agents={a: _agent_metrics(tally, a, self._reference is not None, self.settings.entropy_coef > 0,
+                                      rollout_gap) for a in agents},
         )
 
 
