@@ -242,9 +242,9 @@ class Trainer:
                     self.save_checkpoint(done)
                 if cfg.eval.every and done % cfg.eval.every == 0 and done < cfg.steps:
                     self._evaluate(done, logger)
-            if self.start_step < cfg.steps:
-                self._evaluate(cfg.steps, logger)
+            if self.start_step < cfg.steps:  # checkpoint first: asynchronous runs save the weights step N rolls out on
                 self.save_checkpoint(cfg.steps)
+                self._evaluate(cfg.steps, logger)
             _distributed.remove_rank_stores(self.run_dir, self.store.close)  # every rank's traces in traces.db
         finally:
             logger.close()
