@@ -232,7 +232,8 @@ class OneStepOff:
         self._servers_hold_sync = False
         """Whether run_dir/sync holds what the servers serve (pushed at the first boundary, or restored)."""
         self._pending: dict[int, concurrent.futures.Future] = {}
-        self._unpublished: int | None = None
+        self._unpublished: StepBatch | None = None
+        """The last trained step, until the next boundary merges every process's traces and exports it."""
 
     # ---- the steps --------------------------------------------------------------------------------------
     def steps(self, start: int) -> Iterator[tuple[int, dict[str, Any]]]:
@@ -249,9 +250,7 @@ class OneStepOff:
             record.update({"async/wait_s": wait_s, "async/install_s": install_s, "time/score_s": t2 - t1,
                            "time/step_s": time.perf_counter() - t0})
             yield u, record
-        if self._unpublished is not None:
-            self.trainer.publish(self._unpublished)
-            self._unpublished = None
+        self._publish()
 
     def settle(self) -> None:
         """The rollouts in flight finish, then the trainer's weights reach the rollouts (before an evaluation)."""
@@ -307,10 +306,13 @@ class OneStepOff:
         except RuntimeError as exc:
             raise AsyncTimeoutError(f"step {u}: not every process reached the step boundary within async.timeout_s="
                                     f"{self.timeout_s:g} s (its rollouts or its update hang): {exc}") from exc
-        if self._unpublished is not None:
-            self.trainer.publish(self._unpublished)
-            self._unpublished = None
+        self._publish()
         return self._install(u)
+
+    def _publish(self) -> None:
+        if self._unpublished is not None:
+            self.trainer.publish(self._unpublished.step, self._unpublished.trained)
+            self._unpublished = None
 
     def _install(self, version: int) -> float:
         if self.serving_version >= version and (self._servers_hold_sync or not self._any_served()):
@@ -330,7 +332,7 @@ class OneStepOff:
     def _learn(self, u: int, batch: StepBatch) -> dict[str, Any]:
         batch, dropped_groups, dropped_samples = drop_stale(batch, u, self.max_staleness)
         record = self.trainer.learn(batch, publish=False)
-        self._unpublished = u
+        self._unpublished = batch
         self.trained_version = u + 1
         record.update(self._metrics(u, batch, dropped_groups, dropped_samples))
         return record

@@ -112,6 +112,8 @@ class StepBatch:
     """The advantage estimator's pool statistics."""
     times: tuple[float, float, float]
     """perf_counter at the start of the rollouts, at their end, and after scoring and advantages."""
+    trained: list[Episode] = field(default_factory=list)
+    """Every process's trained episodes (slimmed, with rewards and advantages): filled by `Trainer.learn`."""
 
 
 def group_ids(tasks: Sequence[Any], phase: str, step: int) -> list[str]:

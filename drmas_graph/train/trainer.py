@@ -317,6 +317,7 @@ class Trainer:
         self.store.record_training(step, [ep for _, ep, _ in scored])
         # every rank's groups
         scored, counts, adv_stats = _distributed.merge_step(scored, batch.counts, batch.adv_stats)
+        batch.trained = [ep for _, ep, _ in scored]
         if publish:
             self.publish(step)
         record = _scoring.step_record(step, list(self.agent_policies), scored, counts, adv_stats, update_metrics,
@@ -326,9 +327,13 @@ class Trainer:
             log.warning(warning)
         return record
 
-    def publish(self, step: int) -> None:
-        """Copy every process's traces into traces.db (rank 0; where no rank writes), then export step `step`."""
+    def publish(self, step: int, trained: Sequence[Episode] = ()) -> None:
+        """Copy every process's traces into traces.db (rank 0; where no rank writes), then export step `step`.
+        `trained`: every process's trained episodes of the step, whose training data rank 0 writes after the copy
+        (asynchronous training copies a step's episodes from the rank files before they are trained)."""
         _distributed.merge_traces(self.run_dir)
+        if trained and _distributed.world_size() > 1 and _distributed.is_main():
+            self.store.record_training(step, trained)
         if self.weave is not None:
             self.weave.submit_step(step)
 
