@@ -166,6 +166,8 @@ def main() -> None:
     ratios = {}
     with tempfile.TemporaryDirectory() as root:
         for name in sorted(args.workloads.split(","), reverse=True):  # (b) first: (a)'s ratio is the last line
+            # untimed: the first training run of a process pays one-time costs (imports, kernel selection)
+            run_one(name, "sync", 0, argparse.Namespace(**{**vars(args), "steps": 1}), root + "/warmup")
             runs: dict[str, list[dict]] = {mode: [] for mode in MODES}
             for seed in args.seeds:
                 for mode in MODES:
