@@ -20,14 +20,16 @@ from drmas_graph.errors import ConfigError
 
 __all__ = [
     "TrainConfig", "ModelConfig", "ServeConfig", "AgentConfig", "SamplingConfig", "LossConfig", "UpdateConfig",
-    "EvalConfig", "RolloutConfig", "LoggingConfig", "LoraConfig", "WeaveConfig", "load_config", "apply_overrides",
-    "config_reference", "ESTIMATORS", "LOSS_AGGREGATIONS", "BASE_ADAPTER", "check_adapter_name", "model_adapters", "resolve_adapters",
+    "EvalConfig", "RolloutConfig", "LoggingConfig", "LoraConfig", "WeaveConfig", "AsyncConfig", "load_config",
+    "apply_overrides", "config_reference", "ESTIMATORS", "LOSS_AGGREGATIONS", "CORRECTIONS", "BASE_ADAPTER", "check_adapter_name", "model_adapters", "resolve_adapters",
 ]
 
 ESTIMATORS = ("episode_global", "step_global", "agent", "agent_turn")
 """Advantage estimators by name (each implemented in `drmas_graph.train.advantages.ADVANTAGE_ESTIMATORS`)."""
 LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 """Loss aggregations by name (each implemented in `drmas_graph.train.losses.LOSS_AGGREGATIONS`)."""
+CORRECTIONS = ("truncate", "mask", "none")
+"""Off-policy corrections by name (each implemented in `drmas_graph.train.offpolicy.CORRECTIONS`)."""
 BASE_ADAPTER = "__base__"
 """peft's mixed-batch name for rows that use no LoRA adapter (so no adapter may be called that)."""
 
@@ -224,8 +226,25 @@ class LoggingConfig(_Strict):
         return value
 
 
+class AsyncConfig(_Strict):
+    """Asynchronous training (`drmas_graph.train._pipeline`): the next step's rollouts run during this step's update."""
+
+    max_staleness: int = Field(0, ge=0, description="Most updates the weights that sampled a trained group may lag the trainer's; 0 = synchronous (rollout, update, next rollout); >= 1 = one step off: step s+1 rolls out on the weights before update s while update s trains (every group exactly 1 update stale, step 0's 0).")
+    correction: str = Field("truncate", description="Off-policy correction of stale samples, per token w = pi_prox / pi_behav on the PPO loss (decoupled PPO): truncate = min(w, is_cap) (verl's truncated IS); mask = tokens with w > is_cap leave the loss (AReaL); none = w = 1 (biased).")
+    is_cap: float = Field(2.0, ge=1, allow_inf_nan=False, description="The cap C of `correction` on the importance weight pi_prox / pi_behav.")
+    timeout_s: float = Field(3600.0, gt=0, description="Longest wait for a step's rollouts, a weight push or the other processes at a step boundary; past it the run stops with an error naming the step (and the server). Must exceed rollout.timeout_s.")
+
+    @field_validator("correction")
+    @classmethod
+    def _known_correction(cls, value: str) -> str:
+        return _known_name("async.correction", value, CORRECTIONS)
+
+
 class TrainConfig(_Strict):
     """A training run. YAML keys mirror these fields; `--set a.b=v` overrides any of them."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, validate_by_name=True, validate_by_alias=True,
+                              serialize_by_alias=True)  # `async` (a Python keyword) is the field `async_`
 
     name: str = Field("run", description="Run name (the run folder is run_dir).")
     run_dir: str = Field("runs/run", description="Folder of the run: traces.db, metrics.jsonl, tensorboard/, checkpoints/.")
@@ -255,10 +274,27 @@ class TrainConfig(_Strict):
     eval: EvalConfig = Field(default_factory=EvalConfig, description="Evaluation settings.")
     rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="Per-episode graph config and limits.")
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Logging settings.")
+    async_: AsyncConfig = Field(default_factory=AsyncConfig, alias="async", description="Asynchronous training settings.")
 
     @model_validator(mode="after")
     def _resolve_adapters(self) -> TrainConfig:
         resolve_adapters(self.models, self.agents)
+        return self
+
+    @model_validator(mode="after")
+    def _async_consistent(self) -> TrainConfig:
+        if self.async_.max_staleness == 0:
+            return self
+        if self.old_logprobs == "rollout":
+            raise ValueError("async.max_staleness >= 1 needs the trainer's proximal logprobs (decoupled PPO): set "
+                             "old_logprobs to auto or trainer, or async.max_staleness to 0")
+        if self.rollout.timeout_s is not None and self.async_.timeout_s <= self.rollout.timeout_s:
+            raise ValueError(f"async.timeout_s={self.async_.timeout_s:g} must exceed rollout.timeout_s="
+                             f"{self.rollout.timeout_s:g} (a step's rollouts may take that long)")
+        lora = sorted(name for name, mc in self.models.items() if mc.lora is not None)
+        if lora:
+            raise ValueError(f"async.max_staleness >= 1 does not support LoRA models yet (models.{lora[0]}.lora); "
+                             "set async.max_staleness to 0")
         return self
 
     @field_validator("estimator")
@@ -342,7 +378,8 @@ def config_reference() -> list[tuple[str, str, str]]:
     rows: list[tuple[str, str, str]] = []
 
     def walk(model: type[BaseModel], prefix: str) -> None:
-        for name, field in model.model_fields.items():
+        for attr, field in model.model_fields.items():
+            name = field.alias or attr  # `async_` is written `async`
             ann = field.annotation
             args = getattr(ann, "__args__", ())
             if getattr(ann, "__origin__", None) is dict and _is_model(args[-1]):

@@ -274,6 +274,9 @@ class Sample:
     """Episode the call belongs to."""
     turn_index: int = 0
     """Position of the call in its episode."""
+    behaviour_logprobs: tuple[float, ...] | None = None
+    """Logprobs of the older weights that sampled the response (asynchronous training: pi_behav of the off-policy
+    correction, `drmas_graph.train.offpolicy`); None when the trainer's own weights sampled it."""
 
     @staticmethod
     def from_turn(turn: Turn, advantage: float, episode_id: str = "") -> Sample:

@@ -350,3 +350,29 @@ print("ok")
     env = {**launcher_env(), "WORLD_SIZE": "2", "RANK": "1"}
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_two_processes_train_one_step_off_like_one_and_resume_after_a_kill(tmp_path):
+    """Asynchronous training (`async.max_staleness: 1`) under torchrun: each rank rolls out its groups of step s+1
+    while the ranks update together on step s; the weights equal one process's, also after rank 1 dies while
+    scoring step 2 (in its rollout thread) and the run is resumed; every rank's episodes are merged once."""
+    extra = {"async": {"max_staleness": 1}}
+    ref_dir, a_dir, b_dir = tmp_path / "ref", tmp_path / "a", tmp_path / "b"
+    worker.train(ref_dir, steps=3, extra=extra)
+    want = weights(ref_dir, 3)
+    first = torchrun(tmp_path, "first", [{"run_dir": str(a_dir), "steps": 3, "config": extra},
+                                         {"run_dir": str(b_dir), "steps": 3, "config": extra, "kill_in_step": 2}])
+    assert first.returncode != 0 and "exitcode  : 3" in first.stderr, first.stderr[-5000:]
+    second = torchrun(tmp_path, "second", [{"run_dir": str(b_dir), "steps": 3, "resume": True, "config": extra}])
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-8000:]
+    assert_same(weights(a_dir, 3), want, atol=1e-5)
+    assert_same(weights(b_dir, 3), weights(a_dir, 3), atol=1e-6)
+    histories = [json.loads((a_dir / f"history_rank{r}.json").read_text())["history"] for r in (0, 1)]
+    assert [h["async/staleness_mean"] for h in histories[0]] == [0.0, 1.0, 1.0]
+    assert histories[0][2]["agent/solver/is_weight_mean"] == histories[1][2]["agent/solver/is_weight_mean"]
+    assert not list(a_dir.glob("traces.rank*"))
+    for step in range(3):
+        groups = rows(a_dir, f"SELECT group_id, count(*) FROM episodes WHERE step = {step} GROUP BY group_id")
+        assert len(groups) == 2 and all(n == 4 for _, n in groups)
+    assert rows(a_dir, "SELECT count(*), count(DISTINCT id) FROM episodes") == [(3 * 8 + 2 * 4, 3 * 8 + 2 * 4)]

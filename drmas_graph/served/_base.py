@@ -14,7 +14,10 @@ with exponential backoff, then raised as a `PolicyError` subclass (the rollout r
 failed, never half-recorded). A 400 (unknown sampling key, bad body) is raised at once as `BadRequestError`.
 
 Weight syncs and generation are mutually exclusive from this policy's point of view: a sync waits for the
-policy's in-flight requests and holds new ones until the server reports the new version.
+policy's in-flight requests (they finish on the old weights and keep its version; SGLang aborts them instead
+and they are retried on the new weights) and holds new ones until the server reports the new version. A sync
+given `timeout_s` (asynchronous training) fails past it with a `WeightSyncError` naming the servers that did not
+answer and the requests still in flight.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from drmas_graph.instrumentation._intercept import ACTIVE_HANDLER
 from drmas_graph.errors import ConfigError
 from drmas_graph.policy import Policy
 from drmas_graph.served._errors import (BadRequestError, GenerationAbortedError, ServerError,
-                                        ServerUnavailableError)
+                                        ServerUnavailableError, WeightSyncError)
 from drmas_graph.served._process import ServerProcess
 from drmas_graph.types import Generation, SamplingParams
 
@@ -240,23 +243,38 @@ class ServedPolicy(Policy, abc.ABC):
             self._open.set()
 
     # ---- weight sync ------------------------------------------------------------------------
-    async def sync_weights_from_disk(self, checkpoint_dir: str, version: int) -> SyncResult:
+    async def sync_weights_from_disk(self, checkpoint_dir: str, version: int, *,
+                                     timeout_s: float | None = None) -> SyncResult:
         """Load a Hugging Face checkpoint folder into every server and set `self.version = version`.
 
-        Raises `WeightSyncError` if a server fails or reports another version than `version`.
+        Raises `WeightSyncError` if a server fails or reports another version than `version`, or when the
+        sync (waiting for the requests in flight included) takes longer than `timeout_s`.
         """
-        return await self._on_loop(self._sync_weights, str(checkpoint_dir), int(version))
+        return await self._on_loop(self._sync_weights, str(checkpoint_dir), int(version), timeout_s)
 
-    def sync_weights(self, checkpoint_dir: str, version: int) -> SyncResult:
+    def sync_weights(self, checkpoint_dir: str, version: int, *, timeout_s: float | None = None) -> SyncResult:
         """Blocking `sync_weights_from_disk`."""
-        return self._run_blocking(self._sync_weights, str(checkpoint_dir), int(version))
+        return self._run_blocking(self._sync_weights, str(checkpoint_dir), int(version), timeout_s)
 
-    async def _sync_weights(self, checkpoint_dir: str, version: int) -> SyncResult:
+    async def _sync_weights(self, checkpoint_dir: str, version: int, timeout_s: float | None = None) -> SyncResult:
         start = time.perf_counter()
-        async with self._exclusive(drain=self._sync_drains):
-            replies = await asyncio.gather(*(self._sync_one(url, checkpoint_dir, version)
-                                             for url in self.base_urls))
-            self.version = version
+        answered: set[str] = set()
+
+        async def one(url: str) -> dict:
+            reply = await self._sync_one(url, checkpoint_dir, version)
+            answered.add(url)
+            return reply
+
+        try:
+            async with asyncio.timeout(timeout_s), self._exclusive(drain=self._sync_drains):
+                replies = await asyncio.gather(*(one(url) for url in self.base_urls))
+                self.version = version
+        except TimeoutError:
+            silent = [u for u in self.base_urls if u not in answered]
+            raise WeightSyncError(
+                f"policy {self.name!r}: weight sync to version {version} did not finish within {timeout_s:g} s: "
+                f"no answer from {', '.join(silent)} ({self._in_flight} request(s) of this policy still in flight, "
+                "waiting to finish on the old weights); check the server's log") from None
         return SyncResult(version=version, seconds=time.perf_counter() - start,
                           servers=dict(zip(self.base_urls, replies)))
 

@@ -2,7 +2,9 @@
 
 A checkpoint is `run_dir/checkpoints/step_N/` (complete or absent: written to a temporary folder, then
 renamed): per model its updater's state (Hugging Face model + tokenizer, optimizer, RNG) and
-`trainer_state.json` (step, policy versions, world size). `resume` restores the latest one.
+`trainer_state.json` (step, policy versions, world size). `resume` restores the latest one. In asynchronous
+training it also holds the weights the next step rolls out on (`<model>/serving`, version `serving_version`;
+see `_pipeline`).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from drmas_graph.train import _distributed
 from drmas_graph.train._build import is_served
 from drmas_graph.train.lora import save_for_sync
 
-__all__ = ["save_checkpoint", "resume", "push_weights"]
+__all__ = ["save_checkpoint", "resume", "push_weights", "load_into_servers", "sync_dir"]
 
 
 def save_checkpoint(trainer: Any, step: int) -> Path:
@@ -37,9 +39,12 @@ def save_checkpoint(trainer: Any, step: int) -> Path:
         if main:
             trainer.model_policies[name].tokenizer.save_pretrained(tmp / name / "model")
     versions = {n: p.version for n, p in trainer.model_policies.items()}
+    state = {"step": step, "policy_versions": versions, "world_size": _distributed.world_size()}
+    if trainer.pipeline is not None:  # the trained weights' version, and those the next step rolls out on
+        versions.update({n: trainer.pipeline.trained_version for n in trainer.updaters})
+        state["serving_version"] = trainer.pipeline.save_serving(tmp)
     if main:
-        (tmp / "trainer_state.json").write_text(json.dumps(
-            {"step": step, "policy_versions": versions, "world_size": _distributed.world_size()}))
+        (tmp / "trainer_state.json").write_text(json.dumps(state))
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)  # a checkpoint is complete or absent
         for old in sorted(root.glob("step_*"))[: -trainer.cfg.keep_checkpoints]:
@@ -59,23 +64,34 @@ def resume(trainer: Any) -> int:
         n: u.settings.zero_stage for n, u in trainer.updaters.items() if u.settings.backend == "deepspeed"})
     for name, updater in trainer.updaters.items():
         trainer.on_model_thread(name, functools.partial(updater.load, latest / name))
+        if trainer.pipeline is not None:  # the rollouts get their weights below
+            continue
         version = state["policy_versions"].get(name, 0)
         if is_served(trainer.model_policies[name]):
             trainer.sync_weights(name, version=version)  # the servers still hold whatever they served last
         trainer.model_policies[name].version = version
+    if trainer.pipeline is not None:
+        trainer.pipeline.restore(latest, int(state["step"]), state.get("serving_version"))
     return int(state["step"])
 
 
-def push_weights(run_dir: Path, name: str, model: Any, policy: Any, updater: Any, *, version: int) -> float:
+def sync_dir(run_dir: Path, name: str) -> Path:
+    """run_dir/sync/<name>: the Hugging Face folder model `name`'s servers last loaded."""
+    return run_dir.resolve() / "sync" / name
+
+
+def push_weights(run_dir: Path, name: str, model: Any, policy: Any, updater: Any, *, version: int,
+                 timeout_s: float | None = None) -> float:
     """Push model `name`'s trained weights to its servers; return the seconds it took (write + load).
 
     The Hugging Face model and tokenizer are written to run_dir/sync/<name>/ (complete or absent: written
     to a temporary folder, then renamed), then `policy.sync_weights(dir, version)` loads them into every
     server; its `WeightSyncError` (a failed load, or a server reporting another version) propagates.
+    `timeout_s` bounds the load (asynchronous training; `ServedPolicy.sync_weights`).
     """
     start = time.perf_counter()
-    root = run_dir.resolve() / "sync"
-    final, tmp = root / name, root / f".tmp_{name}"
+    final = sync_dir(run_dir, name)
+    tmp = final.with_name(f".tmp_{name}")
     full = getattr(updater, "full_weights", None)  # ZeRO-3: a collective gather on every process
     with full() if full is not None else contextlib.nullcontext():
         if _distributed.is_main():  # several processes share the servers: rank 0 writes and pushes once
@@ -84,8 +100,24 @@ def push_weights(run_dir: Path, name: str, model: Any, policy: Any, updater: Any
             policy.tokenizer.save_pretrained(tmp)
             shutil.rmtree(final, ignore_errors=True)
             tmp.rename(final)
+    _load(final, policy, version, timeout_s)
+    return time.perf_counter() - start
+
+
+def load_into_servers(run_dir: Path, name: str, policy: Any, source: Path, *, version: int,
+                      timeout_s: float | None = None) -> None:
+    """Load the Hugging Face folder `source` (a checkpoint's copy of what the servers served) into model `name`'s
+    servers as `version`, through run_dir/sync/<name>."""
+    final = sync_dir(run_dir, name)
     if _distributed.is_main():
-        policy.sync_weights(str(final), version=version)
+        shutil.rmtree(final, ignore_errors=True)
+        shutil.copytree(source, final)
+    _load(final, policy, version, timeout_s)
+
+
+def _load(folder: Path, policy: Any, version: int, timeout_s: float | None) -> None:
+    if _distributed.is_main():
+        kwargs = {} if timeout_s is None else {"timeout_s": timeout_s}
+        policy.sync_weights(str(folder), version=version, **kwargs)
     _distributed.barrier()  # no rank rolls out again before the servers hold the new weights
     policy.version = version
-    return time.perf_counter() - start

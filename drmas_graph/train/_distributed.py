@@ -34,6 +34,7 @@ module decides who does what around it.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import os
 import sqlite3
 from collections.abc import Callable, Sequence
@@ -126,10 +127,14 @@ def _group() -> Any:
     return _objects_group
 
 
-def barrier() -> None:
-    """Wait for every rank (no-op in one process)."""
-    if world_size() > 1:
+def barrier(timeout_s: float | None = None) -> None:
+    """Wait for every rank (no-op in one process). With `timeout_s`: a monitored barrier (gloo), which raises a
+    RuntimeError naming the ranks that did not arrive within that many seconds."""
+    if world_size() > 1 and timeout_s is None:
         torch.distributed.barrier(group=_group())
+    elif world_size() > 1:
+        torch.distributed.monitored_barrier(group=_group(), timeout=datetime.timedelta(seconds=timeout_s),
+                                            wait_all_ranks=True)
 
 
 def gather(obj: T) -> list[T]:

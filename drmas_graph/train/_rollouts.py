@@ -48,7 +48,7 @@ from drmas_graph.instrumentation._limits import LIMITS, StuckEpisodeError, limit
 from drmas_graph.instrumentation._seeds import episode_seed
 from drmas_graph.types import Episode, new_id
 
-__all__ = ["EpisodeJob", "RolloutBatch", "episode_config", "group_ids", "run_episodes"]
+__all__ = ["EpisodeJob", "RolloutBatch", "StepBatch", "episode_config", "group_ids", "run_episodes"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -88,6 +88,32 @@ class RolloutBatch:
     calls (dropped), truncated (also by limit) and model errors (kept)."""
     errors: list[RolloutError] = field(default_factory=list)
     """The error of every dropped episode, in job order."""
+
+
+@dataclass
+class StepBatch:
+    """One training step's groups on their way to the update: rollouts, scores, advantages, samples."""
+
+    step: int
+    """The training step."""
+    n_episodes: int
+    """Episodes the step ran on all processes (tasks_per_step x group_size)."""
+    counts: dict[str, int]
+    """Episodes by kind (`RolloutBatch.counts`, plus the scoring's bad-reward and masked counts)."""
+    rollout_errors: list[RolloutError]
+    """Errors of this process's dropped episodes, in job order."""
+    scored: list[Any]
+    """(task, episode, score) of every episode with a usable reward (`_scoring.Scored`)."""
+    reward_errors: list[Any]
+    """Errors of the bad-reward episodes."""
+    samples: list[Any]
+    """The trained agents' `Sample`s, with advantages."""
+    adv_stats: Any
+    """The advantage estimator's pool statistics."""
+    times: tuple[float, float, float]
+    """perf_counter at the start of the rollouts, at their end, and after scoring and advantages."""
+    trained: list[Episode] = field(default_factory=list)
+    """Every process's trained episodes (slimmed, with rewards and advantages): filled by `Trainer.learn`."""
 
 
 def group_ids(tasks: Sequence[Any], phase: str, step: int) -> list[str]:

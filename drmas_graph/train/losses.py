@@ -187,6 +187,7 @@ def policy_loss(
     dual_clip: float | None = 3.0,
     agg: str = "token-mean",
     norm_len: int | None = None,
+    token_weights: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, PolicyLossStats]:
     """PPO clipped surrogate loss with dual-clip, aggregated by ``agg``; returns (loss, stats).
 
@@ -199,6 +200,9 @@ def policy_loss(
     (``core_algos.py``): the dual clip stops a token with A < 0 and a huge ratio from dominating the loss.
     The log-ratio is clamped to +-20 before exp, as verl does. ``old_logprobs_BT`` and ``advantages_B``
     are treated as constants (detached). ``agg`` and ``norm_len`` go to `agg_loss`.
+
+    ``token_weights(old_logprobs_BT)``, when given, returns constant weights w_BT >= 0 that multiply l per token:
+    the off-policy correction of asynchronous training, w = f(pi_old / pi_behav) (`drmas_graph.train.offpolicy`).
     """
     _check_policy_loss_args(
         logprobs_BT, old_logprobs_BT, advantages_B, mask_BT, clip_low, clip_high, dual_clip
@@ -218,6 +222,8 @@ def policy_loss(
         cap_BT = -dual_clip * advantages_BT
         dual_active_BT = (advantages_BT < 0) & (loss_BT > cap_BT)
         loss_BT = torch.where(dual_active_BT, cap_BT, loss_BT)
+    if token_weights is not None:
+        loss_BT = loss_BT * token_weights(old_logprobs_BT.detach())
 
     loss = agg_loss(loss_BT, valid_BT, agg, norm_len=norm_len)
     with torch.no_grad():

@@ -11,9 +11,14 @@ A served policy (SGLang, vLLM: anything with `sync_weights(dir, version)`) has n
 trains a local copy, which is written to run_dir/sync/<model>/ (Hugging Face format + tokenizer) and loaded
 into every server with version = steps done; a server that fails or reports another version stops the run.
 
+With `async.max_staleness` >= 1 the steps are pipelined (`_pipeline`): the next step's rollouts run while the
+trainer updates on this one, the trainer trains a copy of an embedded model, and the new weights reach the
+rollouts at the step boundary.
+
 The parts live next to this module: `_build` (policies and updaters from the config), `_rollouts` (G
 concurrent episodes per task), `_scoring` (rewards, advantages, the step's metrics), `update` (the optimizer
-step), `_checkpoints` (checkpoints, resume, weight sync), `evaluate` (avg@k, pass@k).
+step), `_checkpoints` (checkpoints, resume, weight sync), `evaluate` (avg@k, pass@k), `_pipeline`
+(asynchronous training), `offpolicy` (its off-policy correction).
 
 Departures from the reference code (langfengQ/DrMAS): no duplicate padding of per-model batches before
 advantage estimation (it biases the statistics); failed episodes, bad rewards and episodes without LLM
@@ -28,7 +33,7 @@ import functools
 import logging
 import random
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,9 +45,9 @@ from drmas_graph.instrumentation.instrumented import InstrumentedGraph
 from drmas_graph.policy import Policy
 from drmas_graph.traces.store import TraceStore
 from drmas_graph.traces.weave_export import WeaveExporter, start_exporter
-from drmas_graph.train import _build, _checkpoints, _distributed, _scoring
+from drmas_graph.train import _build, _checkpoints, _distributed, _pipeline, _scoring
 from drmas_graph.train._old_logprobs import with_trainer_logprobs
-from drmas_graph.train._rollouts import EpisodeJob, episode_config, group_ids, run_episodes
+from drmas_graph.train._rollouts import EpisodeJob, RolloutBatch, StepBatch, episode_config, group_ids, run_episodes
 from drmas_graph.train.evaluate import evaluate
 from drmas_graph.train.metrics import RunLogger
 from drmas_graph.types import Episode, Sample
@@ -148,6 +153,12 @@ class Trainer:
         self._built: list[Policy] = []
         self.weave: WeaveExporter | None = None
         """Exports episodes and evaluations to W&B Weave (`logging.weave`), off the training thread."""
+        self.pipeline: _pipeline.OneStepOff | None = None
+        """Asynchronous training (`async.max_staleness` >= 1); None = synchronous steps."""
+        self.async_fallback: str | None = None
+        """Why a run configured as asynchronous trains synchronously (a second copy of a model did not fit)."""
+        self._copies: dict[str, Any] = {}
+        """Model name -> the trainer's own copy of an embedded model (asynchronous training)."""
         try:
             self.agent_policies, self.model_policies = _build.build_policies(
                 cfg, policies, train_models, trained=self.train_models, built=self._built)
@@ -164,6 +175,8 @@ class Trainer:
             self.app.sampling.update({a: _build.agent_sampling(c) for a, c in cfg.agents.items()
                                       if a in self.agent_policies})
             _build.check_sampling(self.agent_policies, self.app.sampling)
+            if train and cfg.async_.max_staleness > 0:  # before the updaters: they train the copies
+                self._copies, self.async_fallback = _pipeline.trainer_copies(self)
             self.updaters = _build.build_updaters(cfg, self.agent_policies, self.model_policies, self.agent_cfgs,
                                                   self.train_models, self.on_model_thread) if train else {}
             self.invalid_penalty = cfg.invalid_penalty if cfg.invalid_penalty is not None else float(
@@ -171,6 +184,8 @@ class Trainer:
             self.unfinished_rewards = {"truncated_reward": cfg.rollout.truncated_reward,
                                        "model_error_reward": cfg.rollout.model_error_reward}
             """`score_episode` keywords: the rewards of truncated and model-error episodes (None: env.reward)."""
+            if train and cfg.async_.max_staleness > 0 and self.async_fallback is None:
+                self.pipeline = _pipeline.OneStepOff(self)
             self.start_step = _checkpoints.resume(self) if cfg.resume else 0
             if self.start_step == 0:  # adapters loaded by name must exist on the servers before the first rollout
                 for name in (n for n, p in self.model_policies.items() if getattr(p, "lora_by_name", ())):
@@ -196,8 +211,11 @@ class Trainer:
 
         On CPU, torch compute from a second OS thread slows the embedded engine's decoding for the rest of
         the process (see `transformers_policy`): the update, the logprob passes and checkpoints of an
-        embedded model run on the thread that decodes with it.
+        embedded model run on the thread that decodes with it. A model the trainer trains a copy of
+        (asynchronous training) is computed here: its policy keeps decoding meanwhile.
         """
+        if name in self._copies:
+            return fn()
         run = getattr(self.model_policies[name], "run_on_worker", None)
         return run(fn) if run is not None else fn()
 
@@ -215,23 +233,34 @@ class Trainer:
         try:
             if cfg.eval.before_training and self.start_step == 0:
                 self._evaluate(0, logger)
-            for step in range(self.start_step, cfg.steps):
-                record = self.train_step(step)
+            for step, record in self.steps():
                 self.result.history.append(record)
                 logger.log(record)
                 logger.progress(step, record)
                 done = step + 1
-                if cfg.eval.every and done % cfg.eval.every == 0 and done < cfg.steps:
-                    self._evaluate(done, logger)
                 if cfg.checkpoint_every and done % cfg.checkpoint_every == 0 and done < cfg.steps:
                     self.save_checkpoint(done)
-            if self.start_step < cfg.steps:
-                self._evaluate(cfg.steps, logger)
+                if cfg.eval.every and done % cfg.eval.every == 0 and done < cfg.steps:
+                    self._evaluate(done, logger)
+            if self.start_step < cfg.steps:  # checkpoint first: asynchronous runs save the weights step N rolls out on
                 self.save_checkpoint(cfg.steps)
+                self._evaluate(cfg.steps, logger)
             _distributed.remove_rank_stores(self.run_dir, self.store.close)  # every rank's traces in traces.db
         finally:
             logger.close()
         return self.result
+
+    def steps(self) -> Iterator[tuple[int, dict[str, Any]]]:
+        """(step, metrics record) of each training step: rollout, score and update in turn, or pipelined with the
+        next step's rollouts (`async.max_staleness` >= 1, `_pipeline.OneStepOff.steps`)."""
+        if self.pipeline is not None:
+            yield from self.pipeline.steps(self.start_step)
+            return
+        for step in range(self.start_step, self.cfg.steps):
+            record = self.train_step(step)
+            if self.async_fallback is not None:
+                record["async/synchronous_fallback"] = 1
+            yield step, record
 
     def batch_tasks(self, step: int) -> list[Any]:
         """Tasks of a step: position p = step * B + i in an endless sequence of seeded shuffles of the split."""
@@ -244,15 +273,29 @@ class Trainer:
         return out
 
     def train_step(self, step: int) -> dict[str, Any]:
+        """One synchronous step: `collect`, then `learn`."""
+        return self.learn(self.collect(step))
+
+    def collect(self, step: int) -> StepBatch:
+        """Step `step`'s rollouts (this process's groups), scored, with advantages and the trained agents' Samples."""
         t0 = time.perf_counter()
         tasks = self.batch_tasks(step)
-        runs, counts = self._rollouts(tasks, step, self.cfg.group_size, phase="train")
+        batch = self._run_jobs(tasks, step, self.cfg.group_size, phase="train")
         t1 = time.perf_counter()
-        scored = self._score(runs, counts)
-        if not any(_distributed.gather(bool(scored))):  # every rank decides alike (one rank's loss is not fatal)
-            raise _scoring.nothing_to_train(step, len(tasks) * self.cfg.group_size,
-                                            self.rollout_errors or self.reward_errors, self.run_dir)
+        scored, reward_errors = self._score_runs(batch.runs, batch.counts)
         samples, adv_stats = self._advantages(scored)
+        return StepBatch(step, len(tasks) * self.cfg.group_size, batch.counts, batch.errors, scored, reward_errors,
+                         samples, adv_stats, (t0, t1, time.perf_counter()))
+
+    def learn(self, batch: StepBatch, *, publish: bool = True) -> dict[str, Any]:
+        """Update every trained model on the batch's samples; return the step's metrics record. `publish` merges
+        every process's traces and exports the step (the pipeline does that at the next step boundary)."""
+        step, scored, samples = batch.step, batch.scored, batch.samples
+        self.rollout_errors, self.reward_errors = batch.rollout_errors, batch.reward_errors
+        if not any(_distributed.gather(bool(scored))):  # every rank decides alike (one rank's loss is not fatal)
+            raise _scoring.nothing_to_train(step, batch.n_episodes, self.rollout_errors or self.reward_errors,
+                                            self.run_dir)
+        t0, t1, _ = batch.times
         t2 = time.perf_counter()
         update_metrics: dict[str, float] = {}
         sync_s = 0.0
@@ -260,7 +303,9 @@ class Trainer:
             policy = self.model_policies[name]
             model_samples, old = self._old_logprobs(name, [s for s in samples if self.agent_policies[s.agent] is policy],
                                                     update_metrics)
-            if _build.is_served(policy):
+            if self.pipeline is not None:  # trains its own copy, installed at the next step boundary (`_pipeline`)
+                update_metrics.update(updater.update(model_samples, old_logprobs=old).to_dict())
+            elif _build.is_served(policy):
                 update_metrics.update(updater.update(model_samples, old_logprobs=old).to_dict())
                 update_metrics[f"model/{name}/sync_s"] = self.sync_weights(name, version=step + 1)
                 sync_s += update_metrics[f"model/{name}/sync_s"]
@@ -271,24 +316,38 @@ class Trainer:
                     update_metrics.update(metrics.to_dict())
         t3 = time.perf_counter()
         self.store.record_training(step, [ep for _, ep, _ in scored])
-        scored, counts, adv_stats = _distributed.merge_step(scored, counts, adv_stats)  # every rank's groups
-        _distributed.merge_traces(self.run_dir)
-        if self.weave is not None:
-            self.weave.submit_step(step)
+        # every rank's groups
+        scored, counts, adv_stats = _distributed.merge_step(scored, batch.counts, batch.adv_stats)
+        batch.trained = [ep for _, ep, _ in scored]
+        if publish:
+            self.publish(step)
         record = _scoring.step_record(step, list(self.agent_policies), scored, counts, adv_stats, update_metrics,
                                       (t0, t1, t2, t3), sync_s)
-        warning = _scoring.unfinished_warning(record, len(tasks) * self.cfg.group_size)
+        warning = _scoring.unfinished_warning(record, batch.n_episodes)
         if warning is not None and _distributed.is_main():
             log.warning(warning)
         return record
 
+    def publish(self, step: int, trained: Sequence[Episode] = ()) -> None:
+        """Copy every process's traces into traces.db (rank 0; where no rank writes), then export step `step`.
+        `trained`: every process's trained episodes of the step, whose training data rank 0 writes after the copy
+        (asynchronous training copies a step's episodes from the rank files before they are trained)."""
+        _distributed.merge_traces(self.run_dir)
+        if trained and _distributed.world_size() > 1 and _distributed.is_main():
+            self.store.record_training(step, trained)
+        if self.weave is not None:
+            self.weave.submit_step(step)
+
     def _score(self, runs: list[tuple[Any, Episode]], counts: dict[str, int]) -> _scoring.Scored:
         """Rewards of the step's runs (`_scoring.score_runs`: masked truncated episodes and bad rewards are
         left out and counted); bad-reward errors go to `self.reward_errors`."""
-        scored, self.reward_errors = _scoring.score_runs(
-            self.env, runs, counts, invalid_penalty=self.invalid_penalty, rollout=self.cfg.rollout,
-            on_error=self._log_reward_raise)
+        scored, self.reward_errors = self._score_runs(runs, counts)
         return scored
+
+    def _score_runs(self, runs: list[tuple[Any, Episode]], counts: dict[str, int]
+                    ) -> tuple[_scoring.Scored, list[BadRewardError]]:
+        return _scoring.score_runs(self.env, runs, counts, invalid_penalty=self.invalid_penalty,
+                                   rollout=self.cfg.rollout, on_error=self._log_reward_raise)
 
     def _advantages(self, scored: _scoring.Scored) -> tuple[list[Sample], Any]:
         """Advantages of every policy-served turn and the Samples of the trained agents' turns."""
@@ -299,8 +358,8 @@ class Trainer:
         trainer's for embedded policies, see `_old_logprobs`; as rolled out for served ones). The trainer's are
         the update's own (detached) when it takes one step (n_minibatches 1), else recomputed here first."""
         mode = self.cfg.old_logprobs
-        if mode == "auto":
-            mode = "rollout" if _build.is_served(self.model_policies[name]) else "trainer"
+        if mode == "auto":  # asynchronous training: the trainer's (the proximal policy of decoupled PPO)
+            mode = "rollout" if _build.is_served(self.model_policies[name]) and self.pipeline is None else "trainer"
         if mode == "rollout" or not samples:
             return samples, "given"
         if self.updaters[name].settings.n_minibatches == 1:
@@ -320,16 +379,20 @@ class Trainer:
         """G rollouts per task, concurrently (see `_rollouts.run_episodes`: per-episode config, seed and limits).
         Failed episodes are counted (and stored), not returned; their errors go to `self.rollout_errors`.
         Truncated and model-error episodes are returned (and counted)."""
+        batch = self._run_jobs(tasks, step, group_size, phase=phase)
+        self.rollout_errors = batch.errors
+        return batch.runs, batch.counts
+
+    def _run_jobs(self, tasks: Sequence[Any], step: int, group_size: int, *, phase: str) -> RolloutBatch:
         ids = group_ids(tasks, phase, step)  # over the whole batch: every rank names the groups alike
         jobs = [EpisodeJob(task, ids[b], b, j) for b, task in _distributed.owned(tasks) for j in range(group_size)]
         batch = run_episodes(self.app, jobs, phase=phase, step=step, run_seed=self.cfg.seed,
                              max_concurrency=self.cfg.max_concurrency, rollout=self.cfg.rollout,
                              base_config=self.rollout_config, env=self.env)
-        self.rollout_errors = batch.errors
         if batch.errors:
             log.warning("%s step %d: %d of %d episodes failed; the first: %s", phase, step, len(batch.errors),
                         len(jobs), batch.errors[0])
-        return batch.runs, batch.counts
+        return batch
 
     _rollouts = rollouts  # the name before the layout change (issue 19); the repro scripts call it
 
@@ -341,6 +404,8 @@ class Trainer:
                         "exceptions of the environment are counted, not logged", exc, exc_info=exc.__cause__)
 
     def _evaluate(self, step: int, logger: RunLogger) -> dict[str, Any]:
+        if self.pipeline is not None:  # the rollouts in flight end, the trainer's weights reach the rollouts
+            self.pipeline.settle()
         rollouts: list[Any] | None = [] if self.weave is not None else None
         record = evaluate(self, step=step, rollouts=rollouts)
         if self.weave is not None:

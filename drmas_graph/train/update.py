@@ -164,6 +164,8 @@ class ModelUpdater:
         self.agent_settings = dict(agent_settings) if agent_settings is not None else None
         self.model = model
         self.n_updates = 0
+        self.correction: Any = None
+        """Off-policy correction of stale samples (`offpolicy.OffPolicyCorrection`, asynchronous training); None = off."""
         _prepare_model(model, settings)
         self._reference = (reference or REFERENCES[settings.kl_reference](model)) if settings.kl_coef > 0 else None
         self._ref_logprobs: dict[int, torch.Tensor] = {}
@@ -235,11 +237,12 @@ class ModelUpdater:
         return self._metrics(tally.merged(), grad_norms, rollout_gap=old_logprobs == "current")
 
     @torch.no_grad()
-    def compute_logprobs(self, samples: Sequence[Sample]) -> list[torch.Tensor]:
-        """log_softmax(logits / T) at each response token under the current weights, one 1-D float32 CPU
-        tensor per sample, in order. Batched by agent with each agent's micro-batch size."""
+    def compute_logprobs(self, samples: Sequence[Sample], *, module: torch.nn.Module | None = None) -> list[torch.Tensor]:
+        """log_softmax(logits / T) at each response token under the current weights (or those of `module`, a copy
+        of the model), one 1-D float32 CPU tensor per sample, in order. Batched by agent with each agent's
+        micro-batch size."""
         _check_samples(samples)
-        return [t.cpu() for t in self._logprobs_of(self.model, samples)]
+        return [t.cpu() for t in self._logprobs_of(module if module is not None else self.model, samples)]
 
     @torch.no_grad()
     def _logprobs_of(self, module: torch.nn.Module, samples: Sequence[Sample]) -> list[torch.Tensor]:
@@ -415,7 +418,8 @@ class ModelUpdater:
         pg_loss, stats = policy_loss(
             logprobs_BT, old_BT, batch.advantages_B, batch.mask_BT,
             clip_low=loss_settings.clip_low, clip_high=loss_settings.clip_high,
-            dual_clip=loss_settings.dual_clip, agg=s.loss_agg, norm_len=s.norm_len)
+            dual_clip=loss_settings.dual_clip, agg=s.loss_agg, norm_len=s.norm_len,
+            token_weights=self.correction.token_weights(samples, batch.mask_BT) if self.correction else None)
         loss = pg_loss
         if entropy_BT is not None:
             loss = loss - s.entropy_coef * agg_loss(entropy_BT, batch.mask_BT, s.loss_agg, norm_len=s.norm_len)

@@ -1,0 +1,183 @@
+"""Synchronous vs asynchronous training (`async.max_staleness` 0 vs 1, one step off), side by side in one run.
+
+Workloads:
+  (a) `benchmarks/_tool_app.py`: planner -> simulated API (lognormal latency, mean 0.5 s, long tail) -> answerer,
+      both agents on one tiny random Llama (`--hidden`, `--layers`); reward = the answerer's first token id is even.
+  (b) the math graph (`graphs/math`, solver + verifier) with a tiny random policy (`--smollm2`: SmolLM2-135M-Instruct).
+Each runs `--steps` training steps of `--tasks` groups x `--group` episodes per seed (`--seeds`), synchronous and
+asynchronous interleaved (sync seed 0, async seed 0, sync seed 1, ...), each in a fresh Trainer. Wall time covers
+the training steps only (`Trainer.steps()`: no evaluation, no checkpoint); steps per hour = steps / wall. Reward
+per step is the team reward of the step's episodes. Numbers are ratios within this run; on a loaded machine,
+re-run them on a quiet one. A PNG plot (`--plot`) shows the reward curves and the throughput.
+
+    python benchmarks/bench_async.py [--workloads a,b] [--seeds 0,1,2] [--steps 8] [--plot runs/bench_async.png]
+
+The last line reads `async/sync throughput: X.XXx` for workload (a).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+
+warnings.filterwarnings("ignore")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("WEAVE_DISABLED", "true")
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from drmas_graph import SamplingParams  # noqa: E402
+from drmas_graph.cli._train import StandInChatModel  # noqa: E402
+from drmas_graph.config import TrainConfig  # noqa: E402
+from drmas_graph.testing import tiny_policy  # noqa: E402
+from drmas_graph.train.trainer import Trainer  # noqa: E402
+
+MODES = {"sync": 0, "async": 1}
+"""Mode -> async.max_staleness."""
+
+
+def _policy(args, seed: int, tokens: int):
+    if args.smollm2:
+        from drmas_graph.engine.models import smollm2_path
+        from drmas_graph.engine.transformers_policy import TransformersPolicy
+
+        return TransformersPolicy.from_pretrained(smollm2_path(), name="smollm2", seed=seed, device=args.device,
+                                                  sampling=SamplingParams(max_new_tokens=tokens))
+    return tiny_policy(seed=seed, hidden_size=args.hidden, num_layers=args.layers,
+                       sampling=SamplingParams(max_new_tokens=tokens))
+
+
+def _workload(name: str, args, seed: int):
+    """(graph, env, agents, policy) of workload `name` for one seed."""
+    if name == "a":
+        from benchmarks._tool_app import ToolEnv, build_graph
+
+        policy = tiny_policy(seed=seed, hidden_size=args.hidden, num_layers=args.layers,
+                             sampling=SamplingParams(max_new_tokens=args.tokens))
+        return build_graph(StandInChatModel(), seed=seed, mean_s=args.api_mean), ToolEnv(), ("planner", "answerer"), policy
+    from graphs.math.env import MathEnv
+    from graphs.math.graph import build_graph
+
+    policy = _policy(args, seed, 12)
+    env = MathEnv(seed=0, n_train=80, n_test=20, difficulty=[1.0])
+    return build_graph(StandInChatModel(), max_rounds=2), env, ("solver", "verifier"), policy
+
+
+def run_one(name: str, mode: str, seed: int, args, root: str) -> dict:
+    graph, env, agents, policy = _workload(name, args, seed)
+    cfg = TrainConfig.model_validate({
+        "run_dir": os.path.join(root, f"{name}-{mode}-s{seed}"), "seed": seed, "steps": args.steps,
+        "tasks_per_step": args.tasks, "group_size": args.group, "max_concurrency": args.tasks * args.group,
+        "update": {"lr": args.lr, "backend": "torch"}, "eval": {"k": 1, "n_tasks": 1, "before_training": False},
+        "logging": {"progress": False, "tensorboard": False}, "async": {"max_staleness": MODES[mode]}})
+    trainer = Trainer(graph, env, cfg, policies={a: policy for a in agents})
+    try:
+        t0 = time.perf_counter()
+        records = [record for _, record in trainer.steps()]
+        wall = time.perf_counter() - t0
+    finally:
+        trainer.close()
+        policy.close()
+    return {"wall_s": wall, "steps_per_h": len(records) / wall * 3600, "reward": [r["reward/team_mean"] for r in records],
+            "rollout_s": statistics.mean(r["time/rollout_s"] for r in records),
+            "update_s": statistics.mean(r["time/update_s"] for r in records),
+            "wait_s": statistics.mean(r.get("async/wait_s", 0.0) for r in records[1:]) if len(records) > 1 else 0.0}
+
+
+def _mean_sd(values: list[float]) -> str:
+    return f"{statistics.mean(values):.3f} +- {statistics.stdev(values) if len(values) > 1 else 0.0:.3f}"
+
+
+def report(name: str, runs: dict[str, list[dict]], args) -> float:
+    """Print workload `name`'s table; return async/sync steps per hour (means over seeds)."""
+    title = {"a": f"(a) tool graph, simulated API latency mean {args.api_mean:g} s (lognormal, sigma 1)",
+             "b": "(b) math graph, " + ("SmolLM2-135M" if args.smollm2 else "tiny random policy")}[name]
+    print(f"\n{title}: {args.steps} steps x {args.tasks} groups x {args.group} episodes, seeds {args.seeds}")
+    print(f"{'mode':<6} {'steps/h':>9} {'wall s':>8} {'rollout s/step':>15} {'update s/step':>14} "
+          f"{'trainer waits s/step':>21} {'reward, last half':>18}")
+    half = args.steps // 2
+    for mode, rs in runs.items():
+        print(f"{mode:<6} {statistics.mean(r['steps_per_h'] for r in rs):>9.0f} "
+              f"{statistics.mean(r['wall_s'] for r in rs):>8.1f} {statistics.mean(r['rollout_s'] for r in rs):>15.2f} "
+              f"{statistics.mean(r['update_s'] for r in rs):>14.2f} "
+              f"{statistics.mean(r['wait_s'] for r in rs) if mode == 'async' else float('nan'):>21.2f} "
+              f"{_mean_sd([statistics.mean(r['reward'][half:]) for r in rs]):>18}")
+    print("reward per step (mean over seeds):")
+    for mode, rs in runs.items():
+        curve = [statistics.mean(r["reward"][s] for r in rs) for s in range(args.steps)]
+        print(f"  {mode:<6} " + " ".join(f"{x:.3f}" for x in curve))
+    ratio = statistics.mean(r["steps_per_h"] for r in runs["async"]) / statistics.mean(
+        r["steps_per_h"] for r in runs["sync"])
+    print(f"workload ({name}) async/sync throughput: {ratio:.2f}x")
+    return ratio
+
+
+def plot(path: str, results: dict[str, dict[str, list[dict]]], args) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(results), 2, figsize=(11, 3.6 * len(results)), squeeze=False)
+    for row, (name, runs) in zip(axes, results.items()):
+        for mode, rs in runs.items():
+            steps = range(args.steps)
+            mean = [statistics.mean(r["reward"][s] for r in rs) for s in steps]
+            lo = [min(r["reward"][s] for r in rs) for s in steps]
+            hi = [max(r["reward"][s] for r in rs) for s in steps]
+            row[0].plot(steps, mean, marker="o", label=mode)
+            row[0].fill_between(steps, lo, hi, alpha=0.2)
+        row[0].set(title=f"workload ({name}): team reward per step (mean, min-max over seeds)", xlabel="step",
+                   ylabel="reward")
+        row[0].legend()
+        modes = list(runs)
+        row[1].bar(modes, [statistics.mean(r["steps_per_h"] for r in runs[m]) for m in modes], color=["C0", "C1"])
+        row[1].set(title=f"workload ({name}): training steps per hour", ylabel="steps / hour")
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=110)
+    print(f"\nplot: {path}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--workloads", default="a,b", help="a, b or a,b")
+    ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--tasks", type=int, default=4, help="groups per step")
+    ap.add_argument("--group", type=int, default=8, help="episodes per group")
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--hidden", type=int, default=256, help="tiny model width (a, and b without --smollm2)")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--tokens", type=int, default=24, help="max new tokens per call in (a)")
+    ap.add_argument("--api-mean", type=float, default=0.5, help="mean simulated API latency in (a), seconds")
+    ap.add_argument("--smollm2", action="store_true", help="(b) on SmolLM2-135M-Instruct instead of a tiny model")
+    ap.add_argument("--device", default="cpu", help="device of (b)'s SmolLM2 policy (cuda on a GPU machine)")
+    ap.add_argument("--plot", default="runs/bench_async.png")
+    args = ap.parse_args()
+    args.seeds = [int(s) for s in args.seeds.split(",")]
+    logging.disable(logging.WARNING)
+    results: dict[str, dict[str, list[dict]]] = {}
+    ratios = {}
+    with tempfile.TemporaryDirectory() as root:
+        for name in sorted(args.workloads.split(","), reverse=True):  # (b) first: (a)'s ratio is the last line
+            # untimed: the first training run of a process pays one-time costs (imports, kernel selection)
+            run_one(name, "sync", 0, argparse.Namespace(**{**vars(args), "steps": 1}), root + "/warmup")
+            runs: dict[str, list[dict]] = {mode: [] for mode in MODES}
+            for seed in args.seeds:
+                for mode in MODES:
+                    runs[mode].append(run_one(name, mode, seed, args, root))
+            results[name] = runs
+            ratios[name] = report(name, runs, args)
+    plot(args.plot, dict(sorted(results.items())), args)
+    if "a" in ratios:
+        print(f"async/sync throughput: {ratios['a']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

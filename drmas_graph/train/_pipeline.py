@@ -1,0 +1,388 @@
+"""Asynchronous training, one step off: the next step's rollouts run while the trainer updates on this one.
+
+Versions count the updates applied (v0 = the initial weights). With `async.max_staleness` >= 1:
+
+    rollout thread  | step 0 on v0 | step 1 on v0 | step 2 on v1 | step 3 on v2 | ...
+    trainer (main)  |              | update 0     | update 1     | update 2     | ...
+                                   ^ boundary 1: rollouts of step 1 done, update 0 done (the trainer holds v1)
+
+At boundary u the trainer's weights v(u) become the rollout weights (`install`), the rollouts of step u+1 start on
+a background thread, and update u trains on step u's groups, sampled by v(u-1): 1 update stale (step 0's by v0:
+0). Every group's weights are a function of its step, never of timing, so a seeded run is reproducible to the
+last digit at any `max_concurrency`, as the synchronous loop is: the proximal logprobs are the trainer's (as with
+`old_logprobs: trainer`), and an embedded policy's behaviour logprobs are recomputed by the weights that sampled
+them (its serving module, right after the step's rollouts: the rollout's own carry batching noise); a served
+policy's are the server's, as recorded. The off-policy correction is `offpolicy` (decoupled PPO).
+
+Groups stay whole: a step's rollouts end when every episode of every group has; a group trained in update u is
+dropped (and counted in `async/dropped_groups`) if any of its trained turns was sampled more than
+`max_staleness` versions before u (never one step off, where staleness is at most 1). A group is started under
+one version (installs happen only at boundaries, when no episode runs). Metrics per step: `async/wait_s` (the
+trainer waiting for rollouts), `async/install_s`, staleness per agent (mean, max) and the importance weights.
+
+How weights reach the rollouts, per trained model:
+- embedded (`TransformersPolicy`): the trainer trains a copy of the module (`trainer_copies`: one more copy of
+  the weights in memory, 4 bytes x parameters in float32, 2 in bfloat16; where it does not fit in the device's
+  free memory the run trains synchronously, with a warning and the metric `async/synchronous_fallback`), and
+  the policy decodes with its own module; install copies the weights in, inside `policy.updating_weights()`. The
+  update runs on the main thread while the policy decodes on its own (on CPU the two share the cores).
+- served (SGLang, vLLM): the trainer already trains a local copy; install pushes it (`_checkpoints.push_weights`),
+  at a boundary, so no request is in flight. The servers load v0 from run_dir/sync at the first boundary, so
+  that a checkpoint can copy what they serve.
+
+Kill-and-resume: a checkpoint at step c (saved at the end of update c-1, while step c rolls out) holds the
+trainer's weights v(c) and the rollout weights v(c-1) (`save_serving`); the resumed run rolls step c out again
+on v(c-1): the same groups, so no group is lost or trained twice.
+
+Every wait has a timeout (`async.timeout_s`): a step's rollouts, a weight push, the other processes at a boundary
+(`AsyncTimeoutError`, naming the step; a push that fails names the server).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import copy
+import dataclasses
+import functools
+import logging
+import shutil
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from drmas_graph.errors import ConfigError, DrmasError, PolicyError
+from drmas_graph.train import _build, _checkpoints, _distributed
+from drmas_graph.train._rollouts import StepBatch
+from drmas_graph.train.offpolicy import CorrectionStats, OffPolicyCorrection
+from drmas_graph.train.update import ModelUpdater
+
+__all__ = ["AsyncTimeoutError", "OneStepOff", "drop_stale", "trainer_copies"]
+
+log = logging.getLogger(__name__)
+
+_COPY_HEADROOM = 1.1
+"""A copy of a model's weights is made only if the device has this many times its size free."""
+
+
+class AsyncTimeoutError(DrmasError, TimeoutError):
+    """A wait of asynchronous training (a step's rollouts, the other processes at a step boundary) ran past
+    `async.timeout_s`; the message names the step."""
+
+
+# --- the trainer's copies of embedded models ----------------------------------------------------------------
+
+
+def trainer_copies(trainer: Any) -> tuple[dict[str, Any], str | None]:
+    """A copy of every trained embedded model for the trainer to train (put in `trainer.train_models`; its policy
+    keeps decoding with the original); or ({}, why) when a copy does not fit in its device's free memory."""
+    names = [n for n, p in trainer.model_policies.items() if _trained(trainer, n) and not _build.is_served(p)]
+    for name in names:
+        module = trainer.train_models[name]
+        need, free, device = _weights_bytes(module), _free_bytes(module), next(module.parameters()).device
+        if free is not None and need * _COPY_HEADROOM > free:
+            reason = (f"model {name!r}: asynchronous training needs a second copy of its weights ({need / 2**20:.0f} "
+                      f"MB) and {device} has {free / 2**20:.0f} MB free; training synchronously")
+            log.warning(reason)
+            return {}, reason
+    copies = {name: copy.deepcopy(trainer.train_models[name]) for name in names}
+    trainer.train_models.update(copies)
+    return copies, None
+
+
+def _trained(trainer: Any, name: str) -> bool:
+    """Whether model `name` gets an updater (`_build.build_updaters`): trainable, with an agent that is not frozen."""
+    mc = trainer.cfg.models.get(name)
+    policy = trainer.model_policies[name]
+    return ((mc is None or mc.trainable) and name in trainer.train_models
+            and any(p is policy and not trainer.agent_cfgs[a].frozen for a, p in trainer.agent_policies.items()))
+
+
+def _weights_bytes(module: torch.nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in module.state_dict().values())
+
+
+def _free_bytes(module: torch.nn.Module) -> int | None:
+    """Free memory of the module's device (CUDA: the driver's; CPU: MemAvailable); None if unknown."""
+    device = next(module.parameters()).device
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return None
+
+
+# --- how the weights reach the rollouts ---------------------------------------------------------------------
+
+
+class _Embedded:
+    """An embedded policy that decodes with its own module while the trainer trains a copy."""
+
+    def __init__(self, trainer: Any, name: str) -> None:
+        self.policy, self.updater = trainer.model_policies[name], trainer.updaters[name]
+        self.source = trainer.train_models[name]
+
+    def install(self, version: int) -> None:
+        """The trainer's weights into the policy's module (rows decoding finish first); version = `version`."""
+        with self.updater.full_weights(), self.policy.updating_weights():
+            self.policy.run_on_worker(functools.partial(_copy_weights, self.source, self.policy.model))
+        self.policy.version = version
+
+    def behaviour_logprobs(self, samples: list[Any]) -> list[tuple[float, ...]]:
+        """The samples' logprobs under the policy's weights (those that sampled them), on its decoding thread."""
+        logprobs = self.policy.run_on_worker(functools.partial(self.updater.compute_logprobs, samples,
+                                                               module=self.policy.model))
+        return [tuple(float(x) for x in t.tolist()) for t in logprobs]
+
+    def save(self, directory: Path) -> None:
+        from safetensors.torch import save_model
+
+        directory.mkdir(parents=True, exist_ok=True)
+        save_model(self.policy.model, str(directory / "model.safetensors"))
+
+    def restore(self, directory: Path, version: int) -> None:
+        from safetensors.torch import load_model
+
+        with self.policy.updating_weights():
+            self.policy.run_on_worker(functools.partial(load_model, self.policy.model,
+                                                        str(directory / "model.safetensors")))
+        self.policy.version = version
+
+
+class _Served:
+    """A served policy: the trainer trains a local copy and pushes it to the servers."""
+
+    def __init__(self, trainer: Any, name: str, timeout_s: float) -> None:
+        self.trainer, self.name, self.timeout_s = trainer, name, timeout_s
+        self.policy = trainer.model_policies[name]
+
+    def install(self, version: int) -> None:
+        t = self.trainer
+        _checkpoints.push_weights(t.run_dir, self.name, t.train_models[self.name], self.policy,
+                                  t.updaters[self.name], version=version, timeout_s=self.timeout_s)
+
+    def behaviour_logprobs(self, samples: list[Any]) -> list[tuple[float, ...]]:
+        """The servers' logprobs, as recorded (the weights that sampled them are on the servers only)."""
+        return [s.old_logprobs for s in samples]
+
+    def save(self, directory: Path) -> None:
+        shutil.copytree(_checkpoints.sync_dir(self.trainer.run_dir, self.name), directory)
+
+    def restore(self, directory: Path, version: int) -> None:
+        _checkpoints.load_into_servers(self.trainer.run_dir, self.name, self.policy, directory, version=version,
+                                       timeout_s=self.timeout_s)
+
+
+def _copy_weights(source: torch.nn.Module, target: torch.nn.Module) -> None:
+    with torch.no_grad():
+        target_sd = target.state_dict()
+        for key, value in source.state_dict().items():
+            target_sd[key].copy_(value)
+
+
+# --- stale groups -------------------------------------------------------------------------------------------
+
+
+def drop_stale(batch: StepBatch, update: int, max_staleness: int) -> tuple[StepBatch, int, int]:
+    """The batch without the groups that have a trained sample sampled more than `max_staleness` versions before
+    update `update` (staleness = update - the turn's policy_version), the groups dropped and their samples."""
+    version, group = _sample_versions(batch), {ep.id: ep.group_id for _, ep, _ in batch.scored}
+    stale = {group[s.episode_id] for s in batch.samples if update - version[(s.episode_id, s.turn_index)] > max_staleness}
+    if not stale:
+        return batch, 0, 0
+    scored = [row for row in batch.scored if row[1].group_id not in stale]
+    kept_ids = {ep.id for _, ep, _ in scored}
+    samples = [s for s in batch.samples if s.episode_id in kept_ids]
+    return dataclasses.replace(batch, scored=scored, samples=samples), len(stale), len(batch.samples) - len(samples)
+
+
+def _sample_versions(batch: StepBatch) -> dict[tuple[str, int], int]:
+    """(episode id, turn index) -> the weights version that sampled the turn."""
+    return {(ep.id, t.index): int(t.policy_version or 0) for _, ep, _ in batch.scored for t in ep.turns}
+
+
+# --- the loop -----------------------------------------------------------------------------------------------
+
+
+class OneStepOff:
+    """The pipelined loop (module docstring): `steps` yields what `Trainer.steps` does."""
+
+    def __init__(self, trainer: Any) -> None:
+        acfg = trainer.cfg.async_
+        self.trainer = trainer
+        self.timeout_s = acfg.timeout_s
+        self.max_staleness = acfg.max_staleness
+        for name, updater in trainer.updaters.items():
+            if not isinstance(updater, ModelUpdater):
+                raise ConfigError(f"model {name!r}: asynchronous training supports ModelUpdater, not "
+                                  f"{type(updater).__name__}; set async.max_staleness to 0")
+            updater.correction = OffPolicyCorrection(acfg.correction, acfg.is_cap)
+        self.servings: dict[str, _Embedded | _Served] = {
+            name: _Embedded(trainer, name) if name in trainer._copies else _Served(trainer, name, acfg.timeout_s)
+            for name in trainer.updaters}
+        self.trained_version = 0
+        """Updates the trainer applied."""
+        self.serving_version = 0
+        """The weights version the rollouts sample with."""
+        self._servers_hold_sync = False
+        """Whether run_dir/sync holds what the servers serve (pushed at the first boundary, or restored)."""
+        self._pending: dict[int, concurrent.futures.Future] = {}
+        self._unpublished: StepBatch | None = None
+        """The last trained step, until the next boundary merges every process's traces and exports it."""
+
+    # ---- the steps --------------------------------------------------------------------------------------
+    def steps(self, start: int) -> Iterator[tuple[int, dict[str, Any]]]:
+        steps = self.trainer.cfg.steps
+        for u in range(start, steps):
+            t0 = time.perf_counter()
+            batch = self._result(u)
+            wait_s = time.perf_counter() - t0
+            install_s = self._boundary(u)
+            if u + 1 < steps:
+                self._start(u + 1)
+            record = self._learn(u, batch)
+            _, t1, t2 = batch.times
+            record.update({"async/wait_s": wait_s, "async/install_s": install_s, "time/score_s": t2 - t1,
+                           "time/step_s": time.perf_counter() - t0})
+            yield u, record
+        self._publish()
+
+    def settle(self) -> None:
+        """The rollouts in flight finish, then the trainer's weights reach the rollouts (before an evaluation)."""
+        for step in sorted(self._pending):
+            self._result(step, keep=True)
+        self._install(self.trained_version)
+
+    def _start(self, step: int) -> None:
+        """Step `step`'s rollouts, scoring and behaviour logprobs, on a daemon thread (`_produce`)."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+
+        def work() -> None:
+            try:
+                future.set_result(self._produce(step))
+            except BaseException as exc:  # noqa: BLE001 - the trainer re-raises it
+                future.set_exception(exc)
+
+        self._pending[step] = future
+        threading.Thread(target=work, name=f"rollouts-step-{step}", daemon=True).start()
+
+    def _result(self, step: int, keep: bool = False) -> StepBatch:
+        """Step `step`'s batch (started now if it is not in flight: the first step, a resumed run)."""
+        if step not in self._pending:
+            self._start(step)
+        future = self._pending[step] if keep else self._pending.pop(step)
+        try:
+            return future.result(timeout=self.timeout_s)
+        except concurrent.futures.TimeoutError:
+            raise AsyncTimeoutError(
+                f"step {step}: its rollouts did not finish within async.timeout_s={self.timeout_s:g} s (an episode "
+                "stuck past rollout.timeout_s, or a server that stopped answering); stopping") from None
+
+    def _produce(self, step: int) -> StepBatch:
+        """`Trainer.collect(step)`, with the behaviour logprobs of the stale samples (sampled before v(step))."""
+        batch = self.trainer.collect(step)
+        version = _sample_versions(batch)
+        for name, serving in self.servings.items():
+            policy = self.trainer.model_policies[name]
+            rows = [i for i, s in enumerate(batch.samples) if self.trainer.agent_policies[s.agent] is policy
+                    and s.advantage != 0.0 and version[(s.episode_id, s.turn_index)] < step]  # A = 0: no gradient
+            if not rows:
+                continue
+            behaviour = serving.behaviour_logprobs([batch.samples[i] for i in rows])
+            for i, logprobs in zip(rows, behaviour):
+                batch.samples[i] = dataclasses.replace(batch.samples[i], behaviour_logprobs=logprobs)
+        return batch
+
+    def _boundary(self, u: int) -> float:
+        """Between update u-1 and update u: every process is here, step u-1's traces are merged and exported, the
+        trainer's weights v(u) reach the rollouts. Returns the seconds spent installing them."""
+        try:
+            _distributed.barrier(timeout_s=self.timeout_s)
+        except RuntimeError as exc:
+            raise AsyncTimeoutError(f"step {u}: not every process reached the step boundary within async.timeout_s="
+                                    f"{self.timeout_s:g} s (its rollouts or its update hang): {exc}") from exc
+        self._publish()
+        return self._install(u)
+
+    def _publish(self) -> None:
+        if self._unpublished is not None:
+            self.trainer.publish(self._unpublished.step, self._unpublished.trained)
+            self._unpublished = None
+
+    def _install(self, version: int) -> float:
+        if self.serving_version >= version and (self._servers_hold_sync or not self._any_served()):
+            return 0.0
+        t0 = time.perf_counter()
+        for name, serving in self.servings.items():
+            try:
+                serving.install(version)
+            except PolicyError as exc:
+                raise type(exc)(f"installing weights version {version} of model {name!r}: {exc}") from exc
+        self.serving_version, self._servers_hold_sync = version, True
+        return time.perf_counter() - t0
+
+    def _any_served(self) -> bool:
+        return any(isinstance(s, _Served) for s in self.servings.values())
+
+    def _learn(self, u: int, batch: StepBatch) -> dict[str, Any]:
+        batch, dropped_groups, dropped_samples = drop_stale(batch, u, self.max_staleness)
+        record = self.trainer.learn(batch, publish=False)
+        self._unpublished = batch
+        self.trained_version = u + 1
+        record.update(self._metrics(u, batch, dropped_groups, dropped_samples))
+        return record
+
+    def _metrics(self, u: int, batch: StepBatch, dropped_groups: int, dropped_samples: int) -> dict[str, float]:
+        """Staleness per agent (mean, max), dropped groups and samples, importance weights: over every process."""
+        version = _sample_versions(batch)
+        staleness: dict[str, list[int]] = {}
+        for s in batch.samples:
+            staleness.setdefault(s.agent, []).append(u - version[(s.episode_id, s.turn_index)])
+        weights: dict[str, CorrectionStats] = {}
+        for updater in self.trainer.updaters.values():
+            for agent, stats in updater.correction.pop_stats().items():
+                weights[agent] = weights.get(agent, CorrectionStats()).merge(stats)
+        parts = _distributed.gather((staleness, weights, dropped_groups, dropped_samples))
+        all_staleness: dict[str, list[int]] = {}
+        all_weights: dict[str, CorrectionStats] = {}
+        for part_staleness, part_weights, _, _ in parts:
+            for agent, values in part_staleness.items():
+                all_staleness.setdefault(agent, []).extend(values)
+            for agent, stats in part_weights.items():
+                all_weights[agent] = all_weights.get(agent, CorrectionStats()).merge(stats)
+        values = [v for vs in all_staleness.values() for v in vs]
+        record: dict[str, float] = {
+            "async/staleness_mean": sum(values) / max(len(values), 1), "async/staleness_max": max(values, default=0),
+            "async/dropped_groups": sum(p[2] for p in parts), "async/dropped_samples": sum(p[3] for p in parts)}
+        for agent, vs in sorted(all_staleness.items()):
+            record[f"agent/{agent}/staleness_mean"] = sum(vs) / len(vs)
+            record[f"agent/{agent}/staleness_max"] = max(vs)
+        for agent, stats in sorted(all_weights.items()):
+            record.update(stats.metrics(agent))
+        return record
+
+    # ---- checkpoints ------------------------------------------------------------------------------------
+    def save_serving(self, directory: Path) -> int:
+        """Write the rollout weights into checkpoint folder `directory` (`<model>/serving`) when they are not the
+        trainer's (the next step rolls out on them); return their version."""
+        if self.serving_version < self.trained_version and _distributed.is_main():
+            for name, serving in self.servings.items():
+                serving.save(directory / name / "serving")
+        return self.serving_version
+
+    def restore(self, directory: Path, trained: int, serving: int | None) -> None:
+        """After the trainer loaded checkpoint `directory` (v(trained)): the rollout weights it holds (version
+        `serving`), or the trainer's when it holds none (serving None: a synchronous run's checkpoint)."""
+        self.trained_version = trained
+        if serving is None or serving >= trained:
+            self.serving_version = -1
+            self._install(trained)
+            return
+        for name, s in self.servings.items():
+            s.restore(directory / name / "serving", serving)
+        self.serving_version, self._servers_hold_sync = serving, True
