@@ -84,10 +84,10 @@ def test_the_next_steps_rollouts_run_during_the_update(tmp_path):
             started[step].set()
             return collect(step)
 
-        def waiting_update(samples):
+        def waiting_update(samples, **kwargs):
             u = updater.n_updates
             waited.append(started[u + 1].wait(timeout=120))
-            return update(samples)
+            return update(samples, **kwargs)
 
         trainer.collect = observed_collect
         updater.update = waiting_update

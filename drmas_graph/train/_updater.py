@@ -38,8 +38,10 @@ class Updater(Protocol):
         ``old_logprobs``: "given" (the samples') or "current" (the update's own, detached: on-policy)."""
         ...
 
-    def compute_logprobs(self, samples: Sequence[Sample]) -> list[torch.Tensor]:
-        """log_softmax(logits / T) of each sample's response tokens under the current weights (1-D, CPU)."""
+    def compute_logprobs(self, samples: Sequence[Sample], *, module: torch.nn.Module | None = None
+                         ) -> list[torch.Tensor]:
+        """log_softmax(logits / T) of each sample's response tokens under the current weights, or under those of
+        `module` (a copy of the model, asynchronous training's serving weights); 1-D, CPU."""
         ...
 
     def full_weights(self) -> contextlib.AbstractContextManager:

@@ -253,14 +253,19 @@ class LoraUpdater:
         return LoraUpdateMetrics(out)
 
     @torch.no_grad()
-    def compute_logprobs(self, samples: Sequence[Sample]) -> list[torch.Tensor]:
-        """`ModelUpdater.compute_logprobs`, each sample under its agent's adapter."""
+    def compute_logprobs(self, samples: Sequence[Sample], *, module: torch.nn.Module | None = None
+                         ) -> list[torch.Tensor]:
+        """`ModelUpdater.compute_logprobs`, each sample under its agent's adapter (of `module`, a copy of the
+        peft model with the same adapters, when given)."""
         self._split(samples)  # raises for samples of unknown agents
         out: list[torch.Tensor | None] = [None] * len(samples)
         for adapter, updater in self.updaters.items():
             rows = [i for i, s in enumerate(samples) if self.agent_adapters[s.agent] == adapter]
-            self._activate(adapter)
-            for i, logprobs in zip(rows, updater.compute_logprobs([samples[i] for i in rows])):
+            if module is None:
+                self._activate(adapter)
+            else:
+                module.set_adapter(adapter)
+            for i, logprobs in zip(rows, updater.compute_logprobs([samples[i] for i in rows], module=module)):
                 out[i] = logprobs
         return out  # type: ignore[return-value]
 
