@@ -146,9 +146,9 @@ def _one_step(graph, env, cfg, policies, monkeypatch):
     trainer = Trainer(graph, env, cfg, policies=policies)
     seen = {}
     for name, updater in trainer.updaters.items():
-        def update(samples, _real=updater.update, _name=name):
+        def update(samples, _real=updater.update, _name=name, **kwargs):
             seen[_name] = list(samples)
-            return _real(samples)
+            return _real(samples, **kwargs)
         monkeypatch.setattr(updater, "update", update)
     try:
         return trainer.train_step(0), seen

@@ -89,7 +89,7 @@ def main() -> int:
                     for a in ("solver", "verifier")},
             eval={"before_training": False, "n_tasks": 1, "k": 1}, logging={"tensorboard": False, "progress": False})
     policy.close()
-    print(f"\n| step | rollout s | update s | rollout tokens/s | logprob mismatch solver / verifier | grad norm |")
+    print("\n| step | rollout s | update s | rollout tokens/s | logprob mismatch solver / verifier | grad norm |")
     print("|---|---|---|---|---|---|")
     for rec in result.history:
         mismatch = " / ".join(f"{rec.get(f'agent/{a}/logprob_mismatch', float('nan')):.2e}" for a in ("solver", "verifier"))
