@@ -130,7 +130,7 @@ class _Embedded:
     def install(self, version: int) -> None:
         """The trainer's weights into the policy's module (rows decoding finish first); version = `version`."""
         with self.updater.full_weights(), self.policy.updating_weights():
-            self.policy.run_on_worker(functools.partial(_copy_weights, self.source, self.policy.model))
+            self.policy.run_on_worker(functools.partial(self.policy.model.load_state_dict, self.source.state_dict()))
         self.policy.version = version
 
     def behaviour_logprobs(self, samples: list[Any]) -> list[tuple[float, ...]]:
@@ -176,13 +176,6 @@ class _Served:
     def restore(self, directory: Path, version: int) -> None:
         _checkpoints.load_into_servers(self.trainer.run_dir, self.name, self.policy, directory, version=version,
                                        timeout_s=self.timeout_s)
-
-
-def _copy_weights(source: torch.nn.Module, target: torch.nn.Module) -> None:
-    with torch.no_grad():
-        target_sd = target.state_dict()
-        for key, value in source.state_dict().items():
-            target_sd[key].copy_(value)
 
 
 # --- stale groups -------------------------------------------------------------------------------------------

@@ -303,17 +303,18 @@ class Trainer:
             policy = self.model_policies[name]
             model_samples, old = self._old_logprobs(name, [s for s in samples if self.agent_policies[s.agent] is policy],
                                                     update_metrics)
-            if self.pipeline is not None:  # trains its own copy, installed at the next step boundary (`_pipeline`)
-                update_metrics.update(updater.update(model_samples, old_logprobs=old).to_dict())
-            elif _build.is_served(policy):
-                update_metrics.update(updater.update(model_samples, old_logprobs=old).to_dict())
-                update_metrics[f"model/{name}/sync_s"] = self.sync_weights(name, version=step + 1)
-                sync_s += update_metrics[f"model/{name}/sync_s"]
-            else:
+            if self.pipeline is None and not _build.is_served(policy):
                 with policy.updating_weights():  # the policy serves the trained module itself
                     metrics = self.on_model_thread(name, functools.partial(updater.update, model_samples,
                                                                            old_logprobs=old))
                     update_metrics.update(metrics.to_dict())
+                continue
+            # the trainer trains its own copy: pushed to the servers now, or (asynchronous training) installed
+            # at the next step boundary (`_pipeline`)
+            update_metrics.update(updater.update(model_samples, old_logprobs=old).to_dict())
+            if self.pipeline is None:
+                update_metrics[f"model/{name}/sync_s"] = self.sync_weights(name, version=step + 1)
+                sync_s += update_metrics[f"model/{name}/sync_s"]
         t3 = time.perf_counter()
         self.store.record_training(step, [ep for _, ep, _ in scored])
         # every rank's groups
