@@ -229,7 +229,8 @@ class LoggingConfig(_Strict):
 class AsyncConfig(_Strict):
     """Asynchronous training (`drmas_graph.train._pipeline`): the next step's rollouts run during this step's update."""
 
-    max_staleness: int = Field(0, ge=0, description="Most updates the weights that sampled a trained group may lag the trainer's; 0 = synchronous (rollout, update, next rollout); >= 1 = one step off: step s+1 rolls out on the weights before update s while update s trains (every group exactly 1 update stale, step 0's 0).")
+    max_staleness: int = Field(0, ge=0, description="Most updates the weights that sampled a trained group may lag the trainer's; 0 = synchronous (rollout, update, next rollout); >= 1 = asynchronous, on `schedule`.")
+    schedule: Literal["one_step_off", "free"] = Field("one_step_off", description="one_step_off: step s+1 rolls out on the weights before update s while update s trains (every group exactly 1 update stale, step 0's 0; reproducible to the last digit); free: step s starts once the rollout weights are at most max_staleness versions behind it and each update's weights reach the rollouts at once, with other steps' episodes in flight (their next LLM call uses them): staleness 0..max_staleness, not reproducible to the last digit.")
     correction: str = Field("truncate", description="Off-policy correction of stale samples, per token w = pi_prox / pi_behav on the PPO loss (decoupled PPO): truncate = min(w, is_cap) (verl's truncated IS); mask = tokens with w > is_cap leave the loss (AReaL); none = w = 1 (biased).")
     is_cap: float = Field(2.0, ge=1, allow_inf_nan=False, description="The cap C of `correction` on the importance weight pi_prox / pi_behav.")
     timeout_s: float = Field(3600.0, gt=0, description="Longest wait for a step's rollouts, a weight push or the other processes at a step boundary; past it the run stops with an error naming the step (and the server). Must exceed rollout.timeout_s.")
@@ -284,6 +285,9 @@ class TrainConfig(_Strict):
     @model_validator(mode="after")
     def _async_consistent(self) -> TrainConfig:
         if self.async_.max_staleness == 0:
+            if self.async_.schedule != "one_step_off":
+                raise ValueError(f"async.schedule={self.async_.schedule} needs async.max_staleness >= 1 (0 trains "
+                                 "synchronously); set it, e.g. `--set async.max_staleness=2`")
             return self
         if self.old_logprobs == "rollout":
             raise ValueError("async.max_staleness >= 1 needs the trainer's proximal logprobs (decoupled PPO): set "
@@ -291,10 +295,6 @@ class TrainConfig(_Strict):
         if self.rollout.timeout_s is not None and self.async_.timeout_s <= self.rollout.timeout_s:
             raise ValueError(f"async.timeout_s={self.async_.timeout_s:g} must exceed rollout.timeout_s="
                              f"{self.rollout.timeout_s:g} (a step's rollouts may take that long)")
-        lora = sorted(name for name, mc in self.models.items() if mc.lora is not None)
-        if lora:
-            raise ValueError(f"async.max_staleness >= 1 does not support LoRA models yet (models.{lora[0]}.lora); "
-                             "set async.max_staleness to 0")
         return self
 
     @field_validator("estimator")

@@ -124,9 +124,9 @@ def test_async_config_is_checked_at_construction():
         TrainConfig.model_validate({"async": {"max_staleness": 1}, "old_logprobs": "rollout"})
     with pytest.raises(ValueError, match="async.timeout_s=100 must exceed rollout.timeout_s=1800"):
         TrainConfig.model_validate({"async": {"max_staleness": 1, "timeout_s": 100}})
-    with pytest.raises(ValueError, match="does not support LoRA models yet"):
-        TrainConfig.model_validate({"async": {"max_staleness": 1}, "models": {"m": {"tiny": {}, "lora": {}}},
-                                    "agents": {"solver": {"model": "m"}}})
+    lora = TrainConfig.model_validate({"async": {"max_staleness": 1}, "models": {"m": {"tiny": {}, "lora": {}}},
+                                       "agents": {"solver": {"model": "m"}}})  # LoRA trains asynchronously too
+    assert lora.models["m"].lora is not None and lora.async_.max_staleness == 1
     with pytest.raises(ValueError, match="unknown async.correction 'x'"):
         TrainConfig.model_validate({"async": {"correction": "x"}})
     cfg = TrainConfig.model_validate({"async": {"max_staleness": 1, "correction": "mask", "is_cap": 5}})

@@ -376,3 +376,28 @@ def test_two_processes_train_one_step_off_like_one_and_resume_after_a_kill(tmp_p
         groups = rows(a_dir, f"SELECT group_id, count(*) FROM episodes WHERE step = {step} GROUP BY group_id")
         assert len(groups) == 2 and all(n == 4 for _, n in groups)
     assert rows(a_dir, "SELECT count(*), count(DISTINCT id) FROM episodes") == [(3 * 8 + 2 * 4, 3 * 8 + 2 * 4)]
+
+
+@pytest.mark.slow
+def test_two_processes_train_free_running(tmp_path):
+    """`async.schedule: free` under torchrun: each rank starts its groups of steps s+1..s+2 while the ranks update
+    together on step s and installs each update's weights at once; the ranks agree on every update (the same
+    gradient norm and staleness), staleness stays within max_staleness and every rank's episodes are merged once."""
+    extra = {"async": {"max_staleness": 2, "schedule": "free"}}
+    a_dir = tmp_path / "a"
+    run = torchrun(tmp_path, "free", [{"run_dir": str(a_dir), "steps": 4, "config": extra}])
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-8000:]
+    histories = [json.loads((a_dir / f"history_rank{r}.json").read_text())["history"] for r in (0, 1)]
+    norms = [[v for k, v in sorted(h.items()) if k.endswith("/grad_norm")] for h in histories[0]]
+    assert norms == [[v for k, v in sorted(h.items()) if k.endswith("/grad_norm")] for h in histories[1]]
+    assert all(n and all(x > 0 for x in n) for n in norms)
+    assert [h["async/staleness_max"] for h in histories[0]] == [h["async/staleness_max"] for h in histories[1]]
+    assert all(h["async/staleness_max"] <= 2 and h["async/dropped_groups"] == 0 for h in histories[0])
+    assert histories[0][0]["async/staleness_max"] == 0
+    assert not list(a_dir.glob("traces.rank*"))
+    for step in range(4):
+        groups = rows(a_dir, f"SELECT group_id, count(*) FROM episodes WHERE step = {step} GROUP BY group_id")
+        assert len(groups) == 2 and all(n == 4 for _, n in groups)
+        versions = rows(a_dir, f"SELECT DISTINCT t.policy_version FROM turns t JOIN episodes e ON t.episode_id = e.id "
+                               f"WHERE e.step = {step}")
+        assert all(max(0, step - 2) <= v <= step for (v,) in versions), (step, versions)

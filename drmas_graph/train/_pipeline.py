@@ -1,6 +1,7 @@
-"""Asynchronous training, one step off: the next step's rollouts run while the trainer updates on this one.
+"""Asynchronous training: later steps' rollouts run while the trainer updates, on a fixed or a free schedule.
 
-Versions count the updates applied (v0 = the initial weights). With `async.max_staleness` >= 1:
+Versions count the updates applied (v0 = the initial weights). With `async.max_staleness` >= 1 and
+`async.schedule: one_step_off` (the default; `OneStepOff`):
 
     rollout thread  | step 0 on v0 | step 1 on v0 | step 2 on v1 | step 3 on v2 | ...
     trainer (main)  |              | update 0     | update 1     | update 2     | ...
@@ -36,6 +37,26 @@ on v(c-1): the same groups, so no group is lost or trained twice.
 
 Every wait has a timeout (`async.timeout_s`): a step's rollouts, a weight push, the other processes at a boundary
 (`AsyncTimeoutError`, naming the step; a push that fails names the server).
+
+`async.schedule: free` (`FreeRunning`), k = max_staleness: step s starts as soon as the rollout weights are
+v(s-k) or newer (steps 0..k at once), and each update's weights reach the rollouts right after it, while other
+steps' episodes are in flight:
+
+    rollouts  | steps 0, 1, 2 on v0 ...     | step 3 starts on v1 ...      | step 4 on v2 ...
+    trainer   | (waits for step 0) update 0 | install v1, update 1         | install v2, update 2 ...   (k = 2)
+
+A step's slow episodes no longer hold the next step: up to k+1 steps roll out together, and the trainer waits
+only when step u is not done when update u-1 is. The batch of update u is still step u's groups, whole (a group
+is trained when all of its episodes are done, never split); its episodes start under the version installed
+when the step starts, and a later call of an episode samples with whatever version is installed then (the
+embedded engine finishes the rows decoding on the old weights and starts new ones on the new; a served policy's
+push waits for, or SGLang pauses and retries, its requests in flight: `drmas_graph.served`). Each Turn records
+its version, so staleness at update u is u - version, from 0 to k: no group is ever dropped. Behaviour logprobs
+are the ones the rollout recorded (the weights that sampled a turn may be gone). What is reproducible: the
+tasks, groups and sampling seeds of each step; not the versions that sample each call (they depend on timing),
+so not the weights to the last digit. Kill-and-resume: the checkpoint after update c-1 holds v(c) for the
+trainer and the rollouts; the resumed run starts steps c..c+k on it, so no trained group is lost or repeated.
+Every process runs the same schedule (installs and launches follow the updates, which are collective).
 """
 
 from __future__ import annotations
@@ -60,7 +81,7 @@ from drmas_graph.train._rollouts import StepBatch
 from drmas_graph.train.offpolicy import CorrectionStats, OffPolicyCorrection
 from drmas_graph.train.update import ModelUpdater
 
-__all__ = ["AsyncTimeoutError", "OneStepOff", "drop_stale", "trainer_copies"]
+__all__ = ["AsyncTimeoutError", "FreeRunning", "OneStepOff", "drop_stale", "pipeline", "trainer_copies"]
 
 log = logging.getLogger(__name__)
 
@@ -82,15 +103,32 @@ def trainer_copies(trainer: Any) -> tuple[dict[str, Any], str | None]:
     names = [n for n, p in trainer.model_policies.items() if _trained(trainer, n) and not _build.is_served(p)]
     for name in names:
         module = trainer.train_models[name]
-        need, free, device = _weights_bytes(module), _free_bytes(module), next(module.parameters()).device
+        shared = _frozen_base(trainer, name)
+        need = sum(t.numel() * t.element_size() for t in module.state_dict().values() if id(t) not in shared)
+        free, device = _free_bytes(module), next(module.parameters()).device
         if free is not None and need * _COPY_HEADROOM > free:
             reason = (f"model {name!r}: asynchronous training needs a second copy of its weights ({need / 2**20:.0f} "
                       f"MB) and {device} has {free / 2**20:.0f} MB free; training synchronously")
             log.warning(reason)
             return {}, reason
-    copies = {name: copy.deepcopy(trainer.train_models[name]) for name in names}
+    copies = {name: copy.deepcopy(trainer.train_models[name], _frozen_base(trainer, name)) for name in names}
     trainer.train_models.update(copies)
     return copies, None
+
+
+def _frozen_base(trainer: Any, name: str) -> dict[int, torch.Tensor]:
+    """LoRA model `name`'s base tensors (every parameter and buffer outside its adapters), as a `copy.deepcopy`
+    memo: the trainer's copy shares them with the policy's module (nobody trains them) and copies only the
+    adapters. Empty for other models, and under ZeRO-3 (which partitions every parameter of the trained module)."""
+    from drmas_graph.engine._adapters import is_peft_model
+
+    module, mc = trainer.train_models[name], trainer.cfg.models.get(name)
+    update = mc.update if mc is not None and mc.update is not None else trainer.cfg.update
+    if not is_peft_model(module) or update.zero() == 3:
+        return {}
+    adapters = set(module.peft_config)
+    return {id(t): t for name, t in [*module.named_parameters(), *module.named_buffers()]
+            if not adapters & set(name.split("."))}
 
 
 def _trained(trainer: Any, name: str) -> bool:
@@ -99,10 +137,6 @@ def _trained(trainer: Any, name: str) -> bool:
     policy = trainer.model_policies[name]
     return ((mc is None or mc.trainable) and name in trainer.train_models
             and any(p is policy and not trainer.agent_cfgs[a].frozen for a, p in trainer.agent_policies.items()))
-
-
-def _weights_bytes(module: torch.nn.Module) -> int:
-    return sum(t.numel() * t.element_size() for t in module.state_dict().values())
 
 
 def _free_bytes(module: torch.nn.Module) -> int | None:
@@ -126,11 +160,17 @@ class _Embedded:
     def __init__(self, trainer: Any, name: str) -> None:
         self.policy, self.updater = trainer.model_policies[name], trainer.updaters[name]
         self.source = trainer.train_models[name]
+        serving = self.policy.model.state_dict()
+        self.keys = [k for k, t in self.source.state_dict().items() if t.data_ptr() != serving[k].data_ptr()]
+        """The tensors install copies: all of them, or a LoRA model's adapters (the base is shared)."""
 
     def install(self, version: int) -> None:
         """The trainer's weights into the policy's module (rows decoding finish first); version = `version`."""
         with self.updater.full_weights(), self.policy.updating_weights():
-            self.policy.run_on_worker(functools.partial(self.policy.model.load_state_dict, self.source.state_dict()))
+            source = self.source.state_dict()
+            weights = {k: source[k] for k in self.keys}
+            self.policy.run_on_worker(functools.partial(self.policy.model.load_state_dict, weights,
+                                                        strict=len(weights) == len(source)))
         self.policy.version = version
 
     def behaviour_logprobs(self, samples: list[Any]) -> list[tuple[float, ...]]:
@@ -178,6 +218,18 @@ class _Served:
                                        timeout_s=self.timeout_s)
 
 
+def _model_updaters(name: str, updater: Any) -> list[ModelUpdater]:
+    """The `ModelUpdater`s that train model `name`: itself, or a `LoraUpdater`'s one per adapter."""
+    from drmas_graph.train.lora import LoraUpdater
+
+    if isinstance(updater, ModelUpdater):
+        return [updater]
+    if isinstance(updater, LoraUpdater):
+        return list(updater.updaters.values())
+    raise ConfigError(f"model {name!r}: asynchronous training supports ModelUpdater and LoraUpdater, not "
+                      f"{type(updater).__name__}; set async.max_staleness to 0")
+
+
 # --- stale groups -------------------------------------------------------------------------------------------
 
 
@@ -211,10 +263,8 @@ class OneStepOff:
         self.timeout_s = acfg.timeout_s
         self.max_staleness = acfg.max_staleness
         for name, updater in trainer.updaters.items():
-            if not isinstance(updater, ModelUpdater):
-                raise ConfigError(f"model {name!r}: asynchronous training supports ModelUpdater, not "
-                                  f"{type(updater).__name__}; set async.max_staleness to 0")
-            updater.correction = OffPolicyCorrection(acfg.correction, acfg.is_cap)
+            for one in _model_updaters(name, updater):
+                one.correction = OffPolicyCorrection(acfg.correction, acfg.is_cap)
         self.servings: dict[str, _Embedded | _Served] = {
             name: _Embedded(trainer, name) if name in trainer._copies else _Served(trainer, name, acfg.timeout_s)
             for name in trainer.updaters}
@@ -286,21 +336,29 @@ class OneStepOff:
                     and s.advantage != 0.0 and version[(s.episode_id, s.turn_index)] < step]  # A = 0: no gradient
             if not rows:
                 continue
-            behaviour = serving.behaviour_logprobs([batch.samples[i] for i in rows])
+            behaviour = self._behaviour(serving, [batch.samples[i] for i in rows])
             for i, logprobs in zip(rows, behaviour):
                 batch.samples[i] = dataclasses.replace(batch.samples[i], behaviour_logprobs=logprobs)
         return batch
 
+    def _behaviour(self, serving: _Embedded | _Served, samples: list[Any]) -> list[tuple[float, ...]]:
+        """The stale samples' behaviour logprobs: those of the weights that sampled them (the step's version)."""
+        return serving.behaviour_logprobs(samples)
+
     def _boundary(self, u: int) -> float:
         """Between update u-1 and update u: every process is here, step u-1's traces are merged and exported, the
         trainer's weights v(u) reach the rollouts. Returns the seconds spent installing them."""
+        self._meet(u)
+        return self._install(u)
+
+    def _meet(self, u: int) -> None:
+        """Before update u: every process is here; step u-1's traces are merged and exported."""
         try:
             _distributed.barrier(timeout_s=self.timeout_s)
         except RuntimeError as exc:
             raise AsyncTimeoutError(f"step {u}: not every process reached the step boundary within async.timeout_s="
                                     f"{self.timeout_s:g} s (its rollouts or its update hang): {exc}") from exc
         self._publish()
-        return self._install(u)
 
     def _publish(self) -> None:
         if self._unpublished is not None:
@@ -337,9 +395,10 @@ class OneStepOff:
         for s in batch.samples:
             staleness.setdefault(s.agent, []).append(u - version[(s.episode_id, s.turn_index)])
         weights: dict[str, CorrectionStats] = {}
-        for updater in self.trainer.updaters.values():
-            for agent, stats in updater.correction.pop_stats().items():
-                weights[agent] = weights.get(agent, CorrectionStats()).merge(stats)
+        for name, updater in self.trainer.updaters.items():
+            for one in _model_updaters(name, updater):
+                for agent, stats in one.correction.pop_stats().items():
+                    weights[agent] = weights.get(agent, CorrectionStats()).merge(stats)
         parts = _distributed.gather((staleness, weights, dropped_groups, dropped_samples))
         all_staleness: dict[str, list[int]] = {}
         all_weights: dict[str, CorrectionStats] = {}
@@ -379,3 +438,51 @@ class OneStepOff:
         for name, s in self.servings.items():
             s.restore(directory / name / "serving", serving)
         self.serving_version, self._servers_hold_sync = serving, True
+
+
+class FreeRunning(OneStepOff):
+    """`async.schedule: free` (module docstring): step s starts as soon as the rollout weights are at most
+    `max_staleness` versions behind it, and every update's weights reach the rollouts at once, while other steps'
+    episodes are in flight. Metric `async/steps_in_flight`: steps rolling out during the update."""
+
+    def __init__(self, trainer: Any) -> None:
+        super().__init__(trainer)
+        self._next = 0
+        """The first step not started yet."""
+
+    def steps(self, start: int) -> Iterator[tuple[int, dict[str, Any]]]:
+        steps = self.trainer.cfg.steps
+        self._next = start
+        self._launch()
+        for u in range(start, steps):
+            t0 = time.perf_counter()
+            batch = self._result(u)
+            wait_s = time.perf_counter() - t0
+            self._meet(u)
+            in_flight = len(self._pending)
+            record = self._learn(u, batch)
+            install_s = self._install(u + 1)  # the last one too: a checkpoint then holds one version
+            self._launch()
+            _, r1, r2 = batch.times
+            record.update({"async/wait_s": wait_s, "async/install_s": install_s, "time/score_s": r2 - r1,
+                           "async/steps_in_flight": float(in_flight),
+                           "time/step_s": time.perf_counter() - t0})
+            yield u, record
+        self._publish()
+
+    def _launch(self) -> None:
+        """Start every step whose groups may sample with the rollout weights: s <= serving_version + max_staleness."""
+        last = min(self.trainer.cfg.steps, self.serving_version + self.max_staleness + 1)
+        while self._next < last:
+            if self._next not in self._pending:
+                self._start(self._next)
+            self._next += 1
+
+    def _behaviour(self, serving: _Embedded | _Served, samples: list[Any]) -> list[tuple[float, ...]]:
+        """The logprobs the rollout recorded: the weights that sampled a turn may have been replaced since."""
+        return [s.old_logprobs for s in samples]
+
+
+def pipeline(trainer: Any) -> OneStepOff:
+    """The loop of `async.schedule`: `OneStepOff` (one_step_off) or `FreeRunning` (free)."""
+    return FreeRunning(trainer) if trainer.cfg.async_.schedule == "free" else OneStepOff(trainer)

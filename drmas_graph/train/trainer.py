@@ -11,9 +11,9 @@ A served policy (SGLang, vLLM: anything with `sync_weights(dir, version)`) has n
 trains a local copy, which is written to run_dir/sync/<model>/ (Hugging Face format + tokenizer) and loaded
 into every server with version = steps done; a server that fails or reports another version stops the run.
 
-With `async.max_staleness` >= 1 the steps are pipelined (`_pipeline`): the next step's rollouts run while the
+With `async.max_staleness` >= 1 the steps are pipelined (`_pipeline`): later steps' rollouts run while the
 trainer updates on this one, the trainer trains a copy of an embedded model, and the new weights reach the
-rollouts at the step boundary.
+rollouts at the step boundary (`async.schedule: one_step_off`) or right after each update (`free`).
 
 The parts live next to this module: `_build` (policies and updaters from the config), `_rollouts` (G
 concurrent episodes per task), `_scoring` (rewards, advantages, the step's metrics), `update` (the optimizer
@@ -185,7 +185,7 @@ class Trainer:
                                        "model_error_reward": cfg.rollout.model_error_reward}
             """`score_episode` keywords: the rewards of truncated and model-error episodes (None: env.reward)."""
             if train and cfg.async_.max_staleness > 0 and self.async_fallback is None:
-                self.pipeline = _pipeline.OneStepOff(self)
+                self.pipeline = _pipeline.pipeline(self)
             self.start_step = _checkpoints.resume(self) if cfg.resume else 0
             if self.start_step == 0:  # adapters loaded by name must exist on the servers before the first rollout
                 for name in (n for n, p in self.model_policies.items() if getattr(p, "lora_by_name", ())):
@@ -252,7 +252,7 @@ class Trainer:
 
     def steps(self) -> Iterator[tuple[int, dict[str, Any]]]:
         """(step, metrics record) of each training step: rollout, score and update in turn, or pipelined with the
-        next step's rollouts (`async.max_staleness` >= 1, `_pipeline.OneStepOff.steps`)."""
+        later steps' rollouts (`async.max_staleness` >= 1: `_pipeline.OneStepOff` or `FreeRunning`)."""
         if self.pipeline is not None:
             yield from self.pipeline.steps(self.start_step)
             return
