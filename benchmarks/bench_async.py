@@ -85,13 +85,16 @@ def run_one(name: str, mode: str, seed: int, args, root: str) -> dict:
         "logging": {"progress": False, "tensorboard": False}, "async": _async(mode, args)})
     trainer = Trainer(graph, env, cfg, policies={a: policy for a in agents})
     try:
-        t0 = time.perf_counter()
-        records = [record for _, record in trainer.steps()]
+        t0, records, ends = time.perf_counter(), [], []
+        for _, record in trainer.steps():
+            records.append(record)
+            ends.append(time.perf_counter() - t0)
         wall = time.perf_counter() - t0
     finally:
         trainer.close()
         policy.close()
-    return {"wall_s": wall, "steps_per_h": len(records) / wall * 3600, "reward": [r["reward/team_mean"] for r in records],
+    return {"wall_s": wall, "steps_per_h": len(records) / wall * 3600, "ends_s": ends,
+            "reward": [r["reward/team_mean"] for r in records],
             "rollout_s": statistics.mean(r["time/rollout_s"] for r in records),
             "update_s": statistics.mean(r["time/update_s"] for r in records),
             "wait_s": statistics.mean(r.get("async/wait_s", 0.0) for r in records[1:]) if len(records) > 1 else 0.0}
@@ -136,22 +139,27 @@ def plot(path: str, results: dict[str, dict[str, list[dict]]], args) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(len(results), 2, figsize=(11, 3.6 * len(results)), squeeze=False)
+    fig, axes = plt.subplots(len(results), 3, figsize=(16, 3.6 * len(results)), squeeze=False)
     for row, (name, runs) in zip(axes, results.items()):
-        for mode, rs in runs.items():
+        for i, (mode, rs) in enumerate(runs.items()):
             steps = range(args.steps)
             mean = [statistics.mean(r["reward"][s] for r in rs) for s in steps]
             lo = [min(r["reward"][s] for r in rs) for s in steps]
             hi = [max(r["reward"][s] for r in rs) for s in steps]
-            row[0].plot(steps, mean, marker="o", label=mode)
-            row[0].fill_between(steps, lo, hi, alpha=0.2)
-        row[0].set(title=f"workload ({name}): team reward per step (mean, min-max over seeds)", xlabel="step",
+            row[0].plot(steps, mean, marker="o", label=_label(mode, args), color=f"C{i}")
+            row[0].fill_between(steps, lo, hi, alpha=0.2, color=f"C{i}")
+            # what a user pays for: the reward the rollouts reached by each moment of the run (mean over seeds)
+            row[1].plot([statistics.mean(r["ends_s"][s] for r in rs) for s in steps], mean, marker="o",
+                        label=_label(mode, args), color=f"C{i}")
+        row[0].set(title=f"({name}): team reward per step (mean, min-max over seeds)", xlabel="step", ylabel="reward")
+        row[1].set(title=f"({name}): team reward against wall-clock time", xlabel="seconds since the first step",
                    ylabel="reward")
         row[0].legend()
         modes = list(runs)
-        row[1].bar(modes, [statistics.mean(r["steps_per_h"] for r in runs[m]) for m in modes],
+        row[2].bar([_label(m, args) for m in modes],
+                   [statistics.mean(r["steps_per_h"] for r in runs[m]) for m in modes],
                    color=[f"C{i}" for i in range(len(modes))])
-        row[1].set(title=f"workload ({name}): training steps per hour", ylabel="steps / hour")
+        row[2].set(title=f"({name}): training steps per hour", ylabel="steps / hour")
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=110)

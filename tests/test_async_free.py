@@ -56,13 +56,49 @@ def gated_graph(gate):
     return g.compile()
 
 
-def run_free(tmp_path, run_dir, *, steps=4, app=None, hook=None, async_=FREE, **kw):
+class HoldStepOne:
+    """The gate of `gated_graph` for step 1 (tasks distinct from every other step's: `ParityEnv(n_train=10)`):
+    step 1's episodes sample their solver call, then wait in the gate until the rollouts hold v1, and update 0
+    starts only when all of them have made that call. So whatever the timing, step 1's solver calls are sampled
+    by v0 and its verifier calls by v1 (update 1 needs step 1 done: never v2)."""
+
+    def __init__(self, episodes: int = 8, timeout_s: float = 300.0) -> None:
+        self.episodes, self.timeout_s = episodes, timeout_s
+        self.arrived, self.lock, self.all_arrived = 0, threading.Lock(), threading.Event()
+
+    def attach(self, trainer) -> None:
+        self.trainer = trainer
+        tasks = {s: {t.input["question"] for t in trainer.batch_tasks(s)} for s in range(trainer.cfg.steps)}
+        self.questions = tasks[1]
+        assert all(not (self.questions & q) for s, q in tasks.items() if s != 1)
+        learn = trainer.learn
+
+        def learn_after_step_one_sampled(batch, **kwargs):
+            if batch.step == 0:
+                assert self.all_arrived.wait(timeout=self.timeout_s), "step 1's episodes never reached the gate"
+            return learn(batch, **kwargs)
+
+        trainer.learn = learn_after_step_one_sampled
+
+    def __call__(self, state) -> None:
+        if state["question"] not in self.questions:
+            return
+        with self.lock:
+            self.arrived += 1
+            if self.arrived == self.episodes:
+                self.all_arrived.set()
+        deadline = time.monotonic() + self.timeout_s
+        while self.trainer.pipeline.serving_version < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+
+def run_free(tmp_path, run_dir, *, steps=4, app=None, hook=None, async_=FREE, n_train=5, **kw):
     """A free-running run on one tiny model; returns (result, trainer weights, trainer). `hook(trainer)` runs
     before `run()`."""
     policy = tiny_policy(seed=0, sampling=SamplingParams(max_new_tokens=4))
     cfg = small_config(tmp_path, run_dir=str(tmp_path / run_dir), steps=steps, tasks_per_step=2, max_concurrency=8,
                        eval=NO_EVAL, **{"async": async_, **kw})
-    trainer = Trainer(app if app is not None else graph(), ParityEnv(n_train=5), cfg,
+    trainer = Trainer(app if app is not None else graph(), ParityEnv(n_train=n_train), cfg,
                       policies={"solver": policy, "verifier": policy})
     try:
         if hook is not None:
@@ -123,20 +159,8 @@ def test_new_weights_reach_episodes_in_flight(tmp_path):
     """Step 1 starts on v0. Its episodes sample the solver's call, then wait in the gate node until update 0's
     weights are installed: their verifier call is sampled by v1, within the same episode, and trains with
     staleness 0 (no importance weight) while the solver's call trains 1 update stale (with one)."""
-    holder = {}
-
-    def gate(state):
-        if state["question"] in holder["step1"]:
-            deadline = time.monotonic() + 120
-            while holder["trainer"].pipeline.serving_version < 1 and time.monotonic() < deadline:
-                time.sleep(0.01)
-
-    def hook(trainer):
-        holder["trainer"] = trainer
-        holder["step1"] = {t.input["question"] for t in trainer.batch_tasks(1)}
-        assert not holder["step1"] & {t.input["question"] for t in trainer.batch_tasks(0)}
-
-    result, _, _ = run_free(tmp_path, "gated", steps=3, app=gated_graph(gate), hook=hook)
+    gate = HoldStepOne()
+    result, _, _ = run_free(tmp_path, "gated", steps=3, app=gated_graph(gate), hook=gate.attach, n_train=10)
     assert sorted(set(turn_versions(tmp_path / "gated", 1))) == [(0, 1)]
     h1 = result.history[1]
     assert h1["agent/solver/staleness_max"] == 1 and h1["agent/verifier/staleness_max"] == 0
@@ -183,18 +207,11 @@ def test_served_policy_gets_pushes_while_other_steps_roll_out(tmp_path, ckpt):  
     """Steps 0..2 start on v0; each update's weights are pushed at once (SGLang: pause, load, continue), and the
     episodes in flight sample their next call from the server's new weights."""
     double = SGLangDouble(ckpt, weight_version="0").start()
-    holder = {}
-
-    def gate(state):  # step 1's episodes wait after the solver's call until v1 is on the server
-        if state["question"] in holder["step1"]:
-            deadline = time.monotonic() + 120
-            while holder["trainer"].pipeline.serving_version < 1 and time.monotonic() < deadline:
-                time.sleep(0.01)
-
+    gate = HoldStepOne()  # step 1's episodes wait after the solver's call until v1 is on the server
     cfg = served_config(tmp_path, ckpt, {"engine": "sglang", "urls": [double.url]}, steps=3, eval=NO_EVAL,
                         **{"async": FREE})
-    trainer = Trainer(gated_graph(gate), ParityEnv(n_train=5), cfg)
-    holder.update(trainer=trainer, step1={t.input["question"] for t in trainer.batch_tasks(1)})
+    trainer = Trainer(gated_graph(gate), ParityEnv(n_train=10), cfg)
+    gate.attach(trainer)
     try:
         result = trainer.run()
         local = {k: v.clone() for k, v in trainer.train_models["m"].state_dict().items()}

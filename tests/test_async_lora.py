@@ -70,3 +70,28 @@ def test_a_lora_copy_under_zero3_does_not_share_the_base(tmp_path):
     names = {n for n, p in trainer.train_models["m"].named_parameters() if id(p) in base}
     assert names and all("lora_" not in n for n in names)
     assert len(names) == sum(1 for n, _ in trainer.train_models["m"].named_parameters() if "lora_" not in n)
+
+
+def test_the_memory_check_counts_only_the_adapters(tmp_path, monkeypatch):
+    """A device with room for half a model: enough for a LoRA model's adapters (the base is shared), not for a
+    second copy of the full model (which then trains synchronously)."""
+    from drmas_graph.testing import tiny_model, tiny_tokenizer
+
+    total = sum(p.numel() * p.element_size() for p in tiny_model(tiny_tokenizer(), seed=0).parameters())
+    monkeypatch.setattr(_pipeline, "_free_bytes", lambda module: total // 2)
+    graph = _graphs.solver_verifier(Unreachable()).compile()
+    lora = Trainer(graph, ParityEnv(n_train=5), config(tmp_path, **{"async": {"max_staleness": 1}}))
+    try:
+        assert lora.pipeline is not None and lora.async_fallback is None
+        copied = [n for n, p in lora.train_models["m"].named_parameters()
+                  if p.data_ptr() != dict(lora.model_policies["m"].model.named_parameters())[n].data_ptr()]
+        assert copied and all("lora_" in n for n in copied)
+    finally:
+        lora.close()
+    full = Trainer(graph, ParityEnv(n_train=5), config(tmp_path, run_dir=str(tmp_path / "full"),
+                                                       models={"m": {"tiny": {"seed": 0}}},
+                                                       **{"async": {"max_staleness": 1}}))
+    try:
+        assert full.pipeline is None and "needs a second copy of its weights" in full.async_fallback
+    finally:
+        full.close()

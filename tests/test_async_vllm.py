@@ -49,3 +49,37 @@ def test_one_step_off_through_vllm_pushes_at_step_boundaries(tmp_path):
         for step in range(3):
             versions = {t.policy_version for ref in store.episodes(step=step) for t in store.load_episode(ref.id).turns}
             assert versions == {max(0, step - 1)}, step
+
+
+def test_free_running_through_vllm_pushes_while_other_steps_roll_out(tmp_path):
+    """`async.schedule: free`, k = 2: steps 0..2 start on v0 and each update's weights are pushed right after it,
+    while later steps' episodes are in flight. Step 1's episodes wait after the solver's call until v1 is on the
+    server: their verifier call is sampled by v1 (the server reports it), in the same episode."""
+    from tests.test_async_free import HoldStepOne, gated_graph
+
+    tokenizer = tiny_tokenizer()
+    ckpt = tmp_path / "base"
+    tiny_model(tokenizer, seed=0, hidden_size=128).save_pretrained(ckpt)
+    tokenizer.save_pretrained(ckpt)
+    gate = HoldStepOne()
+
+    serve = {"engine": "vllm", "launch": True, "python": VLLM_PYTHON, "timeout_s": 120}
+    cfg = small_config(tmp_path, steps=3, models={"m": {"path": str(ckpt), "serve": serve}},
+                       agents={a: {"model": "m", "sampling": {"max_new_tokens": 6}} for a in ("solver", "verifier")},
+                       eval={"k": 1, "n_tasks": 1, "before_training": False},
+                       **{"async": {"max_staleness": 2, "schedule": "free"}})
+    trainer = Trainer(gated_graph(gate), ParityEnv(n_train=10), cfg)
+    gate.attach(trainer)
+    try:
+        policy = trainer.model_policies["m"]
+        result = trainer.run()
+        assert policy.version == 3 and policy.server_versions() == {policy.base_urls[0]: "3"}
+    finally:
+        trainer.close()
+    assert all(h["async/staleness_max"] <= 2 and h["async/dropped_groups"] == 0 for h in result.history)
+    with TraceStore(tmp_path / "run" / "traces.db", readonly=True) as store:
+        pairs = {tuple(t.policy_version for t in store.load_episode(ref.id).turns) for ref in store.episodes(step=1)}
+        assert pairs == {(0, 1)}
+        for step in range(3):
+            versions = {t.policy_version for ref in store.episodes(step=step) for t in store.load_episode(ref.id).turns}
+            assert all(max(0, step - 2) <= v <= step for v in versions), (step, versions)

@@ -104,7 +104,8 @@ def trainer_copies(trainer: Any) -> tuple[dict[str, Any], str | None]:
     for name in names:
         module = trainer.train_models[name]
         shared = _frozen_base(trainer, name)
-        need = sum(t.numel() * t.element_size() for t in module.state_dict().values() if id(t) not in shared)
+        need = sum(t.numel() * t.element_size() for _, t in [*module.named_parameters(), *module.named_buffers()]
+                   if id(t) not in shared)
         free, device = _free_bytes(module), next(module.parameters()).device
         if free is not None and need * _COPY_HEADROOM > free:
             reason = (f"model {name!r}: asynchronous training needs a second copy of its weights ({need / 2**20:.0f} "
