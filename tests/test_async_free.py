@@ -21,7 +21,7 @@ from drmas_graph.train.trainer import Trainer
 from tests._envs import ParityEnv
 from tests._graphs import QA
 from tests.sglang_double import SGLangDouble
-from tests.test_async_train import NO_EVAL
+from tests.test_async_train import NO_EVAL, Killed, kill_after_checkpoint
 from tests.test_instrument import Unreachable
 from tests.test_trainer import _sampled, graph, params, small_config
 from tests.test_trainer_served import ckpt, served_config  # noqa: F401 - the fixture
@@ -168,22 +168,8 @@ def test_new_weights_reach_episodes_in_flight(tmp_path):
 
 
 def test_kill_and_resume_trains_every_group_once(tmp_path):
-    class Killed(Exception):
-        pass
-
-    def kill_after_checkpoint_2(trainer):
-        save = trainer.save_checkpoint
-
-        def save_then_die(step):
-            path = save(step)
-            if step == 2:  # saved after update 1, while steps 2..3 roll out
-                raise Killed
-            return path
-
-        trainer.save_checkpoint = save_then_die
-
-    with pytest.raises(Killed):
-        run_free(tmp_path, "b", steps=4, checkpoint_every=1, hook=kill_after_checkpoint_2)
+    with pytest.raises(Killed):  # checkpoint 2 is saved after update 1, while steps 2..3 roll out
+        run_free(tmp_path, "b", steps=4, checkpoint_every=1, hook=kill_after_checkpoint(2))
     state = json.loads((tmp_path / "b" / "checkpoints" / "step_000002" / "trainer_state.json").read_text())
     assert state["step"] == 2 and state["serving_version"] == 2  # installed at once: the rollouts held v2 too
     resumed, _, _ = run_free(tmp_path, "b", steps=4, checkpoint_every=1, resume=True)

@@ -96,24 +96,31 @@ def test_the_next_steps_rollouts_run_during_the_update(tmp_path):
     assert waited == [True, True, False]  # update 2 is the last: no step 3 to roll out
 
 
-def test_kill_and_resume_trains_every_group_once_and_gives_the_same_weights(tmp_path):
-    class Killed(Exception):
-        pass
+class Killed(Exception):
+    """The run died (raised by `kill_after_checkpoint`'s hook)."""
 
-    def kill_after_checkpoint_2(trainer):
+
+def kill_after_checkpoint(step):
+    """A `hook(trainer)`: the run raises `Killed` right after it saved checkpoint `step`."""
+
+    def hook(trainer):
         save = trainer.save_checkpoint
 
-        def save_then_die(step):
-            path = save(step)
-            if step == 2:  # saved while step 2 rolls out on v1
+        def save_then_die(done):
+            path = save(done)
+            if done == step:
                 raise Killed
             return path
 
         trainer.save_checkpoint = save_then_die
 
+    return hook
+
+
+def test_kill_and_resume_trains_every_group_once_and_gives_the_same_weights(tmp_path):
     _, straight, _, _ = run_async(tmp_path, "a", steps=4, checkpoint_every=1)
-    with pytest.raises(Killed):
-        run_async(tmp_path, "b", steps=4, checkpoint_every=1, hook=kill_after_checkpoint_2)
+    with pytest.raises(Killed):  # checkpoint 2 is saved while step 2 rolls out on v1
+        run_async(tmp_path, "b", steps=4, checkpoint_every=1, hook=kill_after_checkpoint(2))
     state = json.loads((tmp_path / "b" / "checkpoints" / "step_000002" / "trainer_state.json").read_text())
     assert state["step"] == 2 and state["serving_version"] == 1 and state["policy_versions"]["tiny-llama-v512-s0"] == 2
     assert (tmp_path / "b" / "checkpoints" / "step_000002" / "tiny-llama-v512-s0" / "serving" / "model.safetensors").is_file()
