@@ -48,15 +48,16 @@ steps' episodes are in flight:
 A step's slow episodes no longer hold the next step: up to k+1 steps roll out together, and the trainer waits
 only when step u is not done when update u-1 is. The batch of update u is still step u's groups, whole (a group
 is trained when all of its episodes are done, never split); its episodes start under the version installed
-when the step starts, and a later call of an episode samples with whatever version is installed then (the
-embedded engine finishes the rows decoding on the old weights and starts new ones on the new; a served policy's
-push waits for, or SGLang pauses and retries, its requests in flight: `drmas_graph.served`). Each Turn records
-its version, so staleness at update u is u - version, from 0 to k: no group is ever dropped. Behaviour logprobs
-are the ones the rollout recorded (the weights that sampled a turn may be gone). What is reproducible: the
-tasks, groups and sampling seeds of each step; not the versions that sample each call (they depend on timing),
-so not the weights to the last digit. Kill-and-resume: the checkpoint after update c-1 holds v(c) for the
-trainer and the rollouts; the resumed run starts steps c..c+k on it, so no trained group is lost or repeated.
-Every process runs the same schedule (installs and launches follow the updates, which are collective).
+when the step starts (one waiting for a `max_concurrency` slot: when it gets one), and a later call of an
+episode samples with whatever version is installed then (the embedded engine finishes the rows decoding on the
+old weights and starts new ones on the new; a served policy's push waits for, or SGLang pauses and retries, its
+requests in flight: `drmas_graph.served`). Each Turn records its version, so staleness at update u is
+u - version, from 0 to k: no group is ever dropped. Behaviour logprobs are the ones the rollout recorded (the
+weights that sampled a turn may be gone). What is reproducible: the tasks, groups and sampling seeds of each
+step; not the versions that sample each call (they depend on timing), so not the weights to the last digit.
+Kill-and-resume: the checkpoint after update c-1 holds v(c) for the trainer and the rollouts; the resumed run
+starts steps c..c+k on it, so no trained group is lost or repeated. Every process runs the same schedule
+(installs and launches follow the updates, which are collective).
 """
 
 from __future__ import annotations
