@@ -12,7 +12,6 @@ import pytest
 import torch
 from langgraph.graph import END, START, StateGraph
 
-from drmas_graph import SamplingParams
 from drmas_graph.config import TrainConfig
 from drmas_graph.testing import tiny_policy
 from drmas_graph.traces.store import TraceStore
@@ -21,9 +20,9 @@ from drmas_graph.train.trainer import Trainer
 from tests._envs import ParityEnv
 from tests._graphs import QA
 from tests.sglang_double import SGLangDouble
-from tests.test_async_train import NO_EVAL, Killed, kill_after_checkpoint
+from tests.test_async_train import NO_EVAL, Killed, kill_after_checkpoint, run_async
 from tests.test_instrument import Unreachable
-from tests.test_trainer import _sampled, graph, params, small_config
+from tests.test_trainer import _sampled, params
 from tests.test_trainer_served import ckpt, served_config  # noqa: F401 - the fixture
 
 FREE = {"max_staleness": 2, "schedule": "free"}
@@ -92,21 +91,9 @@ class HoldStepOne:
             time.sleep(0.01)
 
 
-def run_free(tmp_path, run_dir, *, steps=4, app=None, hook=None, async_=FREE, n_train=5, **kw):
-    """A free-running run on one tiny model; returns (result, trainer weights, trainer). `hook(trainer)` runs
-    before `run()`."""
-    policy = tiny_policy(seed=0, sampling=SamplingParams(max_new_tokens=4))
-    cfg = small_config(tmp_path, run_dir=str(tmp_path / run_dir), steps=steps, tasks_per_step=2, max_concurrency=8,
-                       eval=NO_EVAL, **{"async": async_, **kw})
-    trainer = Trainer(app if app is not None else graph(), ParityEnv(n_train=n_train), cfg,
-                      policies={"solver": policy, "verifier": policy})
-    try:
-        if hook is not None:
-            hook(trainer)
-        result = trainer.run()
-        trained = {k: v.clone() for k, v in trainer.train_models[policy.name].state_dict().items()}
-    finally:
-        trainer.close()
+def run_free(tmp_path, run_dir, *, steps=4, async_=FREE, **kw):
+    """`run_async` on the free schedule; returns (result, trainer weights, trainer)."""
+    result, trained, _, trainer = run_async(tmp_path, run_dir, steps=steps, **{"async": async_}, **kw)
     return result, trained, trainer
 
 

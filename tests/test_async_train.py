@@ -25,13 +25,14 @@ ASYNC = {"async": {"max_staleness": 1}}
 NO_EVAL = {"k": 1, "n_tasks": 1, "before_training": False}
 
 
-def run_async(tmp_path, run_dir, *, steps=3, conc=8, hook=None, **kw):
-    """A one-step-off run of the solver -> verifier graph on one tiny model; returns (result, trainer weights,
-    rollout weights, trainer). `hook(trainer)` runs before `run()`."""
+def run_async(tmp_path, run_dir, *, steps=3, conc=8, hook=None, app=None, n_train=5, **kw):
+    """A one-step-off run (or as `kw`'s `async` says) of the solver -> verifier graph (or `app`) on one tiny
+    model; returns (result, trainer weights, rollout weights, trainer). `hook(trainer)` runs before `run()`."""
     policy = tiny_policy(seed=0, sampling=SamplingParams(max_new_tokens=4))
     cfg = small_config(tmp_path, run_dir=str(tmp_path / run_dir), steps=steps, tasks_per_step=2,
                        max_concurrency=conc, eval=NO_EVAL, **{**ASYNC, **kw})
-    trainer = Trainer(graph(), ParityEnv(n_train=5), cfg, policies={"solver": policy, "verifier": policy})
+    trainer = Trainer(app if app is not None else graph(), ParityEnv(n_train=n_train), cfg,
+                      policies={"solver": policy, "verifier": policy})
     try:
         if hook is not None:
             hook(trainer)

@@ -142,6 +142,12 @@ def _build_policy(name: str, mc: ModelConfig, seed: int) -> Policy:
                                               max_batch_size=mc.max_batch_size)
 
 
+def model_update(cfg: TrainConfig, name: str) -> Any:
+    """The `UpdateConfig` of model `name`: its own `update`, else the top-level one."""
+    mc = cfg.models.get(name)
+    return mc.update if mc is not None and mc.update is not None else cfg.update
+
+
 def build_updaters(cfg: TrainConfig, agent_policies: Mapping[str, Policy], model_policies: Mapping[str, Policy],
                    agent_cfgs: Mapping[str, AgentConfig], train_models: Mapping[str, Any],
                    on_model_thread: Callable[[str, Callable[[], Any]], Any]) -> dict[str, Any]:
@@ -155,8 +161,7 @@ def build_updaters(cfg: TrainConfig, agent_policies: Mapping[str, Policy], model
         agents = [a for a, p in agent_policies.items() if p is policy and not agent_cfgs[a].frozen]
         if (mc is not None and not mc.trainable) or not agents:
             continue
-        uc = mc.update if mc is not None and mc.update is not None else cfg.update
-        settings = UpdateSettings(**uc.model_dump(), seed=cfg.seed)
+        settings = UpdateSettings(**model_update(cfg, name).model_dump(), seed=cfg.seed)
         agent_settings = {a: LossSettings(**agent_cfgs[a].loss.model_dump()) for a in agents}
         if name not in train_models:
             raise ConfigError(f"model {name!r} ({type(policy).__name__}, agents {agents}) has no local weights to "

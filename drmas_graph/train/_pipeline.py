@@ -102,18 +102,18 @@ def trainer_copies(trainer: Any) -> tuple[dict[str, Any], str | None]:
     """A copy of every trained embedded model for the trainer to train (put in `trainer.train_models`; its policy
     keeps decoding with the original); or ({}, why) when a copy does not fit in its device's free memory."""
     names = [n for n, p in trainer.model_policies.items() if _trained(trainer, n) and not _build.is_served(p)]
+    shared = {name: _frozen_base(trainer, name) for name in names}
     for name in names:
         module = trainer.train_models[name]
-        shared = _frozen_base(trainer, name)
         need = sum(t.numel() * t.element_size() for _, t in [*module.named_parameters(), *module.named_buffers()]
-                   if id(t) not in shared)
+                   if id(t) not in shared[name])
         free, device = _free_bytes(module), next(module.parameters()).device
         if free is not None and need * _COPY_HEADROOM > free:
             reason = (f"model {name!r}: asynchronous training needs a second copy of its weights ({need / 2**20:.0f} "
                       f"MB) and {device} has {free / 2**20:.0f} MB free; training synchronously")
             log.warning(reason)
             return {}, reason
-    copies = {name: copy.deepcopy(trainer.train_models[name], _frozen_base(trainer, name)) for name in names}
+    copies = {name: copy.deepcopy(trainer.train_models[name], shared[name]) for name in names}
     trainer.train_models.update(copies)
     return copies, None
 
@@ -124,9 +124,8 @@ def _frozen_base(trainer: Any, name: str) -> dict[int, torch.Tensor]:
     adapters. Empty for other models, and under ZeRO-3 (which partitions every parameter of the trained module)."""
     from drmas_graph.engine._adapters import is_peft_model
 
-    module, mc = trainer.train_models[name], trainer.cfg.models.get(name)
-    update = mc.update if mc is not None and mc.update is not None else trainer.cfg.update
-    if not is_peft_model(module) or update.zero() == 3:
+    module = trainer.train_models[name]
+    if not is_peft_model(module) or _build.model_update(trainer.cfg, name).zero() == 3:
         return {}
     adapters = set(module.peft_config)
     return {id(t): t for name, t in [*module.named_parameters(), *module.named_buffers()]
