@@ -262,7 +262,7 @@ class TrainConfig(_Strict):
     steps: int = Field(10, ge=1, description="Training steps.")
     tasks_per_step: int = Field(4, ge=1, description="Tasks sampled per step (B).")
     group_size: int = Field(8, ge=1, description="Rollouts per task (G); they form one GRPO group.")
-    max_concurrency: int = Field(32, ge=1, description="Episodes in flight at once.")
+    max_concurrency: int = Field(32, ge=1, description="Episodes in flight at once (per process under torchrun), over every step rolling out: the free asynchronous schedule's steps share them, an earlier step's episodes first.")
     estimator: str = Field("agent", description="Advantage estimator: agent (Dr. MAS) | episode_global (vanilla GRPO) | step_global | agent_turn.")
     norm_by_std: bool = Field(True, description="Divide advantages by the pool's std (false = mean-only, Dr.GRPO style).")
     adv_eps: float = Field(1e-6, gt=0, description="eps in (R - mu) / (sigma + eps).")

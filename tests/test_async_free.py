@@ -168,6 +168,47 @@ def test_kill_and_resume_trains_every_group_once(tmp_path):
             assert len(_sampled(store, step)) == 16, step
 
 
+def test_max_concurrency_bounds_the_episodes_of_every_step_in_flight(tmp_path):
+    """Steps 0, 1 and 2 roll out at once, but no more than `max_concurrency` episodes run at once over all of
+    them (one bound per process, as in the synchronous loop: `EpisodeSlots`), and the bound is used."""
+    lock, inside = threading.Lock(), {"now": 0, "most": 0}
+
+    def api(state):
+        with lock:
+            inside["now"] += 1
+            inside["most"] = max(inside["most"], inside["now"])
+        time.sleep(0.2)
+        with lock:
+            inside["now"] -= 1
+
+    result, _, trainer = run_free(tmp_path, "bounded", steps=3, conc=3, app=gated_graph(api))
+    assert inside["most"] == 3  # a bound per step would let up to 3 steps x 3 episodes in
+    assert len(result.history) == 3 and trainer.episode_slots.free == 3
+    assert [h["async/dropped_groups"] for h in result.history] == [0, 0, 0]
+
+
+def test_a_later_step_never_takes_the_slots_the_next_step_needs(tmp_path):
+    """max_concurrency 8 is one step's episodes, and step 0's thread starts 0.5 s after the others: step 1's
+    episodes, which hold their slots until v1 (they wait for it in the gate), still let every episode of step 0
+    take a slot first (the pipeline announced the steps in order). First come, first served would give step 1
+    all 8 slots, and update 0 would wait for step 0 forever."""
+    gate = HoldStepOne(timeout_s=60)
+
+    def hook(trainer):
+        gate.attach(trainer)
+        collect = trainer.collect
+
+        def late(step):
+            if step == 0:
+                time.sleep(0.5)
+            return collect(step)
+
+        trainer.collect = late
+
+    result, _, _ = run_free(tmp_path, "late", steps=3, conc=8, app=gated_graph(gate), hook=hook, n_train=10)
+    assert sorted(set(turn_versions(tmp_path / "late", 1))) == [(0, 1)] and len(result.history) == 3
+
+
 def test_free_schedule_needs_a_staleness_bound():
     with pytest.raises(ValueError, match=r"async.schedule=free needs async.max_staleness >= 1"):
         TrainConfig.model_validate({"async": {"schedule": "free"}})

@@ -45,7 +45,8 @@ steps' episodes are in flight:
     rollouts  | steps 0, 1, 2 on v0 ...     | step 3 starts on v1 ...      | step 4 on v2 ...
     trainer   | (waits for step 0) update 0 | install v1, update 1         | install v2, update 2 ...   (k = 2)
 
-A step's slow episodes no longer hold the next step: up to k+1 steps roll out together, and the trainer waits
+A step's slow episodes no longer hold the next step: up to k+1 steps roll out together (sharing `max_concurrency`:
+a later step's episodes take the slots an earlier step's free, `_rollouts.EpisodeSlots`), and the trainer waits
 only when step u is not done when update u-1 is. The batch of update u is still step u's groups, whole (a group
 is trained when all of its episodes are done, never split); its episodes start under the version installed
 when the step starts (one waiting for a `max_concurrency` slot: when it gets one), and a later call of an
@@ -311,7 +312,13 @@ class OneStepOff:
                 future.set_result(self._produce(step))
             except BaseException as exc:  # noqa: BLE001 - the trainer re-raises it
                 future.set_exception(exc)
+            finally:  # (failed before its rollouts started: it no longer holds later steps' episodes)
+                slots.close(("train", step))
 
+        # its place among the steps rolling out: its episodes get their slots before later steps' (`run_episodes`
+        # names the step's call ("train", step))
+        slots = self.trainer.episode_slots
+        slots.announce(("train", step))
         self._pending[step] = future
         threading.Thread(target=work, name=f"rollouts-step-{step}", daemon=True).start()
 

@@ -25,30 +25,36 @@ waiting in `task(...).result()` for a task that needs another thread never deadl
 Episodes that finished, were truncated by a limit or broke on their policy's output (model errors, see
 `drmas_graph.instrumentation._outcomes`) are returned as runs; the others are counted by kind and their
 errors kept (in job order).
+
+`max_concurrency` bounds the episodes in flight in this process: steps that roll out at once (the free-running
+schedule, `_pipeline.FreeRunning`) share one `EpisodeSlots`, which gives every episode of an earlier step its slot
+before a later step's episodes get any.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
+import contextlib
 import contextvars
 import functools
 import logging
 import queue
 import sys
 import threading
-from collections.abc import Coroutine, Mapping, Sequence
+from collections.abc import AsyncIterator, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from drmas_graph.instrumentation._segments import EpisodeInterruptedError, continuation_from_env
 from drmas_graph.config import RolloutConfig
 from drmas_graph.errors import ConfigError, NoLLMCallError, RolloutError
 from drmas_graph.instrumentation._limits import LIMITS, StuckEpisodeError, limit_metadata
 from drmas_graph.instrumentation._seeds import episode_seed
+from drmas_graph.instrumentation._segments import EpisodeInterruptedError, continuation_from_env
 from drmas_graph.types import Episode, new_id
 
-__all__ = ["EpisodeJob", "RolloutBatch", "StepBatch", "episode_config", "group_ids", "run_episodes"]
+__all__ = ["EpisodeJob", "EpisodeSlots", "RolloutBatch", "StepBatch", "episode_config", "group_ids", "run_episodes"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -142,24 +148,149 @@ def episode_config(base: Mapping[str, Any] | None, rollout: RolloutConfig) -> di
     return config
 
 
+@dataclass
+class _Call:
+    """One `run_episodes` call's place in `EpisodeSlots`: episodes not granted a slot yet (None: announced, not
+    started), and those waiting for one, in the order they asked."""
+
+    left: int | None = None
+    waiting: collections.deque[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = field(
+        default_factory=collections.deque)
+
+
+class EpisodeSlots:
+    """At most `n` episodes in flight at once, over every thread and event loop that shares it (the steps of a
+    free-running schedule each roll out on their own thread).
+
+    Slots go to the calls (one `run_episodes` per step, named by a key) in the order they were announced
+    (`announce`, called by the pipeline in step order before a step's thread starts) or, unannounced, opened:
+    every episode of an earlier call gets its slot before any of a later call's does, so the steps after the one
+    the trainer needs next never hold it up. Within a call, first come, first served. A slot handed to an
+    episode that was cancelled meanwhile is passed on."""
+
+    def __init__(self, n: int) -> None:
+        if n < 1:
+            raise ConfigError(f"max_concurrency must be >= 1, got {n}")
+        self.n = n
+        self.free = n
+        self._lock = threading.Lock()
+        self._calls: dict[Any, _Call] = {}
+        """Key -> the calls with episodes still to be granted, in their order (dicts keep insertion order)."""
+
+    def announce(self, key: Any) -> None:
+        """Reserve call `key`'s place in the order (before its thread starts); it holds later calls until it ends."""
+        with self._lock:
+            self._calls.setdefault(key, _Call())
+
+    def open(self, key: Any, episodes: int) -> None:
+        """Call `key` starts with `episodes` episodes (at its announced place, else last)."""
+        with self._lock:
+            self._calls.setdefault(key, _Call()).left = episodes
+            self._settle(key)
+
+    def close(self, key: Any) -> None:
+        """Call `key` ended (or failed before it opened): it no longer holds later calls."""
+        with self._lock:
+            self._calls.pop(key, None)
+            self._dispatch()
+
+    @contextlib.asynccontextmanager
+    async def slot(self, key: Any) -> AsyncIterator[None]:
+        """Hold a slot for one episode of (opened) call `key`."""
+        await self._acquire(key)
+        try:
+            yield
+        finally:
+            self._release()
+
+    async def _acquire(self, key: Any) -> None:
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            call = self._calls[key]
+            if self.free > 0 and next(iter(self._calls.values())) is call and not call.waiting:
+                self._grant(key, call)
+                return
+            granted = loop.create_future()
+            call.waiting.append((loop, granted))
+        try:
+            await granted
+        except asyncio.CancelledError:
+            with self._lock:
+                queued = (loop, granted) in call.waiting
+                if queued:  # it will never take its slot
+                    call.waiting.remove((loop, granted))
+                    call.left = (call.left or 1) - 1
+                    self._settle(key)
+            if not queued and granted.done() and not granted.cancelled():
+                self._release()  # the slot came, then the episode was cancelled: pass it on
+            raise  # (a slot on its way to a cancelled waiter is passed on by `_hand_over`)
+
+    def _release(self) -> None:
+        with self._lock:
+            self.free += 1
+            self._dispatch()
+
+    def _grant(self, key: Any, call: _Call) -> None:
+        self.free -= 1
+        call.left = (call.left or 1) - 1
+        self._settle(key)
+
+    def _settle(self, key: Any) -> None:
+        """Under the lock: a call with every episode granted leaves the order; waiting episodes get free slots."""
+        call = self._calls.get(key)
+        if call is not None and call.left == 0:
+            del self._calls[key]
+        self._dispatch()
+
+    def _dispatch(self) -> None:
+        """Under the lock: free slots to the first call's waiting episodes. When its episodes have not asked yet
+        (or it has not started), the slots wait for them."""
+        while self.free > 0 and self._calls:
+            key, call = next(iter(self._calls.items()))
+            if not call.waiting:
+                return
+            loop, granted = call.waiting.popleft()
+            try:
+                loop.call_soon_threadsafe(self._hand_over, granted)
+            except RuntimeError:  # its event loop is closed: the episode is gone
+                call.left = (call.left or 1) - 1
+            else:
+                self.free -= 1
+                call.left = (call.left or 1) - 1
+            if call.left == 0:
+                del self._calls[key]
+
+    def _hand_over(self, granted: asyncio.Future) -> None:
+        """On the waiter's event loop: the slot is its, unless it was cancelled meanwhile."""
+        if granted.done():
+            self._release()
+        else:
+            granted.set_result(None)
+
+
 def run_episodes(app: Any, jobs: Sequence[EpisodeJob], *, phase: str, step: int, run_seed: int,
-                 max_concurrency: int, rollout: RolloutConfig, base_config: Mapping[str, Any] | None = None,
-                 env: Any = None) -> RolloutBatch:
-    """Run `jobs` through the instrumented graph `app`, at most `max_concurrency` at a time. The environment's
-    optional `resume` / `next_input` hooks continue an episode's thread (interrupts, conversations)."""
+                 max_concurrency: int | EpisodeSlots, rollout: RolloutConfig,
+                 base_config: Mapping[str, Any] | None = None, env: Any = None) -> RolloutBatch:
+    """Run `jobs` through the instrumented graph `app`, at most `max_concurrency` at a time (an `EpisodeSlots`:
+    shared with other calls running at once, in which this one is named (phase, step)). The environment's optional
+    `resume` / `next_input` hooks continue an episode's thread (interrupts, conversations)."""
+    slots = max_concurrency if isinstance(max_concurrency, EpisodeSlots) else EpisodeSlots(max_concurrency)
+    key = (phase, step)
 
     async def main() -> list[Episode | RolloutError]:
-        gate = asyncio.Semaphore(max_concurrency)
-
         async def one(job: EpisodeJob) -> Episode | RolloutError:
-            async with gate:
+            async with slots.slot(key):
                 return await _run_one(app, job, phase=phase, step=step, run_seed=run_seed, rollout=rollout,
                                       base_config=base_config, env=env)
 
         return await asyncio.gather(*(one(job) for job in jobs))
 
     threads = _NodeThreads()
-    outcomes = _run_loop(main(), threads)
+    slots.open(key, len(jobs))
+    try:
+        outcomes = _run_loop(main(), threads)
+    finally:
+        slots.close(key)
     if threads.busy:
         log.warning("%s step %d: %d graph node thread(s) are still running after their episode was cancelled "
                     "(a tool or a blocking call that does not return); they are left behind (daemon threads, they "

@@ -47,7 +47,15 @@ from drmas_graph.traces.store import TraceStore
 from drmas_graph.traces.weave_export import WeaveExporter, start_exporter
 from drmas_graph.train import _build, _checkpoints, _distributed, _pipeline, _scoring
 from drmas_graph.train._old_logprobs import with_trainer_logprobs
-from drmas_graph.train._rollouts import EpisodeJob, RolloutBatch, StepBatch, episode_config, group_ids, run_episodes
+from drmas_graph.train._rollouts import (
+    EpisodeJob,
+    EpisodeSlots,
+    RolloutBatch,
+    StepBatch,
+    episode_config,
+    group_ids,
+    run_episodes,
+)
 from drmas_graph.train.evaluate import evaluate
 from drmas_graph.train.metrics import RunLogger
 from drmas_graph.types import Episode, Sample
@@ -139,6 +147,8 @@ class Trainer:
         self.reward_errors: list[BadRewardError] = []
         """Errors of the bad-reward episodes of the last step's scoring."""
         self._reward_raise_logged = False
+        self.episode_slots = EpisodeSlots(cfg.max_concurrency)
+        """`max_concurrency`: episodes in flight in this process, over every step rolling out (free schedule)."""
         if train:  # under torchrun / deepspeed: whole groups per rank (evaluation shards tasks, any number)
             _distributed.check_divisible(cfg.tasks_per_step)
         _distributed.check_no_launch({n: mc.serve.launch for n, mc in cfg.models.items() if mc.serve is not None})
@@ -388,7 +398,7 @@ class Trainer:
         ids = group_ids(tasks, phase, step)  # over the whole batch: every rank names the groups alike
         jobs = [EpisodeJob(task, ids[b], b, j) for b, task in _distributed.owned(tasks) for j in range(group_size)]
         batch = run_episodes(self.app, jobs, phase=phase, step=step, run_seed=self.cfg.seed,
-                             max_concurrency=self.cfg.max_concurrency, rollout=self.cfg.rollout,
+                             max_concurrency=self.episode_slots, rollout=self.cfg.rollout,
                              base_config=self.rollout_config, env=self.env)
         if batch.errors:
             log.warning("%s step %d: %d of %d episodes failed; the first: %s", phase, step, len(batch.errors),
