@@ -8,11 +8,16 @@ Workloads:
 Each runs `--steps` training steps of `--tasks` groups x `--group` episodes per seed (`--seeds`), the modes
 interleaved (sync seed 0, async seed 0, free seed 0, sync seed 1, ...), each in a fresh Trainer. Wall time covers
 the training steps only (`Trainer.steps()`: no evaluation, no checkpoint); steps per hour = steps / wall. Reward
-per step is the team reward of the step's episodes. Numbers are ratios within this run; on a loaded machine,
-re-run them on a quiet one. A PNG plot (`--plot`) shows the reward curves and the throughput.
+per step is the team reward of the step's episodes. Per asynchronous mode the table shows what staleness costs:
+the stale tokens' importance weights pi_prox / pi_behav (mean after the cap, share capped: how far the policy moved
+between sampling and training), and a line says whether its reward over the last half of the steps is within noise
+of sync's (the difference of the means over seeds against twice its standard error). Numbers are ratios within this
+run; on a loaded machine, re-run them on a quiet one. A PNG plot (`--plot`) shows the reward curves (per step and
+against wall-clock time) and the throughput.
 
     python benchmarks/bench_async.py [--workloads a,b] [--modes sync,async,free] [--free-staleness 3]
-                                     [--seeds 0,1,2] [--steps 12] [--plot runs/bench_async.png]
+                                     [--seeds 0,1,2] [--steps 24] [--lr 3e-3] [--max-concurrency N]
+                                     [--plot runs/bench_async.png]
 
 The last line reads `async/sync throughput: X.XXx` for workload (a), of its fastest asynchronous mode (named on
 the line before).
@@ -72,6 +77,12 @@ def _workload(name: str, args, seed: int):
     return build_graph(StandInChatModel(), max_rounds=2), env, ("solver", "verifier"), policy
 
 
+def _concurrency(args) -> int:
+    """`max_concurrency`, the same in every mode: `--max-concurrency`, by default room for the k+1 steps the free
+    schedule rolls out at once (a synchronous step never runs more than its own tasks x group episodes)."""
+    return args.max_concurrency or args.tasks * args.group * (args.free_staleness + 1)
+
+
 def _async(mode: str, args) -> dict:
     return {**MODES[mode], "max_staleness": args.free_staleness} if mode == "free" else MODES[mode]
 
@@ -80,7 +91,7 @@ def run_one(name: str, mode: str, seed: int, args, root: str) -> dict:
     graph, env, agents, policy = _workload(name, args, seed)
     cfg = TrainConfig.model_validate({
         "run_dir": os.path.join(root, f"{name}-{mode}-s{seed}"), "seed": seed, "steps": args.steps,
-        "tasks_per_step": args.tasks, "group_size": args.group, "max_concurrency": args.tasks * args.group,
+        "tasks_per_step": args.tasks, "group_size": args.group, "max_concurrency": _concurrency(args),
         "update": {"lr": args.lr, "backend": "torch"}, "eval": {"k": 1, "n_tasks": 1, "before_training": False},
         "logging": {"progress": False, "tensorboard": False}, "async": _async(mode, args)})
     trainer = Trainer(graph, env, cfg, policies={a: policy for a in agents})
@@ -97,7 +108,17 @@ def run_one(name: str, mode: str, seed: int, args, root: str) -> dict:
             "reward": [r["reward/team_mean"] for r in records],
             "rollout_s": statistics.mean(r["time/rollout_s"] for r in records),
             "update_s": statistics.mean(r["time/update_s"] for r in records),
-            "wait_s": statistics.mean(r.get("async/wait_s", 0.0) for r in records[1:]) if len(records) > 1 else 0.0}
+            "wait_s": statistics.mean(r.get("async/wait_s", 0.0) for r in records[1:]) if len(records) > 1 else 0.0,
+            **_importance(records)}
+
+
+def _importance(records: list[dict]) -> dict:
+    """How far the policy moved between sampling and training: the stale tokens' importance weights pi_prox /
+    pi_behav (after the cap), mean over the steps and agents that had stale samples, and the share capped."""
+    means = [v for r in records for k, v in r.items() if k.startswith("agent/") and k.endswith("/is_weight_mean")]
+    capped = [v for r in records for k, v in r.items() if k.startswith("agent/") and k.endswith("/is_capped_frac")]
+    return {"is_weight": statistics.mean(means) if means else float("nan"),
+            "is_capped": statistics.mean(capped) if capped else float("nan")}
 
 
 def _mean_sd(values: list[float]) -> str:
@@ -110,14 +131,16 @@ def report(name: str, runs: dict[str, list[dict]], args) -> float:
              "b": "(b) math graph, " + ("SmolLM2-135M" if args.smollm2 else "tiny random policy")}[name]
     print(f"\n{title}: {args.steps} steps x {args.tasks} groups x {args.group} episodes, seeds {args.seeds}")
     print(f"{'mode':<6} {'steps/h':>9} {'wall s':>8} {'rollout s/step':>15} {'update s/step':>14} "
-          f"{'trainer waits s/step':>21} {'reward, last half':>18}")
+          f"{'trainer waits s/step':>21} {'IS weight':>10} {'capped':>7} {'reward, last half':>18}")
     half = args.steps // 2
+    last_half = {mode: [statistics.mean(r["reward"][half:]) for r in rs] for mode, rs in runs.items()}
     for mode, rs in runs.items():
         print(f"{mode:<6} {statistics.mean(r['steps_per_h'] for r in rs):>9.0f} "
               f"{statistics.mean(r['wall_s'] for r in rs):>8.1f} {statistics.mean(r['rollout_s'] for r in rs):>15.2f} "
               f"{statistics.mean(r['update_s'] for r in rs):>14.2f} "
               f"{statistics.mean(r['wait_s'] for r in rs) if mode != 'sync' else float('nan'):>21.2f} "
-              f"{_mean_sd([statistics.mean(r['reward'][half:]) for r in rs]):>18}")
+              f"{statistics.mean(r['is_weight'] for r in rs):>10.2f} "
+              f"{statistics.mean(r['is_capped'] for r in rs):>7.1%} {_mean_sd(last_half[mode]):>18}")
     print("reward per step (mean over seeds):")
     for mode, rs in runs.items():
         curve = [statistics.mean(r["reward"][s] for r in rs) for s in range(args.steps)]
@@ -125,8 +148,19 @@ def report(name: str, runs: dict[str, list[dict]], args) -> float:
     sync = statistics.mean(r["steps_per_h"] for r in runs["sync"])
     ratios = {mode: statistics.mean(r["steps_per_h"] for r in rs) / sync for mode, rs in runs.items() if mode != "sync"}
     for mode, ratio in ratios.items():
+        print(f"workload ({name}) {_label(mode, args)} reward, last half: {_noise(last_half[mode], last_half['sync'])}")
         print(f"workload ({name}) {_label(mode, args)}/sync throughput: {ratio:.2f}x")
     return ratios
+
+
+def _noise(values: list[float], sync: list[float]) -> str:
+    """The difference of two modes' means over seeds against twice its standard error (Welch): within noise when
+    smaller."""
+    diff = statistics.mean(values) - statistics.mean(sync)
+    if len(values) < 2 or len(sync) < 2:
+        return f"{diff:+.3f} against sync (one seed: no noise estimate)"
+    se2 = 2 * (statistics.variance(values) / len(values) + statistics.variance(sync) / len(sync)) ** 0.5
+    return f"{diff:+.3f} against sync, 2 standard errors {se2:.3f}: {'within' if abs(diff) <= se2 else 'NOT within'} noise"
 
 
 def _label(mode: str, args) -> str:
@@ -170,16 +204,20 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--workloads", default="a,b", help="a, b or a,b")
     ap.add_argument("--seeds", default="0,1,2")
-    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--tasks", type=int, default=4, help="groups per step")
     ap.add_argument("--group", type=int, default=8, help="episodes per group")
-    ap.add_argument("--lr", type=float, default=1e-2, help="learning rate (1e-2: (a)'s reward rises within 12 steps)")
+    ap.add_argument("--lr", type=float, default=3e-3, help="learning rate (3e-3: (a)'s synchronous reward rises from "
+                    "0.5 to 0.8-0.9 in 24 steps; at 1e-2 one update moves the tiny policy so far that staleness costs "
+                    "learning: see the IS weight column)")
     ap.add_argument("--hidden", type=int, default=256, help="tiny model width (a, and b without --smollm2)")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=24, help="max new tokens per call in (a)")
     ap.add_argument("--modes", default="sync,async,free", help="sync (max_staleness 0), async (one step off), "
                     "free (schedule free, max_staleness --free-staleness); sync is always run")
     ap.add_argument("--free-staleness", type=int, default=3, help="max_staleness of the free-running mode")
+    ap.add_argument("--max-concurrency", type=int, default=0, help="episodes in flight at once, every mode (default: "
+                    "tasks x group x (free-staleness + 1), room for the free schedule's steps)")
     ap.add_argument("--api-mean", type=float, default=0.5, help="mean simulated API latency in (a), seconds")
     ap.add_argument("--smollm2", action="store_true", help="(b) on SmolLM2-135M-Instruct instead of a tiny model")
     ap.add_argument("--device", default="cpu", help="device of (b)'s SmolLM2 policy (cuda on a GPU machine)")

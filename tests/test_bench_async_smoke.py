@@ -21,7 +21,17 @@ def test_bench_async_runs_every_mode_and_ends_with_the_ratio(tmp_path):
     for workload in ("a", "b"):
         assert f"workload ({workload}) one-step-off/sync throughput:" in proc.stdout
         assert f"workload ({workload}) free (max_staleness 1)/sync throughput:" in proc.stdout
+        assert f"workload ({workload}) free (max_staleness 1) reward, last half: " in proc.stdout
+        assert "against sync (one seed: no noise estimate)" in proc.stdout
     assert sum(line.split()[:1] in (["sync"], ["async"], ["free"]) and len(line.split()) >= 7 for line in lines) == 6
     assert re.fullmatch(r"async/sync throughput: \d+\.\d\dx", lines[-1])
     assert lines[-2].startswith("workload (a), best asynchronous schedule: ")
     assert plot.stat().st_size > 10_000 and plot.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bench_async_calls_a_difference_noise_only_within_two_standard_errors():
+    from benchmarks.bench_async import _noise
+
+    # diff 0.12; 2 x sqrt(0.0004 / 3 + 0.01 / 3) = 0.1178
+    assert _noise([0.70, 0.72, 0.74], [0.5, 0.6, 0.7]) == "+0.120 against sync, 2 standard errors 0.118: NOT within noise"
+    assert _noise([0.68, 0.70, 0.72], [0.5, 0.6, 0.7]).endswith("2 standard errors 0.118: within noise")
