@@ -79,7 +79,7 @@ import torch
 
 from drmas_graph.errors import ConfigError, DrmasError, PolicyError
 from drmas_graph.train import _build, _checkpoints, _distributed
-from drmas_graph.train._rollouts import StepBatch
+from drmas_graph.train._rollouts import StepBatch, slots_key
 from drmas_graph.train.offpolicy import CorrectionStats, OffPolicyCorrection
 from drmas_graph.train.update import ModelUpdater
 
@@ -313,12 +313,11 @@ class OneStepOff:
             except BaseException as exc:  # noqa: BLE001 - the trainer re-raises it
                 future.set_exception(exc)
             finally:  # (failed before its rollouts started: it no longer holds later steps' episodes)
-                slots.close(("train", step))
+                slots.close(key)
 
-        # its place among the steps rolling out: its episodes get their slots before later steps' (`run_episodes`
-        # names the step's call ("train", step))
-        slots = self.trainer.episode_slots
-        slots.announce(("train", step))
+        # its place among the steps rolling out: its episodes get their slots before later steps'
+        slots, key = self.trainer.episode_slots, slots_key("train", step)
+        slots.announce(key)
         self._pending[step] = future
         threading.Thread(target=work, name=f"rollouts-step-{step}", daemon=True).start()
 

@@ -54,7 +54,8 @@ from drmas_graph.instrumentation._seeds import episode_seed
 from drmas_graph.instrumentation._segments import EpisodeInterruptedError, continuation_from_env
 from drmas_graph.types import Episode, new_id
 
-__all__ = ["EpisodeJob", "EpisodeSlots", "RolloutBatch", "StepBatch", "episode_config", "group_ids", "run_episodes"]
+__all__ = ["EpisodeJob", "EpisodeSlots", "RolloutBatch", "StepBatch", "episode_config", "group_ids", "run_episodes",
+           "slots_key"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -171,7 +172,6 @@ class EpisodeSlots:
     def __init__(self, n: int) -> None:
         if n < 1:
             raise ConfigError(f"max_concurrency must be >= 1, got {n}")
-        self.n = n
         self.free = n
         self._lock = threading.Lock()
         self._calls: dict[Any, _Call] = {}
@@ -186,7 +186,9 @@ class EpisodeSlots:
         """Call `key` starts with `episodes` episodes (at its announced place, else last)."""
         with self._lock:
             self._calls.setdefault(key, _Call()).left = episodes
-            self._settle(key)
+            if episodes == 0:
+                self._calls.pop(key)
+            self._dispatch()
 
     def close(self, key: Any) -> None:
         """Call `key` ended (or failed before it opened): it no longer holds later calls."""
@@ -219,8 +221,8 @@ class EpisodeSlots:
                 queued = (loop, granted) in call.waiting
                 if queued:  # it will never take its slot
                     call.waiting.remove((loop, granted))
-                    call.left = (call.left or 1) - 1
-                    self._settle(key)
+                    self._one_less(key, call)
+                    self._dispatch()
             if not queued and granted.done() and not granted.cancelled():
                 self._release()  # the slot came, then the episode was cancelled: pass it on
             raise  # (a slot on its way to a cancelled waiter is passed on by `_hand_over`)
@@ -232,15 +234,15 @@ class EpisodeSlots:
 
     def _grant(self, key: Any, call: _Call) -> None:
         self.free -= 1
-        call.left = (call.left or 1) - 1
-        self._settle(key)
-
-    def _settle(self, key: Any) -> None:
-        """Under the lock: a call with every episode granted leaves the order; waiting episodes get free slots."""
-        call = self._calls.get(key)
-        if call is not None and call.left == 0:
-            del self._calls[key]
+        self._one_less(key, call)
         self._dispatch()
+
+    def _one_less(self, key: Any, call: _Call) -> None:
+        """Under the lock: one episode of `call` took its slot or will never ask again; a call with none left
+        leaves the order."""
+        call.left = (call.left or 1) - 1
+        if call.left == 0:
+            self._calls.pop(key, None)
 
     def _dispatch(self) -> None:
         """Under the lock: free slots to the first call's waiting episodes. When its episodes have not asked yet
@@ -252,13 +254,10 @@ class EpisodeSlots:
             loop, granted = call.waiting.popleft()
             try:
                 loop.call_soon_threadsafe(self._hand_over, granted)
-            except RuntimeError:  # its event loop is closed: the episode is gone
-                call.left = (call.left or 1) - 1
-            else:
                 self.free -= 1
-                call.left = (call.left or 1) - 1
-            if call.left == 0:
-                del self._calls[key]
+            except RuntimeError:  # its event loop is closed: the episode is gone
+                pass
+            self._one_less(key, call)
 
     def _hand_over(self, granted: asyncio.Future) -> None:
         """On the waiter's event loop: the slot is its, unless it was cancelled meanwhile."""
@@ -268,6 +267,11 @@ class EpisodeSlots:
             granted.set_result(None)
 
 
+def slots_key(phase: str, step: int) -> tuple[str, int]:
+    """The name of `run_episodes(phase=phase, step=step)`'s call in its `EpisodeSlots` (`announce` takes it)."""
+    return phase, step
+
+
 def run_episodes(app: Any, jobs: Sequence[EpisodeJob], *, phase: str, step: int, run_seed: int,
                  max_concurrency: int | EpisodeSlots, rollout: RolloutConfig,
                  base_config: Mapping[str, Any] | None = None, env: Any = None) -> RolloutBatch:
@@ -275,7 +279,7 @@ def run_episodes(app: Any, jobs: Sequence[EpisodeJob], *, phase: str, step: int,
     shared with other calls running at once, in which this one is named (phase, step)). The environment's optional
     `resume` / `next_input` hooks continue an episode's thread (interrupts, conversations)."""
     slots = max_concurrency if isinstance(max_concurrency, EpisodeSlots) else EpisodeSlots(max_concurrency)
-    key = (phase, step)
+    key = slots_key(phase, step)
 
     async def main() -> list[Episode | RolloutError]:
         async def one(job: EpisodeJob) -> Episode | RolloutError:
