@@ -1,6 +1,13 @@
-"""The README's section "Interrupts, conversations and named agents" runs as written and prints what its
-comments say (`print(x)  # expected`; `# ...` lines right below a print hold or continue the expectation;
-an expectation with '...' in it is elided and not checked)."""
+"""Every Python example of README.md and docs/ runs as written and prints what its comments say.
+
+- Each page's ```python blocks run in order in one namespace (a page reads like a notebook), in a scratch
+  folder, with the repository root importable (`graphs.math.graph`, ...).
+- A block that is a fragment (names from a surrounding context it does not show) is marked by the line
+  `<!-- not run: why -->` right above it; every other ```python block runs.
+- `print(x)  # expected`: the block's output must contain `expected` (whitespace-insensitive); `# ...`
+  lines right below a print continue the expectation; an expectation with '...' in it is elided and not
+  checked.
+"""
 
 import contextlib
 import io
@@ -9,15 +16,21 @@ from pathlib import Path
 
 import pytest
 
-README = Path(__file__).resolve().parents[1] / "README.md"
-SECTION = "## Interrupts, conversations and named agents"
+ROOT = Path(__file__).resolve().parents[1]
+BLOCK = re.compile(r"(?P<before>[^\n]*)\n```python\n(?P<code>.*?)```", flags=re.S)
+NOT_RUN = re.compile(r"<!-- not run: .+ -->")
 
 
-def section_blocks() -> list[str]:
-    text = README.read_text()
-    body = text[text.index(SECTION):]
-    body = body[: body.index("\n## ", len(SECTION))]
-    return re.findall(r"```python\n(.*?)```", body, flags=re.S)
+def pages() -> list[Path]:
+    return [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+
+
+def page_blocks(page: Path) -> tuple[list[str], list[str]]:
+    """(blocks that run, fragments marked not run) of a page, in order."""
+    run, fragments = [], []
+    for m in BLOCK.finditer("\n" + page.read_text()):
+        (fragments if NOT_RUN.fullmatch(m["before"].strip()) else run).append(m["code"])
+    return run, fragments
 
 
 def expectations(block: str) -> list[str]:
@@ -36,18 +49,31 @@ def expectations(block: str) -> list[str]:
     return out
 
 
-def test_the_section_has_an_example_of_each_feature():
-    blocks = section_blocks()
-    assert len(blocks) == 4 and sum(len(expectations(b)) for b in blocks) == 5
+PAGES_WITH_EXAMPLES = [p for p in pages() if page_blocks(p)[0]]
 
 
-@pytest.mark.parametrize("index", range(4))
-def test_readme_example_runs_and_prints_what_it_says(index):
-    pytest.importorskip("deepagents")
-    block = section_blocks()[index]
-    stdout = io.StringIO()
-    with contextlib.redirect_stdout(stdout):
-        exec(compile(block, f"README example {index}", "exec"), {"__name__": "readme_example"})  # noqa: S102
-    printed = " ".join(stdout.getvalue().split())
-    for expected in expectations(block):
-        assert expected in printed, f"README example {index}: {expected!r} not in {printed!r}"
+def test_the_examples_are_found():
+    names = {p.relative_to(ROOT).as_posix() for p in PAGES_WITH_EXAMPLES}
+    assert {"README.md", "docs/tutorial.md", "docs/guide/interrupts.md", "docs/guide/agents.md",
+            "docs/guide/training.md"} <= names
+    interrupts, _ = page_blocks(ROOT / "docs" / "guide" / "interrupts.md")
+    assert len(interrupts) == 3 and sum(len(expectations(b)) for b in interrupts) == 4
+    assert all(len(page_blocks(p)[0]) + len(page_blocks(p)[1]) == p.read_text().count("```python\n") for p in pages())
+
+
+@pytest.mark.parametrize("page", PAGES_WITH_EXAMPLES, ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_page_examples_run_and_print_what_they_say(page, tmp_path, monkeypatch):
+    blocks, _ = page_blocks(page)
+    if any(re.search(r"^\s*(from|import) deepagents\b", b, flags=re.M) for b in blocks):
+        pytest.importorskip("deepagents")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(ROOT))
+    namespace: dict = {"__name__": "docs_example"}
+    for index, block in enumerate(blocks):
+        where = f"{page.relative_to(ROOT)} example {index}"
+        stdout = io.StringIO()
+        with contextlib.redirect_stdout(stdout):
+            exec(compile(block, where, "exec"), namespace)  # noqa: S102 - our own documentation
+        printed = " ".join(stdout.getvalue().split())
+        for expected in expectations(block):
+            assert expected in printed, f"{where}: {expected!r} not in {printed!r}"
