@@ -4,7 +4,7 @@
 #                                      real-vLLM-server tests run instead of skipping (CI does this).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-EXTRAS="${EXTRAS:-dev,demo,deepspeed,lora,weave}" bash scripts/setup.sh
+EXTRAS="${EXTRAS:-dev,demo,deepspeed,lora,weave,docs}" bash scripts/setup.sh
 if [ "${WITH_VLLM:-0}" = "1" ]; then
   DRMAS_VLLM_PYTHON="$(bash scripts/setup_vllm.sh | tail -1)"
   export DRMAS_VLLM_PYTHON
