@@ -402,14 +402,16 @@ class _NodeThreads(concurrent.futures.ThreadPoolExecutor):
                 with self._lock:
                     self._busy += 1
                 try:
-                    result = call()
+                    result, error = call(), None
                 except BaseException as exc:  # noqa: BLE001 - handed to the future, as ThreadPoolExecutor does
-                    future.set_exception(exc)
-                else:
+                    result, error = None, exc
+                with self._lock:  # not busy before the result is handed back: the step may end right after
+                    self._busy -= 1
+                if error is None:
                     future.set_result(result)
-                finally:
-                    with self._lock:
-                        self._busy -= 1
+                else:
+                    future.set_exception(error)
+                del result, error  # the thread holds no result while it waits for the next item
             self._idle.release()
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:

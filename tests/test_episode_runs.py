@@ -1,0 +1,178 @@
+"""Every run of a multi-run episode is a `Segment` (also one that raised), graphs without a checkpointer, answering
+an interrupt with None, and the node threads' busy count (review 4: m, u, v, d)."""
+
+import asyncio
+import threading
+
+import pytest
+from langchain_core.messages import HumanMessage
+from langgraph.checkpoint.memory import InMemorySaver
+from langgraph.graph import END, START, MessagesState, StateGraph
+from langgraph.types import Command, interrupt
+
+from drmas_graph import ConfigError, RolloutError, TraceStore, instrument
+from drmas_graph.config import RolloutConfig
+from drmas_graph.env import Task
+from drmas_graph.testing import scripted_policy
+from drmas_graph.traces.replay import replay
+from drmas_graph.train._rollouts import EpisodeJob, _NodeThreads, run_episodes
+from tests import _graphs
+from tests.test_instrument import Unreachable
+from tests.test_interrupts import Two, review_graph, thread
+
+
+def approve_graph(llm, *, final_calls=2):
+    """draft -> approve (interrupt) -> final, which makes `final_calls` calls in the run that resumes."""
+
+    def draft(state):
+        return {"messages": [llm.invoke(state["messages"])]}
+
+    def approve(state):
+        return {"messages": [HumanMessage(f"editor: {interrupt('approve?')}")]}
+
+    def final(state):
+        out = []
+        for _ in range(final_calls):
+            out.append(llm.invoke(state["messages"] + out))
+        return {"messages": out}
+
+    g = StateGraph(MessagesState)
+    for name, fn in (("draft", draft), ("approve", approve), ("final", final)):
+        g.add_node(name, fn)
+    g.add_edge(START, "draft")
+    g.add_edge("draft", "approve")
+    g.add_edge("approve", "final")
+    g.add_edge("final", END)
+    return g.compile(checkpointer=InMemorySaver())
+
+
+def _policies():
+    return {"draft": scripted_policy(["a draft"], name="d"), "final": scripted_policy(["a", "b"], name="f")}
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_resume_run_stopped_by_a_limit_is_a_segment_and_replays_to_where_it_stopped(tmp_path, mode):
+    """rev4_m: the run that resumed the interrupt raised (max_llm_calls at its 2nd call): its Segment and its
+    Command are recorded, its turn points at it, and replay re-runs it up to the call the limit refused."""
+    graph = approve_graph(Unreachable())
+    with TraceStore(tmp_path / "t.db") as store:
+        app = instrument(graph, _policies(), strict=True, store=store)
+        kwargs = dict(resume=lambda ep, its: "shorter", metadata={"max_llm_calls": 2})
+        with pytest.raises(RolloutError) as info:
+            if mode == "sync":
+                app.rollout({"messages": [HumanMessage("write")]}, thread("t1"), **kwargs)
+            else:
+                asyncio.run(app.arollout({"messages": [HumanMessage("write")]}, thread("t1"), **kwargs))
+    episode = info.value.episode
+    assert episode.outcome == "truncated" and episode.truncated_by == "max_llm_calls"
+    assert [(t.agent, t.segment, t.response_text) for t in episode.turns] == [("draft", 0, "a draft"), ("final", 1, "a")]
+    assert [(s.kind, s.input, [r["node"] for r in s.interrupts]) for s in episode.segments] == [
+        ("start", None, ["approve"]), ("resume", Command(resume="shorter"), [])]
+    with TraceStore(tmp_path / "t.db", readonly=True) as store:
+        stored = store.load_episode(episode.id)
+    assert stored.segments == episode.segments
+    result = replay(graph, tmp_path / "t.db", episode.id)
+    assert result.divergences == [] and result.stopped  # before: missing_call at final#0
+    assert [(t.agent, t.segment) for t in result.turns] == [("draft", 0), ("final", 1)]
+
+
+def test_a_conversation_run_that_raises_is_a_segment_with_its_input(tmp_path):
+    """rev4_m: a later run started by next_input that fails (a node raises) keeps that input in the trace."""
+
+    def answer(state):
+        if state["messages"][-1].content == "break":
+            raise ValueError("the tool broke on 'break'")
+        return {"messages": [Unreachable().invoke(state["messages"])]}
+
+    g = StateGraph(MessagesState)
+    g.add_node("answer", answer)
+    g.add_edge(START, "answer")
+    g.add_edge("answer", END)
+    with TraceStore(tmp_path / "t.db") as store:
+        app = instrument(g.compile(checkpointer=InMemorySaver()), {"answer": scripted_policy(["hi"])}, store=store)
+        with pytest.raises(RolloutError, match="the tool broke") as info:
+            app.rollout({"messages": [HumanMessage("hello")]}, thread("c"),
+                        next_input=lambda ep: {"messages": [HumanMessage("break")]})
+        stored = store.load_episode(info.value.episode.id)
+    assert stored.outcome == "failed" and [t.segment for t in stored.turns] == [0]
+    assert [s.kind for s in stored.segments] == ["start", "input"] and stored.segments[0].input is None
+    assert [(type(m).__name__, m.content) for m in stored.segments[1].input["messages"]] == [("HumanMessage", "break")]
+
+
+def _answer_graph(**compile_kwargs):
+    g = StateGraph(_graphs.QA)
+    g.add_node("solver", lambda state: {"answer": Unreachable().invoke([HumanMessage(state["question"])]).content})
+    g.add_edge(START, "solver")
+    g.add_edge("solver", END)
+    return g.compile(**compile_kwargs)
+
+
+def test_a_graph_compiled_with_checkpointer_false_rolls_out_and_trains_with_a_thread_id():
+    """rev4_u: checkpointer=False is no saver (like None): the run's state is not read from a checkpointer."""
+    graph = _answer_graph(checkpointer=False)
+    app = instrument(graph, {"solver": scripted_policy(["2"])})
+    episode = app.rollout({"question": "1+1?"}, thread("t1"))
+    assert episode.final_state == {"question": "1+1?", "answer": "2"} and episode.segments == []
+    jobs = [EpisodeJob(Task(id="t", input={"question": "1+1?"}), "g", 0, 0)]
+    batch = run_episodes(app, jobs, phase="train", step=0, run_seed=0, max_concurrency=1, rollout=RolloutConfig())
+    assert batch.counts["failed_episodes"] == 0 and [ep.final_state["answer"] for _, ep in batch.runs] == ["2"]
+    with pytest.raises(ConfigError, match="next_input continues a conversation.*needs a checkpointer"):
+        app.rollout({"question": "1+1?"}, thread("t2"), next_input=lambda ep: None)
+
+
+def test_command_resume_none_answers_the_interrupt_with_none_and_replays(tmp_path):
+    """rev4_v: the advice in the 'returned None' error works: Command(resume=None) resumes with None (as a
+    resume map {interrupt id: None}: LangGraph reads resume=None as no resume value)."""
+    graph = review_graph(Unreachable())
+    with TraceStore(tmp_path / "t.db") as store:
+        app = instrument(graph, {"draft": scripted_policy(["d"], name="d"), "final": scripted_policy(["f"], name="f")},
+                         store=store)
+        with pytest.raises(RolloutError, match=r"return Command\(resume=None\) to resume with None"):
+            app.rollout({"messages": [HumanMessage("hi")]}, thread("a"), resume=lambda ep, its: None)
+        ids = []
+        episode = app.rollout({"messages": [HumanMessage("hi")]}, thread("b"),
+                              resume=lambda ep, its: ids.extend(i.id for i in its) or Command(resume=None))
+    assert [m.content for m in episode.final_state["messages"]] == ["hi", "d", "reviewer: None", "f"]
+    assert episode.segments[1].input == Command(resume={ids[0]: None})
+    result = replay(graph, tmp_path / "t.db", episode.id)  # the map is re-keyed to the new thread's interrupt
+    assert result.divergences == [] and result.state_matches
+
+
+def test_command_resume_none_at_a_breakpoint_goes_on_and_with_two_interrupts_asks_which():
+    graph = _graphs.solver_verifier(Unreachable()).compile(checkpointer=InMemorySaver(), interrupt_before=["verifier"])
+    policy = scripted_policy(["2", "yes"])
+    app = instrument(graph, {"solver": policy, "verifier": policy})
+    episode = app.rollout({"question": "1+1?"}, thread("b"), resume=lambda ep, its: Command(resume=None))
+    assert [(t.agent, t.segment) for t in episode.turns] == [("solver", 0), ("verifier", 1)]
+
+    def branch(name):
+        def node(state):
+            return {"notes": [f"{name}: {interrupt(name + '?')}"]}
+        return node
+
+    g = StateGraph(Two)
+    g.add_node("a", branch("a"))
+    g.add_node("b", branch("b"))
+    g.add_edge(START, "a")
+    g.add_edge(START, "b")
+    g.add_edge(["a", "b"], END)
+    app = instrument(g.compile(checkpointer=InMemorySaver()), {"a": scripted_policy(["x"])})
+    with pytest.raises(RolloutError, match=r"several pending interrupts say which one\(s\) to answer") as info:
+        app.rollout({"notes": []}, thread("p"), resume=lambda ep, its: Command(resume=None))
+    assert "node 'a' (value 'a?'), node 'b' (value 'b?')" in str(info.value)
+
+
+def test_a_node_thread_is_not_busy_once_its_result_is_handed_back():
+    """rev4_d: the event loop may finish the step as soon as a node's result is set; the thread must not count
+    as busy (a node 'left behind') by then."""
+    threads = _NodeThreads()
+    seen = []
+    try:
+        for fn in (lambda: 42, lambda: 1 / 0):
+            future = threads.submit(fn)
+            done = threading.Event()
+            future.add_done_callback(lambda f: (seen.append(threads.busy), done.set()))  # runs in the node thread
+            assert done.wait(30)
+    finally:
+        threads.shutdown()
+    assert seen == [0, 0]
