@@ -3,6 +3,7 @@ an interrupt with None, and the node threads' busy count (review 4: m, u, v, d).
 
 import asyncio
 import threading
+import time
 
 import pytest
 from langchain_core.messages import HumanMessage
@@ -13,6 +14,7 @@ from langgraph.types import Command, interrupt
 from drmas_graph import ConfigError, RolloutError, TraceStore, instrument
 from drmas_graph.config import RolloutConfig
 from drmas_graph.env import Task
+from drmas_graph.instrumentation._limits import StuckEpisodeError
 from drmas_graph.testing import scripted_policy
 from drmas_graph.traces.replay import replay
 from drmas_graph.train._rollouts import EpisodeJob, _NodeThreads, run_episodes
@@ -176,3 +178,105 @@ def test_a_node_thread_is_not_busy_once_its_result_is_handed_back():
     finally:
         threads.shutdown()
     assert seen == [0, 0]
+
+
+def _two_calls(llm, *, sync):
+    """solver -> judge, one LLM call each, as sync or async nodes."""
+
+    def solver(state):
+        return {"answer": llm.invoke([HumanMessage(state["question"])]).content}
+
+    def judge(state):
+        return {"verdict": llm.invoke([HumanMessage(f"judge {state['answer']}")]).content}
+
+    async def asolver(state):
+        return {"answer": (await llm.ainvoke([HumanMessage(state["question"])])).content}
+
+    async def ajudge(state):
+        return {"verdict": (await llm.ainvoke([HumanMessage(f"judge {state['answer']}")])).content}
+
+    g = StateGraph(_graphs.QA)
+    g.add_node("solver", solver if sync else asolver)
+    g.add_node("judge", judge if sync else ajudge)
+    g.add_edge(START, "solver")
+    g.add_edge("solver", "judge")
+    g.add_edge("judge", END)
+    return g.compile()
+
+
+def _slow_judge(prompt):
+    if "judge" in prompt:
+        time.sleep(2.5)  # a generation that straddles timeout_s + the backstop's grace
+    return "ok"
+
+
+@pytest.mark.parametrize("sync", [True, False], ids=["sync_nodes", "async_nodes"])
+def test_an_episode_whose_time_cap_elapses_inside_a_generation_is_truncated_not_failed(tmp_path, sync):
+    """The backstop cancels an episode that is still generating at timeout_s + 1 s: it is truncated by timeout_s
+    (kept, with its turns so far), not failed as stuck in a tool."""
+    with TraceStore(tmp_path / "t.db") as store:
+        app = instrument(_two_calls(Unreachable(), sync=sync), {"solver": scripted_policy(_slow_judge),
+                                                                 "judge": scripted_policy(_slow_judge, seed=1)},
+                         store=store)
+        jobs = [EpisodeJob(Task(id="t", input={"question": "1+1?"}), "g", 0, 0)]
+        batch = run_episodes(app, jobs, phase="train", step=0, run_seed=0, max_concurrency=1,
+                             rollout=RolloutConfig(timeout_s=0.3))
+        assert batch.errors == [] and batch.counts["truncated/timeout_s"] == 1
+        ((_, episode),) = batch.runs
+        stored = store.load_episode(episode.id)
+    for ep in (episode, stored):
+        assert ep.outcome == "truncated" and ep.error is None and ep.truncated_by == "timeout_s"
+        assert "inside an LLM call that had not returned, after 1 LLM call(s)" in ep.truncated
+        assert [(t.agent, t.response_text) for t in ep.turns] == [("solver", "ok")]
+
+
+def test_an_episode_stuck_between_calls_is_stored_with_stuck_episode_error(tmp_path):
+    llm = Unreachable()
+
+    async def solver(state):
+        return {"answer": (await llm.ainvoke([HumanMessage(state["question"])])).content}
+
+    async def tool(state):
+        await asyncio.sleep(3600)  # never answers
+
+    g = StateGraph(_graphs.QA)
+    g.add_node("solver", solver)
+    g.add_node("tool", tool)
+    g.add_edge(START, "solver")
+    g.add_edge("solver", "tool")
+    g.add_edge("tool", END)
+    with TraceStore(tmp_path / "t.db") as store:
+        app = instrument(g.compile(), {"solver": scripted_policy(["2"])}, store=store)
+        jobs = [EpisodeJob(Task(id="t", input={"question": "1+1?"}), "g", 0, 0)]
+        batch = run_episodes(app, jobs, phase="train", step=0, run_seed=0, max_concurrency=1,
+                             rollout=RolloutConfig(timeout_s=0.3))
+        (error,) = batch.errors
+        stored = store.load_episode(error.episode.id)
+    assert isinstance(error, StuckEpisodeError) and batch.counts["failed_episodes"] == 1
+    assert stored.error.startswith("StuckEpisodeError: episode ") and "task 't'" in stored.error  # was CancelledError
+    assert "rollout.timeout_s=0.3 (+1 s) without starting another LLM call, after 1 LLM call(s)" in stored.error
+    assert [t.response_text for t in stored.turns] == ["2"] and stored.truncated is None
+
+
+class _EndlessChat:
+    def next_input(self, task, episode):
+        return {"messages": [HumanMessage(f"and then? ({len(episode.turns)})")]}
+
+
+def test_a_conversation_still_going_at_max_resumes_is_truncated():
+    g = StateGraph(MessagesState)
+    g.add_node("answer", lambda state: {"messages": [Unreachable().invoke(state["messages"])]})
+    g.add_edge(START, "answer")
+    g.add_edge("answer", END)
+    app = instrument(g.compile(checkpointer=InMemorySaver()), {"answer": scripted_policy(["sure"])})
+    with pytest.raises(RolloutError, match=r"stopped after 3 LLM call\(s\): max_resumes: .*rollout.max_resumes=2") as info:
+        app.rollout({"messages": [HumanMessage("hi")]}, thread("c"), max_resumes=2,
+                    next_input=lambda ep: _EndlessChat().next_input(None, ep))
+    episode = info.value.episode
+    assert episode.outcome == "truncated" and episode.truncated_by == "max_resumes" and episode.error is None
+    assert [s.kind for s in episode.segments] == ["start", "input", "input"] and [t.segment for t in episode.turns] == [0, 1, 2]
+    assert [m.content for m in episode.final_state["messages"]] == ["hi", "sure", "and then? (1)", "sure", "and then? (2)", "sure"]
+    jobs = [EpisodeJob(Task(id="t", input={"messages": [HumanMessage("hi")]}), "g", 0, 0)]
+    batch = run_episodes(app, jobs, phase="train", step=0, run_seed=0, max_concurrency=1, env=_EndlessChat(),
+                         rollout=RolloutConfig(max_resumes=1))
+    assert batch.errors == [] and batch.counts["truncated/max_resumes"] == batch.counts["truncated_episodes"] == 1

@@ -14,7 +14,8 @@ Every LLM call of every run is recorded in the one episode, in order (`Turn.segm
 it); each run is a `Segment` of `Episode.segments` (what it ran on, the interrupts it stopped at), so
 replay can re-run the episode run by run. An episode left paused (no `resume`, `resume` returned None, or
 the bound was hit) fails with `EpisodeInterruptedError` naming the node(s) that called `interrupt()`; a
-conversation still going at the bound fails with `EpisodeLimitError`. The environment's hooks run with the
+conversation still going at the bound is truncated (`max_resumes`, `EpisodeLimitError`). A run that raises
+(a limit, a model error, a failure) is a `Segment` too. The environment's hooks run with the
 app's own models (`app_models()`): a user simulator's LLM is no agent of the episode.
 """
 
@@ -32,7 +33,7 @@ from langgraph.types import Command
 from drmas_graph.errors import ConfigError, RolloutError
 from drmas_graph.instrumentation import _threads
 from drmas_graph.instrumentation._intercept import app_models
-from drmas_graph.instrumentation._limits import EpisodeLimitError
+from drmas_graph.instrumentation._limits import truncate
 from drmas_graph.types import Episode, Segment
 
 __all__ = ["EpisodeInterruptedError", "Continuation", "SegmentRunner", "continuation_from_env",
@@ -264,10 +265,10 @@ class SegmentRunner:
                 return _DONE
             later_runs = len(self.segments) - 1
             if later_runs >= self.cont.max_resumes:
-                raise EpisodeLimitError(
-                    f"episode {self.episode.id} (task {self.episode.task_id}) was still going after {later_runs} "
-                    f"resume(s)/input(s), the bound (rollout.max_resumes={self.cont.max_resumes}); raise it or "
-                    "end the conversation sooner (next_input returns None)", self.episode)
+                truncate(self.episode, "max_resumes",
+                         f"episode {self.episode.id} (task {self.episode.task_id}) was still going after {later_runs} "
+                         f"resume(s)/input(s), the bound (rollout.max_resumes={self.cont.max_resumes}); raise it or "
+                         "end the conversation sooner (next_input returns None)")
             self.kind, self.input = "input", answer
         self.recorder.segment = len(self.segments)
         return self.input
