@@ -9,7 +9,7 @@ import pytest
 from langchain_core.messages import HumanMessage
 from langgraph.checkpoint.memory import InMemorySaver
 from langgraph.graph import END, START, MessagesState, StateGraph
-from langgraph.types import Command, interrupt
+from langgraph.types import Command, Send, interrupt
 
 from drmas_graph import ConfigError, RolloutError, TraceStore, instrument
 from drmas_graph.config import RolloutConfig
@@ -18,6 +18,7 @@ from drmas_graph.instrumentation._limits import StuckEpisodeError
 from drmas_graph.testing import scripted_policy
 from drmas_graph.traces.replay import replay
 from drmas_graph.train._rollouts import EpisodeJob, _NodeThreads, run_episodes
+from drmas_graph.types import Episode, Segment
 from tests import _graphs
 from tests.test_instrument import Unreachable
 from tests.test_interrupts import Two, review_graph, thread
@@ -280,3 +281,50 @@ def test_a_conversation_still_going_at_max_resumes_is_truncated():
     batch = run_episodes(app, jobs, phase="train", step=0, run_seed=0, max_concurrency=1, env=_EndlessChat(),
                          rollout=RolloutConfig(max_resumes=1))
     assert batch.errors == [] and batch.counts["truncated/max_resumes"] == batch.counts["truncated_episodes"] == 1
+
+
+SEGMENT_INPUTS = [
+    Command(resume="approved"), Command(resume={"0123abc": None, "4567def": "x"}),
+    Command(update={"k": 1, "messages": [HumanMessage("note", id="n1")]}),
+    Command(update=[("k", 1), ("messages", [HumanMessage("note", id="n1")])]), Command(update=(("k", 1),)),
+    Command(goto="node"), Command(goto=["a", "b"]), Command(goto=("a", "b")),
+    Command(goto=Send("node", {"x": 1})), Command(goto=Send("node", {"x": 1}, timeout=2.5)),
+    Command(goto=[Send("a", {"messages": [HumanMessage("hi", id="h1")]}), Send("b", 3)]),
+    Command(graph=Command.PARENT, goto="outer", update={"done": True}),
+    Command(resume="ok", update=[("k", 2)], goto=[Send("a", None)]),
+    {"messages": [HumanMessage("next", id="u1")]}, {"question": "2+2?", "hints": [1, 2], "meta": {"a": None}},
+]
+
+
+@pytest.mark.parametrize("value", SEGMENT_INPUTS, ids=repr)
+def test_every_segment_input_comes_back_from_the_store_as_the_same_object(tmp_path, value):
+    """A later run's input (Command update as dict / pairs, goto as name(s) / Send(s), resume value / map, graph=,
+    plain inputs with messages) is stored losslessly, as the episode input: the reconstructed value is equal."""
+    episode = Episode(input=value, segments=[Segment("start", None, ({"node": "n", "id": "i", "value": 1},)),
+                                             Segment("resume", value, ())])
+    with TraceStore(tmp_path / "t.db") as store:
+        store.write_episode(episode)
+        stored = store.load_episode(episode.id)
+    assert stored.segments[1].input == value and stored.input == value
+    assert type(stored.segments[1].input) is type(value)
+
+
+def test_a_resume_command_with_pair_updates_and_a_send_replays_from_the_store(tmp_path):
+    """Command(resume=..., update=[(key, value)]) and a conversation's Command(goto=Send(...)) replay as recorded
+    (stored as lists and reprs, LangGraph read them as other updates / could not run them)."""
+    graph = review_graph(Unreachable())
+    note = HumanMessage("a note from the editor", id="note-1")
+    answer = Command(resume="fine", update=[("messages", [note])])
+    sent = Command(goto=Send("final", {"messages": [HumanMessage("once more", id="again-1")]}))
+    inputs = iter([sent, None])
+    with TraceStore(tmp_path / "t.db") as store:
+        app = instrument(graph, {"draft": scripted_policy(["d"], name="d"), "final": scripted_policy(["f1", "f2"], name="f")},
+                         store=store)
+        episode = app.rollout({"messages": [HumanMessage("hi")]}, thread("r"), resume=lambda ep, its: answer,
+                              next_input=lambda ep: next(inputs))
+    assert [(s.kind, s.input) for s in episode.segments] == [("start", None), ("resume", answer), ("input", sent)]
+    assert [t.messages[-1].content for t in episode.turns] == ["hi", "reviewer: fine", "once more"]
+    with TraceStore(tmp_path / "t.db", readonly=True) as store:
+        assert store.load_episode(episode.id).segments == episode.segments
+    result = replay(graph, tmp_path / "t.db", episode.id)
+    assert result.divergences == [] and result.state_matches and [t.segment for t in result.turns] == [0, 1, 2]
