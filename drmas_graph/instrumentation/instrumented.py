@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import contextvars
 import functools
+import threading
 import warnings
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -499,6 +500,7 @@ class _Recorder(_EpisodeRecorder):
 
     def __init__(self, app: Any, episode: Episode) -> None:
         super().__init__(app, episode)
+        self._calls_lock = threading.Lock()
         self._calls_under_way = 0
         self._cancelled_in_call = False
 
@@ -506,12 +508,12 @@ class _Recorder(_EpisodeRecorder):
     def in_llm_call(self) -> bool:
         """A call is being served now (a sync node's thread keeps generating), or the episode's cancellation
         reached it inside one."""
-        with self._lock:
+        with self._calls_lock:
             return self._cancelled_in_call or self._calls_under_way > 0
 
     @contextlib.contextmanager
     def _under_way(self) -> Iterator[None]:
-        with self._lock:
+        with self._calls_lock:
             self._calls_under_way += 1
         try:
             yield
@@ -519,7 +521,7 @@ class _Recorder(_EpisodeRecorder):
             self._cancelled_in_call = True
             raise
         finally:
-            with self._lock:
+            with self._calls_lock:
                 self._calls_under_way -= 1
 
     def handle(self, site: CallSite, original: Callable[[], ChatResult]) -> ChatResult:

@@ -299,8 +299,8 @@ def run_episodes(app: Any, jobs: Sequence[EpisodeJob], *, phase: str, step: int,
         slots.close(key)
     if threads.busy:
         log.warning("%s step %d: %d graph node thread(s) are still running after their episode was cancelled "
-                    "(a tool or a blocking call that does not return); they are left behind (daemon threads, they "
-                    "end with the process)", phase, step, threads.busy)
+                    "(a tool or a blocking call that does not return, or a generation the backstop cut short); they "
+                    "are left behind (daemon threads, they end with the process)", phase, step, threads.busy)
     batch = RolloutBatch()
     for job, outcome in zip(jobs, outcomes):
         if isinstance(outcome, Episode):
