@@ -14,23 +14,26 @@ Every LLM call of every run is recorded in the one episode, in order (`Turn.segm
 it); each run is a `Segment` of `Episode.segments` (what it ran on, the interrupts it stopped at), so
 replay can re-run the episode run by run. An episode left paused (no `resume`, `resume` returned None, or
 the bound was hit) fails with `EpisodeInterruptedError` naming the node(s) that called `interrupt()`; a
-conversation still going at the bound fails with `EpisodeLimitError`. The environment's hooks run with the
+conversation still going at the bound is truncated (`max_resumes`, `EpisodeLimitError`). A run that raises
+(a limit, a model error, a failure) is a `Segment` too. The environment's hooks run with the
 app's own models (`app_models()`): a user simulator's LLM is no agent of the episode.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from langgraph.types import Command
 
 from drmas_graph.errors import ConfigError, RolloutError
+from drmas_graph.instrumentation import _threads
 from drmas_graph.instrumentation._intercept import app_models
-from drmas_graph.instrumentation._limits import EpisodeLimitError
+from drmas_graph.instrumentation._limits import truncate
 from drmas_graph.types import Episode, Segment
 
 __all__ = ["EpisodeInterruptedError", "Continuation", "SegmentRunner", "continuation_from_env",
@@ -98,7 +101,9 @@ def _thread(config: Mapping[str, Any] | None) -> dict[str, Any]:
 
 
 def _checkpointed(graph: Any, config: Mapping[str, Any]) -> bool:
-    return getattr(graph, "checkpointer", None) is not None and "thread_id" in (config.get("configurable") or {})
+    """The run keeps a thread whose state can be read: a real saver (not `compile(checkpointer=False)` or
+    True, which only a parent graph's saver would give a subgraph) and a `configurable.thread_id`."""
+    return _threads._checkpointer(graph) is not None and "thread_id" in (config.get("configurable") or {})
 
 
 def _from_state(state: Any) -> _Pending:
@@ -185,7 +190,8 @@ class SegmentRunner:
         """Where the last run stopped, while its interrupts are being answered."""
 
     def run(self, input: Any) -> Any:
-        output = self.graph.invoke(input, self.config)
+        with self._recorded_if_it_raises():
+            output = self.graph.invoke(input, self.config)
         while True:
             ask = self._ended(output, pending_interrupts(self.graph, self.thread, output))
             if ask is None:
@@ -194,10 +200,12 @@ class SegmentRunner:
             nxt = self._answered(_call_hook(fn, args), fn)
             if nxt is _DONE:
                 return output
-            output = self.graph.invoke(nxt, self.thread)
+            with self._recorded_if_it_raises():
+                output = self.graph.invoke(nxt, self.thread)
 
     async def arun(self, input: Any) -> Any:
-        output = await self.graph.ainvoke(input, self.config)
+        with self._recorded_if_it_raises():
+            output = await self.graph.ainvoke(input, self.config)
         while True:
             ask = self._ended(output, await apending_interrupts(self.graph, self.thread, output))
             if ask is None:
@@ -206,14 +214,29 @@ class SegmentRunner:
             nxt = self._answered(await _acall_hook(fn, args), fn)
             if nxt is _DONE:
                 return output
-            output = await self.graph.ainvoke(nxt, self.thread)
+            with self._recorded_if_it_raises():
+                output = await self.graph.ainvoke(nxt, self.thread)
+
+    @contextlib.contextmanager
+    def _recorded_if_it_raises(self) -> Iterator[None]:
+        """A run that raises (a limit stopped it, the policy's output broke the app, a cancelled episode) is a
+        `Segment` too: its input is part of the trace, its turns point at it, and replay re-runs it."""
+        try:
+            yield
+        except BaseException:
+            self._record(())
+            raise
+
+    def _record(self, records: Sequence[dict]) -> None:
+        """Add the run in progress, which stopped at `records` (none: it finished or raised), to the segments."""
+        self.segments.append(Segment(kind=self.kind, input=self.input, interrupts=tuple(records)))
+        self.episode.segments = list(self.segments) if len(self.segments) > 1 or records else []
 
     def _ended(self, output: Any, pending: _Pending | None) -> tuple[Callable[..., Any], tuple] | None:
         """Record the run that ended; the hook to ask next and its arguments, or None when the episode is done.
         Raises `EpisodeInterruptedError` when the run stopped at interrupts nobody may answer."""
         records = pending.records if pending else []
-        self.segments.append(Segment(kind=self.kind, input=self.input, interrupts=tuple(records)))
-        self.episode.segments = list(self.segments) if len(self.segments) > 1 or records else []
+        self._record(records)
         if self.recorder.refusal is not None or (pending is None and self.cont.next_input is None):
             return None  # done (a refused call fails the episode when the recording ends)
         self.episode.final_state = output  # what the hooks see (and a paused episode keeps)
@@ -236,19 +259,35 @@ class SegmentRunner:
             if answer is None:
                 raise self._paused(f"{_describe(self._pending.records)}, and resume() returned None (return "
                                    "Command(resume=None) to resume with None)")
-            self.kind, self.input = "resume", answer if isinstance(answer, Command) else Command(resume=answer)
+            self.kind, self.input = "resume", self._resume_command(answer)
         else:
             if answer is None:
                 return _DONE
             later_runs = len(self.segments) - 1
             if later_runs >= self.cont.max_resumes:
-                raise EpisodeLimitError(
-                    f"episode {self.episode.id} (task {self.episode.task_id}) was still going after {later_runs} "
-                    f"resume(s)/input(s), the bound (rollout.max_resumes={self.cont.max_resumes}); raise it or "
-                    "end the conversation sooner (next_input returns None)", self.episode)
+                truncate(self.episode, "max_resumes",
+                         f"episode {self.episode.id} (task {self.episode.task_id}) was still going after {later_runs} "
+                         f"resume(s)/input(s), the bound (rollout.max_resumes={self.cont.max_resumes}); raise it or "
+                         "end the conversation sooner (next_input returns None)")
             self.kind, self.input = "input", answer
         self.recorder.segment = len(self.segments)
         return self.input
+
+    def _resume_command(self, answer: Any) -> Command:
+        """The Command that answers the pending interrupts with the resume hook's `answer`. LangGraph reads
+        `Command(resume=None)` as no resume value at all (an empty Command, which it refuses): that answer
+        becomes a resume map giving the pending interrupt None."""
+        if not isinstance(answer, Command):
+            return Command(resume=answer)
+        if answer != Command(resume=None):
+            return answer
+        interrupts = self._pending.interrupts
+        if len(interrupts) > 1:
+            raise ConfigError(
+                f"episode {self.episode.id} (task {self.episode.task_id}): resume() returned Command(resume=None) "
+                f"while {_describe(self._pending.records)}; with several pending interrupts say which one(s) to "
+                "answer: return {interrupt.id: value} (e.g. {i.id: None for i in interrupts})")
+        return Command(resume={i.id: None for i in interrupts})  # {} at a breakpoint: the run just goes on
 
     def _paused(self, reason: str) -> EpisodeInterruptedError:
         return EpisodeInterruptedError(f"episode {self.episode.id} (task {self.episode.task_id}) {reason}",

@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import contextvars
 import functools
+import threading
 import warnings
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -28,6 +29,7 @@ from langchain_core.runnables import Runnable
 
 from drmas_graph.instrumentation import _threads
 from drmas_graph.instrumentation._intercept import ACTIVE_HANDLER, CallSite, app_models, install, register_run, unregister_run
+from drmas_graph.instrumentation._limits import Backstop
 from drmas_graph.instrumentation._outcomes import note_stop
 from drmas_graph.instrumentation._routing import AgentRouter, under_node
 from drmas_graph.instrumentation._segments import (
@@ -260,8 +262,8 @@ class InstrumentedGraph(Runnable):
 
     # ---- running ----------------------------------------------------------------------------
     @contextlib.contextmanager
-    def _recording(self, episode: Episode) -> Iterator[_EpisodeRecorder]:
-        recorder = _EpisodeRecorder(self, episode)
+    def _recording(self, episode: Episode) -> Iterator[_Recorder]:
+        recorder = _Recorder(self, episode)
         token = ACTIVE_HANDLER.set(recorder)
         register_run(recorder)
         episode._start_clock()
@@ -350,14 +352,21 @@ class InstrumentedGraph(Runnable):
         SegmentRunner.check(self.graph, config, continuation)
         episode = self._new_episode(input, config, task_id, group_id, metadata,
                                     start=await _threads.athread_start(self.graph, config))
+        recorder = None
         try:
             with self._recording(episode) as recorder:
                 output = await SegmentRunner(self.graph, episode, recorder, config, continuation).arun(input)
         except Exception as exc:
             raise self._failed(episode, exc) from exc
-        except asyncio.CancelledError:  # e.g. the trainer's backstop: stored with its turns so far and the reason
+        except asyncio.CancelledError as exc:  # stored with its turns so far and the reason
+            backstop = next((a for a in exc.args if isinstance(a, Backstop)), None)
+            if backstop is None or recorder is None:
+                self._write(episode)
+                raise
+            stop = backstop.stop(episode, recorder.in_llm_call)  # the trainer's backstop: truncated, or stuck
             self._write(episode)
-            raise
+            asyncio.current_task().uncancel()  # the cancel is answered by the episode's outcome
+            raise stop from None
         return self._finish(episode, output, require_calls=True)
 
     def invoke(self, input: Any, config: Any = None, **kwargs: Any) -> Any:
@@ -483,6 +492,45 @@ class InstrumentedGraph(Runnable):
     async def abulk_update_state(self, *args: Any, **kwargs: Any) -> Any:
         with _outside_episode(self, "abulk_update_state"):
             return await self.graph.abulk_update_state(*args, **kwargs)
+
+
+class _Recorder(_EpisodeRecorder):
+    """A rollout's recorder, which also knows whether the episode is inside an LLM call (the trainer's backstop
+    truncates an episode cancelled there, and fails one cancelled between calls)."""
+
+    def __init__(self, app: Any, episode: Episode) -> None:
+        super().__init__(app, episode)
+        self._calls_lock = threading.Lock()
+        self._calls_under_way = 0
+        self._cancelled_in_call = False
+
+    @property
+    def in_llm_call(self) -> bool:
+        """A call is being served now (a sync node's thread keeps generating), or the episode's cancellation
+        reached it inside one."""
+        with self._calls_lock:
+            return self._cancelled_in_call or self._calls_under_way > 0
+
+    @contextlib.contextmanager
+    def _under_way(self) -> Iterator[None]:
+        with self._calls_lock:
+            self._calls_under_way += 1
+        try:
+            yield
+        except asyncio.CancelledError:
+            self._cancelled_in_call = True
+            raise
+        finally:
+            with self._calls_lock:
+                self._calls_under_way -= 1
+
+    def handle(self, site: CallSite, original: Callable[[], ChatResult]) -> ChatResult:
+        with self._under_way():
+            return super().handle(site, original)
+
+    async def ahandle(self, site: CallSite, original: Callable[[], Any]) -> ChatResult:
+        with self._under_way():
+            return await super().ahandle(site, original)
 
 
 def _no_v3(version: str) -> None:

@@ -4,18 +4,20 @@ The table layout (`SCHEMA`) lives here, next to the code that fills it; `drmas_g
 transactions. Token arrays are little-endian numpy buffers, everything else is JSON.
 
 Nothing here unpickles or evaluates anything. Decoding only parses JSON and numpy buffers; the only
-objects rebuilt from a trace are LangChain messages (`messages_from_dict`), LangGraph `Command`s (from
-their fields) and `SamplingParams`.
+objects rebuilt from a trace are LangChain messages (`messages_from_dict`), LangGraph `Command`s and `Send`s
+(from their fields) and `SamplingParams`.
 
 Arrays: token ids are int32 (4 bytes a token), logprobs float64 (8 bytes a token) so that the Python
 floats a policy returned come back bit for bit.
 
 JSON values that are not JSON (`to_json`): LangChain messages become ``{"__message__": <messages_to_dict
 form>}`` and are rebuilt on load, so are LangGraph `Command`s (``{"__command__": <fields>}``, the input
-of a run that resumes an interrupt); other dataclasses, pydantic models and numpy values become their dict/list/
-scalar forms (loaded back as plain data); anything else becomes ``{"__unserializable__": "<type>",
-"repr": "<repr>"}`` and a `TraceStoreWarning` names where it was. Tuples load back as lists and mapping
-keys as strings, as in any JSON.
+of a run that resumes an interrupt or steers the graph) and `Send`s (``{"__send__": <fields>}``, e.g. a
+Command's `goto`); a Command's `update` and `goto` come back as the same list or tuple, pairs as tuples
+(``"__forms__"`` says which), so the reconstructed Command equals the recorded one. Other dataclasses,
+pydantic models and numpy values become their dict/list/scalar forms (loaded back as plain data); anything
+else becomes ``{"__unserializable__": "<type>", "repr": "<repr>"}`` and a `TraceStoreWarning` names where it
+was. Elsewhere tuples load back as lists and mapping keys as strings, as in any JSON.
 """
 
 from __future__ import annotations
@@ -62,6 +64,9 @@ LOGPROBS_DTYPE = np.dtype("<f8")
 
 _MESSAGE_TAG = "__message__"
 _COMMAND_TAG = "__command__"
+_SEND_TAG = "__send__"
+_FORMS_KEY = "__forms__"
+"""In a stored Command: {field: 'list' | 'tuple' | 'list of pairs' | 'tuple of pairs'} for `update`/`goto`."""
 _UNSERIALIZABLE_TAG = "__unserializable__"
 _INT32 = np.iinfo(np.int32)
 
@@ -109,9 +114,14 @@ def _jsonable(value: Any, where: str, active: set[int]) -> Any:
     if isinstance(value, BaseMessage):
         data = messages_to_dict([value])[0]
         return {_MESSAGE_TAG: _jsonable(data, where, active)}
-    if _is_command(value):  # a run input that resumes an interrupt: replay needs it back as a Command
+    if _is_langgraph(value, "Command"):  # a run input (resume, update, goto): replay needs it back as it was
         fields = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
-        return {_COMMAND_TAG: _jsonable(fields, where, active)}
+        data = _jsonable(fields, where, active)
+        forms = {name: form for name in ("update", "goto") if (form := _sequence_form(fields[name])) is not None}
+        return {_COMMAND_TAG: {**data, _FORMS_KEY: forms} if forms else data}
+    if _is_langgraph(value, "Send"):
+        fields = {"node": value.node, "arg": value.arg, "timeout": value.timeout}
+        return {_SEND_TAG: _jsonable(fields, where, active)}
     if isinstance(value, enum.Enum):
         return _jsonable(value.value, where, active)
     if isinstance(value, np.generic | np.ndarray):
@@ -142,10 +152,28 @@ def _jsonable(value: Any, where: str, active: set[int]) -> Any:
     return _unserializable(value, where, "no JSON form")
 
 
-def _is_command(value: Any) -> bool:
-    """A LangGraph `Command` (imported lazily: only a run that was given one has it loaded)."""
+def _is_langgraph(value: Any, name: str) -> bool:
+    """A LangGraph `Command` or `Send` (imported lazily: only a run that was given one has it loaded)."""
     types = sys.modules.get("langgraph.types")
-    return types is not None and isinstance(value, types.Command)
+    return types is not None and isinstance(value, getattr(types, name))
+
+
+def _sequence_form(value: Any) -> str | None:
+    """How a Command's `update` or `goto` sequence was built, which its JSON list does not say; None if no
+    sequence."""
+    if not isinstance(value, list | tuple):
+        return None
+    pairs = bool(value) and all(isinstance(item, tuple) and len(item) == 2 for item in value)
+    return ("tuple" if isinstance(value, tuple) else "list") + (" of pairs" if pairs else "")
+
+
+def _as_form(value: Any, form: str) -> Any:
+    """A revived JSON list back in its `_sequence_form`."""
+    if not isinstance(value, list):
+        return value
+    if form.endswith(" of pairs"):
+        value = [tuple(item) for item in value]
+    return tuple(value) if form.startswith("tuple") else value
 
 
 def _json_key(key: Any) -> str:
@@ -174,7 +202,7 @@ def from_json(text: str | None) -> Any:
     if text is None:
         return None
     value = json.loads(text)
-    return _revive(value) if _MESSAGE_TAG in text or _COMMAND_TAG in text else value
+    return _revive(value) if any(tag in text for tag in (_MESSAGE_TAG, _COMMAND_TAG, _SEND_TAG)) else value
 
 
 def _revive(value: Any) -> Any:
@@ -185,9 +213,17 @@ def _revive(value: Any) -> Any:
             from langgraph.types import Command
 
             fields = _revive(value[_COMMAND_TAG])
-            if isinstance(fields.get("goto"), list):
-                fields["goto"] = tuple(fields["goto"])  # JSON has no tuples; Command's default is ()
+            forms = fields.pop(_FORMS_KEY, None) or {"goto": "tuple"}  # stores before forms: goto as Command's ()
+            for name, form in forms.items():
+                fields[name] = _as_form(fields.get(name), form)
             return Command(**fields)
+        if len(value) == 1 and _SEND_TAG in value and isinstance(value[_SEND_TAG], dict):
+            from langgraph.types import Send, TimeoutPolicy
+
+            fields = _revive(value[_SEND_TAG])
+            timeout = fields.get("timeout")
+            return Send(fields["node"], fields.get("arg"),
+                        timeout=TimeoutPolicy(**timeout) if isinstance(timeout, dict) else timeout)
         return {k: _revive(v) for k, v in value.items()}
     if isinstance(value, list):
         return [_revive(v) for v in value]

@@ -12,8 +12,10 @@ Every episode gets
 - a seed derived from (run seed, phase, step, group position, index in the group), so its sampling does not
   depend on which episode reaches a policy first;
 - the limits `rollout.max_llm_calls` and `rollout.timeout_s` (`_limits`), plus a backstop for an episode
-  stuck between LLM calls: past timeout_s + `BACKSTOP_GRACE_S` its task is cancelled and it fails
-  (`StuckEpisodeError`); its run is stored with its turns so far and the reason;
+  that starts no LLM call past timeout_s + `BACKSTOP_GRACE_S`: its task is cancelled (`_limits.Backstop`);
+  cancelled inside an LLM call (a generation that straddles the time cap) it is truncated by timeout_s,
+  between calls (stuck in a tool) it fails (`StuckEpisodeError`); either way its run is stored with its
+  turns so far and the reason;
 - the environment's optional `resume` / `next_input` hooks (`_segments`): interrupts answered and
   conversations continued on the episode's thread, at most `rollout.max_resumes` runs after the first.
 
@@ -49,7 +51,7 @@ from typing import Any, TypeVar
 
 from drmas_graph.config import RolloutConfig
 from drmas_graph.errors import ConfigError, NoLLMCallError, RolloutError
-from drmas_graph.instrumentation._limits import LIMITS, StuckEpisodeError, limit_metadata
+from drmas_graph.instrumentation._limits import LIMITS, Backstop, StuckEpisodeError, limit_metadata
 from drmas_graph.instrumentation._seeds import episode_seed
 from drmas_graph.instrumentation._segments import EpisodeInterruptedError, continuation_from_env
 from drmas_graph.types import Episode, new_id
@@ -297,8 +299,8 @@ def run_episodes(app: Any, jobs: Sequence[EpisodeJob], *, phase: str, step: int,
         slots.close(key)
     if threads.busy:
         log.warning("%s step %d: %d graph node thread(s) are still running after their episode was cancelled "
-                    "(a tool or a blocking call that does not return); they are left behind (daemon threads, they "
-                    "end with the process)", phase, step, threads.busy)
+                    "(a tool or a blocking call that does not return, or a generation the backstop cut short); they "
+                    "are left behind (daemon threads, they end with the process)", phase, step, threads.busy)
     batch = RolloutBatch()
     for job, outcome in zip(jobs, outcomes):
         if isinstance(outcome, Episode):
@@ -327,15 +329,16 @@ async def _run_one(app: Any, job: EpisodeJob, *, phase: str, step: int, run_seed
                                              max_resumes=cont.max_resumes))
     deadline = None if rollout.timeout_s is None else rollout.timeout_s + BACKSTOP_GRACE_S
     done, _ = await asyncio.wait({run}, timeout=deadline)
-    if not done:  # stuck between LLM calls (a hung tool, a slow server): the backstop
-        reason = (f"an episode of task {job.task.id!r} ({job.group_id}, #{job.index}) ran past rollout.timeout_s="
-                  f"{rollout.timeout_s:g} (+{BACKSTOP_GRACE_S:g} s) without starting another LLM call: stuck in a "
-                  "node (a tool or a blocking call that does not return); it was cancelled and fails")
-        run.cancel(reason)
+    if not done:  # no LLM call started past timeout_s: stuck in a node, or inside a long generation
+        run.cancel(Backstop(rollout.timeout_s, BACKSTOP_GRACE_S))  # arollout ends the episode (`Backstop.stop`)
         done, _ = await asyncio.wait({run}, timeout=CANCEL_GRACE_S)
-        return StuckEpisodeError(reason + (" (it is in the trace store with its turns so far)" if done else
-                                           f"; it did not unwind within {CANCEL_GRACE_S:g} s of being cancelled and "
-                                           "is not in the trace store"))
+        if not done or run.cancelled():
+            return StuckEpisodeError(
+                f"an episode of task {job.task.id!r} ({job.group_id}, #{job.index}) ran past rollout.timeout_s="
+                f"{rollout.timeout_s:g} (+{BACKSTOP_GRACE_S:g} s) without starting another LLM call: stuck in a "
+                "node (a tool or a blocking call that does not return); it was cancelled and fails; "
+                + (f"it did not unwind within {CANCEL_GRACE_S:g} s of being cancelled and is not in the trace store"
+                   if not done else "it was cancelled before its episode started"))
     try:
         episode = run.result()
     except RolloutError as exc:
@@ -402,14 +405,16 @@ class _NodeThreads(concurrent.futures.ThreadPoolExecutor):
                 with self._lock:
                     self._busy += 1
                 try:
-                    result = call()
+                    result, error = call(), None
                 except BaseException as exc:  # noqa: BLE001 - handed to the future, as ThreadPoolExecutor does
-                    future.set_exception(exc)
-                else:
+                    result, error = None, exc
+                with self._lock:  # not busy before the result is handed back: the step may end right after
+                    self._busy -= 1
+                if error is None:
                     future.set_result(result)
-                finally:
-                    with self._lock:
-                        self._busy -= 1
+                else:
+                    future.set_exception(error)
+                del result, error  # the thread holds no result while it waits for the next item
             self._idle.release()
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
