@@ -155,3 +155,43 @@ def test_a_functional_api_app_that_asks_a_human_is_resumed_stored_and_replayed(t
                                                "value": {"essay": "a draft"}},)
     result = replay(essay_workflow, tmp_path / "t.db", episode.id)
     assert result.divergences == [] and result.state_matches and result.final_state == "the revision"
+
+
+def test_an_interrupt_in_a_task_is_reported_at_the_task_path(tmp_path):
+    """The thread's state shows a `@task`'s interrupt at its entrypoint only; the README promises the node path of
+    the task that called `interrupt()`: 'essay_workflow/review', in the error, the segments and replay."""
+    from langgraph.types import interrupt
+
+    from drmas_graph import EpisodeInterruptedError, TraceStore
+    from drmas_graph.traces.replay import replay
+
+    llm = Unreachable()
+
+    @task
+    def write(topic):
+        return llm.invoke([HumanMessage(f"write about {topic}")]).content
+
+    @task
+    def review(essay):  # resumed, the task runs again: its second interrupt is raised under the same namespace
+        return interrupt({"essay": essay}) + " " + interrupt({"again": essay})
+
+    @entrypoint(checkpointer=InMemorySaver())
+    def essay_workflow(topic):
+        essay = write(topic).result()
+        return f"{essay} ({review(essay).result()})"
+
+    app = instrument(essay_workflow, {"writer": scripted_policy(["a draft"])}, agents={"*write": "writer"},
+                     strict=True)
+    with pytest.raises(EpisodeInterruptedError, match=re.escape(
+            "interrupted at node 'essay_workflow/review' (value {'essay': 'a draft'})")):
+        finishes(lambda: app.rollout("cats", {"configurable": {"thread_id": "paused"}}))
+    with TraceStore(tmp_path / "t.db") as store:
+        app = instrument(essay_workflow, {"writer": scripted_policy(["a draft"])}, agents={"*write": "writer"},
+                         strict=True, store=store)
+        episode = finishes(lambda: app.rollout("cats", {"configurable": {"thread_id": "e"}},
+                                               resume=lambda ep, its: f"ok{len(ep.segments)}"))
+    assert [[(r["node"], r["value"]) for r in s.interrupts] for s in episode.segments] == [
+        [("essay_workflow/review", {"essay": "a draft"})], [("essay_workflow/review", {"again": "a draft"})], []]
+    assert episode.final_state == "a draft (ok1 ok2)"
+    result = replay(essay_workflow, tmp_path / "t.db", episode.id)
+    assert result.divergences == [] and result.state_matches

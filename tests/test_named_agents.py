@@ -38,8 +38,8 @@ def last_turn(prompt):
 
 
 def two_agents_in_one_node():
-    """Two create_agent agents that one node runs. Their calls' node paths are 'work/model' and 'work/1/model'
-    (LangGraph numbers a node's second subgraph run in its checkpoint namespace)."""
+    """Two create_agent agents that one node runs. Both calls' node path is 'work/model' (LangGraph numbers a
+    node's second subgraph run in its checkpoint namespace, 'work:<id>|1|model:<id>'; that counter names no node)."""
     calculator = create_agent(dead_model(), system_prompt="You are the calculator.", name="calculator")
     writer = create_agent(dead_model(), system_prompt="You are the writer.", name="writer")
 
@@ -62,7 +62,7 @@ def test_agents_of_one_node_get_policies_by_their_names():
                      agents={"agent:calculator": "calc", "agent:writer": "poet"}, strict=True)
     episode = app.rollout({"messages": []})
     assert [(t.agent, t.agent_name, t.node, t.policy) for t in episode.turns] == [
-        ("calc", "calculator", "work/model", "calc"), ("poet", "writer", "work/1/model", "poet")]
+        ("calc", "calculator", "work/model", "calc"), ("poet", "writer", "work/model", "poet")]
     assert_exact(episode.turns[0], calc)
     assert_exact(episode.turns[1], poet)
     assert [m.content for m in episode.final_state["messages"]] == ["42", "roses"]
@@ -92,7 +92,7 @@ def test_precedence_drmas_agent_then_agent_name_then_node_glob():
                      agents={"work*": "worker", "agent:calc*": "calc"}, strict=True)
     episode = app.rollout({"messages": []})
     assert [(t.agent, t.agent_name, t.node) for t in episode.turns] == [
-        ("calc", "calculator", "work/model"), ("judge", "calculator", "work/1/model"), ("worker", None, "work")]
+        ("calc", "calculator", "work/model"), ("judge", "calculator", "work/model"), ("worker", None, "work")]
     with pytest.raises(UnknownAgentError, match="names no agent"):
         instrument(g.compile(), {"calc": policy}, agents={"agent:": "calc"})
 

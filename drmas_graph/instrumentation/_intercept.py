@@ -18,8 +18,10 @@ worker threads and asyncio tasks, so concurrent episodes never see each other's 
 close the gaps a context variable leaves:
 
 - Work a node submits to a `concurrent.futures.ThreadPoolExecutor` (`pool.submit`/`pool.map`,
-  `loop.run_in_executor`) carries the node's handler and node metadata into the worker thread, so those
-  calls are attributed to the node. Outside runs `submit` is unchanged.
+  `loop.run_in_executor`) runs in a copy of the submitter's context, as LangChain's own executors and
+  asyncio tasks do: the run's handler and the node's LangChain run config go along, so a call there, and
+  a subgraph (a sub-agent) invoked there, belong to the node ('work/model'), as without the pool.
+  Outside runs `submit` is unchanged.
 - A call that reaches a chat model with no handler while an instrumented run is active in the process
   (a plain `threading.Thread` started by a node, a long-lived worker thread, code that bypasses the
   instrumented graph) cannot be attributed: it is refused with `StrictModeError` when a strict run is
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import contextvars
 import functools
 import threading
 import warnings
@@ -41,14 +44,14 @@ from typing import Any, Protocol
 from langchain_core.language_models.chat_models import BaseChatModel
 from langchain_core.messages import BaseMessage
 from langchain_core.outputs import ChatResult
-from langchain_core.runnables.config import ensure_config
+from langchain_core.runnables.config import ContextThreadPoolExecutor
 
 from drmas_graph.instrumentation import _task_paths
 from drmas_graph._chat import normalize_tools
 from drmas_graph.errors import StrictModeError, UnservedCallWarning
 
 __all__ = ["CallSite", "CallHandler", "ACTIVE_HANDLER", "APP_MODELS", "install", "node_path", "call_key",
-           "active_run", "register_run", "unregister_run", "app_models"]
+           "active_run", "register_run", "unregister_run", "app_models", "interrupt_node"]
 
 
 @dataclass(frozen=True)
@@ -66,7 +69,8 @@ class CallSite:
     metadata: dict[str, Any]
     """The call's run metadata (LangGraph's keys, `drmas_agent`, the caller's own)."""
     node: str
-    """Node path ('outer/inner' inside subgraphs); '' when the call is not inside a graph node."""
+    """Node path ('outer/inner' inside subgraphs, also one a node's function runs, however often);
+    '' when the call is not inside a graph node."""
     step: int
     """LangGraph superstep of the node; -1 outside a node."""
     call_key: str
@@ -103,8 +107,6 @@ APP_MODELS: Any = _AppModels()
 without a policy, `app_models()`)."""
 
 ACTIVE_HANDLER: ContextVar[CallHandler | None] = ContextVar("drmas_graph_active_handler", default=None)
-_THREAD_ORIGIN: ContextVar[dict[str, Any] | None] = ContextVar("drmas_graph_thread_origin", default=None)
-"""Run metadata of the node that submitted the current thread-pool work item (attribution in threads)."""
 
 _RUNS: dict[int, Any] = {}
 _RUNS_LOCK = threading.Lock()
@@ -150,18 +152,34 @@ def app_models() -> Iterator[None]:
 
 
 def node_path(metadata: dict[str, Any]) -> str:
-    """'outer/inner' from `langgraph_checkpoint_ns` ('outer:<task id>|inner:<task id>')."""
+    """'outer/inner' from `langgraph_checkpoint_ns` ('outer:<task id>|inner:<task id>'; the counter of a
+    subgraph's second, third... run in one task, 'outer:<id>|1|inner:<id>', names no node)."""
     ns = metadata.get("langgraph_checkpoint_ns")
     if ns:
-        return "/".join(part.split(":", 1)[0] for part in str(ns).split("|"))
+        return _task_paths.node_path(str(ns))
     return str(metadata.get("langgraph_node", ""))
+
+
+def _recording_handler() -> Any:
+    """The call handler whose calls are recorded in this context (None outside runs and in `app_models()`)."""
+    handler = ACTIVE_HANDLER.get()
+    return None if handler is APP_MODELS else handler
+
+
+def interrupt_node(interrupt: Any, default: str) -> str:
+    """Node path of the task that called `interrupt()` for `interrupt` (a LangGraph `Interrupt`) in a run of
+    the call handler active here: a Functional API `@task` ('entry/task'), which the thread's state shows at
+    its entrypoint, or a subgraph node ('outer/inner'); `default` when no run of this handler raised it."""
+    return _task_paths.interrupt_node(_recording_handler(), getattr(interrupt, "id", None)) or default
 
 
 def call_key(metadata: dict[str, Any], node: str, task_paths: Mapping[str, tuple] | None = None) -> str:
     """The node instance of a call, stable across runs whatever the scheduling order: the node path with
     '[i]' after every task that was the i-th `Send` of its step (or the i-th `@task` call of its parent),
     the call's own task and each enclosing one ('research[2]/search' for a call in subgraph node 'search'
-    of the third Send to 'research').
+    of the third Send to 'research'). A subgraph that one task runs several times has the same key in
+    every run (as its node path): their calls are told apart by their order and their prompt, never by
+    which run LangGraph happened to start first.
 
     The call's own task path is `langgraph_path` in `metadata`; the enclosing tasks' paths come from
     `task_paths` (namespace -> task path, recorded by `_task_paths.TaskPaths` during the run), matched
@@ -184,9 +202,6 @@ def call_key(metadata: dict[str, Any], node: str, task_paths: Mapping[str, tuple
 def _site(model: BaseChatModel, messages: list[BaseMessage], stop: list[str] | None, run_manager: Any,
           kwargs: dict[str, Any]) -> CallSite:
     metadata = dict(getattr(run_manager, "metadata", None) or {})
-    origin = _THREAD_ORIGIN.get()
-    if origin and "langgraph_node" not in metadata:  # a call from a worker thread the node submitted work to
-        metadata = {**origin, **metadata}
     node = node_path(metadata)
     step = metadata.get("langgraph_step", -1)
     return CallSite(model=model, messages=list(messages), stop=list(stop) if stop else None,
@@ -233,24 +248,6 @@ async def _awith_app_models(fn: Callable[[], Awaitable[Any]]) -> Any:
         ACTIVE_HANDLER.reset(token)
 
 
-def _carried(handler: Any, fn: Callable[..., Any]) -> Callable[..., Any]:
-    """`fn` run with `handler` active and the submitting node's run metadata as the thread's origin."""
-    origin = dict(ensure_config().get("metadata") or {}) or _THREAD_ORIGIN.get()
-
-    @functools.wraps(fn)
-    def run(*args: Any, **kwargs: Any) -> Any:
-        if ACTIVE_HANDLER.get() is not None:  # the executor carried the context itself (LangChain's does)
-            return fn(*args, **kwargs)
-        tokens = ACTIVE_HANDLER.set(handler), _THREAD_ORIGIN.set(origin)
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            _THREAD_ORIGIN.reset(tokens[1])
-            ACTIVE_HANDLER.reset(tokens[0])
-
-    return run
-
-
 _installed = False
 _install_lock = threading.Lock()
 
@@ -268,12 +265,12 @@ def install() -> None:
 
         def submit(self, fn, /, *args, **kwargs):
             handler = ACTIVE_HANDLER.get()
-            if handler is None or handler is APP_MODELS:
-                return orig_submit(self, fn, *args, **kwargs)
-            return orig_submit(self, _carried(handler, fn), *args, **kwargs)
+            if handler is None or handler is APP_MODELS or isinstance(self, ContextThreadPoolExecutor):
+                return orig_submit(self, fn, *args, **kwargs)  # (LangChain's executor copies the context itself)
+            return orig_submit(self, functools.partial(contextvars.copy_context().run, fn), *args, **kwargs)
 
         concurrent.futures.ThreadPoolExecutor.submit = submit
-        _task_paths.register(lambda: ACTIVE_HANDLER.get() is not None)  # Send indices of enclosing tasks
+        _task_paths.register(_recording_handler)  # Send indices of enclosing tasks, interrupts' tasks
         _installed = True
 
 

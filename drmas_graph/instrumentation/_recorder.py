@@ -14,7 +14,7 @@ from langchain_core.outputs import ChatGeneration, ChatResult
 from drmas_graph._chat import ParsedResponse, _text
 from drmas_graph.instrumentation._intercept import CallSite
 from drmas_graph.instrumentation._limits import enforce_limits
-from drmas_graph.instrumentation._seeds import seeded
+from drmas_graph.instrumentation._seeds import prompt_digest, seeded
 from drmas_graph._structured import InvalidReplyError, apply_spec, output_spec
 from drmas_graph.errors import StrictModeError
 from drmas_graph.policy import Policy
@@ -40,6 +40,7 @@ class _EpisodeRecorder:
         self._lock = threading.Lock()
         self._next_index = 0
         self._per_key: dict[str, int] = {}
+        self._per_prompt: dict[tuple[str, str], int] = {}  # (call_key, prompt digest) -> calls so far (seeds)
         self._turns: list[Turn] = []
         self._starts: dict[int, float] = {}  # call index -> unix start time
         self.segment = 0
@@ -81,13 +82,23 @@ class _EpisodeRecorder:
             self.refused(exc)
             raise
 
-    def _prepare(self, site: CallSite, agent: str, policy: Policy, nci: int) -> tuple[list[int], SamplingParams, Any]:
+    def _prepare(self, site: CallSite, agent: str, policy: Policy) -> tuple[list[int], SamplingParams, Any]:
         where = f"agent {agent!r} (node {site.node or '<outside any node>'!r})"
         spec, model_class = output_spec(site.kwargs, site.tools, where)
         with policy.announce():
             prompt_ids = policy.render(site.messages, site.tools, spec)
-            params = seeded(self.app._sampling_for(agent, policy, site.stop), self.episode.metadata, site.call_key, nci)
+            params = seeded(self.app._sampling_for(agent, policy, site.stop), self.episode.metadata, site.call_key,
+                            *self._prompt_occurrence(site.call_key, prompt_ids))
         return prompt_ids, params, (spec, model_class, where)
+
+    def _prompt_occurrence(self, call_key: str, prompt_ids: list[int]) -> tuple[int, str]:
+        """(earlier calls of node instance `call_key` with this prompt, the prompt's digest): what a call's
+        seed is derived from besides its key, the same whatever order concurrent calls arrive in (`_seeds`)."""
+        digest = prompt_digest(prompt_ids)
+        with self._lock:
+            k = self._per_prompt.get((call_key, digest), 0)
+            self._per_prompt[(call_key, digest)] = k + 1
+        return k, digest
 
     def handle(self, site: CallSite, original: Callable[[], ChatResult]) -> ChatResult:
         agent, policy = self._route(site)
@@ -97,7 +108,7 @@ class _EpisodeRecorder:
             result = original()
             self._add(self._untrained_turn(site, agent, index, nci, result, time.perf_counter() - start))
             return result
-        prompt_ids, params, structured = self._prepare(site, agent, policy, nci)
+        prompt_ids, params, structured = self._prepare(site, agent, policy)
         generation = policy.generate(prompt_ids, params)
         return self._served(site, agent, policy, index, nci, prompt_ids, params, generation, start, structured)
 
@@ -109,7 +120,7 @@ class _EpisodeRecorder:
             result = await original()
             self._add(self._untrained_turn(site, agent, index, nci, result, time.perf_counter() - start))
             return result
-        prompt_ids, params, structured = self._prepare(site, agent, policy, nci)
+        prompt_ids, params, structured = self._prepare(site, agent, policy)
         generation = await policy.agenerate(prompt_ids, params)
         return self._served(site, agent, policy, index, nci, prompt_ids, params, generation, start, structured)
 

@@ -5,21 +5,28 @@ n-th request to reach a policy is a different call from run to run. So every LLM
 rollout gets its seed from its identity,
 
     episode seed = H(run seed, phase, step, group index in the step, episode index in the group)
-    call seed    = H(episode seed, call_key, node_call_index)
+    call seed    = H(episode seed, call_key, k, H(prompt token ids))
 
-where H is a keyed hash that is stable across processes and Python versions (blake2b over the parts'
-reprs; Python's `hash()` is salted per process). The trainer puts the episode seed in the rollout's
+with k the number of earlier calls of the same node instance (`call_key`) with the same prompt, and H a
+keyed hash that is stable across processes and Python versions (blake2b over the parts' reprs; Python's
+`hash()` is salted per process). Calls one node instance makes one after the other differ in k or in their
+prompt; calls it makes concurrently (an `llm.batch`, sub-agents run in parallel, whose calls share the
+node's key) arrive in any order, yet each keeps its seed (calls with equal prompts are interchangeable).
+The position of a call among its node instance's calls (`node_call_index`) follows arrival order for
+concurrent calls, so it is no part of the seed. The trainer puts the episode seed in the rollout's
 metadata (`"seed"`); the instrumented call handler derives the call seed (`seeded`).
 """
 
 from __future__ import annotations
 
+import array
 import hashlib
+from collections.abc import Sequence
 from typing import Any
 
 from drmas_graph.types import SamplingParams
 
-__all__ = ["stable_seed", "episode_seed", "call_seed", "seeded", "SEED_BITS"]
+__all__ = ["stable_seed", "episode_seed", "call_seed", "prompt_digest", "seeded", "SEED_BITS"]
 
 SEED_BITS = 31
 """Seeds lie in [0, 2**31): every backend (torch generators, vLLM, SGLang) accepts them."""
@@ -36,14 +43,20 @@ def episode_seed(run_seed: int, phase: str, step: int, group: int, index: int) -
     return stable_seed("episode", run_seed, phase, step, group, index)
 
 
-def call_seed(episode: int, call_key: str, node_call_index: int) -> int:
-    """Seed of the `node_call_index`-th call with `call_key` in the episode seeded `episode`."""
-    return stable_seed("call", episode, call_key, node_call_index)
+def call_seed(episode: int, call_key: str, index: int, prompt: str | None = None) -> int:
+    """Seed of the `index`-th call with `call_key` (and prompt digest `prompt`) in the episode seeded `episode`."""
+    return stable_seed("call", episode, call_key, index, *(() if prompt is None else (prompt,)))
 
 
-def seeded(params: SamplingParams, metadata: dict[str, Any], call_key: str, node_call_index: int) -> SamplingParams:
-    """`params` with the call's derived seed, when the episode carries a seed and the params fix none."""
+def prompt_digest(prompt_ids: Sequence[int]) -> str:
+    """A short stable digest of a prompt's token ids (a part of its calls' seeds)."""
+    return hashlib.blake2b(array.array("q", prompt_ids).tobytes(), digest_size=8).hexdigest()
+
+
+def seeded(params: SamplingParams, metadata: dict[str, Any], call_key: str, index: int, prompt: str) -> SamplingParams:
+    """`params` with the call's derived seed (`index`-th call of node instance `call_key` with the prompt whose
+    digest is `prompt`), when the episode carries a seed and the params fix none."""
     base = metadata.get("seed")
     if base is None or params.seed is not None:
         return params
-    return params.replace(seed=call_seed(int(base), call_key, node_call_index))
+    return params.replace(seed=call_seed(int(base), call_key, index, prompt))

@@ -6,22 +6,36 @@ LangGraph gives a task's run metadata only its *own* path (``langgraph_path``, `
 overwrites the parent's metadata, so the parent's Send index is lost by the time the chat model is
 called, and the task ids in the namespace are drawn from the checkpoint id (a new one every run).
 
+A namespace also holds LangGraph's subgraph-run counter: a task that runs a subgraph (a sub-agent) more
+than once gets a purely numeric part for every run after its first (``'work:<id>|1|model:<id>'``), numbered
+in the order the runs start, so by thread timing when they run concurrently (`.batch`, a thread pool,
+`asyncio.gather`). It names no node: node paths and call keys leave it out, as LangGraph's own
+`recast_checkpoint_ns` does (the calls of repeated sub-runs are told apart by their order and prompt).
+
 `TaskPaths` is a LangChain callback handler that remembers, for every task namespace started in a run,
-the task path LangGraph gave it. It joins every callback manager configured while an instrumented run
-or a replay is active (a configure hook, the mechanism LangChain's own tracers use), is inherited by
-every child run, and is found again on the chat model call's run manager. `send_indices` then turns the
-call's namespace into the Send index of every ancestor task: ``research[2]/search``.
+the task path LangGraph gave it, and for every `interrupt()` the namespace of the innermost task that
+raised it (the task's run ends with LangGraph's `GraphInterrupt`; a `@task` of the Functional API too,
+whose interrupt the thread's state shows at the entrypoint only). One handler serves one call handler
+(an episode, a replay) across all its runs: it joins every callback manager configured while that call
+handler is active (a configure hook, the mechanism LangChain's own tracers use), is inherited by every
+child run, and is found again on the chat model call's run manager. `send_index` then turns the call's
+namespace into the Send index of every ancestor task: ``research[2]/search``.
 """
 
 from __future__ import annotations
 
+import threading
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
+from uuid import UUID
 
 from langchain_core.callbacks import BaseCallbackHandler
 from langchain_core.tracers.context import register_configure_hook
+from langgraph.errors import GraphInterrupt
 
-__all__ = ["TaskPaths", "send_index", "task_paths_of", "register"]
+__all__ = ["TaskPaths", "send_index", "task_paths_of", "ancestor_namespaces", "node_path", "interrupt_node",
+           "register"]
 
 _PUSH = "__pregel_push"
 _NS_SEP = "|"
@@ -37,13 +51,36 @@ class TaskPaths(BaseCallbackHandler):
     def __init__(self) -> None:
         self.paths: dict[str, tuple] = {}
         """``langgraph_checkpoint_ns`` of a task -> its ``langgraph_path``."""
+        self.interrupts: dict[str, str] = {}
+        """Interrupt id -> namespace of the innermost task that raised it."""
+        self._running: dict[UUID, str] = {}
+        """Run id of a task's own run (the outermost run with its namespace) -> the namespace, while it runs."""
+        self._open: dict[str, UUID] = {}
+        """The other way round (a task resumed on its thread runs again under the same namespace)."""
 
-    def on_chain_start(self, serialized: Any, inputs: Any, *, metadata: Mapping[str, Any] | None = None,
+    # dict writes are atomic and every namespace and run id is one task's: threads need no lock
+    def on_chain_start(self, serialized: Any, inputs: Any, *, run_id: UUID, metadata: Mapping[str, Any] | None = None,
                        **kwargs: Any) -> None:
         ns = (metadata or {}).get("langgraph_checkpoint_ns")
         path = (metadata or {}).get("langgraph_path")
-        if ns and path is not None:
-            self.paths.setdefault(str(ns), tuple(path))  # dict writes are atomic: threads need no lock
+        if ns and path is not None and str(ns) not in self._open:
+            self.paths.setdefault(str(ns), tuple(path))
+            self._running[run_id], self._open[str(ns)] = str(ns), run_id
+
+    def on_chain_end(self, outputs: Any, *, run_id: UUID, **kwargs: Any) -> None:
+        self._ended(run_id)
+
+    def on_chain_error(self, error: BaseException, *, run_id: UUID, **kwargs: Any) -> None:
+        ns = self._ended(run_id)
+        if ns is not None and isinstance(error, GraphInterrupt):  # the innermost task's run ends first
+            for interrupt in (error.args[0] if error.args else ()):
+                self.interrupts.setdefault(str(getattr(interrupt, "id", "")), ns)
+
+    def _ended(self, run_id: UUID) -> str | None:
+        ns = self._running.pop(run_id, None)
+        if ns is not None:
+            self._open.pop(ns, None)
+        return ns
 
 
 def send_index(path: Any) -> int | None:
@@ -67,31 +104,66 @@ def task_paths_of(run_manager: Any) -> Mapping[str, tuple]:
     return {}
 
 
+def _is_counter(part: str) -> bool:
+    """A subgraph-run counter part of a namespace (see the module docstring); a task part has ':<id>'."""
+    return part.isdigit()
+
+
 def ancestor_namespaces(ns: str) -> list[tuple[str, str]]:
-    """[(node name, namespace of that task)] from the outermost task to the innermost one."""
+    """[(node name, namespace of that task)] from the outermost task to the innermost one; subgraph-run
+    counters are no tasks (they stay in the namespaces, which name tasks exactly)."""
     parts = [p for p in str(ns).split(_NS_SEP) if p]
-    return [(part.split(_NS_END, 1)[0], _NS_SEP.join(parts[: i + 1])) for i, part in enumerate(parts)]
+    return [(part.split(_NS_END, 1)[0], _NS_SEP.join(parts[: i + 1]))
+            for i, part in enumerate(parts) if not _is_counter(part)]
 
 
-class _WhileActive:
-    """The configure hook's 'context variable': a new `TaskPaths` while `active()` is true, else None.
-    LangChain adds it to a callback manager only when none of its handlers is a TaskPaths already, so
-    one handler is shared by a whole run (child managers inherit it)."""
+def node_path(ns: str) -> str:
+    """'outer/inner' from a namespace ('outer:<task id>|1|inner:<task id>'): task names, no counters."""
+    return "/".join(name for name, _ in ancestor_namespaces(ns))
 
-    def __init__(self, active: Callable[[], bool]) -> None:
-        self.active = active
+
+class _PerHandler:
+    """The configure hook's 'context variable': the `TaskPaths` of the call handler now active (one per
+    handler, made on first use, gone with the handler), None while none is. LangChain adds it to a
+    callback manager only when none of its handlers is a TaskPaths already (child managers inherit it)."""
+
+    def __init__(self, current: Callable[[], Any]) -> None:
+        self.current = current
+        self._of: weakref.WeakKeyDictionary[Any, TaskPaths] = weakref.WeakKeyDictionary()
+        self._lock = threading.Lock()
 
     def get(self) -> TaskPaths | None:
-        return TaskPaths() if self.active() else None
+        handler = self.current()
+        return None if handler is None else self.of(handler)
+
+    def of(self, handler: Any) -> TaskPaths:
+        with self._lock:
+            paths = self._of.get(handler)
+            if paths is None:
+                paths = self._of[handler] = TaskPaths()
+            return paths
+
+    def find(self, handler: Any) -> TaskPaths | None:
+        with self._lock:
+            return self._of.get(handler)
 
 
-_registered = False
+_hook: _PerHandler | None = None
 
 
-def register(active: Callable[[], bool]) -> None:
-    """Add `TaskPaths` to every callback manager configured while `active()` is true (once per process)."""
-    global _registered
-    if not _registered:
-        hook = _WhileActive(active)  # duck-typed: LangChain only calls the hook variable's get()
-        register_configure_hook(hook, inheritable=True, handle_class=TaskPaths)  # type: ignore[arg-type]
-        _registered = True
+def register(current: Callable[[], Any]) -> None:
+    """Add the `TaskPaths` of the call handler `current()` returns to every callback manager configured
+    while it returns one (once per process)."""
+    global _hook
+    if _hook is None:
+        _hook = _PerHandler(current)  # duck-typed: LangChain only calls the hook variable's get()
+        register_configure_hook(_hook, inheritable=True, handle_class=TaskPaths)  # type: ignore[arg-type]
+
+
+def interrupt_node(handler: Any, interrupt_id: str | None) -> str | None:
+    """Node path of the task that raised interrupt `interrupt_id` in a run of `handler` (an episode, a
+    replay): a Functional API `@task`'s path ('entry/task'), a subgraph node's ('outer/inner'); None when
+    no run of the handler raised it."""
+    paths = _hook.find(handler) if _hook is not None and handler is not None else None
+    ns = paths.interrupts.get(str(interrupt_id)) if paths is not None and interrupt_id is not None else None
+    return None if ns is None else node_path(ns)
