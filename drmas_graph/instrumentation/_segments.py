@@ -32,7 +32,7 @@ from langgraph.types import Command
 
 from drmas_graph.errors import ConfigError, RolloutError
 from drmas_graph.instrumentation import _threads
-from drmas_graph.instrumentation._intercept import app_models
+from drmas_graph.instrumentation._intercept import app_models, interrupt_node
 from drmas_graph.instrumentation._limits import truncate
 from drmas_graph.types import Episode, Segment
 
@@ -110,7 +110,7 @@ def _from_state(state: Any) -> _Pending:
     pending = _Pending()
     for node, interrupt in _walk(state, ""):
         pending.interrupts.append(interrupt)
-        pending.records.append({"node": node, "id": interrupt.id, "value": interrupt.value})
+        pending.records.append({"node": interrupt_node(interrupt, node), "id": interrupt.id, "value": interrupt.value})
     if not pending.records:  # stopped at interrupt_before / interrupt_after
         pending.records = [{"node": name, "id": None, "value": None} for name in state.next]
     return pending
@@ -132,8 +132,8 @@ def _from_output(output: Any) -> _Pending | None:
     found = output.get("__interrupt__") if isinstance(output, Mapping) else None
     if not found:
         return None
-    return _Pending(list(found), [{"node": "", "id": getattr(i, "id", None), "value": getattr(i, "value", i)}
-                                  for i in found])
+    return _Pending(list(found), [{"node": interrupt_node(i, ""), "id": getattr(i, "id", None),
+                                   "value": getattr(i, "value", i)} for i in found])
 
 
 def pending_interrupts(graph: Any, config: Mapping[str, Any], output: Any) -> _Pending | None:
