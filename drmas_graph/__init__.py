@@ -86,6 +86,8 @@ def __getattr__(name: str) -> Any:
     if module is None:
         raise AttributeError(f"module 'drmas_graph' has no attribute {name!r}")
     value = getattr(importlib.import_module(module), name)
+    if f"{__name__}.{name}" in _moved.MOVED:  # `import drmas_graph.replay as m` binds this attribute too
+        value = _moved.FunctionAndModule(value, f"{__name__}.{name}")
     globals()[name] = value
     return value
 
@@ -99,7 +101,8 @@ class _Package(_stdlib_types.ModuleType):
 
     Importing a submodule sets it as an attribute of its package. `drmas_graph.replay` and
     `drmas_graph.rescore` are exported functions and also old module paths (`_moved`); without this,
-    `import drmas_graph.replay` would replace the function by the module, depending on import order.
+    `import drmas_graph.replay` would replace the function by the module, depending on import order. The
+    exported object serves both (`_moved.FunctionAndModule`): callable, with the module's names.
     """
 
     def __setattr__(self, name: str, value: Any) -> None:

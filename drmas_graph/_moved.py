@@ -4,23 +4,32 @@
 _distributed` still work: each old path is an alias of the module's new path (the same module object, so
 monkeypatching through the old path patches the real module), with a `DeprecationWarning` naming the new
 path. The few names that left their module (`drmas_graph.lora`'s serving and adapter helpers) are forwarded
-from where they live now, with a warning naming it. `drmas_graph.replay` and `drmas_graph.rescore` stay the
-functions of those names (`from drmas_graph.replay import replay_episode` works too).
+from where they live now, with a warning naming it.
+
+`drmas_graph.replay` and `drmas_graph.rescore` are two names at once: exported functions and old module paths.
+Python binds `import drmas_graph.replay as m` (and `drmas_graph.replay` after `import drmas_graph.replay`)
+to the package's attribute, which has to stay the function, so that attribute is a `FunctionAndModule`:
+calling it calls the function, and any other name is looked up in (and set on) the moved module, with a
+`DeprecationWarning` naming its new path. `from drmas_graph.replay import replay_episode` imports the module
+itself. Old code of either kind keeps working, and `drmas_graph.replay(...)` is the function it always was
+(same signature and docs; `is` tells them apart).
 
 This module imports nothing of drmas_graph at import time (modules are named by strings).
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.abc
 import importlib.util
 import sys
 import types
 import warnings
+from collections.abc import Callable
 from typing import Any
 
-__all__ = ["MOVED", "MOVED_NAMES", "install"]
+__all__ = ["MOVED", "MOVED_NAMES", "install", "FunctionAndModule"]
 
 _NEW_PACKAGE = {
     "instrumentation": ("instrumented", "_intercept", "_recorder", "chat_model", "_threads", "_task_paths", "_limits",
@@ -82,6 +91,37 @@ class _Aliases(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         old = next(o for o, n in MOVED.items() if n == module.__name__)
         warnings.warn(f"{old} moved to {module.__name__}; import from there (the old path goes away in the next "
                       "release)", DeprecationWarning, stacklevel=2)
+
+
+class FunctionAndModule:
+    """An exported function whose name is also an old module path: called, it is the function; any other
+    attribute is the moved module's (read with a `DeprecationWarning`; set on the module, so monkeypatching
+    through the old path patches the real module)."""
+
+    def __init__(self, function: Callable[..., Any], old: str) -> None:
+        vars(self).update({"_old": old, "_module_name": MOVED[old]})
+        functools.update_wrapper(self, function)  # __wrapped__, __name__, __doc__, ...: help() and signature()
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.__wrapped__(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        module = importlib.import_module(self._module_name)
+        value = getattr(module, name)  # an AttributeError names the module
+        warnings.warn(f"{self._old}.{name}: the module {self._old} moved to {self._module_name}; import from there "
+                      f"({self._old} is the function {self.__name__})", DeprecationWarning, stacklevel=2)
+        return value
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name.startswith("__"):  # the wrapper's own attributes (update_wrapper)
+            vars(self)[name] = value
+        else:
+            setattr(importlib.import_module(self._module_name), name, value)
+
+    def __repr__(self) -> str:
+        return f"<function {self.__module__}.{self.__qualname__} (also the old module path {self._old})>"
 
 
 def install() -> None:

@@ -214,3 +214,37 @@ def test_names_that_left_the_old_lora_module_are_found_where_they_live_now():
     assert any("drmas_graph.served._lora.served_adapter" in str(w.message) for w in caught)
     with pytest.raises(ImportError):
         from drmas_graph.lora import no_such_name  # noqa: F401
+
+
+def test_an_old_module_path_that_names_an_exported_function_is_both(tmp_path):
+    """`import drmas_graph.replay as m` binds the package's attribute `replay`: the function, which also has
+    the moved module's names (`m.replay_episode`, with a warning) and sets them on it (issue 28, rev4_w)."""
+    import inspect
+
+    import drmas_graph
+    from drmas_graph.errors import StoreNotFoundError
+    from drmas_graph.traces import replay as replay_module
+    from drmas_graph.train import rescore as rescore_module
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        import drmas_graph.replay as old
+        import drmas_graph.rescore as old_rescore
+    from drmas_graph import replay
+
+    assert old is replay is drmas_graph.replay and old.__wrapped__ is replay_module.replay
+    assert inspect.signature(old) == inspect.signature(replay_module.replay) and old.__doc__ == replay_module.replay.__doc__
+    with pytest.raises(StoreNotFoundError):  # calling it calls the function
+        old(None, tmp_path / "absent.db", "e1")
+    with pytest.warns(DeprecationWarning, match=r"^drmas_graph\.replay\.\w+: the module drmas_graph\.replay moved to "
+                                                r"drmas_graph\.traces\.replay"):
+        assert old.replay_episode is replay_module.replay_episode and old.ReplayResult is replay_module.ReplayResult
+    with pytest.warns(DeprecationWarning):
+        assert old_rescore.rescore is rescore_module.rescore and old_rescore.__wrapped__ is rescore_module.rescore
+    old.replay_episode_probe = "set through the old path"
+    try:
+        assert replay_module.replay_episode_probe == "set through the old path"
+    finally:
+        del replay_module.replay_episode_probe
+    with pytest.raises(AttributeError, match="no_such_name"):
+        old.no_such_name

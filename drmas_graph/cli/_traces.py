@@ -12,7 +12,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from drmas_graph.cli._imports import import_object
+from drmas_graph.cli._imports import build_graph, import_object
 from drmas_graph.traces.store import TraceStore
 from drmas_graph.types import Episode, Turn
 
@@ -69,7 +69,9 @@ def add_traces_commands(groups: Any) -> None:
     p = commands.add_parser("replay", help="re-run a recorded episode through a graph and report divergences")
     p.add_argument("path", help="trace store (.sqlite) of a run")
     p.add_argument("episode", help="episode id (see `traces list`)")
-    p.add_argument("--graph", required=True, metavar="MODULE:ATTR", help="the compiled graph to replay into")
+    p.add_argument("--graph", required=True, metavar="MODULE:ATTR",
+                   help="the compiled graph to replay into, or a factory that builds it (its `llm` parameter gets a "
+                        "stand-in chat model, as under `drmas-graph train`: the recording answers every call)")
     p.set_defaults(func=_cmd_replay)
     _add_rescore_command(commands)
 
@@ -184,14 +186,13 @@ def _cmd_export(args: argparse.Namespace, console: Console) -> int:
 
 
 def _cmd_replay(args: argparse.Namespace, console: Console) -> int:
-    """Replay one stored episode into ``--graph``; exit status 1 if it diverged from the recording."""
+    """Replay one stored episode into ``--graph``; exit status 1 if it diverged from the recording. An error
+    the app raises is part of the result (reproduced, or an `outcome_changed` divergence), never a traceback."""
     import asyncio
 
     from drmas_graph.traces.replay import AsyncOnlyGraphError, areplay_episode, replay_episode
 
-    graph = import_object(args.graph)
-    if callable(graph) and not hasattr(graph, "invoke") and not hasattr(graph, "compile"):
-        graph = graph()  # a factory that builds the graph
+    graph = build_graph(args.graph)
     with TraceStore(args.path, readonly=True) as store:
         episode = store.load_episode(args.episode)
     try:
@@ -208,6 +209,8 @@ def _cmd_replay(args: argparse.Namespace, console: Console) -> int:
         same = "the recorded final state" if result.state_matches else "a DIFFERENT final state"
         console.print(f"episode {episode.id}: replay matched all {len(episode.turns)} calls and reproduced {same} "
                       f"in {result.wall_s:.3f}s", markup=False)
+        if result.error:
+            console.print(f"the re-run raised the recorded error again: {result.error}", markup=False)
         if not result.state_matches:
             console.print(result.state_diff, markup=False)
         return 0 if result.state_matches else 1

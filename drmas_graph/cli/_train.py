@@ -8,15 +8,13 @@
 from __future__ import annotations
 
 import argparse
-import inspect
 from pathlib import Path
 from typing import Any
 
-from langchain_core.language_models.chat_models import BaseChatModel
 from rich.console import Console
 from rich.table import Table
 
-from drmas_graph.cli._imports import import_object
+from drmas_graph.cli._imports import StandInChatModel, build_graph, import_object
 from drmas_graph.config import TrainConfig, config_reference, load_config
 from drmas_graph.errors import ConfigError
 
@@ -24,34 +22,12 @@ __all__ = ["add_train_commands", "StandInChatModel", "attached_servers", "build_
            "point_at_checkpoint"]
 
 
-class StandInChatModel(BaseChatModel):
-    """What a graph factory gets as its `llm` under `drmas-graph train`: inside instrumented runs every call
-    is served by the agent's policy; a call outside one is an error (it would otherwise go nowhere)."""
-
-    @property
-    def _llm_type(self) -> str:
-        return "drmas-stand-in"
-
-    def bind_tools(self, tools: Any, **kwargs: Any) -> Any:
-        from langchain_core.utils.function_calling import convert_to_openai_tool
-
-        return self.bind(tools=[convert_to_openai_tool(t) for t in tools], **kwargs)
-
-    def _generate(self, *args: Any, **kwargs: Any) -> Any:
-        raise ConfigError("the stand-in chat model was called outside an instrumented run; only policies answer")
-
-
 def build_graph_and_env(cfg: TrainConfig) -> tuple[Any, Any]:
     """Import and build the graph and environment a config names ('module:attr' + kwargs)."""
 
     if not cfg.graph or not cfg.env:
         raise ConfigError("the config must name `graph` and `env` as 'module:attr' for the CLI")
-    graph = import_object(cfg.graph)
-    if callable(graph) and not hasattr(graph, "invoke") and not hasattr(graph, "compile"):
-        kwargs = dict(cfg.graph_kwargs)
-        if "llm" in inspect.signature(graph).parameters:
-            kwargs.setdefault("llm", StandInChatModel())
-        graph = graph(**kwargs)
+    graph = build_graph(cfg.graph, cfg.graph_kwargs)
     env_factory = import_object(cfg.env)
     env = env_factory(**cfg.env_kwargs) if callable(env_factory) else env_factory
     return graph, env

@@ -4,10 +4,25 @@ No model is loaded and nothing leaves the machine. Calls are matched by node ins
 path with the `Send` / `@task` call index of the call's task and of every enclosing task) and their order within it,
 never by global arrival order, so parallel branches and `Send` fan-outs (into subgraphs too) replay
 exactly; calls made concurrently inside one node instance are matched by prompt. When the graph has
-changed, the first call whose prompt differs from the recording (or that has no recording, or whose
-recording is never asked for) is reported as a `Divergence` with a readable diff; replay then stops
-(every later call stops too), or, with `policies=`, continues live. A truncated recording (a limit stopped
-it at an LLM call) stops the replay at that same call, without a divergence.
+changed, the first call whose request differs from the recording (its prompt, its tools, or the structured
+output it asks for; or that has no recording, or whose recording is never asked for) is reported as a
+`Divergence` with a readable diff; replay then stops (every later call stops too), or, with `policies=`,
+continues live. Recorded and live values are compared in the trace store's form (`_compare`).
+
+A truncated recording (a limit stopped it at an LLM call) stops the replay where the limit stopped it,
+without a divergence. Which call the limit refused depends on timing when branches run in parallel, so
+every call the recording lacks is refused as the limit refused it, and the verdict waits for the end of
+the run: the limit refuses only calls made after every call it let through, so the truncation is
+reproduced when every recorded call was asked for; otherwise the first refused call is the divergence.
+(An async graph's other branches are cancelled by LangGraph when a call is refused; one cut before its
+recorded call makes that call missing, and the replay reports the divergence.)
+
+A run that raised is reproduced when the re-run raises the error the recording ended with (a model error,
+a failure, the recursion limit): `ReplayResult.error` says how it raised, worded as `Episode.stop_reason`.
+Another error, an error where the recording finished, or finishing where it raised, is an
+`outcome_changed` divergence (a failed recording's error may come from outside the graph, a pause nobody
+answered or a hang: a re-run that finishes it is not compared). Replay never lets an exception of the app
+escape (only its own `ConfigError`s).
 
 An episode that continued a checkpointed thread starts from the thread's recorded checkpoint, copied to a
 new thread (`drmas_graph.instrumentation._threads`); when that checkpoint is not available the result says so
@@ -24,7 +39,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import difflib
 import json
 import threading
 import time
@@ -33,17 +47,20 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from langchain_core.messages import BaseMessage
 from langchain_core.outputs import ChatGeneration, ChatResult
-from langgraph.types import Command, Interrupt
+from langgraph.types import Command
 
-from drmas_graph.instrumentation import _segments, _threads
-from drmas_graph._chat import ParsedResponse, _text, parse_hermes
-from drmas_graph.instrumentation._intercept import ACTIVE_HANDLER, CallSite, install
+from drmas_graph._chat import ParsedResponse, parse_hermes
+from drmas_graph._structured import InvalidReplyError
 from drmas_graph.errors import ConfigError, DrmasError
+from drmas_graph.instrumentation import _segments, _threads
+from drmas_graph.instrumentation._intercept import ACTIVE_HANDLER, CallSite, install
+from drmas_graph.instrumentation._outcomes import note_stop
+from drmas_graph.instrumentation._recorder import RAW_BRANCH_TAG
 from drmas_graph.instrumentation.instrumented import InstrumentedGraph, _cut_at_stop, _EpisodeRecorder, served_message
 from drmas_graph.instrumentation.instrumented import structured_parts
 from drmas_graph.policy import Policy
+from drmas_graph.traces._compare import Request, comparable, diff, interrupts_text, render_prompt, state_text
 from drmas_graph.types import Episode, Segment, Turn
 
 __all__ = ["replay", "areplay", "replay_episode", "areplay_episode", "ReplayResult", "Divergence", "render_prompt",
@@ -54,9 +71,15 @@ __all__ = ["replay", "areplay", "replay_episode", "areplay_episode", "ReplayResu
 class Divergence:
     """Where the re-run stopped agreeing with the recording."""
 
-    kind: Literal["prompt_changed", "tools_changed", "unrecorded_call", "missing_call", "interrupt_changed"]
-    """What differs: the prompt, the bound tools, a call the recording lacks, a recorded call never made, or
-    the interrupts a run of the thread stopped at (then `call_index` is the run's `Segment` position)."""
+    kind: Literal["prompt_changed", "tools_changed", "format_changed", "unrecorded_call", "missing_call",
+                  "interrupt_changed", "outcome_changed"]
+    """What differs: the prompt, the bound tools, the structured output the call asks for (`response_format`,
+    a forced `tool_choice`, its JSON schema: `Turn.response_format`), a call the recording lacks, a recorded
+    call never made, the interrupts a run of the thread stopped at (then `call_index` is the run's `Segment`
+    position), or how the run ended (`outcome_changed`: another error than the recording's, an error where
+    it finished, or finished where it raised or a limit stopped it (a failed recording that the re-run
+    finishes is not compared: its error may come from outside the graph); agent, node and call are those of
+    the turn a model error names, else empty with `call_index` the run's `Segment` position)."""
     agent: str
     """Agent of the call (from the recording when there is one)."""
     node: str
@@ -66,7 +89,8 @@ class Divergence:
     call_index: int
     """Position of the call among the calls of that node instance."""
     diff: str
-    """Unified diff of the recorded and the new prompt ('' when one side is missing)."""
+    """Unified diff of the recorded and the new prompt, tools and structured output ('' for a missing call);
+    of the interrupts or of the outcomes for those kinds."""
 
     def __str__(self) -> str:
         head = f"{self.kind} at agent {self.agent!r}, node {self.node!r}, call {self.call_key}#{self.call_index}"
@@ -78,7 +102,8 @@ class ReplayResult:
     """Outcome of a replay."""
 
     final_state: Any
-    """What the graph returned (None when it raised because replay stopped at a divergence)."""
+    """What the graph returned: the output of its last run that returned (None when none did: the first run
+    raised, or replay stopped it)."""
     turns: list[Turn]
     """The calls of the re-run: recorded answers, then live ones after a divergence (with policies=)."""
     divergences: list[Divergence] = field(default_factory=list)
@@ -94,6 +119,9 @@ class ReplayResult:
     unreproducible: str | None = None
     """Why the recorded run cannot be reproduced (it continued a thread whose starting checkpoint is not
     available, or its input could not be stored); None when replay started where the recording did."""
+    error: str | None = None
+    """How the re-run raised, worded as the recording's `Episode.stop_reason` (a model error names its turn);
+    None when it returned or replay stopped it. Equal to the recording's: the error was reproduced."""
 
     @property
     def state_matches(self) -> bool:
@@ -105,8 +133,8 @@ class ReplayResult:
         """Unified diff of the recorded and the new final state (generated ids renumbered); '' when equal."""
         if self.recorded is None or self.state_matches:
             return ""
-        return _diff(_state_text(self.recorded.final_state), _state_text(self.final_state),
-                     "recorded final state", "new final state")
+        return diff(state_text(self.recorded.final_state), state_text(self.final_state),
+                    "recorded final state", "new final state")
 
 
 class _StopReplay(DrmasError):
@@ -117,43 +145,35 @@ class AsyncOnlyGraphError(ConfigError):
     """`replay` was given a graph with async-only nodes: use `areplay`."""
 
 
-def render_prompt(messages: Sequence[BaseMessage], tools: Sequence[dict] = ()) -> str:
-    """A prompt as readable lines: one 'role: content' block per message, tool calls and tool names."""
-    lines = []
-    for m in messages:
-        lines.append(f"[{m.type}] {_text(m.content)}")
-        for call in getattr(m, "tool_calls", None) or ():
-            lines.append(f"  -> tool call {call['name']}({json.dumps(call.get('args', {}), sort_keys=True)})")
-    if tools:
-        lines.append("[tools] " + ", ".join(t.get("function", {}).get("name", "?") for t in tools))
-    return "\n".join(lines)
-
-
-def _diff(recorded: str, new: str, old_name: str = "recorded prompt", new_name: str = "new prompt") -> str:
-    return "\n".join(difflib.unified_diff(recorded.splitlines(), new.splitlines(), old_name, new_name, lineterm=""))
-
-
 class _ReplayHandler:
-    """CallHandler that answers each call from the recording while prompts agree."""
+    """CallHandler that answers each call from the recording while the calls' requests agree."""
 
     def __init__(self, recorded: Episode, live: _EpisodeRecorder | None, continue_live: bool,
                  agent_of: Callable[[CallSite], str]) -> None:
         self.by_key = {(t.call_key, t.node_call_index): t for t in recorded.turns}
+        self.requests = {key: Request.of_turn(t) for key, t in self.by_key.items()}
         self.used: set[tuple[str, int]] = set()
         self.live = live
         self.continue_live = continue_live
         self.agent_of = agent_of
         self.divergences: list[Divergence] = []
         self.truncated = recorded.truncated
-        self.ended = False
-        """A truncated recording was used up: the re-run reached the call the limit stopped (no divergence)."""
+        self.refused: list[Divergence] = []
+        """Calls a truncated recording lacks, refused as its limit refused them; each would be a divergence
+        if the recording turns out not to be used up (`settle`)."""
         self.turns: list[Turn] = []
         self._per_key: dict[str, int] = {}
         self._lock = threading.Lock()
 
+    @property
+    def ended(self) -> bool:
+        """The re-run reached a call where the limit stopped the truncated recording."""
+        return bool(self.refused)
+
     def _match(self, site: CallSite) -> Turn | None:
         """The recorded answer for this call; None once the run has diverged and continues live. In stop
         mode every call after the first divergence stops (none reaches a model)."""
+        request = Request.of_call(site)
         with self._lock:
             n = self._per_key.get(site.call_key, 0)
             self._per_key[site.call_key] = n + 1
@@ -161,65 +181,70 @@ class _ReplayHandler:
                 if self.continue_live:
                     return None
                 raise _StopReplay(f"replay stopped at the first divergence: {self.divergences[0]}")
-            turn = self._same_call(site, n)
+            turn = self._same_call(site, n, request)
             if turn is not None:
                 self.used.add((turn.call_key, turn.node_call_index))
                 self.turns.append(turn)
                 return turn
-            if self.truncated and len(self.used) == len(self.by_key):  # where the limit stopped the recording
-                self.ended = True
+            d = self._divergence(site, n, request)
+            if self.truncated:  # maybe where the limit stopped the recording: `settle` decides at the end
+                self.refused.append(d)
                 if self.continue_live:
                     return None
                 raise _StopReplay(f"the recording ends here, where a limit stopped it: {self.truncated}")
-            d = self._divergence(site, n)
             self.divergences.append(d)
         if not self.continue_live:
             raise _StopReplay(str(d))
         return None
 
-    def _same_call(self, site: CallSite, n: int) -> Turn | None:
-        """The n-th recorded call of this node instance if it has the same prompt and tools; else an unused
-        recorded call of the instance that does (calls a node makes concurrently arrive in any order)."""
-        expected = self.by_key.get((site.call_key, n))
-        if expected is not None and (site.call_key, n) not in self.used and _same_prompt(expected, site):
-            return expected
-        others = (t for (key, i), t in sorted(self.by_key.items(), key=lambda kv: kv[0][1])
-                  if key == site.call_key and (key, i) not in self.used)
-        return next((t for t in others if _same_prompt(t, site)), None)
+    def settle(self) -> None:
+        """Once the run is over: the limit let every recorded call through before it refused one, so calls
+        refused as the limit's reproduce the truncation only if every recorded call was asked for; if not,
+        the first of them is the divergence."""
+        with self._lock:
+            if self.refused and not self.divergences and len(self.used) < len(self.by_key):
+                self.divergences.append(self.refused[0])
 
-    def _divergence(self, site: CallSite, n: int) -> Divergence:
-        turn = self.by_key.get((site.call_key, n))
-        if turn is not None and (site.call_key, n) in self.used:  # its recording went to a concurrent call
-            turn = next((t for (key, i), t in sorted(self.by_key.items())
-                         if key == site.call_key and (key, i) not in self.used), None)
-        new_prompt = render_prompt(site.messages, site.tools)
+    def _candidates(self, key: str, n: int) -> list[Turn]:
+        """The unused recorded calls of a node instance, its n-th first (concurrent calls arrive in any order)."""
+        unused = [t for (k, i), t in sorted(self.by_key.items(), key=lambda kv: kv[0][1])
+                  if k == key and (k, i) not in self.used]
+        return sorted(unused, key=lambda t: t.node_call_index != n)
+
+    def _live(self, site: CallSite, request: Request, turn: Turn) -> Request:
+        """The live request as it compares with `turn`: with its structured output if a policy served the turn."""
+        return request.with_format(site, turn.agent) if turn.trainable else request
+
+    def _same_call(self, site: CallSite, n: int, request: Request) -> Turn | None:
+        """The n-th recorded call of this node instance if its request is the same; else an unused recorded
+        call of the instance whose request is."""
+        return next((t for t in self._candidates(site.call_key, n)
+                     if self._live(site, request, t) == self.requests[(t.call_key, t.node_call_index)]), None)
+
+    def _divergence(self, site: CallSite, n: int, request: Request) -> Divergence:
+        turn = next(iter(self._candidates(site.call_key, n)), None)
         if turn is None:
             return Divergence("unrecorded_call", self.agent_of(site), site.node, site.call_key, n,
-                              _diff("", new_prompt))
-        kind = "prompt_changed" if render_prompt(turn.messages) != render_prompt(site.messages) else "tools_changed"
-        return Divergence(kind, turn.agent, site.node, site.call_key, turn.node_call_index,
-                          _diff(render_prompt(turn.messages, turn.tools), new_prompt))
+                              diff("", request.text()))
+        live, recorded = self._live(site, request, turn), self.requests[(turn.call_key, turn.node_call_index)]
+        return Divergence(live.changed(recorded), turn.agent, site.node, site.call_key, turn.node_call_index,
+                          diff(recorded.text(), live.text()))
 
     def handle(self, site: CallSite, original: Callable[[], ChatResult]) -> ChatResult:
         turn = self._match(site)
         if turn is None:
             return self.live.handle(site, _no_original(site))
-        return _recorded_answer(turn)
+        return _recorded_answer(turn, site)
 
     async def ahandle(self, site: CallSite, original: Callable[[], Any]) -> ChatResult:
         turn = self._match(site)
         if turn is None:
             return await self.live.ahandle(site, _no_original(site))
-        return _recorded_answer(turn)
+        return _recorded_answer(turn, site)
 
     def missing_calls(self) -> list[Divergence]:
         return [Divergence("missing_call", t.agent, t.node, t.call_key, t.node_call_index, "")
                 for key, t in sorted(self.by_key.items(), key=lambda kv: kv[1].index) if key not in self.used]
-
-
-def _same_prompt(turn: Turn, site: CallSite) -> bool:
-    return render_prompt(turn.messages) == render_prompt(site.messages) and (
-        [t.get("function", t) for t in turn.tools] == [t.get("function", t) for t in site.tools])
 
 
 def _no_original(site: CallSite) -> Callable[[], Any]:
@@ -229,16 +254,24 @@ def _no_original(site: CallSite) -> Callable[[], Any]:
     return refuse
 
 
-def _recorded_answer(turn: Turn) -> ChatResult:
-    """Rebuild the AIMessage the node received when the episode was recorded (Hermes tool-call markup)."""
+def _recorded_answer(turn: Turn, site: CallSite) -> ChatResult:
+    """Rebuild the AIMessage the node received when the episode was recorded (Hermes tool-call markup); for
+    structured output the same answer, or the same error, again (`_recorder._served`)."""
+    text = _cut_at_stop(turn.response_text, turn.sampling.stop if turn.sampling else ())
     content, invalid = turn.response_text, []
     if turn.trainable:
-        parsed = parse_hermes(_cut_at_stop(turn.response_text, turn.sampling.stop if turn.sampling else ()))
+        parsed = parse_hermes(text)
         content, invalid = parsed.content, parsed.invalid_tool_calls
     answer = ParsedResponse(content=content, tool_calls=[dict(c) for c in turn.tool_calls], invalid_tool_calls=invalid)
     extra: dict = {}
-    if turn.trainable and turn.response_format:  # structured output: the same answer (or the same error) again
-        answer, extra = structured_parts(turn, parse_hermes)
+    if turn.trainable and turn.response_format:
+        try:
+            answer, extra = structured_parts(turn, parse_hermes)
+        except InvalidReplyError as failure:
+            failure.turn_index = turn.index  # names the turn, as the recorder's error did
+            if RAW_BRANCH_TAG not in site.tags:
+                raise
+            answer = ParsedResponse(content=text.strip())  # include_raw=True: LangChain reports a parsing_error
     message = served_message(answer, finish=turn.finish_reason, policy_name=turn.policy,
                              policy_version=turn.policy_version, agent=turn.agent, index=turn.index,
                              n_prompt=len(turn.prompt_ids), n_response=len(turn.response_ids),
@@ -287,37 +320,71 @@ def _thread_config(run: _Run, forked: dict | None, reason: str | None) -> None:
         configurable.pop("checkpoint_id", None)
 
 
-def _finish(run: _Run, episode: Episode, final_state: Any, stopped: bool) -> ReplayResult:
+def _finish(run: _Run, episode: Episode, outcome: _Outcome, segment: int) -> ReplayResult:
     run.live.finish()
     handler = run.handler
-    stopped = stopped or ((bool(handler.divergences) or handler.ended) and not handler.continue_live)
+    handler.settle()
+    cut = bool(handler.divergences) and not handler.continue_live  # replay stopped the run at a divergence
+    stopped = outcome.stopped or cut or (handler.ended and not handler.continue_live)
+    error, error_turn = _stop_reason(run, episode, outcome.error) if outcome.error is not None else (None, None)
+    if not cut:
+        handler.divergences.extend(_outcome_changed(episode, error or (episode.truncated if handler.ended else None),
+                                                    error_turn, segment))
     if not stopped and not handler.divergences:
         handler.divergences.extend(handler.missing_calls())
-    return ReplayResult(final_state=final_state, turns=handler.turns + run.live_episode.turns,
+    return ReplayResult(final_state=outcome.final_state, turns=handler.turns + run.live_episode.turns,
                         divergences=handler.divergences, recorded=episode, stopped=stopped,
-                        wall_s=time.perf_counter() - run.start, unreproducible=run.unreproducible)
+                        wall_s=time.perf_counter() - run.start, unreproducible=run.unreproducible, error=error)
+
+
+def _stop_reason(run: _Run, episode: Episode, exc: BaseException) -> tuple[str | None, Turn | None]:
+    """How the recording words a run that raised `exc` (`_outcomes.note_stop` on the re-run's calls, in
+    recorded order), and the turn a model error names."""
+    turns = sorted(run.handler.turns, key=lambda t: t.index) + run.live_episode.turns
+    rerun = Episode(id=episode.id, task_id=episode.task_id, turns=turns)
+    note_stop(rerun, exc)
+    return rerun.stop_reason, None if rerun.model_error_turn is None else turns[rerun.model_error_turn]
+
+
+def _outcome_changed(episode: Episode, new: str | None, new_turn: Turn | None, segment: int) -> list[Divergence]:
+    """[] when the re-run ended as the recording did (`new`: how it stopped, None when it finished), else
+    the `outcome_changed` divergence. A failed recording that the re-run finishes is not one: its error may
+    come from outside the graph (a pause nobody answered, a hang, a policy's backend)."""
+    if new == episode.stop_reason or (new is None and episode.error is not None):
+        return []
+    turn = new_turn or (None if episode.model_error_turn is None else episode.turns[episode.model_error_turn])
+    where = (turn.agent, turn.node, turn.call_key, turn.node_call_index) if turn else ("", "", "", segment)
+    return [Divergence("outcome_changed", *where, diff(episode.stop_reason or "finished", new or "finished",
+                                                       "recorded outcome", "new outcome"))]
 
 
 @dataclass
 class _Outcome:
     final_state: Any = None
+    """The output of the last run that returned."""
     stopped: bool = False
-    """True when the replay stopped the run at a divergence (stop mode)."""
+    """True when the replay stopped the run (a divergence in stop mode, where a limit stopped the recording)."""
+    error: Exception | None = None
+    """What the app raised (a model error, a failure, the recursion limit): compared with the recording."""
 
 
 @contextlib.contextmanager
 def _serving(run: Any) -> Iterator[_Outcome]:
     """The block runs the graph with the replay handler answering its calls; the replay's own stop ends the
-    block quietly (`outcome.stopped`), any other exception propagates."""
+    block quietly (`outcome.stopped`), so does any exception of the app (`outcome.error`); replay's own
+    `ConfigError`s (no policy to continue live, async-only nodes) propagate."""
     outcome = _Outcome()
     token = ACTIVE_HANDLER.set(run.handler)
     run.start = time.perf_counter()
     try:
         yield outcome
     except Exception as exc:
-        if not _stopped(exc):
+        if _stopped(exc):
+            outcome.stopped = True
+        elif isinstance(exc, ConfigError):
             raise
-        outcome.stopped = True
+        else:
+            outcome.error = exc
     finally:
         ACTIVE_HANDLER.reset(token)
 
@@ -354,10 +421,10 @@ class _Runs:
         """The input of the next run once run k stopped at `pending`; `_END` when the replay is done."""
         recorded = self.segments[self.k]
         live = pending.records if pending is not None else []
-        if _interrupts_text(recorded.interrupts) != _interrupts_text(live):
+        if interrupts_text(recorded.interrupts) != interrupts_text(live):
             d = Divergence("interrupt_changed", "", (list(recorded.interrupts) or live or [{"node": ""}])[0]["node"],
-                           "", self.k, _diff(_interrupts_text(recorded.interrupts), _interrupts_text(live),
-                                             "recorded interrupts", "new interrupts"))
+                           "", self.k, diff(interrupts_text(recorded.interrupts), interrupts_text(live),
+                                            "recorded interrupts", "new interrupts"))
             self.run.handler.divergences.append(d)
             if not self.run.handler.continue_live:
                 raise _StopReplay(str(d))
@@ -367,12 +434,6 @@ class _Runs:
         self.k += 1
         self.run.live.segment = self.k
         return _translated(self.segments[self.k], recorded.interrupts, live)
-
-
-def _interrupts_text(records: Sequence[Mapping[str, Any]]) -> str:
-    """Interrupts as lines of node and value (ids differ from thread to thread: they are left out)."""
-    return "\n".join(f"{r['node']}: {json.dumps(comparable(r['value']), sort_keys=True, default=repr)}"
-                     for r in records)
 
 
 def _translated(segment: Segment, recorded: Sequence[Mapping[str, Any]], live: Sequence[Mapping[str, Any]]) -> Any:
@@ -395,14 +456,13 @@ def replay_episode(graph: Any, episode: Episode, *, policies: Mapping[str, Polic
     start = None if _own_thread(run) else episode.metadata.get("thread_start")
     _thread_config(run, *_threads.fork_config(run.app.graph, start))
     with _serving(run) as outcome:
-        output = run.app.graph.invoke(episode.input, run.config or None)
+        outcome.final_state = run.app.graph.invoke(episode.input, run.config or None)
         while runs.recorded:
-            nxt = runs.after(_segments.pending_interrupts(run.app.graph, run.config, output))
+            nxt = runs.after(_segments.pending_interrupts(run.app.graph, run.config, outcome.final_state))
             if nxt is _END:
                 break
-            output = run.app.graph.invoke(nxt, run.config)
-        outcome.final_state = output
-    return _finish(run, episode, outcome.final_state, outcome.stopped)
+            outcome.final_state = run.app.graph.invoke(nxt, run.config)
+    return _finish(run, episode, outcome, runs.k)
 
 
 async def areplay_episode(graph: Any, episode: Episode, *, policies: Mapping[str, Policy] | None = None,
@@ -415,14 +475,13 @@ async def areplay_episode(graph: Any, episode: Episode, *, policies: Mapping[str
     start = None if _own_thread(run) else episode.metadata.get("thread_start")
     _thread_config(run, *await _threads.afork_config(run.app.graph, start))
     with _serving(run) as outcome:
-        output = await run.app.graph.ainvoke(episode.input, run.config or None)
+        outcome.final_state = await run.app.graph.ainvoke(episode.input, run.config or None)
         while runs.recorded:
-            nxt = runs.after(await _segments.apending_interrupts(run.app.graph, run.config, output))
+            nxt = runs.after(await _segments.apending_interrupts(run.app.graph, run.config, outcome.final_state))
             if nxt is _END:
                 break
-            output = await run.app.graph.ainvoke(nxt, run.config)
-        outcome.final_state = output
-    return _finish(run, episode, outcome.final_state, outcome.stopped)
+            outcome.final_state = await run.app.graph.ainvoke(nxt, run.config)
+    return _finish(run, episode, outcome, runs.k)
 
 
 def _load(store_or_path: Any, episode_id: str) -> Episode:
@@ -485,60 +544,3 @@ def _caused_by(exc: BaseException, kind: type) -> bool:
         seen.add(id(exc))
         exc = exc.__cause__ or exc.__context__
     return False
-
-
-_GENERATED_ID_KEYS = frozenset({"id", "tool_call_id"})
-"""Keys inside a message whose values are drawn at random: the message id (LangGraph's add_messages
-reducer, LangChain's run ids), tool-call ids (drawn by parsers and by third-party code such as
-langgraph-supervisor's handoff messages) and the ToolMessage's reference to one."""
-
-
-def comparable(value: Any) -> Any:
-    """A JSON-like form of a graph state for equality, up to generated ids: inside LangChain messages, every
-    id (message id, tool-call id, a ToolMessage's tool_call_id) is renamed '<id:k>' in order of first
-    appearance, and so is the id of every LangGraph `Interrupt` (compared by value; a stored one is a dict).
-    The renaming is consistent, so a ToolMessage still has to answer the same tool call as in the recording,
-    while two runs that drew different uuids compare equal. Dataclasses compare as their fields."""
-    return _Canonical().walk(value, in_message=False)
-
-
-class _Canonical:
-    def __init__(self) -> None:
-        self.names: dict[str, str] = {}
-
-    def rename(self, generated: str) -> str:
-        return self.names.setdefault(generated, f"<id:{len(self.names)}>")
-
-    def walk(self, value: Any, in_message: bool) -> Any:
-        if isinstance(value, BaseMessage):
-            return {"__message__": self.walk(value.model_dump(), in_message=True)}
-        if isinstance(value, Interrupt):
-            return self.interrupt(value.value, value.id)
-        if isinstance(value, Mapping):
-            if len(value) == 1 and "__message__" in value:  # a message stored as data (see _serde)
-                return {"__message__": self.walk(value["__message__"], in_message=True)}
-            return {str(k): self.entry(k, v, in_message) for k, v in value.items()}
-        if isinstance(value, (list, tuple)):
-            return [self.walk(v, in_message) for v in value]
-        if hasattr(value, "model_dump") and not isinstance(value, type):
-            return self.walk(value.model_dump(), in_message)
-        if dataclasses.is_dataclass(value) and not isinstance(value, type):  # stored as its fields (see _serde)
-            return self.walk({f.name: getattr(value, f.name) for f in dataclasses.fields(value)}, in_message)
-        return value
-
-    def entry(self, key: Any, value: Any, in_message: bool) -> Any:
-        if in_message and key in _GENERATED_ID_KEYS and isinstance(value, str):
-            return self.rename(value)
-        if key == "__interrupt__" and isinstance(value, (list, tuple)):  # a run that stopped at interrupt()
-            return [self.interrupt(i.get("value"), i.get("id")) if isinstance(i, Mapping) else self.walk(i, in_message)
-                    for i in value]
-        return self.walk(value, in_message)
-
-    def interrupt(self, value: Any, interrupt_id: Any) -> dict[str, Any]:
-        """An interrupt by value: its id hashes the task's checkpoint namespace, new on every thread."""
-        return {"value": self.walk(value, False),
-                "id": self.rename(interrupt_id) if isinstance(interrupt_id, str) else interrupt_id}
-
-
-def _state_text(state: Any) -> str:
-    return json.dumps(comparable(state), indent=1, sort_keys=True, default=repr, ensure_ascii=False)
