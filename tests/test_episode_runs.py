@@ -2,6 +2,7 @@
 an interrupt with None, and the node threads' busy count (review 4: m, u, v, d)."""
 
 import asyncio
+import datetime
 import threading
 import time
 
@@ -328,3 +329,20 @@ def test_a_resume_command_with_pair_updates_and_a_send_replays_from_the_store(tm
         assert store.load_episode(episode.id).segments == episode.segments
     result = replay(graph, tmp_path / "t.db", episode.id)
     assert result.divergences == [] and result.state_matches and [t.segment for t in result.turns] == [0, 1, 2]
+
+
+def test_replay_names_a_later_run_whose_input_was_stored_as_its_repr_and_needs_a_real_saver(tmp_path):
+    """A resume value with no JSON form (a datetime: the checkpointer keeps it, the trace store its repr) is stored as its repr: replay says the run it started is not reproducible
+    (before: only the episode's first input was checked, so the replay claimed to be exact). A graph compiled
+    with checkpointer=False cannot replay a multi-run episode: a clear ConfigError, as without a checkpointer."""
+    graph = approve_graph(Unreachable(), final_calls=1)
+    with TraceStore(tmp_path / "t.db") as store:
+        episode = instrument(graph, _policies(), strict=True, store=store).rollout(
+            {"messages": [HumanMessage("write")]}, thread("t1"), resume=lambda ep, its: Command(resume=datetime.datetime(2026, 12, 2)))
+    assert [s.kind for s in episode.segments] == ["start", "resume"]
+    result = replay(graph, tmp_path / "t.db", episode.id)
+    assert result.unreproducible == ("the input of run 1 (resume) had no JSON form and was stored as its repr; "
+                                     "replay ran on that repr")
+    no_saver = approve_graph(Unreachable(), final_calls=1).builder.compile(checkpointer=False)
+    with pytest.raises(ConfigError, match="2 runs of one thread.*needs the graph compiled with a checkpointer"):
+        replay(no_saver, tmp_path / "t.db", episode.id)

@@ -39,7 +39,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import json
 import threading
 import time
 import uuid
@@ -60,6 +59,7 @@ from drmas_graph.instrumentation._recorder import RAW_BRANCH_TAG
 from drmas_graph.instrumentation.instrumented import InstrumentedGraph, _cut_at_stop, _EpisodeRecorder, served_message
 from drmas_graph.instrumentation.instrumented import structured_parts
 from drmas_graph.policy import Policy
+from drmas_graph.traces import _serde
 from drmas_graph.traces._compare import Request, comparable, diff, interrupts_text, render_prompt, state_text
 from drmas_graph.types import Episode, Segment, Turn
 
@@ -314,7 +314,7 @@ def _own_thread(run: _Run) -> bool:
 def _thread_config(run: _Run, forked: dict | None, reason: str | None) -> None:
     """Run on the copy of the recorded thread start, else on a fresh thread (never the recorded one)."""
     run.unreproducible = run.unreproducible or reason
-    if getattr(run.app.graph, "checkpointer", None) and not _own_thread(run):
+    if _threads._checkpointer(run.app.graph) is not None and not _own_thread(run):
         configurable = run.config.setdefault("configurable", {})
         configurable.update(forked or {"thread_id": f"replay-{uuid.uuid4().hex}"})
         configurable.pop("checkpoint_id", None)
@@ -407,7 +407,7 @@ class _Runs:
 
     def __init__(self, run: _Run, episode: Episode) -> None:
         self.run, self.segments, self.k = run, episode.segments, 0
-        if len(self.segments) > 1 and getattr(run.app.graph, "checkpointer", None) is None:
+        if len(self.segments) > 1 and _threads._checkpointer(run.app.graph) is None:
             raise ConfigError(f"episode {episode.id} is {len(self.segments)} runs of one thread (interrupts answered "
                               "or a conversation continued); replaying it needs the graph compiled with a "
                               "checkpointer (e.g. compile(checkpointer=InMemorySaver()))")
@@ -529,10 +529,13 @@ async def areplay(graph: Any, store_or_path: Any, episode_id: str, *, policies: 
 
 
 def _unstorable_input(episode: Episode) -> str | None:
-    """Why the stored input cannot be replayed (a value with no JSON form, e.g. `Command(resume=...)`)."""
-    if '"__unserializable__"' in json.dumps(episode.input, default=str):
-        return ("the episode's input had no JSON form and was stored as its repr (e.g. a Command resuming an "
-                "interrupt); replay ran on that repr")
+    """Why a stored input cannot be replayed (a value with no JSON form, stored as its repr): the episode's
+    input, or the input of a later run (`Segment.input`)."""
+    inputs = [("the episode's input", episode.input)]
+    inputs += [(f"the input of run {k} ({s.kind})", s.input) for k, s in enumerate(episode.segments) if k > 0]
+    for what, value in inputs:
+        if '"__unserializable__"' in _serde.to_json(value, what):
+            return f"{what} had no JSON form and was stored as its repr; replay ran on that repr"
     return None
 
 
