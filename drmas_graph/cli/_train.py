@@ -2,6 +2,7 @@
 
     drmas-graph train CONFIG.yaml [--set key.sub=value ...]
     drmas-graph eval CONFIG.yaml [--checkpoint DIR] [--split test] [--k 16] [--n-tasks N] [--set ...]
+    drmas-graph check CONFIG.yaml [--groups N] [--set ...]
     drmas-graph config-doc
 """
 
@@ -72,6 +73,13 @@ def add_train_commands(groups: Any) -> None:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
     p.set_defaults(func=_cmd_eval)
 
+    p = groups.add_parser("check", help="preflight before training: do the base models' groups get different "
+                          "rewards (a learning signal)?")
+    p.add_argument("config", type=Path, help="the YAML training config")
+    p.add_argument("--groups", type=int, default=4, help="groups (tasks) to roll out, group_size episodes each")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
+    p.set_defaults(func=_cmd_check)
+
     p = groups.add_parser("config-doc", help="every training config field with its default and meaning")
     p.set_defaults(func=_cmd_config_doc)
 
@@ -136,6 +144,26 @@ def _cmd_eval(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def _cmd_check(args: argparse.Namespace, console: Console) -> int:
+    from drmas_graph.train._check import NO_SIGNAL_EXIT, preflight
+    from drmas_graph.train.trainer import Trainer
+
+    if args.groups < 1:
+        raise ConfigError(f"--groups must be at least 1 (got {args.groups})")
+    cfg = load_config(args.config, args.set)
+    cfg.run_dir = str(numbered_dir(Path(cfg.run_dir) / "check", f"base-g{args.groups}"))
+    graph, env = build_graph_and_env(cfg)
+    trainer = Trainer(graph, env, cfg, train=False)
+    try:
+        report = preflight(trainer, args.groups)
+    finally:
+        trainer.close()
+    for line in report.lines():
+        console.print(line, markup=False)
+    console.print(f"episodes: {cfg.run_dir}", markup=False)
+    return 0 if report.has_signal else NO_SIGNAL_EXIT
+
+
 def point_at_checkpoint(cfg: TrainConfig, checkpoint: Path) -> list[str]:
     """Point every trainable full model whose weights the checkpoint holds (``<checkpoint>/<model>/model``) at
     them, in place; return their names. LoRA models keep their base (their adapters load into the trainer)."""
@@ -159,8 +187,11 @@ def attached_servers(cfg: TrainConfig, names: list[str]) -> list[str]:
 def eval_dir(run_dir: Path, checkpoint: Path | None, split: str, k: int) -> Path:
     """A new folder per `drmas-graph eval`: run_dir/eval/<checkpoint|base>-<split>-k<k>[-2, -3, ...] (each with its
     own traces.db and config.yaml, so evaluations with other settings never collide)."""
-    label = f"{checkpoint.name if checkpoint is not None else 'base'}-{split}-k{k}"
-    root = run_dir / "eval"
+    return numbered_dir(run_dir / "eval", f"{checkpoint.name if checkpoint is not None else 'base'}-{split}-k{k}")
+
+
+def numbered_dir(root: Path, label: str) -> Path:
+    """root/label, or root/label-2, -3, ... when it exists."""
     path, n = root / label, 1
     while path.exists():
         n += 1

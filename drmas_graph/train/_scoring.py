@@ -7,7 +7,8 @@
 - `samples_with_advantages`: advantages of every policy-served turn (`compute_advantages`, estimator by name)
   and one `Sample` per turn of a trained agent.
 - `step_record`: the metrics of one training step, per agent (truncated and model-error episodes and their
-  share of the samples included); `unfinished_warning`: one line when most episodes did not finish.
+  share of the samples included); `unfinished_warning`: one line when most episodes did not finish;
+  `ZeroSignalWatch`: one line when most advantage pools had zero variance for several steps in a row.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from drmas_graph.train.metrics import mean_std
 from drmas_graph.types import Episode, Sample
 
 __all__ = ["score_runs", "masked", "samples_with_advantages", "step_record", "unfinished_metrics",
-           "unfinished_warning", "nothing_to_train"]
+           "unfinished_warning", "nothing_to_train", "ZeroSignalWatch"]
 
 log = logging.getLogger(__name__)
 
@@ -162,6 +163,32 @@ def unfinished_warning(record: dict[str, Any], n_episodes: int) -> str | None:
     return (f"step {record['step']}: {truncated + model_errors} of {n_episodes} episodes did not finish: "
             + "; ".join(parts) + ". They are trained on with rollout.truncated_reward / rollout.model_error_reward "
             "(metrics truncated_episodes, model_error_episodes)")
+
+
+class ZeroSignalWatch:
+    """Warns when more than half of the advantage pools (`adv/zero_variance_pools` of `adv/pools`) had zero
+    variance for `patience` consecutive steps: those groups train on nothing. Once per streak."""
+
+    def __init__(self, patience: int = 3) -> None:
+        self.patience = patience
+        self.streak: list[tuple[int, int, int]] = []
+        """(step, zero-variance pools, pools) of the current streak of mostly-zero-variance steps."""
+
+    def observe(self, record: dict[str, Any]) -> str | None:
+        """Take a step's record; return the warning on the step that completes `patience` such steps in a row."""
+        zero, pools = int(record.get("adv/zero_variance_pools", 0)), int(record.get("adv/pools", 0))
+        if not pools or zero <= pools / 2:
+            self.streak = []
+            return None
+        self.streak.append((record["step"], zero, pools))
+        if len(self.streak) != self.patience:
+            return None
+        shares = ", ".join(f"step {s}: {z}/{p}" for s, z, p in self.streak)
+        return (f"most advantage pools had zero variance (every episode of the group got the same reward, so the "
+                f"group teaches nothing) for {self.patience} steps in a row ({shares}; metric "
+                "adv/zero_variance_pools): the tasks are too easy or too hard for the model, or the reward does "
+                "not tell answers apart. Change the prompt, the task difficulty or the reward (partial credit), or "
+                "raise group_size; `drmas-graph check` shows the reward spread per agent")
 
 
 def nothing_to_train(step: int, n: int, errors: Sequence[BaseException], run_dir: Path) -> RolloutError:

@@ -147,6 +147,8 @@ class Trainer:
         self.reward_errors: list[BadRewardError] = []
         """Errors of the bad-reward episodes of the last step's scoring."""
         self._reward_raise_logged = False
+        self.zero_signal = _scoring.ZeroSignalWatch()
+        """Warns when most advantage pools had zero variance for several steps in a row."""
         self.episode_slots = EpisodeSlots(cfg.max_concurrency)
         """`max_concurrency`: episodes in flight in this process, over every step rolling out (free schedule)."""
         if train:  # under torchrun / deepspeed: whole groups per rank (evaluation shards tasks, any number)
@@ -273,11 +275,16 @@ class Trainer:
             yield step, record
 
     def batch_tasks(self, step: int) -> list[Any]:
-        """Tasks of a step: position p = step * B + i in an endless sequence of seeded shuffles of the split."""
-        n, out = len(self.train_tasks), []
-        for p in range(step * self.cfg.tasks_per_step, (step + 1) * self.cfg.tasks_per_step):
-            epoch, i = divmod(p, n)
-            order = list(range(n))
+        """Tasks of a step: positions step * B ... step * B + B - 1 of `task_order`."""
+        return self.task_order(step * self.cfg.tasks_per_step, self.cfg.tasks_per_step)
+
+    def task_order(self, start: int, n: int) -> list[Any]:
+        """The training tasks at positions start ... start + n - 1 of an endless sequence of seeded shuffles of
+        the split."""
+        n_tasks, out = len(self.train_tasks), []
+        for p in range(start, start + n):
+            epoch, i = divmod(p, n_tasks)
+            order = list(range(n_tasks))
             random.Random(f"{self.cfg.seed}:{epoch}").shuffle(order)
             out.append(self.train_tasks[order[i]])
         return out
@@ -334,9 +341,9 @@ class Trainer:
             self.publish(step)
         record = _scoring.step_record(step, list(self.agent_policies), scored, counts, adv_stats, update_metrics,
                                       (t0, t1, t2, t3), sync_s)
-        warning = _scoring.unfinished_warning(record, batch.n_episodes)
-        if warning is not None and _distributed.is_main():
-            log.warning(warning)
+        for warning in (_scoring.unfinished_warning(record, batch.n_episodes), self.zero_signal.observe(record)):
+            if warning is not None and _distributed.is_main():
+                log.warning(warning)
         return record
 
     def publish(self, step: int, trained: Sequence[Episode] = ()) -> None:

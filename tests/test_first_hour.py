@@ -1,0 +1,63 @@
+"""A user's first hour with their own app (issue 33): the `check` preflight, the zero-signal training warning,
+what evaluation shows of the agents' replies, reproducible checkpoint evaluation, CLI errors with CLI fixes."""
+
+import json
+import logging
+
+import pytest
+
+from drmas_graph.cli import main
+from tests._envs import ParityEnv
+from tests.test_cli_train import write_config
+
+
+class ConstantEnv(ParityEnv):
+    """Every episode gets reward 1: no group has a learning signal."""
+
+    def reward(self, task, episode):
+        return 1.0
+
+
+def test_check_reports_the_reward_spread_per_agent(tmp_path, capsys):
+    cfg = write_config(tmp_path, env_kwargs={"n_train": 4, "n_test": 2, "per_agent": True})
+    assert main(["check", str(cfg), "--groups", "3", "--set", "group_size=4"]) == 0
+    out = capsys.readouterr().out
+    assert "3 groups x 4 episodes on the base models: 12 scored" in out
+    rows = {line.split()[0]: line.split() for line in out.splitlines() if line.startswith(("solver ", "verifier "))}
+    # per agent: rewards are 0/1 (solver) and 1 - solver's (verifier); max_new_tokens 4 cuts every reply
+    assert rows["solver"][3:5] == ["0.000", "1.000"] and rows["verifier"][3:5] == ["0.000", "1.000"]
+    assert float(rows["solver"][1]) + float(rows["verifier"][1]) == pytest.approx(1.0)
+    assert rows["solver"][8] == "100%"  # cut off
+    assert "sample reply of solver: '" in out and "sample reply of verifier: '" in out
+    assert str(tmp_path / "run" / "check" / "base-g3") in out
+    assert not (tmp_path / "run" / "traces.db").exists()  # the run folder stays free for training
+
+
+def test_check_without_any_learning_signal_exits_3_and_says_what_to_change(tmp_path, capsys):
+    cfg = write_config(tmp_path, env="tests.test_first_hour:ConstantEnv")
+    assert main(["check", str(cfg)]) == 3
+    out = capsys.readouterr().out
+    assert "0 of 8 advantage pools with a learning signal" in out  # 4 groups x 2 agents (estimator agent)
+    assert "4 of 4 groups give agent 'solver' no learning signal" in out
+    assert "change the prompt" in out and "graded" in out and "no group has any learning signal" in out
+
+
+def test_zero_signal_watch_warns_once_after_three_mostly_zero_variance_steps():
+    from drmas_graph.train._scoring import ZeroSignalWatch
+
+    watch = ZeroSignalWatch()
+    records = [(0, 3, 4), (1, 4, 4), (2, 2, 4), (3, 3, 4), (4, 4, 4), (5, 4, 4), (6, 4, 4)]  # step 2: half, not most
+    out = [watch.observe({"step": s, "adv/zero_variance_pools": z, "adv/pools": p}) for s, z, p in records]
+    assert [i for i, w in enumerate(out) if w is not None] == [5]
+    assert "for 3 steps in a row (step 3: 3/4, step 4: 4/4, step 5: 4/4;" in out[5]
+    assert "Change the prompt, the task difficulty or the reward" in out[5]
+
+
+def test_training_warns_when_most_pools_teach_nothing(tmp_path, caplog):
+    cfg = write_config(tmp_path, env="tests.test_first_hour:ConstantEnv", eval={"k": 1, "n_tasks": 1,
+                                                                                   "before_training": False})
+    with caplog.at_level(logging.WARNING, logger="drmas_graph.train.trainer"):
+        assert main(["train", str(cfg), "--set", "steps=3"]) == 0
+    warnings = [r.getMessage() for r in caplog.records if "zero variance" in r.getMessage()]
+    assert len(warnings) == 1
+    assert "(step 0: 4/4, step 1: 4/4, step 2: 4/4; metric adv/zero_variance_pools)" in warnings[0]
