@@ -61,3 +61,52 @@ def test_training_warns_when_most_pools_teach_nothing(tmp_path, caplog):
     warnings = [r.getMessage() for r in caplog.records if "zero variance" in r.getMessage()]
     assert len(warnings) == 1
     assert "(step 0: 4/4, step 1: 4/4, step 2: 4/4; metric adv/zero_variance_pools)" in warnings[0]
+
+
+def _evals(run):
+    return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if "eval/avg@k" in x]
+
+
+def test_evaluation_shows_and_stores_the_agents_most_frequent_replies(tmp_path, capsys):
+    cfg = write_config(tmp_path)
+    assert main(["train", str(cfg)]) == 0  # k 2 x 2 tasks: 4 replies per agent and evaluation
+    out = capsys.readouterr().out
+    evals = _evals(tmp_path / "run")
+    assert [e["step"] for e in evals] == [0, 1]
+    for agent in ("solver", "verifier"):
+        top = evals[-1][f"eval/{agent}/top_replies"]
+        assert sum(r["count"] for r in top) == 4 and all(set(r) == {"reply", "count", "reward"} for r in top)
+        # every reply is listed (4 <= 5), so their rewards average to the agent's evaluation reward
+        assert sum(r["count"] * r["reward"] for r in top) / 4 == pytest.approx(evals[-1][f"eval/{agent}/reward"])
+        assert f"most frequent replies of {agent} (step 1, test):" in out
+        assert f"x  reward {top[0]['reward']:.2f}  {top[0]['reply']!r}" in out
+
+
+def test_top_replies_normalizes_cuts_and_counts():
+    from drmas_graph.train.evaluate import top_replies
+
+    long = "x" * 100
+    top = top_replies([("a", " The answer\n is 4. ", 1.0), ("a", "The answer is 4.", 0.0), ("a", "No", 0.5),
+                       ("a", long, 0.25), ("b", "ok", 1.0)])
+    assert top == {"a": [{"reply": "The answer is 4.", "count": 2, "reward": 0.5},
+                         {"reply": "No", "count": 1, "reward": 0.5},
+                         {"reply": "x" * 80 + "...", "count": 1, "reward": 0.25}],
+                   "b": [{"reply": "ok", "count": 1, "reward": 1.0}]}
+
+
+def test_eval_episodes_store_their_rewards(tmp_path, capsys):
+    from drmas_graph.traces.store import TraceStore
+
+    cfg = write_config(tmp_path, env_kwargs={"n_train": 4, "n_test": 2, "per_agent": True})
+    assert main(["eval", str(cfg), "--k", "2"]) == 0
+    folder = tmp_path / "run" / "eval" / "base-test-k2"
+    record = json.loads((folder / "eval.json").read_text())
+    with TraceStore(folder / "traces.db", readonly=True) as store:
+        episodes = store.episodes()
+        assert len(episodes) == 4 and all(e.step is None for e in episodes)  # never trained
+        # per-agent rewards: the verifier's is 1 - the solver's (ParityEnv per_agent), the episode's their mean
+        assert all(e.rewards["verifier"] == 1.0 - e.rewards["solver"] and e.reward == 0.5 for e in episodes)
+        solver = sum(e.rewards["solver"] for e in episodes) / 4
+    assert record["solver/reward"] == pytest.approx(solver) and record["split"] == "test"
+    assert sum(r["count"] for r in record["solver/top_replies"]) == 4
+    assert "most frequent replies of solver (step 0, test):" in capsys.readouterr().out

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import json
 from pathlib import Path
 from typing import Any
 
@@ -104,6 +105,7 @@ def _cmd_train(args: argparse.Namespace, console: Console) -> int:
 def _cmd_eval(args: argparse.Namespace, console: Console) -> int:
     from drmas_graph.train.lora import load_checkpoint_adapters
     from drmas_graph.train import _distributed
+    from drmas_graph.train.evaluate import reply_lines
     from drmas_graph.train.trainer import Trainer, evaluate
 
     overrides = list(args.set)
@@ -137,10 +139,13 @@ def _cmd_eval(args: argparse.Namespace, console: Console) -> int:
     for col in ("metric", "value"):
         table.add_column(col)
     for key, value in record.items():
-        if key not in ("step", "split"):
+        if key not in ("step", "split") and not key.endswith("/top_replies"):
             table.add_row(key.replace("@k", f"@{record['k']}"), f"{value:.3f}" if isinstance(value, float) else str(value))
     console.print(table)
-    console.print(f"episodes and config: {cfg.run_dir}", markup=False)
+    for line in reply_lines(record):
+        console.print(line, markup=False)
+    (Path(cfg.run_dir) / "eval.json").write_text(json.dumps(record, indent=1) + "\n")
+    console.print(f"episodes, config and results (eval.json): {cfg.run_dir}", markup=False)
     return 0
 
 

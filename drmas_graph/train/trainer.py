@@ -56,7 +56,7 @@ from drmas_graph.train._rollouts import (
     group_ids,
     run_episodes,
 )
-from drmas_graph.train.evaluate import evaluate
+from drmas_graph.train.evaluate import evaluate, reply_lines
 from drmas_graph.train.metrics import RunLogger
 from drmas_graph.types import Episode, Sample
 
@@ -93,6 +93,7 @@ class TrainResult:
             for metric in ("avg@k", "pass@k"):
                 name = metric.replace("k", str(k))
                 lines.append(f"{'  ' + name:<28}{first[metric]:>12.3f}{last[metric]:>12.3f}")
+            lines += reply_lines(last)
         if self.history:
             first, last = self.history[0], self.history[-1]
             lines.append(f"{'training reward (team)':<28}{'step ' + str(first['step']):>12}{'step ' + str(last['step']):>12}")
