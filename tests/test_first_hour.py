@@ -110,3 +110,27 @@ def test_eval_episodes_store_their_rewards(tmp_path, capsys):
     assert record["solver/reward"] == pytest.approx(solver) and record["split"] == "test"
     assert sum(r["count"] for r in record["solver/top_replies"]) == 4
     assert "most frequent replies of solver (step 0, test):" in capsys.readouterr().out
+
+
+def test_a_success_threshold_above_every_team_reward_warns_once_with_the_numbers(tmp_path, caplog):
+    # per agent: the verifier gets 1 - the solver's reward, so every team reward is their mean, 0.5 < 1.0
+    cfg = write_config(tmp_path, env_kwargs={"n_train": 4, "n_test": 2, "per_agent": True})
+    with caplog.at_level(logging.WARNING, logger="drmas_graph.train.evaluate"):
+        assert main(["train", str(cfg)]) == 0  # evaluations at steps 0 and 1
+    warnings = [r.getMessage() for r in caplog.records if "success_threshold" in r.getMessage()]
+    assert warnings == [
+        "success_threshold 1 is above every team reward of the evaluation at step 0 (4 episodes, highest 0.5, "
+        "lowest 0.5; a per-agent reward dict counts as the mean of the agents' rewards): avg@k and pass@k stay 0. "
+        "Set success_threshold to the team reward of a success, or give the environment an is_success(task, "
+        "episode) method"]
+    assert [e["eval/avg@k"] for e in _evals(tmp_path / "run")] == [0.0, 0.0]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="drmas_graph.train.evaluate"):
+        assert main(["eval", str(cfg), "--set", "success_threshold=0.5"]) == 0
+    assert not [r for r in caplog.records if "success_threshold" in r.getMessage()]
+
+
+def test_the_env_protocol_documents_how_a_reward_dict_becomes_the_team_reward():
+    from drmas_graph.env import Env
+
+    assert "The team reward of a per-agent dict is the mean of the agents' rewards" in Env.reward.__doc__

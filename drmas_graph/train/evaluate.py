@@ -11,6 +11,7 @@ and the counts are merged; the rollouts a caller asks for (rank 0's Weave export
 
 from __future__ import annotations
 
+import logging
 from collections import Counter, defaultdict
 from typing import Any
 
@@ -19,6 +20,8 @@ from drmas_graph.traces.weave_export import evaluation_episode
 from drmas_graph.train import _distributed
 
 __all__ = ["evaluate", "top_replies", "reply_lines"]
+
+log = logging.getLogger(__name__)
 
 TOP_REPLIES = 5
 """How many of an agent's most frequent replies an evaluation record keeps."""
@@ -49,6 +52,7 @@ def evaluate(trainer: Any, *, step: int, split: str | None = None,
     successes: dict[str, list[bool]] = {t.id: [] for t in tasks}
     per_agent: dict[str, dict[str, list[float]]] = {}
     replies: list[tuple[str, str, float]] = []  # (agent, reply, turn reward) of every scored turn
+    teams: list[float] = []  # team reward of every scored episode
     for task, episode in runs:
         try:
             score = score_episode(trainer.env, task, episode, invalid_penalty=trainer.invalid_penalty,
@@ -59,6 +63,7 @@ def evaluate(trainer: Any, *, step: int, split: str | None = None,
                 local.append((task, episode, None, False))
             continue
         trainer.store.update_training(episode.id, step=None, rewards=score.rewards, turn_rewards=score.turn_rewards)
+        teams.append(score.team)
         successes[task.id].append(is_success(trainer.env, task, episode, score, trainer.cfg.success_threshold))
         if local is not None:
             local.append((task, episode, score, successes[task.id][-1]))
@@ -86,7 +91,23 @@ def evaluate(trainer: Any, *, step: int, split: str | None = None,
         record[f"{agent}/response_length"] = sum(stats["len"]) / n
     for agent, top in top_replies([r for part in _distributed.gather(replies) for r in part]).items():
         record[f"{agent}/top_replies"] = top
+    _check_threshold(trainer, [t for part in _distributed.gather(teams) for t in part], record)
     return record
+
+
+def _check_threshold(trainer: Any, teams: list[float], record: dict[str, Any]) -> None:
+    """Warn once per trainer when `success_threshold` is above every team reward of an evaluation (without
+    `env.is_success`, avg@k and pass@k then stay 0 whatever the policies learn)."""
+    threshold = trainer.cfg.success_threshold
+    if (not teams or max(teams) >= threshold or getattr(trainer.env, "is_success", None) is not None
+            or getattr(trainer, "threshold_warned", False) or not _distributed.is_main()):
+        return
+    trainer.threshold_warned = True
+    log.warning("success_threshold %g is above every team reward of the evaluation at step %d (%d episodes, "
+                "highest %g, lowest %g; a per-agent reward dict counts as the mean of the agents' rewards): "
+                "avg@k and pass@k stay 0. Set success_threshold to the team reward of a success, or give the "
+                "environment an is_success(task, episode) method", threshold, record["step"], len(teams),
+                max(teams), min(teams))
 
 
 def top_replies(replies: list[tuple[str, str, float]], n: int = TOP_REPLIES) -> dict[str, list[dict[str, Any]]]:

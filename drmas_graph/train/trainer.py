@@ -148,6 +148,8 @@ class Trainer:
         self.reward_errors: list[BadRewardError] = []
         """Errors of the bad-reward episodes of the last step's scoring."""
         self._reward_raise_logged = False
+        self.threshold_warned = False
+        """Whether an evaluation warned that success_threshold is above every team reward (`evaluate`; once)."""
         self.zero_signal = _scoring.ZeroSignalWatch()
         """Warns when most advantage pools had zero variance for several steps in a row."""
         self.episode_slots = EpisodeSlots(cfg.max_concurrency)
