@@ -134,3 +134,17 @@ def test_the_env_protocol_documents_how_a_reward_dict_becomes_the_team_reward():
     from drmas_graph.env import Env
 
     assert "The team reward of a per-agent dict is the mean of the agents' rewards" in Env.reward.__doc__
+
+
+def test_eval_of_a_checkpoint_reproduces_the_runs_own_evaluation_of_that_step(tmp_path, capsys):
+    cfg = write_config(tmp_path, eval={"k": 4, "n_tasks": 2, "temperature": 1.0, "top_p": 1.0})
+    assert main(["train", str(cfg), "--set", "steps=2"]) == 0
+    final = {k.removeprefix("eval/"): v for k, v in _evals(tmp_path / "run")[-1].items() if k != "time"}
+    assert final["step"] == 2
+    ckpt = tmp_path / "run" / "checkpoints" / "step_000002"
+    assert main(["eval", str(cfg), "--checkpoint", str(ckpt)]) == 0
+    record = json.loads((tmp_path / "run" / "eval" / "step_000002-test-k4" / "eval.json").read_text())
+    assert record == final  # avg@k, pass@k, per-agent rewards, lengths and the very replies
+    assert "(step 2, test)" in capsys.readouterr().out
+    base = _evals(tmp_path / "run")[0]
+    assert record["solver/top_replies"] != base["eval/solver/top_replies"]  # not a coincidence of equal seeds

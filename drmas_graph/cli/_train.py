@@ -103,6 +103,7 @@ def _cmd_train(args: argparse.Namespace, console: Console) -> int:
 
 
 def _cmd_eval(args: argparse.Namespace, console: Console) -> int:
+    from drmas_graph.train._checkpoints import checkpoint_step
     from drmas_graph.train.lora import load_checkpoint_adapters
     from drmas_graph.train import _distributed
     from drmas_graph.train.evaluate import reply_lines
@@ -127,7 +128,9 @@ def _cmd_eval(args: argparse.Namespace, console: Console) -> int:
                 mc = cfg.models[name]
                 console.print(f"model {name}: loaded {mc.path} into its servers {', '.join(mc.serve.urls)} (they keep "
                               "serving it after this evaluation)", markup=False)
-        record = evaluate(trainer, step=0, split=args.split)  # sharded over the processes of a launcher
+        # a checkpoint samples with the seeds of its step's evaluation: it reproduces the run's own
+        step = checkpoint_step(args.checkpoint) if args.checkpoint is not None else 0
+        record = evaluate(trainer, step=step, split=args.split)  # sharded over the processes of a launcher
         _distributed.remove_rank_stores(trainer.run_dir, trainer.store.close)
         main = _distributed.is_main()
     finally:

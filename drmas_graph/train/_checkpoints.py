@@ -17,11 +17,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from drmas_graph.errors import ConfigError
 from drmas_graph.train import _distributed
 from drmas_graph.train._build import is_served
 from drmas_graph.train.lora import save_for_sync
 
-__all__ = ["save_checkpoint", "resume", "push_weights", "load_into_servers", "sync_dir"]
+__all__ = ["save_checkpoint", "resume", "checkpoint_step", "push_weights", "load_into_servers", "sync_dir"]
 
 
 def save_checkpoint(trainer: Any, step: int) -> Path:
@@ -73,6 +74,15 @@ def resume(trainer: Any) -> int:
     if trainer.pipeline is not None:
         trainer.pipeline.restore(latest, int(state["step"]), state.get("serving_version"))
     return int(state["step"])
+
+
+def checkpoint_step(checkpoint: Path) -> int:
+    """The training step a checkpoint folder was written after (its trainer_state.json)."""
+    state = checkpoint / "trainer_state.json"
+    if not state.is_file():
+        raise ConfigError(f"{str(checkpoint)!r} is not a training checkpoint (it has no trainer_state.json); pass a "
+                          "run_dir/checkpoints/step_N folder")
+    return int(json.loads(state.read_text())["step"])
 
 
 def sync_dir(run_dir: Path, name: str) -> Path:
