@@ -82,6 +82,32 @@ def test_evaluation_shows_and_stores_the_agents_most_frequent_replies(tmp_path, 
         assert f"x  reward {top[0]['reward']:.2f}  {top[0]['reply']!r}" in out
 
 
+
+def test_every_logged_metric_has_one_documented_name(tmp_path):
+    import math
+
+    from drmas_graph.traces.store import TraceStore
+    from drmas_graph.train._metric_reference import is_documented
+
+    cfg = write_config(tmp_path, group_size=4)
+    assert main(["train", str(cfg)]) == 0
+    lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    keys = {k for line in lines for k in line}
+    assert [k for k in sorted(keys) if not is_documented(k)] == []
+    for old in ("adv_mean", "adv_std", "response_len"):
+        assert not [k for k in keys if k.endswith("/" + old)]
+    record = next(line for line in lines if "reward/team_mean" in line)
+    with TraceStore(tmp_path / "run" / "traces.db", readonly=True) as store:
+        episodes = [store.load_episode(i) for i in store.trained_episodes(step=0)]
+    for agent in ("solver", "verifier"):  # the population std of the stored advantages of the agent's turns
+        advs = [ep.advantages[i] for ep in episodes for i, t in enumerate(ep.turns) if t.agent == agent]
+        mean = sum(advs) / len(advs)
+        assert len(advs) == 8 and record[f"agent/{agent}/advantage_mean"] == pytest.approx(mean, abs=1e-9)
+        assert record[f"agent/{agent}/advantage_std"] == pytest.approx(
+            math.sqrt(sum((a - mean) ** 2 for a in advs) / len(advs)), abs=1e-9)
+        assert record[f"agent/{agent}/response_length"] == 4.0  # max_new_tokens: the tiny model never stops
+
+
 def test_top_replies_normalizes_cuts_and_counts():
     from drmas_graph.train.evaluate import top_replies
 
