@@ -174,3 +174,71 @@ def test_eval_of_a_checkpoint_reproduces_the_runs_own_evaluation_of_that_step(tm
     assert "(step 2, test)" in capsys.readouterr().out
     base = _evals(tmp_path / "run")[0]
     assert record["solver/top_replies"] != base["eval/solver/top_replies"]  # not a coincidence of equal seeds
+
+
+def test_training_again_into_a_used_run_folder_advises_cli_flags(tmp_path, capsys):
+    cfg = write_config(tmp_path, eval={"k": 1, "n_tasks": 1, "before_training": False})
+    assert main(["train", str(cfg)]) == 0
+    capsys.readouterr()
+    assert main(["train", str(cfg), "--set", "steps=2"]) == 2  # same folder, not resumed: refused, nothing mixed
+    err = capsys.readouterr().err
+    run = tmp_path / "run"
+    assert err == (f"drmas-graph: error: run folder {run} already holds a run; train into a new folder with "
+                   f"`--set run_dir={tmp_path / 'run-2'}`, or continue this run from its last checkpoint with "
+                   "`--resume`\n")
+    assert main(["train", str(cfg), "--set", "steps=2", "--resume"]) == 0  # continues at step 1
+    steps = [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines() if "reward/team_mean" in x]
+    assert steps == [0, 1]
+
+
+def test_the_python_api_refuses_a_used_run_folder_naming_its_fixes(tmp_path):
+    from drmas_graph.testing import tiny_policy
+    from drmas_graph.train.trainer import RunDirInUseError, train_graph
+    from tests._graphs import solver_verifier
+
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "traces.db").write_bytes(b"")
+    policy = tiny_policy()
+    with pytest.raises(RunDirInUseError, match=r"already holds a run .*run_dir='.*run-2'\), or continue this run "
+                                               r"from its last checkpoint with resume=True"):
+        train_graph(solver_verifier(None), ParityEnv(), policies={"solver": policy, "verifier": policy},
+                    run_dir=str(tmp_path / "run"))
+
+
+class InterruptedEnv(ParityEnv):
+    """Ctrl-C (KeyboardInterrupt) while scoring training reward number `interrupt_at` (1-based; 0: never)."""
+
+    def __init__(self, interrupt_at=0, **kwargs):
+        super().__init__(**kwargs)
+        self.interrupt_at, self.calls = interrupt_at, 0
+
+    def reward(self, task, episode):
+        if task.id.startswith("train"):
+            self.calls += 1
+            if self.calls == self.interrupt_at:
+                raise KeyboardInterrupt
+        return super().reward(task, episode)
+
+
+def test_ctrl_c_during_training_says_what_was_saved_and_how_to_resume(tmp_path, capsys):
+    cfg = write_config(tmp_path, env="tests.test_first_hour:InterruptedEnv", checkpoint_every=1, steps=3,
+                       env_kwargs={"n_train": 4, "n_test": 2, "interrupt_at": 5},  # step 1's first reward
+                       eval={"k": 1, "n_tasks": 1, "before_training": False})
+    assert main(["train", str(cfg)]) == 130
+    stderr = capsys.readouterr().err
+    err = stderr.splitlines()[-1]  # after the checkpoint writer's progress bars
+    ckpt = tmp_path / "run" / "checkpoints" / "step_000001"
+    assert "Traceback" not in stderr and err == (f"drmas-graph: interrupted; last checkpoint {ckpt} (1 of 3 steps done); continue with "
+                   f"`drmas-graph train {cfg} --resume`")
+    assert main(["train", str(cfg), "--resume", "--set", "env_kwargs.interrupt_at=0"]) == 0
+    assert (tmp_path / "run" / "checkpoints" / "step_000003").is_dir()
+
+
+def test_ctrl_c_before_the_first_checkpoint_says_to_start_again(tmp_path, capsys):
+    cfg = write_config(tmp_path, env="tests.test_first_hour:InterruptedEnv",
+                       env_kwargs={"n_train": 4, "n_test": 2, "interrupt_at": 1})
+    assert main(["train", str(cfg)]) == 130
+    assert capsys.readouterr().err == (
+        f"drmas-graph: interrupted; no checkpoint was saved yet (checkpoint_every: 0); its episodes are in "
+        f"{tmp_path / 'run' / 'traces.db'}. Start again with `drmas-graph train {cfg} --set "
+        f"run_dir={tmp_path / 'run-2'}`\n")

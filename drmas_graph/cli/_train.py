@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +64,8 @@ def add_train_commands(groups: Any) -> None:
     p = groups.add_parser("train", help="train a graph's policies with agent-wise GRPO from a YAML config")
     p.add_argument("config", type=Path, help="YAML training config (see `drmas-graph config-doc`)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the run in run_dir from its last checkpoint (the same as --set resume=true)")
     p.set_defaults(func=_cmd_train)
 
     p = groups.add_parser("eval", help="avg@k and pass@k of a checkpoint (or the base models) on a split")
@@ -87,19 +90,42 @@ def add_train_commands(groups: Any) -> None:
 
 def _cmd_train(args: argparse.Namespace, console: Console) -> int:
     from drmas_graph.train import _distributed
-    from drmas_graph.train.trainer import train_graph
+    from drmas_graph.train.trainer import RunDirInUseError, free_run_dir, train_graph
 
-    cfg = load_config(args.config, args.set)
+    cfg = load_config(args.config, args.set + (["resume=true"] if args.resume else []))
     graph, env = build_graph_and_env(cfg)
     if _distributed.is_main():  # under a launcher, rank 0 alone reports
         console.print(f"training {cfg.name}: run folder {cfg.run_dir}", markup=False)
     try:
         result = train_graph(graph, env, cfg)
+    except RunDirInUseError as exc:
+        raise ConfigError(f"run folder {exc.run_dir} already holds a run; train into a new folder with `--set "
+                          f"run_dir={free_run_dir(exc.run_dir)}`, or continue this run from its last checkpoint "
+                          "with `--resume`") from None
+    except KeyboardInterrupt:
+        if _distributed.is_main():
+            print(f"drmas-graph: interrupted; {_saved(cfg, args.config)}", file=sys.stderr)
+        return 130
     finally:
         _distributed.shutdown()
     if _distributed.is_main():
         console.print(result.summary(), markup=False)
     return 0
+
+
+def _saved(cfg: TrainConfig, config: Path) -> str:
+    """What an interrupted run saved, and the command that continues it."""
+    from drmas_graph.train._checkpoints import checkpoint_step
+    from drmas_graph.train.trainer import free_run_dir
+
+    ckpts = sorted((Path(cfg.run_dir) / "checkpoints").glob("step_*"))
+    if not ckpts:
+        return (f"no checkpoint was saved yet (checkpoint_every: {cfg.checkpoint_every}); its episodes are in "
+                f"{Path(cfg.run_dir) / 'traces.db'}. Start again with `drmas-graph train {config} --set "
+                f"run_dir={free_run_dir(Path(cfg.run_dir))}`")
+    step = checkpoint_step(ckpts[-1])
+    return (f"last checkpoint {ckpts[-1]} ({step} of {cfg.steps} steps done); continue with "
+            f"`drmas-graph train {config} --resume`")
 
 
 def _cmd_eval(args: argparse.Namespace, console: Console) -> int:

@@ -40,7 +40,7 @@ from typing import Any
 
 from drmas_graph.config import AgentConfig, TrainConfig, merge_overrides
 from drmas_graph.env import BadRewardError
-from drmas_graph.errors import RolloutError
+from drmas_graph.errors import ConfigError, RolloutError
 from drmas_graph.instrumentation.instrumented import InstrumentedGraph
 from drmas_graph.policy import Policy
 from drmas_graph.traces.store import TraceStore
@@ -60,7 +60,7 @@ from drmas_graph.train.evaluate import evaluate, reply_lines
 from drmas_graph.train.metrics import RunLogger
 from drmas_graph.types import Episode, Sample
 
-__all__ = ["train_graph", "TrainResult", "Trainer", "evaluate"]
+__all__ = ["train_graph", "TrainResult", "Trainer", "evaluate", "RunDirInUseError"]
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +100,24 @@ class TrainResult:
             lines.append(f"{'':<28}{first['reward/team_mean']:>12.3f}{last['reward/team_mean']:>12.3f}")
         lines.append(f"run folder: {self.run_dir}")
         return "\n".join(lines)
+
+
+class RunDirInUseError(ConfigError):
+    """A training run (not resumed) was pointed at a run folder that already holds a run."""
+
+    def __init__(self, run_dir: Path) -> None:
+        super().__init__(f"run folder {run_dir} already holds a run ({run_dir / 'traces.db'}); train into a new "
+                         f"folder (run_dir={str(free_run_dir(run_dir))!r}), or continue this run from its last "
+                         "checkpoint with resume=True")
+        self.run_dir = run_dir
+
+
+def free_run_dir(run_dir: Path) -> Path:
+    """`run_dir` with the first of -2, -3, ... that names no folder yet."""
+    n = 2
+    while run_dir.with_name(f"{run_dir.name}-{n}").exists():
+        n += 1
+    return run_dir.with_name(f"{run_dir.name}-{n}")
 
 
 def train_graph(graph: Any, env: Any, config: TrainConfig | None = None, *,
@@ -162,6 +180,9 @@ class Trainer:
             + (["<policies passed to train_graph>"] if policies and cfg.update.zero() == 3 else []))
         _distributed.init_process_group(use_deepspeed=_build.uses_deepspeed(cfg, policies))
         self.run_dir = Path(cfg.run_dir)
+        # before any process creates its store: a second run would mix its episodes and metrics into the first's
+        if train and not cfg.resume and any(_distributed.gather((self.run_dir / "traces.db").exists())):
+            raise RunDirInUseError(self.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.train_models: dict[str, Any] = {}
         """Model name -> the module its updater trains (the embedded policy's own, or a served model's local copy)."""
