@@ -242,3 +242,13 @@ def test_ctrl_c_before_the_first_checkpoint_says_to_start_again(tmp_path, capsys
         f"drmas-graph: interrupted; no checkpoint was saved yet (checkpoint_every: 0); its episodes are in "
         f"{tmp_path / 'run' / 'traces.db'}. Start again with `drmas-graph train {cfg} --set "
         f"run_dir={tmp_path / 'run-2'}`\n")
+
+
+def test_a_resumed_run_keeps_the_evaluation_of_the_checkpoint_it_resumes_from(tmp_path):
+    cfg = write_config(tmp_path, steps=2, checkpoint_every=1, eval={"k": 1, "n_tasks": 1, "every": 1})
+    assert main(["train", str(cfg)]) == 0
+    assert [e["step"] for e in _evals(tmp_path / "run")] == [0, 1, 2]  # after 0, 1 and 2 steps
+    assert main(["train", str(cfg), "--resume", "--set", "steps=3"]) == 0  # resumes at step_000002
+    lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in _evals(tmp_path / "run")] == [0, 1, 2, 3]  # step 2's was dropped before
+    assert [x["step"] for x in lines if "reward/team_mean" in x] == [0, 1, 2]

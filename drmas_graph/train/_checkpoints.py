@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import re
 import shutil
 import time
 from pathlib import Path
@@ -77,12 +78,16 @@ def resume(trainer: Any) -> int:
 
 
 def checkpoint_step(checkpoint: Path) -> int:
-    """The training step a checkpoint folder was written after (its trainer_state.json)."""
+    """The number of training steps a checkpoint folder was written after: its trainer_state.json's, else the N
+    of its name step_N."""
     state = checkpoint / "trainer_state.json"
-    if not state.is_file():
-        raise ConfigError(f"{str(checkpoint)!r} is not a training checkpoint (it has no trainer_state.json); pass a "
-                          "run_dir/checkpoints/step_N folder")
-    return int(json.loads(state.read_text())["step"])
+    if state.is_file():
+        return int(json.loads(state.read_text())["step"])
+    named = re.fullmatch(r"step_(\d+)", checkpoint.name)
+    if named is None:
+        raise ConfigError(f"{str(checkpoint)!r} is not a training checkpoint (no trainer_state.json, and its name is "
+                          "not step_N); pass a run_dir/checkpoints/step_N folder")
+    return int(named.group(1))
 
 
 def sync_dir(run_dir: Path, name: str) -> Path:
