@@ -23,6 +23,7 @@ def test_check_reports_the_reward_spread_per_agent(tmp_path, capsys):
     assert main(["check", str(cfg), "--groups", "3", "--set", "group_size=4"]) == 0
     out = capsys.readouterr().out
     assert "3 groups x 4 episodes on the base models: 12 scored" in out
+    assert "episodes: 0 truncated by a limit, 0 model errors, 0 failed, 0 bad rewards" in out
     rows = {line.split()[0]: line.split() for line in out.splitlines() if line.startswith(("solver ", "verifier "))}
     # per agent: rewards are 0/1 (solver) and 1 - solver's (verifier); max_new_tokens 4 cuts every reply
     assert rows["solver"][3:5] == ["0.000", "1.000"] and rows["verifier"][3:5] == ["0.000", "1.000"]
@@ -252,3 +253,17 @@ def test_a_resumed_run_keeps_the_evaluation_of_the_checkpoint_it_resumes_from(tm
     lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [e["step"] for e in _evals(tmp_path / "run")] == [0, 1, 2, 3]  # step 2's was dropped before
     assert [x["step"] for x in lines if "reward/team_mean" in x] == [0, 1, 2]
+
+
+def test_check_report_warns_about_an_agent_that_never_acted_and_cut_off_replies():
+    from drmas_graph.train._check import AgentCheck, CheckReport
+
+    solver = AgentCheck(episodes=8, reward_mean=0.5, reward_std=0.53, reward_min=0.0, reward_max=1.0, groups=4,
+                        zero_variance_groups=1, invalid_rate=0.0, format_error_rate=0.0, truncated_reply_rate=0.75,
+                        sample_reply="4")
+    report = CheckReport(groups=4, group_size=2, episodes=8, counts={}, pools=4, signal_pools=3,
+                         agents={"solver": solver}, silent=("judge",))
+    assert report.has_signal and report.warnings() == [
+        "agent 'solver': 75% of its replies stopped at max_new_tokens: raise agents.solver.sampling.max_new_tokens "
+        "or ask for shorter answers",
+        "agent 'judge' acted in no scored episode: it would not be trained (does the graph reach it?)"]

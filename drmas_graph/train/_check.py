@@ -75,7 +75,9 @@ class CheckReport:
     signal_pools: int
     """Pools with a learning signal: two or more members whose rewards differ."""
     agents: dict[str, AgentCheck] = field(default_factory=dict)
-    """Per agent, by name."""
+    """Per agent that acted, by name."""
+    silent: tuple[str, ...] = ()
+    """Agents with a policy that acted in no scored episode."""
 
     @property
     def has_signal(self) -> bool:
@@ -100,6 +102,8 @@ class CheckReport:
             if a.invalid_rate > 0.5:
                 out.append(f"agent {agent!r}: {a.invalid_rate:.0%} of its turns were invalid (format errors "
                            f"{a.format_error_rate:.0%}); each costs invalid_penalty")
+        out += [f"agent {a!r} acted in no scored episode: it would not be trained (does the graph reach it?)"
+                for a in self.silent]
         unfinished = self.counts.get("truncated_episodes", 0) + self.counts.get("model_error_episodes", 0)
         failed = self.counts.get("failed_episodes", 0) + self.counts.get("bad_reward_episodes", 0)
         total = self.groups * self.group_size
@@ -116,8 +120,11 @@ class CheckReport:
 
     def lines(self) -> list[str]:
         """The report as text: one row per agent, then the sample replies and the warnings."""
+        c = self.counts
         rows = [f"{self.groups} groups x {self.group_size} episodes on the base models: {self.episodes} scored, "
                 f"{self.signal_pools} of {self.pools} advantage pools with a learning signal",
+                f"episodes: {c.get('truncated_episodes', 0)} truncated by a limit, {c.get('model_error_episodes', 0)} "
+                f"model errors, {c.get('failed_episodes', 0)} failed, {c.get('bad_reward_episodes', 0)} bad rewards",
                 f"{'agent':<16}{'reward mean':>12}{'std':>8}{'min':>8}{'max':>8}{'no-signal groups':>18}"
                 f"{'invalid':>9}{'format':>8}{'cut off':>9}"]
         for agent, a in self.agents.items():
@@ -142,7 +149,8 @@ def preflight(trainer: Any, n_groups: int) -> CheckReport:
     signal = pools - getattr(stats, "n_zero_variance_pools", 0) - getattr(stats, "n_singleton_pools", 0)
     agents = {a: _agent_check(a, scored) for a in trainer.agent_policies}
     return CheckReport(groups=len(tasks), group_size=cfg.group_size, episodes=len(scored), counts=dict(counts),
-                       pools=pools, signal_pools=signal, agents={a: c for a, c in agents.items() if c is not None})
+                       pools=pools, signal_pools=signal, agents={a: c for a, c in agents.items() if c is not None},
+                       silent=tuple(a for a, c in agents.items() if c is None))
 
 
 def _agent_check(agent: str, scored: _scoring.Scored) -> AgentCheck | None:
