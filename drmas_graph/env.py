@@ -32,7 +32,7 @@ class Env(Protocol):
 
     Required: `tasks(split)` returns the tasks of a split ('train', 'test', ...), each with `.id` and
     `.input`; `reward(task, episode)` returns a team reward (float) or a reward per agent
-    ({agent: float}); a truncated or model-error episode is scored by the config's `rollout.truncated_reward` /
+    ({agent: float}, see `reward`); a truncated or model-error episode is scored by the config's `rollout.truncated_reward` /
     `rollout.model_error_reward` unless those are null (then `reward` sees `episode.truncated` /
     `episode.model_error` and must handle `final_state` None). Optional: `turn_is_valid(task, turn) -> bool` (an invalid turn costs
     `invalid_penalty`, as in the paper: math 0.1, search 0.01) and `is_success(task, episode) -> bool`
@@ -48,7 +48,16 @@ class Env(Protocol):
 
     def tasks(self, split: str) -> Sequence[Any]: ...
 
-    def reward(self, task: Any, episode: Episode) -> float | Mapping[str, float]: ...
+    def reward(self, task: Any, episode: Episode) -> float | Mapping[str, float]:
+        """The episode's reward: one float for the team (every agent that acted gets it), or {agent: float}
+        with an entry for every agent that acted (each agent trains on its own).
+
+        The team reward of a per-agent dict is the mean of the agents' rewards: it is what
+        `success_threshold` is compared with for avg@k/pass@k (unless the environment has `is_success`),
+        what `reward/team_mean` logs and what a stored episode's `reward` shows. E.g. {"solver": 1.0,
+        "verifier": 0.0} is a team reward of 0.5, so `success_threshold: 1.0` never counts it as a success.
+        """
+        ...
 
 
 @dataclass

@@ -6,6 +6,8 @@
   (`config_reference()`, the same source as `drmas-graph config-doc`);
 - docs/reference/cli.md: every `drmas-graph` command and argument, from the argparse parser
   (`drmas_graph.cli.build_parser()`);
+- docs/reference/metrics.md: every metric a run logs, with its meaning, from
+  `drmas_graph.train._metric_reference` (`metrics_reference()`);
 - docs/reference/api.md: one mkdocstrings entry per public name (`drmas_graph.__all__`, grouped by the module
   that defines it) and the test helpers of `drmas_graph.testing`.
 """
@@ -101,6 +103,21 @@ def cli_page() -> str:
     return "\n".join(parts)
 
 
+def metrics_page() -> str:
+    from drmas_graph.train._metric_reference import metrics_reference
+
+    parts = [f"# Metrics\n\n{GENERATED}\n\nEvery metric a training run writes to `run_dir/metrics.jsonl` (one JSON line "
+             "per step and per evaluation), TensorBoard and W&B, from `drmas_graph/train/_metric_reference.py`. "
+             "`<agent>`, `<model>` and `<limit>` stand for names. A test checks that every key a run logs is listed "
+             "here.\n"]
+    sections: dict[str, list[str]] = {}
+    for name, key, meaning in metrics_reference():
+        sections.setdefault(name, []).append(f"| `{key}` | {_cell(meaning)} |")
+    for name, rows in sections.items():
+        parts.append("\n".join([f"## {name}\n", "| metric | meaning |", "|---|---|", *rows]) + "\n")
+    return "\n".join(parts)
+
+
 def api_page() -> str:
     import drmas_graph
     import drmas_graph.testing
@@ -120,7 +137,7 @@ def api_page() -> str:
     return "\n".join(parts)
 
 
-PAGES = {"config.md": config_page, "cli.md": cli_page, "api.md": api_page}
+PAGES = {"config.md": config_page, "cli.md": cli_page, "metrics.md": metrics_page, "api.md": api_page}
 
 
 def main() -> None:

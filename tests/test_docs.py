@@ -20,7 +20,7 @@ def _gen_reference():
     return module
 
 
-@pytest.mark.parametrize("page", ["config.md", "cli.md", "api.md"])
+@pytest.mark.parametrize("page", ["config.md", "cli.md", "metrics.md", "api.md"])
 def test_generated_reference_pages_are_up_to_date(page):
     expected = _gen_reference().PAGES[page]()
     actual = (ROOT / "docs" / "reference" / page).read_text()
@@ -40,7 +40,7 @@ def test_the_cli_reference_lists_every_command():
     page = (ROOT / "docs" / "reference" / "cli.md").read_text()
     commands = re.findall(r"^## `drmas-graph ([a-z -]+)`$", page, flags=re.M)
     assert commands == ["traces list", "traces show", "traces stats", "traces export", "traces replay",
-                        "traces rescore", "train", "eval", "config-doc"]
+                        "traces rescore", "train", "eval", "check", "config-doc"]
     assert "| `--set KEY=VALUE` | override a config field | repeatable |" in page
 
 

@@ -122,7 +122,7 @@ def test_two_processes_train_like_one_resume_after_a_kill_and_merge_their_traces
         assert [r["episodes"] for r in h["history"]] == [8, 8]  # 2 groups x 4, one group per rank
         assert [(e["step"], e["tasks"]) for e in h["evals"]] == [(0, 2), (2, 2)]
         assert h["history"][0]["agent/solver/calls"] == 8
-    for key in ("reward/team_mean", "agent/solver/adv_std", "model/tiny/grad_norm", "agent/verifier/pg_loss"):
+    for key in ("reward/team_mean", "agent/solver/advantage_std", "model/tiny/grad_norm", "agent/verifier/pg_loss"):
         assert histories[0]["history"][1][key] == histories[1]["history"][1][key], key
     lines = [json.loads(x) for x in (a_dir / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines if "episodes" in x] == [0, 1]

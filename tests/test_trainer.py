@@ -61,12 +61,12 @@ def test_shared_model_two_agents_metrics_traces_and_checkpoint(tmp_path):
     train_lines = [x for x in lines if "agent/solver/reward_mean" in x]
     assert [x["step"] for x in train_lines] == [0, 1]
     for x in train_lines:
-        for key in ("agent/solver/adv_mean", "agent/verifier/adv_std", "agent/solver/pg_loss", "time/rollout_s",
+        for key in ("agent/solver/advantage_mean", "agent/verifier/advantage_std", "agent/solver/pg_loss", "time/rollout_s",
                     "time/update_s", "rollout/tokens_per_s", "adv/zero_variance_pools", "agent/verifier/logprob_mismatch",
                     "agent/solver/clip_frac", "agent/verifier/invalid_rate"):
             assert key in x, key
         # agent-wise normalization: each agent's advantages have mean ~0 within every non-degenerate pool
-        assert abs(x["agent/solver/adv_mean"]) < 1e-5
+        assert abs(x["agent/solver/advantage_mean"]) < 1e-5
     evals = [x for x in lines if "eval/avg@k" in x]
     assert [x["step"] for x in evals] == [0, 2] and [e["step"] for e in result.evals] == [0, 2]
     with TraceStore(run / "traces.db", readonly=True) as store:
@@ -178,7 +178,8 @@ def test_kill_and_resume_gives_the_same_batches_and_weights(tmp_path):
     for k, v in p_straight.model.state_dict().items():
         assert torch.equal(p_resumed.model.state_dict()[k], v), k  # bit for bit
     lines = [json.loads(x)["step"] for x in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
-    assert sorted(s for s in lines) == [0, 1, 2, 3, 4]  # steps 0,1 + 2,3 + final eval at 4
+    # steps 0,1 + the first run's evaluation after 2 steps (the checkpoint resumed from: kept) + steps 2,3 + eval at 4
+    assert sorted(s for s in lines) == [0, 1, 2, 2, 3, 4]
 
 
 def _sampled(store, step):
@@ -266,7 +267,7 @@ def test_evaluate_avg_and_pass_at_k_per_agent_stats(tmp_path):
     assert (record["tasks"], record["k"], record["avg@k"], record["pass@k"]) == (4, 3, 0.5, 0.5)
     assert record["solver/calls_per_episode"] == record["verifier/calls_per_episode"] == 1.0
     assert record["solver/reward"] == 0.5 and record["solver/invalid_rate"] == 0.0
-    assert record["verifier/response_len"] == 4.0  # max_new_tokens, the tiny model never stops
+    assert record["verifier/response_length"] == 4.0  # max_new_tokens, the tiny model never stops
     # evaluation sampling does not leak into training sampling
     assert "solver" not in trainer.app.sampling and policy.sampling.temperature == 1.0
 

@@ -98,7 +98,7 @@ def run(estimator: str, seed: int, steps: int, tmp: Path) -> dict:
     return {"estimator": estimator, "seed": seed, "wall_s": time.time() - t0,
             "grad_norm": {a: [r[f"model/{a}-model/grad_norm"] for r in h] for a in ("solver", "verifier")},
             "reward": [r["reward/team_mean"] for r in h],
-            "adv_sq": {a: [r[f"agent/{a}/adv_std"] ** 2 + r[f"agent/{a}/adv_mean"] ** 2 for r in h]
+            "adv_sq": {a: [r[f"agent/{a}/advantage_std"] ** 2 + r[f"agent/{a}/advantage_mean"] ** 2 for r in h]
                        for a in ("solver", "verifier")},
             "final": result.evals[-1]}
 

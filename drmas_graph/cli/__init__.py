@@ -14,10 +14,12 @@ as the parser's ``func`` default. A new group adds its function to `build_parser
     drmas-graph traces rescore PATH --reward module:attr [--episodes trained|ok|all] [--step N] [--out FILE]
     drmas-graph train CONFIG.yaml [--set key=value ...]
     drmas-graph eval CONFIG.yaml [--checkpoint DIR] [--split S] [--k K] [--n-tasks N]
+    drmas-graph check CONFIG.yaml [--groups N] [--set key=value ...]
     drmas-graph config-doc
 
 Errors drmas-graph raises on purpose (a missing file, a corrupt store, an unknown episode) print one
-line on stderr and exit with status 2; argparse usage errors exit with 2 as well.
+line on stderr and exit with status 2; argparse usage errors exit with 2 as well. `check` exits with
+status 3 when no group it rolled out has any learning signal.
 
 May import: every layer (it is the top).
 """
@@ -39,7 +41,8 @@ __all__ = ["main", "build_parser"]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run one command; returns the exit status (0 ok, 1 replay diverged, 2 error)."""
+    """Run one command; returns the exit status (0 ok, 1 replay diverged, 2 error, 3 `check` found no learning
+    signal, 130 training interrupted by Ctrl-C)."""
     args = build_parser().parse_args(argv)
     if args.local_rank is not None:  # the deepspeed launcher passes --local_rank=R (and sets LOCAL_RANK)
         os.environ.setdefault("LOCAL_RANK", str(args.local_rank))

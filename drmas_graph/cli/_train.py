@@ -2,12 +2,15 @@
 
     drmas-graph train CONFIG.yaml [--set key.sub=value ...]
     drmas-graph eval CONFIG.yaml [--checkpoint DIR] [--split test] [--k 16] [--n-tasks N] [--set ...]
+    drmas-graph check CONFIG.yaml [--groups N] [--set ...]
     drmas-graph config-doc
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +40,8 @@ def add_train_commands(groups: Any) -> None:
     p = groups.add_parser("train", help="train a graph's policies with agent-wise GRPO from a YAML config")
     p.add_argument("config", type=Path, help="YAML training config (see `drmas-graph config-doc`)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the run in run_dir from its last checkpoint (the same as --set resume=true)")
     p.set_defaults(func=_cmd_train)
 
     p = groups.add_parser("eval", help="avg@k and pass@k of a checkpoint (or the base models) on a split")
@@ -48,20 +53,35 @@ def add_train_commands(groups: Any) -> None:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
     p.set_defaults(func=_cmd_eval)
 
+    p = groups.add_parser("check", help="preflight before training: do the base models' groups get different "
+                          "rewards (a learning signal)?")
+    p.add_argument("config", type=Path, help="the YAML training config")
+    p.add_argument("--groups", type=int, default=4, help="groups (tasks) to roll out, group_size episodes each")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
+    p.set_defaults(func=_cmd_check)
+
     p = groups.add_parser("config-doc", help="every training config field with its default and meaning")
     p.set_defaults(func=_cmd_config_doc)
 
 
 def _cmd_train(args: argparse.Namespace, console: Console) -> int:
     from drmas_graph.train import _distributed
-    from drmas_graph.train.trainer import train_graph
+    from drmas_graph.train.trainer import RunDirInUseError, free_run_dir, train_graph
 
-    cfg = load_config(args.config, args.set)
+    cfg = load_config(args.config, args.set + (["resume=true"] if args.resume else []))
     graph, env = build_graph_and_env(cfg)
     if _distributed.is_main():  # under a launcher, rank 0 alone reports
         console.print(f"training {cfg.name}: run folder {cfg.run_dir}", markup=False)
     try:
         result = train_graph(graph, env, cfg)
+    except RunDirInUseError as exc:
+        raise ConfigError(f"run folder {exc.run_dir} already holds a run; train into a new folder with `--set "
+                          f"run_dir={free_run_dir(exc.run_dir)}`, or continue this run from its last checkpoint "
+                          "with `--resume`") from None
+    except KeyboardInterrupt:
+        if _distributed.is_main():
+            print(f"drmas-graph: interrupted; {_saved(cfg, args.config)}", file=sys.stderr)
+        return 130
     finally:
         _distributed.shutdown()
     if _distributed.is_main():
@@ -69,9 +89,26 @@ def _cmd_train(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def _saved(cfg: TrainConfig, config: Path) -> str:
+    """What an interrupted run saved, and the command that continues it."""
+    from drmas_graph.train._checkpoints import checkpoint_step
+    from drmas_graph.train.trainer import free_run_dir
+
+    ckpts = sorted((Path(cfg.run_dir) / "checkpoints").glob("step_*"))
+    if not ckpts:
+        return (f"no checkpoint was saved yet (checkpoint_every: {cfg.checkpoint_every}); its episodes are in "
+                f"{Path(cfg.run_dir) / 'traces.db'}. Start again with `drmas-graph train {config} --set "
+                f"run_dir={free_run_dir(Path(cfg.run_dir))}`")
+    step = checkpoint_step(ckpts[-1])
+    return (f"last checkpoint {ckpts[-1]} ({step} of {cfg.steps} steps done); continue with "
+            f"`drmas-graph train {config} --resume`")
+
+
 def _cmd_eval(args: argparse.Namespace, console: Console) -> int:
+    from drmas_graph.train._checkpoints import checkpoint_step
     from drmas_graph.train.lora import load_checkpoint_adapters
     from drmas_graph.train import _distributed
+    from drmas_graph.train.evaluate import reply_lines
     from drmas_graph.train.trainer import Trainer, evaluate
 
     overrides = list(args.set)
@@ -93,7 +130,9 @@ def _cmd_eval(args: argparse.Namespace, console: Console) -> int:
                 mc = cfg.models[name]
                 console.print(f"model {name}: loaded {mc.path} into its servers {', '.join(mc.serve.urls)} (they keep "
                               "serving it after this evaluation)", markup=False)
-        record = evaluate(trainer, step=0, split=args.split)  # sharded over the processes of a launcher
+        # a checkpoint samples with the seeds of its step's evaluation: it reproduces the run's own
+        step = checkpoint_step(args.checkpoint) if args.checkpoint is not None else 0
+        record = evaluate(trainer, step=step, split=args.split)  # sharded over the processes of a launcher
         _distributed.remove_rank_stores(trainer.run_dir, trainer.store.close)
         main = _distributed.is_main()
     finally:
@@ -105,11 +144,34 @@ def _cmd_eval(args: argparse.Namespace, console: Console) -> int:
     for col in ("metric", "value"):
         table.add_column(col)
     for key, value in record.items():
-        if key not in ("step", "split"):
+        if key not in ("step", "split") and not key.endswith("/top_replies"):
             table.add_row(key.replace("@k", f"@{record['k']}"), f"{value:.3f}" if isinstance(value, float) else str(value))
     console.print(table)
-    console.print(f"episodes and config: {cfg.run_dir}", markup=False)
+    for line in reply_lines(record):
+        console.print(line, markup=False)
+    (Path(cfg.run_dir) / "eval.json").write_text(json.dumps(record, indent=1) + "\n")
+    console.print(f"episodes, config and results (eval.json): {cfg.run_dir}", markup=False)
     return 0
+
+
+def _cmd_check(args: argparse.Namespace, console: Console) -> int:
+    from drmas_graph.train._check import NO_SIGNAL_EXIT, preflight
+    from drmas_graph.train.trainer import Trainer
+
+    if args.groups < 1:
+        raise ConfigError(f"--groups must be at least 1 (got {args.groups})")
+    cfg = load_config(args.config, args.set)
+    cfg.run_dir = str(numbered_dir(Path(cfg.run_dir) / "check", f"base-g{args.groups}"))
+    graph, env = build_graph_and_env(cfg)
+    trainer = Trainer(graph, env, cfg, train=False)
+    try:
+        report = preflight(trainer, args.groups)
+    finally:
+        trainer.close()
+    for line in report.lines():
+        console.print(line, markup=False)
+    console.print(f"episodes: {cfg.run_dir}", markup=False)
+    return 0 if report.has_signal else NO_SIGNAL_EXIT
 
 
 def point_at_checkpoint(cfg: TrainConfig, checkpoint: Path) -> list[str]:
@@ -135,8 +197,11 @@ def attached_servers(cfg: TrainConfig, names: list[str]) -> list[str]:
 def eval_dir(run_dir: Path, checkpoint: Path | None, split: str, k: int) -> Path:
     """A new folder per `drmas-graph eval`: run_dir/eval/<checkpoint|base>-<split>-k<k>[-2, -3, ...] (each with its
     own traces.db and config.yaml, so evaluations with other settings never collide)."""
-    label = f"{checkpoint.name if checkpoint is not None else 'base'}-{split}-k{k}"
-    root = run_dir / "eval"
+    return numbered_dir(run_dir / "eval", f"{checkpoint.name if checkpoint is not None else 'base'}-{split}-k{k}")
+
+
+def numbered_dir(root: Path, label: str) -> Path:
+    """root/label, or root/label-2, -3, ... when it exists."""
     path, n = root / label, 1
     while path.exists():
         n += 1

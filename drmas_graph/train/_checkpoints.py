@@ -12,16 +12,18 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import re
 import shutil
 import time
 from pathlib import Path
 from typing import Any
 
+from drmas_graph.errors import ConfigError
 from drmas_graph.train import _distributed
 from drmas_graph.train._build import is_served
 from drmas_graph.train.lora import save_for_sync
 
-__all__ = ["save_checkpoint", "resume", "push_weights", "load_into_servers", "sync_dir"]
+__all__ = ["save_checkpoint", "resume", "checkpoint_step", "push_weights", "load_into_servers", "sync_dir"]
 
 
 def save_checkpoint(trainer: Any, step: int) -> Path:
@@ -73,6 +75,19 @@ def resume(trainer: Any) -> int:
     if trainer.pipeline is not None:
         trainer.pipeline.restore(latest, int(state["step"]), state.get("serving_version"))
     return int(state["step"])
+
+
+def checkpoint_step(checkpoint: Path) -> int:
+    """The number of training steps a checkpoint folder was written after: its trainer_state.json's, else the N
+    of its name step_N."""
+    state = checkpoint / "trainer_state.json"
+    if state.is_file():
+        return int(json.loads(state.read_text())["step"])
+    named = re.fullmatch(r"step_(\d+)", checkpoint.name)
+    if named is None:
+        raise ConfigError(f"{str(checkpoint)!r} is not a training checkpoint (no trainer_state.json, and its name is "
+                          "not step_N); pass a run_dir/checkpoints/step_N folder")
+    return int(named.group(1))
 
 
 def sync_dir(run_dir: Path, name: str) -> Path:

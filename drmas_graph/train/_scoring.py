@@ -7,12 +7,14 @@
 - `samples_with_advantages`: advantages of every policy-served turn (`compute_advantages`, estimator by name)
   and one `Sample` per turn of a trained agent.
 - `step_record`: the metrics of one training step, per agent (truncated and model-error episodes and their
-  share of the samples included); `unfinished_warning`: one line when most episodes did not finish.
+  share of the samples included); `unfinished_warning`: one line when most episodes did not finish;
+  `ZeroSignalWatch`: one line when most advantage pools had zero variance for several steps in a row.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -26,7 +28,7 @@ from drmas_graph.train.metrics import mean_std
 from drmas_graph.types import Episode, Sample
 
 __all__ = ["score_runs", "masked", "samples_with_advantages", "step_record", "unfinished_metrics",
-           "unfinished_warning", "nothing_to_train"]
+           "unfinished_warning", "nothing_to_train", "ZeroSignalWatch"]
 
 log = logging.getLogger(__name__)
 
@@ -113,18 +115,27 @@ def step_record(step: int, agents: Sequence[str], scored: Scored, counts: dict[s
     for agent in agents:
         rewards = [ep.rewards[agent] for ep in episodes if agent in ep.rewards]
         turns = [(ep, i) for ep in episodes for i, turn in enumerate(ep.turns) if turn.agent == agent]
-        advs = [ep.advantages[i] for ep, i in turns]
+        served = [ep.turns[i] for ep, i in turns if ep.turns[i].trainable]  # the turns with an advantage
         invalid = [sc.invalid[i] for _, ep, sc in scored for i, turn in enumerate(ep.turns) if turn.agent == agent]
         record[f"agent/{agent}/reward_mean"], record[f"agent/{agent}/reward_std"] = mean_std(rewards)
-        record[f"agent/{agent}/adv_mean"], record[f"agent/{agent}/adv_std"] = mean_std(advs)
+        advs = [ep.advantages[i] for ep, i in turns if ep.turns[i].trainable]
+        record[f"agent/{agent}/advantage_mean"], record[f"agent/{agent}/advantage_std"] = population_mean_std(advs)
         record[f"agent/{agent}/calls"] = len(turns)
         record[f"agent/{agent}/invalid_rate"] = sum(invalid) / len(invalid) if invalid else 0.0
-        record[f"agent/{agent}/response_len"] = mean_std(
-            [len(ep.turns[i].response_ids) for ep, i in turns])[0] if turns else 0.0
+        record[f"agent/{agent}/response_length"] = (
+            sum(len(t.response_ids) for t in served) / len(served) if served else 0.0)
         if not turns:
             record[f"agent/{agent}/never_acted"] = 1
     record.update(update_metrics)
     return record
+
+
+def population_mean_std(values: list[float]) -> tuple[float, float]:
+    """Mean and population std (divided by n, not n - 1: the spread of the values themselves); NaN, 0 for none."""
+    if not values:
+        return math.nan, 0.0
+    mu = sum(values) / len(values)
+    return mu, math.sqrt(sum((v - mu) ** 2 for v in values) / len(values))
 
 
 def unfinished_metrics(agents: Sequence[str], episodes: Sequence[Episode]) -> dict[str, float]:
@@ -162,6 +173,32 @@ def unfinished_warning(record: dict[str, Any], n_episodes: int) -> str | None:
     return (f"step {record['step']}: {truncated + model_errors} of {n_episodes} episodes did not finish: "
             + "; ".join(parts) + ". They are trained on with rollout.truncated_reward / rollout.model_error_reward "
             "(metrics truncated_episodes, model_error_episodes)")
+
+
+class ZeroSignalWatch:
+    """Warns when more than half of the advantage pools (`adv/zero_variance_pools` of `adv/pools`) had zero
+    variance for `patience` consecutive steps: those groups train on nothing. Once per streak."""
+
+    def __init__(self, patience: int = 3) -> None:
+        self.patience = patience
+        self.streak: list[tuple[int, int, int]] = []
+        """(step, zero-variance pools, pools) of the current streak of mostly-zero-variance steps."""
+
+    def observe(self, record: dict[str, Any]) -> str | None:
+        """Take a step's record; return the warning on the step that completes `patience` such steps in a row."""
+        zero, pools = int(record.get("adv/zero_variance_pools", 0)), int(record.get("adv/pools", 0))
+        if not pools or zero <= pools / 2:
+            self.streak = []
+            return None
+        self.streak.append((record["step"], zero, pools))
+        if len(self.streak) != self.patience:
+            return None
+        shares = ", ".join(f"step {s}: {z}/{p}" for s, z, p in self.streak)
+        return (f"most advantage pools had zero variance (every episode of the group got the same reward, so the "
+                f"group teaches nothing) for {self.patience} steps in a row ({shares}; metric "
+                "adv/zero_variance_pools): the tasks are too easy or too hard for the model, or the reward does "
+                "not tell answers apart. Change the prompt, the task difficulty or the reward (partial credit), or "
+                "raise group_size; `drmas-graph check` shows the reward spread per agent")
 
 
 def nothing_to_train(step: int, n: int, errors: Sequence[BaseException], run_dir: Path) -> RolloutError:

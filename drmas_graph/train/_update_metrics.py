@@ -19,7 +19,9 @@ __all__ = ["AgentUpdateMetrics", "UpdateMetrics"]
 
 @dataclass(frozen=True)
 class AgentUpdateMetrics:
-    """What one `update` did to one agent's samples; token means are over valid response tokens."""
+    """What one `update` did to one agent's samples; token means are over valid response tokens. (The samples'
+    advantages and response lengths are the step's metrics `agent/<a>/advantage_mean`, `advantage_std` and
+    `response_length`, `_scoring.step_record`.)"""
 
     n_samples: int
     """Samples of this agent (all processes)."""
@@ -35,12 +37,6 @@ class AgentUpdateMetrics:
     """Largest importance ratio seen."""
     entropy: float | None
     """Mean entropy of the sampling distribution softmax(logits / T) (only when entropy_coef > 0)."""
-    response_length: float
-    """Mean response length in tokens."""
-    advantage_mean: float
-    """Mean advantage of the samples."""
-    advantage_std: float
-    """Population standard deviation of the advantages."""
     logprob_mismatch: float
     """Mean |old_logprob - logprob| on the first mini-batch before any step, old_logprob being the samples'
     recorded one (the rollout's, or the trainer's recomputation): rollout vs trainer numerics."""
@@ -134,9 +130,6 @@ class _Tally:
 def _tally_samples(tally: _Tally, samples: Sequence[Sample]) -> None:
     for s in samples:
         tally.count(("agent", s.agent, "n_samples"), 1.0)
-        tally.add(("agent", s.agent, "response_length"), len(s.response_ids))
-        tally.add(("agent", s.agent, "advantage_mean"), s.advantage)
-        tally.add(("agent", s.agent, "advantage_sq"), s.advantage**2)
 
 
 def _agent_metrics(tally: _Tally, agent: str, with_kl: bool, with_entropy: bool,
@@ -144,13 +137,10 @@ def _agent_metrics(tally: _Tally, agent: str, with_kl: bool, with_entropy: bool,
     def mean(name: str) -> float:
         return tally.mean(("agent", agent, name))
 
-    adv_mean = mean("advantage_mean")
     return AgentUpdateMetrics(
         n_samples=int(tally.sums[("agent", agent, "n_samples")]), pg_loss=mean("pg_loss"),
         clip_frac=mean("clip_frac"), dual_clip_frac=mean("dual_clip_frac"), approx_kl=mean("approx_kl"),
         ratio_max=tally.maxima.get(("agent", agent, "ratio_max"), 0.0), entropy=mean("entropy") if with_entropy else None,
-        response_length=mean("response_length"), advantage_mean=adv_mean,
-        advantage_std=math.sqrt(max(mean("advantage_sq") - adv_mean**2, 0.0)),
         logprob_mismatch=mean("logprob_mismatch"), kl_ref=mean("kl_ref") if with_kl else None,
         rollout_logprob_gap=mean("rollout_logprob_gap") if rollout_gap else None,
     )

@@ -3,19 +3,30 @@
 Every task is rolled out k times with `eval.temperature` / `eval.top_p` (never trained on, so truncated
 sampling is fine on every backend); an episode succeeds when its team reward reaches `success_threshold`
 (or `env.is_success` says so; truncated and model-error episodes get their configured rewards, as in
-training); failed episodes count as failures. Under a launcher each process evaluates its share of the tasks
+training); failed episodes count as failures. The record also holds, per agent, its most frequent replies
+(`top_replies`: whitespace-normalized, cut to 80 characters, with their count and mean turn reward), and
+every scored episode's rewards go to the trace store (`traces list` shows them). Under a launcher each process evaluates its share of the tasks
 and the counts are merged; the rollouts a caller asks for (rank 0's Weave export) come from every process.
 """
 
 from __future__ import annotations
 
+import logging
+from collections import Counter, defaultdict
 from typing import Any
 
 from drmas_graph.env import BadRewardError, is_success, score_episode
 from drmas_graph.traces.weave_export import evaluation_episode
 from drmas_graph.train import _distributed
 
-__all__ = ["evaluate"]
+__all__ = ["evaluate", "top_replies", "reply_lines"]
+
+log = logging.getLogger(__name__)
+
+TOP_REPLIES = 5
+"""How many of an agent's most frequent replies an evaluation record keeps."""
+REPLY_CHARS = 80
+"""Replies are cut to this many characters (after whitespace normalization) before counting."""
 
 
 def evaluate(trainer: Any, *, step: int, split: str | None = None,
@@ -40,6 +51,8 @@ def evaluate(trainer: Any, *, step: int, split: str | None = None,
     local: list[Any] | None = [] if any(_distributed.gather(rollouts is not None)) else None
     successes: dict[str, list[bool]] = {t.id: [] for t in tasks}
     per_agent: dict[str, dict[str, list[float]]] = {}
+    replies: list[tuple[str, str, float]] = []  # (agent, reply, turn reward) of every scored turn
+    teams: list[float] = []  # team reward of every scored episode
     for task, episode in runs:
         try:
             score = score_episode(trainer.env, task, episode, invalid_penalty=trainer.invalid_penalty,
@@ -49,6 +62,8 @@ def evaluate(trainer: Any, *, step: int, split: str | None = None,
             if local is not None:
                 local.append((task, episode, None, False))
             continue
+        trainer.store.update_training(episode.id, step=None, rewards=score.rewards, turn_rewards=score.turn_rewards)
+        teams.append(score.team)
         successes[task.id].append(is_success(trainer.env, task, episode, score, trainer.cfg.success_threshold))
         if local is not None:
             local.append((task, episode, score, successes[task.id][-1]))
@@ -57,6 +72,7 @@ def evaluate(trainer: Any, *, step: int, split: str | None = None,
             stats["reward"].append(r)
             stats["invalid"].append(float(bad))
             stats["len"].append(float(len(turn.response_ids)))
+            replies.append((turn.agent, turn.response_text, r))
     successes, per_agent, counts, n_runs = _distributed.merge_eval(successes, per_agent, counts, len(runs))
     if local is not None:
         merged = _distributed.merge_rollouts(local, tasks, evaluation_episode)
@@ -72,5 +88,48 @@ def evaluate(trainer: Any, *, step: int, split: str | None = None,
         record[f"{agent}/reward"] = sum(stats["reward"]) / n
         record[f"{agent}/invalid_rate"] = sum(stats["invalid"]) / n
         record[f"{agent}/calls_per_episode"] = n / max(n_runs, 1)
-        record[f"{agent}/response_len"] = sum(stats["len"]) / n
+        record[f"{agent}/response_length"] = sum(stats["len"]) / n
+    for agent, top in top_replies([r for part in _distributed.gather(replies) for r in part]).items():
+        record[f"{agent}/top_replies"] = top
+    _check_threshold(trainer, [t for part in _distributed.gather(teams) for t in part], record)
     return record
+
+
+def _check_threshold(trainer: Any, teams: list[float], record: dict[str, Any]) -> None:
+    """Warn once per trainer when `success_threshold` is above every team reward of an evaluation (without
+    `env.is_success`, avg@k and pass@k then stay 0 whatever the policies learn)."""
+    threshold = trainer.cfg.success_threshold
+    if (not teams or max(teams) >= threshold or getattr(trainer.env, "is_success", None) is not None
+            or getattr(trainer, "threshold_warned", False) or not _distributed.is_main()):
+        return
+    trainer.threshold_warned = True
+    log.warning("success_threshold %g is above every team reward of the evaluation at step %d (%d episodes, "
+                "highest %g, lowest %g; a per-agent reward dict counts as the mean of the agents' rewards): "
+                "avg@k and pass@k stay 0. Set success_threshold to the team reward of a success, or give the "
+                "environment an is_success(task, episode) method", threshold, record["step"], len(teams),
+                max(teams), min(teams))
+
+
+def top_replies(replies: list[tuple[str, str, float]], n: int = TOP_REPLIES) -> dict[str, list[dict[str, Any]]]:
+    """Per agent, its `n` most frequent replies among (agent, reply, reward) triples, as {"reply", "count",
+    "reward" (mean)}; replies are compared whitespace-normalized and cut to `REPLY_CHARS` characters."""
+    rewards: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for agent, text, reward in replies:
+        reply = " ".join(text.split())
+        rewards[agent][reply[:REPLY_CHARS] + ("..." if len(reply) > REPLY_CHARS else "")].append(reward)
+    out = {}
+    for agent, by_reply in sorted(rewards.items()):
+        counts = Counter({reply: len(r) for reply, r in by_reply.items()})
+        out[agent] = [{"reply": reply, "count": count, "reward": sum(by_reply[reply]) / count}
+                      for reply, count in counts.most_common(n)]
+    return out
+
+
+def reply_lines(record: dict[str, Any]) -> list[str]:
+    """An evaluation record's most frequent replies as text, per agent: '  12x  reward 0.50  "The answer is 4."'."""
+    lines = []
+    for key, top in record.items():
+        if key.endswith("/top_replies"):
+            lines.append(f"most frequent replies of {key.split('/')[0]} (step {record['step']}, {record['split']}):")
+            lines += [f"  {r['count']:>4}x  reward {r['reward']:.2f}  {r['reply']!r}" for r in top]
+    return lines

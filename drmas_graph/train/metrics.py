@@ -76,11 +76,17 @@ class RunLogger:
             self._progress.start()
 
     def _truncate_after(self, start_step: int) -> None:
-        """On resume, drop lines of steps that will run again (written after the last checkpoint)."""
+        """On resume at step `start_step`, drop the lines of what will run again: training steps from
+        `start_step` on, evaluations after more than `start_step` steps (an evaluation's `step` counts the steps
+        done before it: the one of the checkpoint resumed from is kept, it does not run again)."""
         if not self.path.exists():
             return
-        kept = [line for line in self.path.read_text().splitlines()
-                if line.strip() and json.loads(line).get("step", 0) < start_step]
+
+        def kept_line(record: dict[str, Any]) -> bool:
+            step = record.get("step", 0)
+            return step <= start_step if any(k.startswith("eval/") for k in record) else step < start_step
+
+        kept = [line for line in self.path.read_text().splitlines() if line.strip() and kept_line(json.loads(line))]
         self.path.write_text("".join(line + "\n" for line in kept))
 
     @staticmethod

@@ -40,7 +40,7 @@ from typing import Any
 
 from drmas_graph.config import AgentConfig, TrainConfig, merge_overrides
 from drmas_graph.env import BadRewardError
-from drmas_graph.errors import RolloutError
+from drmas_graph.errors import ConfigError, RolloutError
 from drmas_graph.instrumentation.instrumented import InstrumentedGraph
 from drmas_graph.policy import Policy
 from drmas_graph.traces.store import TraceStore
@@ -56,11 +56,11 @@ from drmas_graph.train._rollouts import (
     group_ids,
     run_episodes,
 )
-from drmas_graph.train.evaluate import evaluate
+from drmas_graph.train.evaluate import evaluate, reply_lines
 from drmas_graph.train.metrics import RunLogger
 from drmas_graph.types import Episode, Sample
 
-__all__ = ["train_graph", "TrainResult", "Trainer", "evaluate"]
+__all__ = ["train_graph", "TrainResult", "Trainer", "evaluate", "RunDirInUseError"]
 
 log = logging.getLogger(__name__)
 
@@ -93,12 +93,31 @@ class TrainResult:
             for metric in ("avg@k", "pass@k"):
                 name = metric.replace("k", str(k))
                 lines.append(f"{'  ' + name:<28}{first[metric]:>12.3f}{last[metric]:>12.3f}")
+            lines += reply_lines(last)
         if self.history:
             first, last = self.history[0], self.history[-1]
             lines.append(f"{'training reward (team)':<28}{'step ' + str(first['step']):>12}{'step ' + str(last['step']):>12}")
             lines.append(f"{'':<28}{first['reward/team_mean']:>12.3f}{last['reward/team_mean']:>12.3f}")
         lines.append(f"run folder: {self.run_dir}")
         return "\n".join(lines)
+
+
+class RunDirInUseError(ConfigError):
+    """A training run (not resumed) was pointed at a run folder that already holds a run."""
+
+    def __init__(self, run_dir: Path) -> None:
+        super().__init__(f"run folder {run_dir} already holds a run ({run_dir / 'traces.db'}); train into a new "
+                         f"folder (run_dir={str(free_run_dir(run_dir))!r}), or continue this run from its last "
+                         "checkpoint with resume=True")
+        self.run_dir = run_dir
+
+
+def free_run_dir(run_dir: Path) -> Path:
+    """`run_dir` with the first of -2, -3, ... that names no folder yet."""
+    n = 2
+    while run_dir.with_name(f"{run_dir.name}-{n}").exists():
+        n += 1
+    return run_dir.with_name(f"{run_dir.name}-{n}")
 
 
 def train_graph(graph: Any, env: Any, config: TrainConfig | None = None, *,
@@ -147,6 +166,10 @@ class Trainer:
         self.reward_errors: list[BadRewardError] = []
         """Errors of the bad-reward episodes of the last step's scoring."""
         self._reward_raise_logged = False
+        self.threshold_warned = False
+        """Whether an evaluation warned that success_threshold is above every team reward (`evaluate`; once)."""
+        self.zero_signal = _scoring.ZeroSignalWatch()
+        """Warns when most advantage pools had zero variance for several steps in a row."""
         self.episode_slots = EpisodeSlots(cfg.max_concurrency)
         """`max_concurrency`: episodes in flight in this process, over every step rolling out (free schedule)."""
         if train:  # under torchrun / deepspeed: whole groups per rank (evaluation shards tasks, any number)
@@ -157,6 +180,9 @@ class Trainer:
             + (["<policies passed to train_graph>"] if policies and cfg.update.zero() == 3 else []))
         _distributed.init_process_group(use_deepspeed=_build.uses_deepspeed(cfg, policies))
         self.run_dir = Path(cfg.run_dir)
+        # before any process creates its store: a second run would mix its episodes and metrics into the first's
+        if train and not cfg.resume and any(_distributed.gather((self.run_dir / "traces.db").exists())):
+            raise RunDirInUseError(self.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.train_models: dict[str, Any] = {}
         """Model name -> the module its updater trains (the embedded policy's own, or a served model's local copy)."""
@@ -273,11 +299,16 @@ class Trainer:
             yield step, record
 
     def batch_tasks(self, step: int) -> list[Any]:
-        """Tasks of a step: position p = step * B + i in an endless sequence of seeded shuffles of the split."""
-        n, out = len(self.train_tasks), []
-        for p in range(step * self.cfg.tasks_per_step, (step + 1) * self.cfg.tasks_per_step):
-            epoch, i = divmod(p, n)
-            order = list(range(n))
+        """Tasks of a step: positions step * B ... step * B + B - 1 of `task_order`."""
+        return self.task_order(step * self.cfg.tasks_per_step, self.cfg.tasks_per_step)
+
+    def task_order(self, start: int, n: int) -> list[Any]:
+        """The training tasks at positions start ... start + n - 1 of an endless sequence of seeded shuffles of
+        the split."""
+        n_tasks, out = len(self.train_tasks), []
+        for p in range(start, start + n):
+            epoch, i = divmod(p, n_tasks)
+            order = list(range(n_tasks))
             random.Random(f"{self.cfg.seed}:{epoch}").shuffle(order)
             out.append(self.train_tasks[order[i]])
         return out
@@ -334,9 +365,9 @@ class Trainer:
             self.publish(step)
         record = _scoring.step_record(step, list(self.agent_policies), scored, counts, adv_stats, update_metrics,
                                       (t0, t1, t2, t3), sync_s)
-        warning = _scoring.unfinished_warning(record, batch.n_episodes)
-        if warning is not None and _distributed.is_main():
-            log.warning(warning)
+        for warning in (_scoring.unfinished_warning(record, batch.n_episodes), self.zero_signal.observe(record)):
+            if warning is not None and _distributed.is_main():
+                log.warning(warning)
         return record
 
     def publish(self, step: int, trained: Sequence[Episode] = ()) -> None:
