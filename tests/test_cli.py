@@ -95,7 +95,8 @@ def test_show_prints_a_block_per_turn(run, capsys):
     assert "finish length" in out and "policy qwen@4" in out
     assert "reward 0.5   advantage 1.5" in out and "advantage -0.25" in out
     assert "human: [bold]last message of planner[/bold]" in out  # user text is not taken as markup
-    assert "ai: the very last message" in out and "system prompt" not in out  # only the last message
+    assert "system: system prompt" in out  # every message of the prompt, the system prompt too
+    assert "ai: the very last message" in out
     assert "response of solver" in out
 
 
@@ -178,3 +179,35 @@ def test_usage_errors_exit_2(capsys):
     assert "invalid choice: 'csv'" in capsys.readouterr().err
 
 
+
+
+def test_list_keeps_episode_ids_on_one_line_in_a_narrow_terminal(run):
+    """A 32-character id folded over two lines cannot be copied (issue 33): the id column never wraps."""
+    import argparse
+    import io
+
+    from rich.console import Console
+
+    from drmas_graph.cli._traces import _cmd_list
+
+    path, trained, failed = run
+    out = io.StringIO()
+    args = argparse.Namespace(path=str(path), step=None, agent=None, task=None, failed=None, outcome=None, limit=None)
+    assert _cmd_list(args, Console(file=out, width=90, no_color=True)) == 0
+    lines = out.getvalue().splitlines()
+    assert any(trained.id in line for line in lines) and any(failed.id in line for line in lines)
+
+
+def test_show_prints_every_prompt_message_folded_and_in_full_with_full(run, capsys, tmp_path: Path):
+    path, trained, _ = run
+    long_system = "You are the planner. " + "Follow the rules. " * 30
+    episode = Episode(task_id="t", turns=[make_turn("planner", "plan", 0, 11, 5, messages=(
+        SystemMessage(long_system), HumanMessage("plan the trip")))])
+    with TraceStore(path) as store:
+        store.write_episode(episode)
+    assert main(["traces", "show", str(path), episode.id]) == 0
+    out = capsys.readouterr().out
+    assert "system: You are the planner. Follow the rules." in out and "human: plan the trip" in out
+    assert long_system.strip() not in " ".join(out.split())  # folded: one line, cut with '…'
+    assert main(["traces", "show", str(path), episode.id, "--full"]) == 0
+    assert long_system.strip() in " ".join(capsys.readouterr().out.replace("│", " ").split())

@@ -30,7 +30,7 @@ def add_traces_commands(groups: Any) -> None:
     commands = traces.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = commands.add_parser("list", help="one line per episode")
-    p.add_argument("path", help="trace store (.sqlite) of a run")
+    p.add_argument("path", help="trace store of a run (run_dir/traces.db)")
     p.add_argument("--step", type=int, help="only episodes used in this training step")
     p.add_argument("--agent", help="only episodes where this agent made a call")
     p.add_argument("--task", help="only episodes of this task id")
@@ -47,16 +47,18 @@ def add_traces_commands(groups: Any) -> None:
     p.set_defaults(func=_cmd_list)
 
     p = commands.add_parser("show", help="the timeline of one episode, one block per LLM call")
-    p.add_argument("path", help="trace store (.sqlite) of a run")
+    p.add_argument("path", help="trace store of a run (run_dir/traces.db)")
     p.add_argument("episode", help="episode id (see `traces list`)")
+    p.add_argument("--full", action="store_true",
+                   help="every prompt message and response in full (default: one folded line per message)")
     p.set_defaults(func=_cmd_show)
 
     p = commands.add_parser("stats", help="episode, turn and token counts, bytes per 1k tokens")
-    p.add_argument("path", help="trace store (.sqlite) of a run")
+    p.add_argument("path", help="trace store of a run (run_dir/traces.db)")
     p.set_defaults(func=_cmd_stats)
 
     p = commands.add_parser("export", help="per-agent trajectories, one row per LLM call")
-    p.add_argument("path", help="trace store (.sqlite) of a run")
+    p.add_argument("path", help="trace store of a run (run_dir/traces.db)")
     p.add_argument("--format", choices=["jsonl", "parquet"], default="jsonl")
     p.add_argument("--out", type=Path, help="output file (default: PATH with the format's suffix)")
     p.add_argument("--agent", help="only this agent's calls")
@@ -67,7 +69,7 @@ def add_traces_commands(groups: Any) -> None:
     p.set_defaults(func=_cmd_export)
 
     p = commands.add_parser("replay", help="re-run a recorded episode through a graph and report divergences")
-    p.add_argument("path", help="trace store (.sqlite) of a run")
+    p.add_argument("path", help="trace store of a run (run_dir/traces.db)")
     p.add_argument("episode", help="episode id (see `traces list`)")
     p.add_argument("--graph", required=True, metavar="MODULE:ATTR",
                    help="the compiled graph to replay into, or a factory that builds it (its `llm` parameter gets a "
@@ -83,7 +85,7 @@ def _add_rescore_command(commands: Any) -> None:
         "rescore", help="new rewards and advantages for a stored run from another reward function, no model",
         description="Recompute rewards and advantages of the pooled episodes (advantages are normalised over "
                     "them, group by group). Pools: " + "; ".join(f"{k}: {v}" for k, v in POOLS.items()) + ".")
-    p.add_argument("path", help="trace store (.sqlite) of a run")
+    p.add_argument("path", help="trace store of a run (run_dir/traces.db)")
     p.add_argument("--reward", required=True, metavar="MODULE:ATTR",
                    help="reward function: episode -> float (team reward) or {agent: float}")
     p.add_argument("--episodes", choices=list(POOLS), default="trained",
@@ -117,7 +119,8 @@ def _cmd_list(args: argparse.Namespace, console: Console) -> int:
         summaries = store.episodes(step=args.step, agent=args.agent, task_id=args.task, failed=args.failed,
                                    outcome=args.outcome, limit=args.limit)
     table = Table(title=Text(f"{len(summaries)} episodes in {args.path}"), title_justify="left")
-    for column in ("episode", "task", "group", "step", "turns", "agents", "tokens p/r", "reward", "outcome"):
+    table.add_column("episode", no_wrap=True, min_width=max((len(s.id) for s in summaries), default=7))  # copyable
+    for column in ("task", "group", "step", "turns", "agents", "tokens p/r", "reward", "outcome"):
         table.add_column(column, overflow="fold")
     for s in summaries:
         cells = (
@@ -142,7 +145,7 @@ def _cmd_show(args: argparse.Namespace, console: Console) -> int:
         episode = store.load_episode(args.episode)
     console.print(_episode_header(episode, summary.step))
     for position, turn in enumerate(episode.turns):
-        console.print(_turn_block(episode, position, turn))
+        console.print(_turn_block(episode, position, turn, full=args.full))
     return 0
 
 
@@ -274,7 +277,7 @@ def _episode_header(episode: Episode, train_step: int | None) -> Panel:
     return Panel(Text("\n".join(lines)), title=Text(f"episode {episode.id}"), title_align="left")
 
 
-def _turn_block(episode: Episode, position: int, turn: Turn) -> Panel:
+def _turn_block(episode: Episode, position: int, turn: Turn, *, full: bool = False) -> Panel:
     turn_reward = None if episode.turn_rewards is None else episode.turn_rewards[position]
     advantage = None if episode.advantages is None else episode.advantages[position]
     policy = f"{turn.policy}@{_or_dash(turn.policy_version)}" if turn.policy else "app model"
@@ -285,12 +288,9 @@ def _turn_block(episode: Episode, position: int, turn: Turn) -> Panel:
         f"finish {turn.finish_reason}   policy {policy}   latency {turn.latency_s:.3f}s\n"
         f"reward {_number(turn_reward)}   advantage {_number(advantage)}"
     )
-    prompt = _snippet(_message_text(turn.messages[-1])) if turn.messages else "(no messages)"
-    body = [
-        Text(facts),
-        Text(f"prompt   {prompt}"),
-        Text(f"response {_snippet(turn.response_text) or '(empty)'}"),
-    ]
+    fold = (lambda text: str(text)) if full else _snippet
+    prompt = [Text(f"prompt   {fold(_message_text(m))}") for m in turn.messages] or [Text("prompt   (no messages)")]
+    body = [Text(facts), *prompt, Text(f"response {fold(turn.response_text) or '(empty)'}")]
     if turn.tool_calls:
         calls = ", ".join(f"{c.get('name')}({_snippet(str(c.get('args', {})), 80)})" for c in turn.tool_calls)
         body.append(Text(f"tools    {calls}"))
