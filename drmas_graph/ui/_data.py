@@ -193,10 +193,9 @@ class Run:
             params.append(query.group)
         if query.outcome is not None:
             where.append(f"({self._outcome_sql(store, query.outcome)})")
-        if where:  # the store's query has ` WHERE ...` (or none) before its ORDER BY
-            glue = " AND " if " WHERE " in inner else " WHERE "
-            head, order = inner.rsplit(" ORDER BY ", 1)
-            inner = head + glue + " AND ".join(where) + " ORDER BY " + order
+        inner = inner.rsplit(" ORDER BY ", 1)[0]  # the page's own ORDER BY sorts; unordered, SQLite flattens it
+        if where:  # the store's query ends with its ` WHERE ...` (or none)
+            inner += (" AND " if " WHERE " in inner else " WHERE ") + " AND ".join(where)
         column = SORTS[query.sort]
         direction = "DESC" if query.desc else "ASC"
         nulls = f"{column} IS NULL, " if column != "rowid" else ""  # episodes without the value come last
