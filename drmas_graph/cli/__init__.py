@@ -36,6 +36,7 @@ from rich.console import Console
 from drmas_graph.cli._traces import add_traces_commands
 from drmas_graph.cli._train import add_train_commands
 from drmas_graph.errors import DrmasError
+from drmas_graph.ui import add_ui_command
 
 __all__ = ["main", "build_parser"]
 
@@ -62,6 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     groups = parser.add_subparsers(dest="group", required=True, metavar="GROUP")
     add_traces_commands(groups)
     add_train_commands(groups)
+    add_ui_command(groups)
     return parser
 
 

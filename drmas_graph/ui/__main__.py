@@ -1,0 +1,5 @@
+import sys
+
+from drmas_graph.ui import main
+
+sys.exit(main())

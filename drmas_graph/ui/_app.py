@@ -1,0 +1,262 @@
+"""The web app: a router over a few GET pages, and the stdlib HTTP server that serves it.
+
+Why no web framework: the app is local, read-only and for one user, with six GET routes and no forms that
+write; Python's ``http.server`` (threaded) serves that with nothing to install, and Jinja2 (autoescaping on for
+every template) renders the pages. Charts are SVG drawn on the server (`_charts`), so the pages need no
+script at all: the Content-Security-Policy forbids every script, which also makes an escaping mistake inert.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import mimetypes
+import sys
+import threading
+import urllib.parse
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from jinja2 import Environment, PackageLoader, StrictUndefined, select_autoescape
+
+from drmas_graph.errors import ConfigError, DrmasError, EpisodeNotFoundError, StoreNotFoundError
+from drmas_graph.ui import _pages
+from drmas_graph.ui._data import OUTCOMES, PAGE_SIZES, SORTS, EpisodeQuery, Run, open_runs
+
+__all__ = ["UiApp", "Response", "make_server", "is_loopback"]
+
+_SECURITY_HEADERS = {
+    "Content-Security-Policy": "default-src 'none'; style-src 'self'; img-src 'self' data:; base-uri 'none'; "
+                               "form-action 'self'; frame-ancestors 'none'",
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+    "Cache-Control": "no-store",
+}
+"""Sent with every response: no script may run, nothing loads from elsewhere, no framing."""
+
+_STATIC = ("ui.css",)
+"""The only files under /static/ (read from the package, never from a path in the URL)."""
+
+
+@dataclass(frozen=True)
+class Response:
+    """What a route returns."""
+
+    status: int
+    """HTTP status."""
+    body: bytes
+    """The body."""
+    content_type: str = "text/html; charset=utf-8"
+    """Its media type."""
+
+
+class UiApp:
+    """The pages of the runs given, as a function of (path, query parameters) -> `Response`.
+
+    ``graph``: the compiled graph (or the ``module:attr`` text naming it) that the Replay button replays
+    episodes into; None hides the button.
+    """
+
+    def __init__(self, runs: Mapping[str, Run] | Sequence[str | Path], *, graph: Any = None, graph_spec: str | None = None):
+        self.runs: dict[str, Run] = dict(runs) if isinstance(runs, Mapping) else open_runs(runs)
+        """Runs by URL name."""
+        self.graph = graph
+        """What Replay replays into (None: no replay)."""
+        self.graph_spec = graph_spec
+        """How the graph was named on the command line (shown in the terminal equivalent)."""
+        self._replay_lock = threading.Lock()  # one replay at a time: replays install call interception
+        self._env = Environment(loader=PackageLoader("drmas_graph.ui", "templates"),
+                                autoescape=select_autoescape(default=True, default_for_string=True),
+                                undefined=StrictUndefined, trim_blocks=True, lstrip_blocks=True)
+        self._env.globals.update(url=_url, fmt=_fmt, outcomes=list(OUTCOMES), sorts=list(SORTS),
+                                 page_sizes=PAGE_SIZES, runs=self.runs, counts=_pages.counts)
+        self._static = {name: resources.files("drmas_graph.ui").joinpath("static", name).read_bytes()
+                        for name in _STATIC}
+
+    # -- routing ---------------------------------------------------------------------------------------------
+
+    def handle(self, path: str, params: Mapping[str, Sequence[str]]) -> Response:
+        """Answer one GET request (`path` still percent-encoded, `params` parsed from the query string)."""
+        parts = [urllib.parse.unquote(p) for p in path.split("/") if p]
+        one = {k: v[-1] for k, v in params.items() if v}
+        try:
+            return self._route(parts, one, params)
+        except (EpisodeNotFoundError, StoreNotFoundError) as e:
+            return self._error(HTTPStatus.NOT_FOUND, str(e))
+        except ConfigError as e:
+            return self._error(HTTPStatus.BAD_REQUEST, str(e))
+
+    def _route(self, parts: list[str], one: dict[str, str], params: Mapping[str, Sequence[str]]) -> Response:
+        if not parts:
+            return self._runs_page(list(params.get("run", [])))
+        if parts[0] == "static" and len(parts) == 2 and parts[1] in self._static:
+            kind = mimetypes.guess_type(parts[1])[0] or "application/octet-stream"
+            return Response(200, self._static[parts[1]], kind)
+        if parts[0] == "runs" and len(parts) >= 2 and parts[1] in self.runs:
+            run = self.runs[parts[1]]
+            rest = parts[2:]
+            if rest == ["episodes"]:
+                return self._episodes_page(run, one)
+            if rest == ["group"] and one.get("id"):
+                return self._page("group.html", run=run, **_pages.group_view(run, one["id"]))
+            if len(rest) == 2 and rest[0] == "episodes":
+                return self._episode_page(run, rest[1])
+            if len(rest) == 3 and rest[0] == "episodes" and rest[2] == "replay":
+                return self._replay_page(run, rest[1])
+        return self._error(HTTPStatus.NOT_FOUND, "no such page")
+
+    # -- pages -----------------------------------------------------------------------------------------------
+
+    def _runs_page(self, chosen: list[str]) -> Response:
+        unknown = [name for name in chosen if name not in self.runs]
+        if unknown:
+            raise ConfigError(f"unknown run {unknown[0]!r}; runs: {', '.join(self.runs)}")
+        selected = [self.runs[name] for name in chosen] or list(self.runs.values())
+        first, rest = _pages.run_charts(selected)
+        evals = {run.name: _pages.eval_rows(run) for run in selected}
+        steps = {run.name: sum(1 for r in run.metrics() if "episodes" in r) for run in selected}
+        return self._page("runs.html", selected=[r.name for r in selected], first=first, rest=rest, evals=evals,
+                          steps=steps)
+
+    def _episodes_page(self, run: Run, one: dict[str, str]) -> Response:
+        query = EpisodeQuery.from_params(one)
+        page = run.episode_page(query)
+        return self._page("episodes.html", run=run, page=page, query=query, choices=run.choices(),
+                          cli=_list_command(run, query))
+
+    def _episode_page(self, run: Run, episode_id: str) -> Response:
+        store = run.store()
+        summary = store.summary(episode_id)
+        episode = store.load_episode(episode_id)
+        return self._page("episode.html", run=run, summary=summary, can_replay=self.graph is not None,
+                          **_pages.episode_view(run, episode))
+
+    def _replay_page(self, run: Run, episode_id: str) -> Response:
+        if self.graph is None:
+            raise ConfigError("replay needs a graph: start the UI with --graph module:attr")
+        episode = run.store().load_episode(episode_id)
+        with self._replay_lock:
+            view = _pages.replay_view(self.graph, episode)
+        return self._page("replay.html", run=run, episode=episode, graph_spec=self.graph_spec or "GRAPH", **view)
+
+    def _page(self, template: str, **values: Any) -> Response:
+        body = self._env.get_template(template).render(**values)
+        return Response(200, body.encode())
+
+    def _error(self, status: HTTPStatus, message: str) -> Response:
+        body = self._env.get_template("error.html").render(status=int(status), phrase=status.phrase, message=message)
+        return Response(int(status), body.encode())
+
+    def close(self) -> None:
+        for run in self.runs.values():
+            run.close()
+
+
+# -- template helpers ----------------------------------------------------------------------------------------
+
+
+def _url(path: str, params: Mapping[str, Any] | None = None) -> str:
+    """A link: path segments are percent-encoded by the caller with `quote` (ids are hex), parameters here."""
+    query = urllib.parse.urlencode({k: v for k, v in (params or {}).items() if v is not None})
+    return path + ("?" + query if query else "")
+
+
+def _fmt(value: Any, digits: int = 4) -> str:
+    """A cell: '–' for None, floats to `digits` significant digits."""
+    if value is None:
+        return "–"
+    return f"{value:.{digits}g}" if isinstance(value, float) else str(value)
+
+
+def _list_command(run: Run, query: EpisodeQuery) -> str:
+    """The `drmas-graph traces list` line closest to this list (it has no group, reward or sort filters)."""
+    line = f"drmas-graph traces list {run.store_path}"
+    for flag, value in (("--step", query.step), ("--agent", query.agent), ("--task", query.task)):
+        if value is not None:
+            line += f" {flag} {value}"
+    line += {"failed": " --failed", "truncated": " --truncated", "model_error": " --model-errors"}.get(
+        query.outcome or "", "")
+    return line
+
+
+# -- serving -------------------------------------------------------------------------------------------------
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` names this machine only (127.0.0.0/8, ::1, localhost)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: _Server
+    protocol_version = "HTTP/1.1"
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+        if self.server.loopback_only and not self._host_ok():
+            self._send(Response(400, b"unexpected Host header (this server answers localhost only)", "text/plain"))
+            return
+        url = urllib.parse.urlsplit(self.path)
+        try:
+            response = self.server.app.handle(url.path, urllib.parse.parse_qs(url.query))
+        except DrmasError as e:
+            response = Response(500, f"error: {e}".encode(), "text/plain; charset=utf-8")
+        self._send(response)
+
+    def do_HEAD(self) -> None:  # noqa: N802
+        self.do_GET()
+
+    def _host_ok(self) -> bool:
+        host = (self.headers.get("Host") or "").rsplit(":", 1)[0].strip("[]")
+        return is_loopback(host)
+
+    def _send(self, response: Response) -> None:
+        self.send_response(response.status)
+        self.send_header("Content-Type", response.content_type)
+        self.send_header("Content-Length", str(len(response.body)))
+        for name, value in _SECURITY_HEADERS.items():
+            self.send_header(name, value)
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(response.body)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        if self.server.log is not None:
+            self.server.log(format % args)
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    app: UiApp
+    loopback_only: bool
+    log: Callable[[str], None] | None
+
+
+def make_server(app: UiApp, host: str = "127.0.0.1", port: int = 8000, *,
+                log: Callable[[str], None] | None = None) -> _Server:
+    """An HTTP server for `app` bound to host:port (port 0: any free port; `server.server_port` tells).
+    A host other than loopback is allowed, with a warning on stderr: anyone who reaches it reads every
+    prompt and reply of the runs."""
+    if not is_loopback(host):
+        print(f"drmas-graph ui: WARNING: serving on {host}, not only this machine: anyone who can reach "
+              f"port {port} can read every prompt and reply of these runs (no authentication)", file=sys.stderr)
+    server_class = type("_BoundServer", (_Server,), {"address_family": _family(host)})
+    server = server_class((host, port), _Handler)
+    server.app = app
+    server.loopback_only = is_loopback(host)
+    server.log = log
+    return server
+
+
+def _family(host: str) -> int:
+    import socket
+
+    return socket.AF_INET6 if ":" in host else socket.AF_INET

@@ -1,0 +1,285 @@
+"""What the UI reads from a run folder: its trace store (read-only), its metrics log and its tokenizers.
+
+A run folder is what `train_graph` writes: ``traces.db``, ``metrics.jsonl`` and ``checkpoints/``. Only the
+files named here are ever opened, found from the folders given on the command line; no path comes from a
+request. The run may still be training: the store is opened read-only (SQLite WAL readers never block the
+writer) and the metrics log is re-read from where the last read stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from drmas_graph.errors import ConfigError, StoreNotFoundError
+from drmas_graph.traces import _queries
+from drmas_graph.traces._queries import EpisodeSummary
+from drmas_graph.traces.store import TraceStore
+
+__all__ = ["Run", "EpisodeQuery", "EpisodePage", "open_runs", "OUTCOMES", "SORTS", "PAGE_SIZES"]
+
+OUTCOMES = {
+    **_queries.OUTCOMES,
+    # an episode left paused at an interrupt nobody answered: a failure whose error is EpisodeInterruptedError
+    "interrupted": "e.error LIKE 'EpisodeInterruptedError:%'",
+}
+"""Outcome filter -> SQL condition on an episodes row ``e`` (the store's outcomes, plus 'interrupted')."""
+
+SORTS = {
+    "created": "rowid", "step": "step", "reward": "reward", "turns": "n_turns", "tokens": "n_response_tokens",
+    "task": "task_id", "group": "group_id",
+}  # fmt: skip
+"""Sort key in a URL -> column of the episode summary (no other text ever reaches the SQL)."""
+
+PAGE_SIZES = (25, 50, 100, 500)
+"""Page sizes the episode list offers."""
+
+
+@dataclass(frozen=True)
+class EpisodeQuery:
+    """The episode list's filters, sort and page, as they appear in the URL."""
+
+    step: int | None = None
+    """Only episodes trained in this step."""
+    group: str | None = None
+    """Only this GRPO group."""
+    agent: str | None = None
+    """Only episodes where this agent made a call (reward bounds then apply to its own reward)."""
+    task: str | None = None
+    """Only this task id."""
+    outcome: str | None = None
+    """One of `OUTCOMES`."""
+    min_reward: float | None = None
+    """Lowest reward (inclusive)."""
+    max_reward: float | None = None
+    """Highest reward (inclusive)."""
+    sort: str = "created"
+    """One of `SORTS`."""
+    desc: bool = False
+    """Descending order."""
+    page: int = 1
+    """1-based page number."""
+    per_page: int = 50
+    """One of `PAGE_SIZES`."""
+
+    @staticmethod
+    def from_params(params: dict[str, str]) -> EpisodeQuery:
+        """Parse URL parameters; a bad value raises ConfigError naming the parameter."""
+
+        def number(name: str, kind: type) -> Any:
+            text = params.get(name, "").strip()
+            if not text:
+                return None
+            try:
+                value = kind(text)
+            except ValueError:
+                raise ConfigError(f"parameter {name}={text!r} is not a{'n integer' if kind is int else ' number'}") from None
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ConfigError(f"parameter {name}={text!r} is not a finite number")
+            return value
+
+        outcome = params.get("outcome") or None
+        if outcome is not None and outcome not in OUTCOMES:
+            raise ConfigError(f"parameter outcome={outcome!r}: valid outcomes are {', '.join(OUTCOMES)}")
+        sort = params.get("sort") or "created"
+        if sort not in SORTS:
+            raise ConfigError(f"parameter sort={sort!r}: valid sort keys are {', '.join(SORTS)}")
+        per_page = number("per_page", int) or 50
+        if per_page not in PAGE_SIZES:
+            raise ConfigError(f"parameter per_page={per_page}: valid page sizes are {', '.join(map(str, PAGE_SIZES))}")
+        return EpisodeQuery(
+            step=number("step", int), group=params.get("group") or None, agent=params.get("agent") or None,
+            task=params.get("task") or None, outcome=outcome, min_reward=number("min_reward", float),
+            max_reward=number("max_reward", float), sort=sort, desc=params.get("desc") == "1",
+            page=max(1, number("page", int) or 1), per_page=per_page,
+        )
+
+    def params(self, **changes: Any) -> dict[str, str]:
+        """The URL parameters of this query with some fields changed (defaults left out)."""
+        values = {**self.__dict__, **changes}
+        defaults = EpisodeQuery().__dict__
+        out = {}
+        for name, value in values.items():
+            if value is None or value == defaults[name]:
+                continue
+            out[name] = "1" if value is True else str(value)
+        return out
+
+
+@dataclass(frozen=True)
+class EpisodePage:
+    """One page of the episode list."""
+
+    rows: list[EpisodeSummary]
+    """The page's episodes."""
+    total: int
+    """Episodes matching the filters, over all pages."""
+    query: EpisodeQuery
+    """What was asked."""
+
+    @property
+    def pages(self) -> int:
+        return max(1, -(-self.total // self.query.per_page))
+
+
+@dataclass
+class _MetricsLog:
+    """metrics.jsonl, read incrementally: a run that is still training appends lines."""
+
+    path: Path
+    records: list[dict[str, Any]] = field(default_factory=list)
+    offset: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def read(self) -> list[dict[str, Any]]:
+        with self.lock:
+            if not self.path.is_file():
+                return []
+            if self.path.stat().st_size < self.offset:  # rewritten (a new run in the folder): start over
+                self.records, self.offset = [], 0
+            with self.path.open("rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+            end = data.rfind(b"\n") + 1  # a line being written is read next time, whole
+            for line in data[:end].splitlines():
+                if line.strip():
+                    self.records.append(json.loads(line))
+            self.offset += end
+            return list(self.records)
+
+
+class Run:
+    """One run folder: its name in URLs, its trace store, metrics and tokenizers."""
+
+    def __init__(self, name: str, folder: Path):
+        self.name = name
+        """Name in URLs (the folder's name, made unique)."""
+        self.folder = folder
+        """The run folder."""
+        self.store_path = folder / "traces.db"
+        """Its trace store."""
+        self._metrics = _MetricsLog(folder / "metrics.jsonl")
+        self._store: TraceStore | None = None
+        self._tokenizers: dict[str, Any] = {}
+        self._lock = threading.Lock()
+
+    # -- trace store ----------------------------------------------------------------------------------
+
+    def store(self) -> TraceStore:
+        """The run's trace store, opened read-only once it exists (StoreNotFoundError before)."""
+        with self._lock:
+            if self._store is None:
+                if not self.store_path.is_file():
+                    raise StoreNotFoundError(f"run {self.name!r}: no trace store at {self.store_path} (yet)")
+                self._store = TraceStore(self.store_path, readonly=True)
+            return self._store
+
+    def episode_page(self, query: EpisodeQuery) -> EpisodePage:
+        """The episodes matching `query`, sorted, one page of them, and how many match in all."""
+        store = self.store()
+        inner, params = _queries.episodes_sql(
+            store._absent, step=query.step, agent=query.agent, task_id=query.task, min_reward=query.min_reward,
+            max_reward=query.max_reward, failed=None, outcome=None, limit=None,
+        )
+        inner = inner.replace(" FROM episodes e", ", e.rowid AS rowid FROM episodes e", 1)
+        where: list[str] = []
+        if query.group is not None:
+            where.append("e.group_id = ?")
+            params.append(query.group)
+        if query.outcome is not None:
+            where.append(f"({self._outcome_sql(store, query.outcome)})")
+        inner = inner.rsplit(" ORDER BY ", 1)[0]  # the page's own ORDER BY sorts; unordered, SQLite flattens it
+        if where:  # the store's query ends with its ` WHERE ...` (or none)
+            inner += (" AND " if " WHERE " in inner else " WHERE ") + " AND ".join(where)
+        column = SORTS[query.sort]
+        direction = "DESC" if query.desc else "ASC"
+        nulls = f"{column} IS NULL, " if column != "rowid" else ""  # episodes without the value come last
+        page_sql = (f"SELECT * FROM ({inner}) ORDER BY {nulls}{column} {direction}, rowid {direction} "
+                    "LIMIT ? OFFSET ?")
+        offset = (query.page - 1) * query.per_page
+
+        def read(conn: Any) -> tuple[int, list[Any]]:
+            total = conn.execute(f"SELECT count(*) FROM ({inner})", params).fetchone()[0]
+            rows = conn.execute(page_sql, [*params, query.per_page, offset]).fetchall()
+            return total, rows
+
+        total, rows = store._read(read)
+        return EpisodePage([_queries.summary_from_row(row[:-1]) for row in rows], total, query)
+
+    @staticmethod
+    def _outcome_sql(store: TraceStore, outcome: str) -> str:
+        if ("episodes", "truncated") in store._absent and outcome in ("truncated", "model_error"):
+            return "0"  # a store older than truncation has neither
+        return OUTCOMES[outcome]
+
+    def choices(self) -> dict[str, list[Any]]:
+        """Values the filters offer: steps, agents and tasks present in the store."""
+        def read(conn: Any) -> dict[str, list[Any]]:
+            return {
+                "steps": [r[0] for r in conn.execute("SELECT DISTINCT step FROM episodes WHERE step IS NOT NULL "
+                                                      "ORDER BY step")],
+                "agents": [r[0] for r in conn.execute("SELECT DISTINCT agent FROM turns ORDER BY agent")],
+            }
+        return self.store()._read(read)
+
+    # -- metrics --------------------------------------------------------------------------------------
+
+    def metrics(self) -> list[dict[str, Any]]:
+        """Every record of metrics.jsonl so far (training steps and evaluations), in order."""
+        return self._metrics.read()
+
+    # -- tokenizers -----------------------------------------------------------------------------------
+
+    def tokenizer(self, policy: str | None) -> Any:
+        """The tokenizer of `policy` from the run's latest checkpoint (``checkpoints/step_*/POLICY/model/
+        tokenizer.json``), or None when the run saved none: tokens are then shown as ids."""
+        if not policy:
+            return None
+        with self._lock:
+            if policy not in self._tokenizers:
+                self._tokenizers[policy] = self._load_tokenizer(policy)
+            return self._tokenizers[policy]
+
+    def _load_tokenizer(self, policy: str) -> Any:
+        checkpoints = sorted((self.folder / "checkpoints").glob("step_*"), reverse=True)
+        for checkpoint in checkpoints:
+            path = checkpoint / policy / "model" / "tokenizer.json"
+            if path.is_file() and path.resolve().is_relative_to(self.folder.resolve()):
+                from tokenizers import Tokenizer
+
+                return Tokenizer.from_file(str(path))
+        return None
+
+    def close(self) -> None:
+        with self._lock:
+            if self._store is not None:
+                self._store.close()
+                self._store = None
+
+
+def open_runs(folders: Sequence[str | Path]) -> dict[str, Run]:
+    """Runs by URL name for the run folders given (a folder that holds neither a trace store nor a metrics log
+    is refused, naming what it lacks); names are the folders' names, suffixed '-2', '-3' when repeated."""
+    if not folders:
+        raise ConfigError("give at least one run folder (the run_dir of a training run)")
+    runs: dict[str, Run] = {}
+    for given in folders:
+        folder = Path(given)
+        if folder.is_file() and folder.suffix in (".db", ".sqlite"):
+            raise ConfigError(f"{folder} is a trace store; give its run folder ({folder.parent})")
+        if not folder.is_dir():
+            raise ConfigError(f"run folder {folder} does not exist")
+        if not (folder / "traces.db").is_file() and not (folder / "metrics.jsonl").is_file():
+            raise ConfigError(f"{folder} has neither traces.db nor metrics.jsonl: is it the run_dir of a training run?")
+        base = folder.resolve().name or "run"
+        name, n = base, 1
+        while name in runs:
+            n += 1
+            name = f"{base}-{n}"
+        runs[name] = Run(name, folder.resolve())
+    return runs

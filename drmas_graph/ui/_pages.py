@@ -1,0 +1,188 @@
+"""What each page shows, computed from a run: chart series, the episode tree, coloured tokens, replay diffs.
+
+Everything stored is arbitrary text (prompts, replies, tool arguments, errors): it reaches the HTML only
+through Jinja2's autoescaping or `markupsafe.escape`; the few pieces built here as `Markup` escape every
+value they contain.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from markupsafe import Markup, escape
+
+from drmas_graph.types import Episode, Turn
+from drmas_graph.ui._charts import Series, line_chart, points
+from drmas_graph.ui._data import Run
+
+__all__ = ["run_charts", "eval_rows", "episode_view", "replay_view", "diff_lines", "token_html"]
+
+FIRST_CHARTS = (
+    "reward/team_mean", "agent/*/reward_mean", "model/*/grad_norm", "agent/*/approx_kl", "agent/*/entropy",
+    "agent/*/clip_frac", "agent/*/ratio_max", "agent/*/truncated_share", "agent/*/model_error_share",
+    "agent/*/invalid_rate", "agent/*/response_len", "eval/avg@k", "eval/pass@k", "eval/*/reward",
+    "time/step_s", "time/rollout_s", "time/update_s", "time/sync_s",
+)  # fmt: skip
+"""Charts shown first, in this order (``*``: one line per agent or model); every other metric follows."""
+
+_TITLES = {"agent/*/ratio_max": "importance weight (max ratio) per agent", "model/*/grad_norm": "gradient norm",
+           "agent/*/approx_kl": "KL (approx) per agent", "agent/*/clip_frac": "clip fraction per agent"}
+
+
+def _chart_key(key: str) -> tuple[str, str]:
+    """metric key -> (chart pattern, series part): 'agent/solve/reward_mean' -> ('agent/*/reward_mean', 'solve')."""
+    parts = key.split("/")
+    if len(parts) == 3 and parts[0] in ("agent", "model", "eval"):
+        return f"{parts[0]}/*/{parts[2]}", parts[1]
+    return key, ""
+
+
+def run_charts(runs: Sequence[Run]) -> tuple[list[Markup], list[Markup]]:
+    """(the first charts, every other chart) over `runs`, one line per run (and agent or model)."""
+    charts: dict[str, list[Series]] = {}
+    for run in runs:
+        records = run.metrics()
+        keys: dict[str, None] = {}
+        for record in records:
+            keys.update(dict.fromkeys(k for k, v in record.items()
+                                      if isinstance(v, (int, float)) and not isinstance(v, bool)))
+        for key in keys:
+            if key in ("time", "step") or key.endswith(("/split", "/k", "/tasks")):
+                continue
+            pattern, part = _chart_key(key)
+            label = f"{run.name} / {part}" if part else run.name
+            charts.setdefault(pattern, []).append(Series(label, points(records, key)))
+    first = [line_chart(_TITLES.get(p, p.replace("/*/", " per series: ")), charts.pop(p)) for p in FIRST_CHARTS
+             if p in charts]
+    rest = [line_chart(p, charts[p]) for p in sorted(charts)]
+    return [c for c in first if c], [c for c in rest if c]
+
+
+def eval_rows(run: Run) -> tuple[list[str], list[dict[str, Any]]]:
+    """(columns, rows) of the run's evaluations: one row per evaluation record."""
+    rows = [r for r in run.metrics() if any(k.startswith("eval/") for k in r)]
+    columns: dict[str, None] = {}
+    for row in rows:
+        columns.update(dict.fromkeys(k for k in row if k.startswith("eval/")))
+    return list(columns), rows
+
+
+# -- the episode page ----------------------------------------------------------------------------------------
+
+
+_LOGPROB_STEPS = (-8.0, -6.0, -4.0, -3.0, -2.0, -1.0, -0.5, -0.2, -0.05)
+"""Colour class k of a token: the number of these its logprob reaches (0: below -8, 9: above -0.05, p > 0.95)."""
+
+
+def _bucket(logprob: float) -> int:
+    """0 (least likely) .. 9 (almost certain): the colour class of a token."""
+    return bisect.bisect_right(_LOGPROB_STEPS, logprob) if math.isfinite(logprob) else 0
+
+
+def token_html(turn: Turn, tokenizer: Any, cache: dict[int, str]) -> Markup:
+    """The response as one span per token, coloured by probability; hover shows the id and logprob."""
+    spans = []
+    for token_id, logprob in zip(turn.response_ids, turn.response_logprobs, strict=True):
+        text = cache.get(token_id)
+        if text is None:
+            text = tokenizer.decode([token_id], skip_special_tokens=False) if tokenizer is not None else f"⟨{token_id}⟩"
+            cache[token_id] = text = str(escape(text))
+        spans.append(f'<span class="t t{_bucket(logprob)}" title="id {token_id} · logprob {logprob:.4f}">{text}</span>')
+    return Markup("".join(spans))
+
+
+def _content(message: Any) -> str:
+    content = message.content
+    return content if isinstance(content, str) else json.dumps(content, indent=1, ensure_ascii=False, default=str)
+
+
+def _json(value: Any) -> str:
+    return json.dumps(value, indent=2, ensure_ascii=False, default=str, sort_keys=False)
+
+
+@dataclass(frozen=True)
+class TurnView:
+    """One LLM call as the episode page shows it."""
+
+    position: int
+    turn: Turn
+    messages: list[tuple[str, str, str]]  # (role, name, text)
+    tokens: Markup
+    advantage: float | None
+    turn_reward: float | None
+    tool_calls: str
+    broke_app: bool
+
+
+def episode_view(run: Run, episode: Episode) -> dict[str, Any]:
+    """Template values of the episode page: the tree (segments > node instances > turns) and each turn."""
+    caches: dict[str | None, dict[int, str]] = {}
+    turns = []
+    for position, turn in enumerate(episode.turns):
+        tokenizer = run.tokenizer(turn.policy)
+        messages = [(m.type, getattr(m, "name", None) or "", _content(m)
+                     + ("\ntool calls: " + _json(m.tool_calls) if getattr(m, "tool_calls", None) else ""))
+                    for m in turn.messages]
+        turns.append(TurnView(
+            position=position, turn=turn, messages=messages,
+            tokens=token_html(turn, tokenizer, caches.setdefault(turn.policy, {})),
+            advantage=None if episode.advantages is None else episode.advantages[position],
+            turn_reward=None if episode.turn_rewards is None else episode.turn_rewards[position],
+            tool_calls=_json(list(turn.tool_calls)) if turn.tool_calls else "",
+            broke_app=position == episode.model_error_turn,
+        ))
+    tree: dict[int, dict[str, list[TurnView]]] = {}
+    for view in turns:
+        tree.setdefault(view.turn.segment, {}).setdefault(view.turn.call_key or view.turn.node, []).append(view)
+    segments = {i: s for i, s in enumerate(episode.segments)}
+    has_tokenizer = any(run.tokenizer(t.policy) is not None for t in episode.turns if t.trainable)
+    return {"episode": episode, "turns": turns, "tree": tree, "segments": segments,
+            "final_state": _json(episode.final_state), "input": _json(episode.input),
+            "has_tokenizer": has_tokenizer, "open_all": len(turns) <= 12}
+
+
+def group_view(run: Run, group_id: str) -> dict[str, Any]:
+    """Template values of a GRPO group: its episodes side by side, each turn's advantage."""
+    summaries = run.store().episodes(group_prefix=group_id)
+    episodes = [run.store().load_episode(s.id) for s in summaries if s.group_id == group_id]
+    agents: dict[str, None] = {}
+    for episode in episodes:
+        agents.update(dict.fromkeys(episode.agents))
+    return {"group_id": group_id, "episodes": episodes, "agents": list(agents),
+            "steps": {s.id: s.step for s in summaries}}
+
+
+# -- replay --------------------------------------------------------------------------------------------------
+
+
+def diff_lines(text: str) -> list[tuple[str, str]]:
+    """(css class, line) of a unified diff: 'add', 'del', 'hunk', 'head' or ''."""
+    out = []
+    for line in text.splitlines():
+        kind = ("head" if line.startswith(("+++", "---")) else "add" if line.startswith("+")
+                else "del" if line.startswith("-") else "hunk" if line.startswith("@@") else "")
+        out.append((kind, line))
+    return out
+
+
+def replay_view(graph: Any, episode: Episode) -> dict[str, Any]:
+    """Replay `episode` into `graph` (no model: the recording answers every call) and what the page shows."""
+    from drmas_graph.traces.replay import AsyncOnlyGraphError, areplay_episode, replay_episode
+
+    try:
+        result = replay_episode(graph, episode)
+    except AsyncOnlyGraphError:
+        result = asyncio.run(areplay_episode(graph, episode))
+    divergences = [{"divergence": d, "diff": diff_lines(d.diff)} for d in result.divergences]
+    return {"result": result, "divergences": divergences, "state_diff": diff_lines(result.state_diff),
+            "matched": not divergences and result.state_matches}
+
+
+def counts(mapping: Mapping[str, float]) -> str:
+    return ", ".join(f"{k} {v:.3g}" for k, v in mapping.items())

@@ -1,0 +1,229 @@
+"""drmas-graph ui without a browser: filters, sorting and pages of the episode list, escaping, what can be read,
+where it binds, a run that is still training, the command line. (tests/test_ui_browser.py drives real pages.)"""
+
+from __future__ import annotations
+
+import hashlib
+import http.client
+import json
+import re
+import threading
+import urllib.parse
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from langchain_core.messages import HumanMessage, SystemMessage
+
+from drmas_graph.cli import build_parser
+from drmas_graph.errors import ConfigError
+from drmas_graph.traces.store import TraceStore
+from drmas_graph.types import Episode, Turn
+from drmas_graph.ui._app import UiApp, is_loopback, make_server
+from drmas_graph.ui._data import EpisodeQuery
+
+XSS_REPLY = '<script>alert("reply")</script><img src=x onerror=alert("img")>'
+XSS_PROMPT = "</pre><script>alert('prompt')</script>"
+
+
+def make_turn(agent: str, index: int, text: str = "4", prompt: str = "2 + 2?") -> Turn:
+    return Turn(agent=agent, node=f"{agent}_node", step=index + 1, index=index,
+                messages=(SystemMessage(f"you are {agent}"), HumanMessage(prompt)),
+                prompt_ids=(1, 2, 3), response_ids=(7, 8), response_logprobs=(-0.01, -5.0), response_text=text,
+                policy="tiny", policy_version=1, call_key=f"{agent}_node")
+
+
+def write_run(folder: Path, n_plain: int = 30) -> dict[str, str]:
+    """A run folder with `n_plain` finished episodes (task t{i % 3}, group g{i // 4}, step i // 10, reward i / 100)
+    plus one truncated, one interrupted and one whose reply and prompt are HTML. Returns ids by role."""
+    ids = {}
+    with TraceStore(folder / "traces.db") as store:
+        for i in range(n_plain):
+            episode = Episode(id=f"plain{i:03d}", task_id=f"t{i % 3}", group_id=f"g{i // 4}",
+                              turns=[make_turn("solver", 0), make_turn("checker", 1)], final_state={"answer": "4"})
+            store.write_episode(episode)
+            store.update_training(episode.id, step=i // 10, rewards={"solver": i / 100, "checker": 1.0},
+                                  advantages=[0.5, -0.5])
+        store.write_episode(Episode(id="trunc", task_id="t0", turns=[make_turn("solver", 0)],
+                                    truncated="max_llm_calls: 1 call"))
+        store.write_episode(Episode(id="paused", task_id="t0", error="EpisodeInterruptedError: nobody answered"))
+        store.write_episode(Episode(id="xss", task_id="t<b>", group_id="g<i>x",
+                                    turns=[make_turn("solver", 0, text=XSS_REPLY, prompt=XSS_PROMPT)],
+                                    final_state={"answer": XSS_REPLY}))
+        ids.update(trunc="trunc", paused="paused", xss="xss")
+    with (folder / "metrics.jsonl").open("w") as f:
+        for step in range(3):
+            f.write(json.dumps({"step": step, "reward/team_mean": step / 10, "agent/solver/reward_mean": step / 5,
+                                "model/tiny/grad_norm": 1.5 - step}) + "\n")
+        f.write(json.dumps({"step": 2, "eval/avg@k": 0.25, "eval/pass@k": 0.5, "eval/solver/reward": 0.3}) + "\n")
+    return ids
+
+
+@pytest.fixture()
+def run_dir(tmp_path: Path) -> Path:
+    folder = tmp_path / "myrun"
+    folder.mkdir()
+    write_run(folder)
+    return folder
+
+
+@pytest.fixture()
+def app(run_dir: Path) -> Iterator[UiApp]:
+    app = UiApp([run_dir])
+    yield app
+    app.close()
+
+
+def get(app: UiApp, url: str) -> tuple[int, str]:
+    parts = urllib.parse.urlsplit(url)
+    response = app.handle(parts.path, urllib.parse.parse_qs(parts.query))
+    return response.status, response.body.decode()
+
+
+def listed(body: str) -> list[str]:
+    return re.findall(r'class="ep" href="/runs/myrun/episodes/([^"]+)"', body)
+
+
+def test_episode_list_filters(app):
+    status, body = get(app, "/runs/myrun/episodes?step=1")
+    assert status == 200 and listed(body) == [f"plain{i:03d}" for i in range(10, 20)]
+    assert listed(get(app, "/runs/myrun/episodes?outcome=truncated")[1]) == ["trunc"]
+    assert listed(get(app, "/runs/myrun/episodes?outcome=interrupted")[1]) == ["paused"]
+    assert listed(get(app, "/runs/myrun/episodes?group=g2")[1]) == ["plain008", "plain009", "plain010", "plain011"]
+    assert listed(get(app, "/runs/myrun/episodes?task=t1&step=0")[1]) == ["plain001", "plain004", "plain007"]
+    # reward bounds on the mean reward, or on the agent's own reward with agent=
+    assert listed(get(app, "/runs/myrun/episodes?min_reward=0.64&max_reward=0.65")[1]) == ["plain028", "plain029"]
+    assert listed(get(app, "/runs/myrun/episodes?agent=solver&min_reward=0.28&max_reward=0.29")[1]) == \
+        ["plain028", "plain029"]
+    assert listed(get(app, "/runs/myrun/episodes?agent=checker&step=2")[1]) == [f"plain{i:03d}" for i in range(20, 30)]
+
+
+def test_episode_list_sorts_and_pages(app):
+    body = get(app, "/runs/myrun/episodes?sort=reward&desc=1&per_page=25")[1]
+    assert listed(body)[:3] == ["plain029", "plain028", "plain027"]
+    assert "33 episodes · page 1 of 2" in body
+    body = get(app, "/runs/myrun/episodes?sort=reward&desc=1&per_page=25&page=2")[1]
+    assert listed(body) == ["plain004", "plain003", "plain002", "plain001", "plain000", "xss", "paused", "trunc"]  # no reward: last
+    # the next-page link keeps the filters and sort (a shareable URL)
+    first = get(app, "/runs/myrun/episodes?sort=reward&desc=1&per_page=25")[1]
+    assert re.search(r'id="next" href="/runs/myrun/episodes\?sort=reward&amp;desc=1&amp;page=2&amp;per_page=25"', first)
+
+
+def test_bad_parameters_are_400_naming_them(app):
+    status, body = get(app, "/runs/myrun/episodes?outcome=lost")
+    assert status == 400 and "outcome=&#39;lost&#39;" in body and "interrupted" in body
+    status, body = get(app, "/runs/myrun/episodes?step=two")
+    assert status == 400 and "step=&#39;two&#39; is not an integer" in body
+    assert get(app, "/runs/myrun/episodes?sort=id;drop")[0] == 400
+    assert get(app, "/runs/myrun/episodes?min_reward=nan")[0] == 400
+
+
+def test_group_and_episode_pages_show_the_stored_values(app):
+    status, body = get(app, "/runs/myrun/group?id=g0")
+    assert status == 200 and body.count('class="card member"') == 4
+    assert re.findall(r'class="adv">([^<]+)<', body) == ["0.5", "-0.5"] * 4
+    status, body = get(app, "/runs/myrun/episodes/plain005")
+    assert status == 200
+    assert 'title="id 7 · logprob -0.0100"' in body and 'title="id 8 · logprob -5.0000"' in body
+    assert '<span class="t t9"' in body and '<span class="t t2"' in body  # coloured by logprob
+    assert "⟨7⟩" in body  # no tokenizer in this run: ids shown
+    assert "drmas-graph traces show" in body and "plain005" in body
+
+
+def test_stored_html_is_escaped_text(app):
+    status, body = get(app, "/runs/myrun/episodes/xss")
+    assert status == 200
+    assert "<script>" not in body and "<img" not in body
+    assert "&lt;script&gt;alert(&#34;reply&#34;)&lt;/script&gt;&lt;img src=x onerror=alert(&#34;img&#34;)&gt;" in body
+    assert "&lt;/pre&gt;&lt;script&gt;alert(&#39;prompt&#39;)&lt;/script&gt;" in body
+    assert "t&lt;b&gt;" in body and "g&lt;i&gt;x" in body
+    body = get(app, "/runs/myrun/episodes?task=t<b>")[1]
+    assert listed(body) == ["xss"] and "<b>" not in body.split('id="episodes"')[1]
+
+
+def test_nothing_outside_the_run_folders_is_served(app, run_dir):
+    (run_dir.parent / "secret.txt").write_text("top secret")
+    for path in ("/static/../secret.txt", "/static/%2e%2e/secret.txt", "/runs/myrun/../secret.txt",
+                 "/runs/%2e%2e/episodes", "/runs/myrun/episodes/..%2f..%2fsecret.txt", "/runs/myrun/traces.db",
+                 "/runs/myrun/metrics.jsonl", "/static/__init__.py", "/etc/passwd"):
+        status, body = get(app, path)
+        assert status == 404, path
+        assert "top secret" not in body
+    assert get(app, "/runs/myrun/episodes/nope")[0] == 404
+
+
+def test_the_store_is_opened_read_only_and_never_changed(app, run_dir):
+    before = hashlib.sha256((run_dir / "traces.db").read_bytes()).hexdigest()
+    for path in ("/", "/runs/myrun/episodes", "/runs/myrun/episodes/xss", "/runs/myrun/group?id=g0"):
+        assert get(app, path)[0] == 200
+    assert app.runs["myrun"].store().readonly
+    assert hashlib.sha256((run_dir / "traces.db").read_bytes()).hexdigest() == before
+
+
+def test_runs_page_reads_metrics_appended_while_training(app, run_dir):
+    body = get(app, "/")[1]
+    assert "myrun / solver: step 2, 0.4</title>" in body
+    assert "myrun / tiny: step 0, 1.5</title>" in body  # gradient norm per model
+    assert re.search(r"<td>2</td><td>0.25</td><td>0.5</td><td>0.3</td>", body)  # evaluation row
+    with (run_dir / "metrics.jsonl").open("a") as f:
+        f.write(json.dumps({"step": 3, "agent/solver/reward_mean": 0.8}) + "\n")
+        f.write('{"step": 4, "agent/solver/rew')  # a line being written: read once it is whole
+    body = get(app, "/")[1]
+    assert "myrun / solver: step 3, 0.8</title>" in body and "step 4" not in body
+
+
+def test_several_runs_overlay_and_get_unique_names(tmp_path):
+    for name in ("a/seed", "b/seed"):
+        (tmp_path / name).mkdir(parents=True)
+        write_run(tmp_path / name, n_plain=2)
+    app = UiApp([tmp_path / "a/seed", tmp_path / "b/seed"])
+    assert list(app.runs) == ["seed", "seed-2"]
+    body = get(app, "/")[1]
+    assert "seed / solver: step 1" in body and "seed-2 / solver: step 1" in body
+    body = get(app, "/?run=seed-2")[1]
+    assert "seed-2 / solver" in body and "seed / solver" not in body
+    app.close()
+
+
+def test_a_folder_that_is_not_a_run_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match="neither traces.db nor metrics.jsonl"):
+        UiApp([tmp_path])
+    with pytest.raises(ConfigError, match="does not exist"):
+        UiApp([tmp_path / "missing"])
+
+
+def test_binds_loopback_by_default_and_warns_for_another_host(app, capsys):
+    assert is_loopback("127.0.0.1") and is_loopback("localhost") and is_loopback("::1")
+    assert not is_loopback("0.0.0.0") and not is_loopback("192.168.1.2")
+    args = build_parser().parse_args(["ui", "runs/x"])
+    assert (args.host, args.port, args.graph, args.run_dirs) == ("127.0.0.1", 8000, None, ["runs/x"])
+    server = make_server(app, "0.0.0.0", 0)
+    server.server_close()
+    assert "WARNING: serving on 0.0.0.0" in capsys.readouterr().err
+
+
+def test_http_headers_forbid_scripts_and_other_hosts(app):
+    server = make_server(app, "127.0.0.1", 0)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", server.server_port, timeout=10)
+        conn.request("GET", "/runs/myrun/episodes/xss")
+        response = conn.getresponse()
+        assert response.status == 200
+        assert "script-src" not in response.headers["Content-Security-Policy"]  # default-src 'none': no script
+        assert response.headers["Content-Security-Policy"].startswith("default-src 'none'")
+        response.read()
+        conn.request("GET", "/", headers={"Host": "evil.example:80"})  # DNS rebinding
+        response = conn.getresponse()
+        assert response.status == 400
+        response.read()
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_query_round_trips_through_its_url():
+    query = EpisodeQuery(step=2, agent="solver", outcome="truncated", min_reward=0.5, sort="reward", desc=True, page=3)
+    assert EpisodeQuery.from_params(query.params()) == query
+    assert EpisodeQuery().params() == {}
