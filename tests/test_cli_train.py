@@ -27,6 +27,7 @@ def test_train_then_eval_a_checkpoint(tmp_path, capsys):
     assert main(["train", str(cfg), "--set", "steps=2", "--set", "eval.k=1"]) == 0
     out = capsys.readouterr().out
     assert "evaluation on test" in out and "avg@1" in out and str(tmp_path / "run") in out
+    assert f"look at it: drmas-graph ui {tmp_path / 'run'}   (episodes: drmas-graph traces list " in out
     lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines if "reward/team_mean" in x] == [0, 1]
     ckpt = tmp_path / "run" / "checkpoints" / "step_000002"

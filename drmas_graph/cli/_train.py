@@ -86,6 +86,9 @@ def _cmd_train(args: argparse.Namespace, console: Console) -> int:
         _distributed.shutdown()
     if _distributed.is_main():
         console.print(result.summary(), markup=False)
+        run_dir = Path(cfg.run_dir)
+        console.print(f"look at it: drmas-graph ui {run_dir}   (episodes: drmas-graph traces list "
+                      f"{run_dir / 'traces.db'})", markup=False, soft_wrap=True)
     return 0
 
 
