@@ -24,7 +24,7 @@ def _hypothesis_profiles():
 
     slow = [HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.data_too_large]
     phases = [Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink]  # no 'explain': slow here
-    settings.register_profile("ci", max_examples=12, deadline=None, derandomize=True, suppress_health_check=slow,
+    settings.register_profile("ci", max_examples=40, deadline=None, derandomize=True, suppress_health_check=slow,
                               print_blob=True, phases=phases)
     settings.register_profile("long", max_examples=1500, deadline=None, suppress_health_check=slow,
                               print_blob=True)

@@ -49,11 +49,14 @@ KNOWN_DEFECTS: dict[str, bool] = {
 }
 """Known defects, True while unfixed: the grammar leaves out the pattern that triggers each one (rev4_s marks
 its check xfail instead), so the suite stays green meanwhile. Set an entry to False once its fix is merged
-(then the generator covers that pattern again). `DRMAS_PROPERTY_ALL_PATTERNS=1` turns them all off for a run
-that hunts defects."""
+(then the generator covers that pattern again). For a run that hunts defects, `DRMAS_PROPERTY_PATTERNS=all`
+(or a list: `rev4_p,rev4_q`) generates those patterns whatever this says."""
 
-if os.environ.get("DRMAS_PROPERTY_ALL_PATTERNS") == "1":
-    KNOWN_DEFECTS = dict.fromkeys(KNOWN_DEFECTS, False)
+_HUNT = os.environ.get("DRMAS_PROPERTY_PATTERNS", "")
+for _name in (KNOWN_DEFECTS if _HUNT == "all" else [n for n in _HUNT.split(",") if n]):
+    if _name not in KNOWN_DEFECTS:
+        raise ValueError(f"DRMAS_PROPERTY_PATTERNS names {_name!r}; known: {sorted(KNOWN_DEFECTS)} or 'all'")
+    KNOWN_DEFECTS[_name] = False
 
 APP_MODEL_REPLY = "APP MODEL ANSWERED"
 PROMPTS = ("Answer briefly.", "Think, then answer.", "Summarise the notes.", "Check the last result.")
@@ -172,8 +175,7 @@ def apps(draw: Any, need: str | None = None) -> App:
         return _needed(draw, app, need)
 
     names = (f"n{i}" for i in itertools.count())
-    modes = [m for m in INVOKE_MODES if not (KNOWN_DEFECTS["rev4_p"] and m in ("seq", "batch"))
-             and not (KNOWN_DEFECTS["rev4_q"] and m == "pool")]
+    modes = [m for m in INVOKE_MODES if not (KNOWN_DEFECTS["rev4_q"] and m == "pool")]
 
     def node(in_fan: bool) -> Node:
         kind = draw(st.sampled_from(("call", "subgraph", "invoke")))
@@ -185,7 +187,7 @@ def apps(draw: Any, need: str | None = None) -> App:
             return Node(name, "subgraph", tuple(call(("llm", "structured"), value=False)
                                                 for _ in range(draw(st.integers(1, 2)))))
         mode = draw(st.sampled_from(modes))
-        k = 1 if mode == "once" else draw(st.integers(2, 3))
+        k = 1 if mode == "once" or KNOWN_DEFECTS["rev4_p"] else draw(st.integers(1, 3))  # rev4_p: runs after the first
         if draw(st.booleans()):
             return Node(name, "invoke", (call(("agent",), value=False),), mode, k, agent_name=f"bot_{name}")
         return Node(name, "invoke", tuple(call(("llm", "structured"), value=False)
