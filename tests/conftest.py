@@ -15,3 +15,20 @@ def policy():
     p = tiny_policy(seed=0)
     yield p
     p.close()
+
+
+def _hypothesis_profiles():
+    """Profiles of the property suite (tests/property): 'ci' (default: bounded, reproducible) and 'long'
+    (`pytest tests/property --hypothesis-profile=long`, a hunt of half an hour or more)."""
+    from hypothesis import HealthCheck, Phase, settings
+
+    slow = [HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.data_too_large]
+    phases = [Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink]  # no 'explain': slow here
+    settings.register_profile("ci", max_examples=40, deadline=None, derandomize=True, suppress_health_check=slow,
+                              print_blob=True, phases=phases)
+    settings.register_profile("long", max_examples=1500, deadline=None, suppress_health_check=slow,
+                              print_blob=True)
+    settings.load_profile("ci")
+
+
+_hypothesis_profiles()

@@ -1,0 +1,472 @@
+"""A grammar of LangGraph apps (Hypothesis strategies) and a builder that turns an app description into a real,
+compiled app.
+
+The apps are ordinary LangGraph apps built the way their docs build them; this module never imports
+drmas_graph. Every LLM call goes to the app's own chat model (`AppModel`), which answers and counts, so a call
+the instrumentation failed to serve is visible (`AppModel.calls`, and its reply text `APP_MODEL_REPLY`).
+
+A description is a small tree of frozen dataclasses: an `App` is a chain of `Step`s (a node, a conditional
+branch between two nodes, or a `Send` fan-out to one worker node), or a Functional API entrypoint that calls
+`@task`s. A `Node` makes LLM calls (`Call`s, each a call site with its own id and prompt) directly, as a
+subgraph used as a node, or by invoking a subgraph or a `create_agent` agent from its function once, k times
+in turn, through `.batch` or through a `ThreadPoolExecutor`. `Route` says how each top-level unit's calls are
+mapped to an agent and which of the scripted policies serves it. Sleeps before calls come from `Timing`, whose
+seed the tests change between runs of the same app.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import enum
+import itertools
+import json
+import operator
+import os
+import random
+import time
+import zlib
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal, TypedDict
+
+from hypothesis import strategies as st
+from langchain_core.language_models.chat_models import BaseChatModel
+from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
+from langchain_core.outputs import ChatGeneration, ChatResult
+from langchain_core.runnables import RunnableLambda
+from langchain_core.tools import tool
+from langgraph.checkpoint.memory import InMemorySaver
+from langgraph.func import entrypoint, task
+from langgraph.graph import END, START, StateGraph
+from langgraph.types import Send, interrupt
+from pydantic import BaseModel, create_model
+
+KNOWN_DEFECTS: dict[str, bool] = {
+    "rev4_p": True,  # a node runs a subgraph / agent more than once (in turn or via .batch): wrong path, agent
+    "rev4_q": True,  # a node runs a subgraph / agent in a ThreadPoolExecutor: the node is lost
+    "rev4_n": True,  # a set or an Enum in the final state or in an interrupt value: false replay mismatch
+    "rev4_u": True,  # compile(checkpointer=False) with a thread_id: every rollout fails
+    "rev4_s": True,  # a changed structured-output schema replays with no divergence (the check is xfail)
+    "new_interrupt": True,  # found here: a one-run episode replayed into a run that stops at interrupt() reports
+    # missing_call, not interrupt_changed (tests/property/found_replay_ignores_new_interrupt.py); the
+    # changed-reply check leaves apps with interrupts out
+}
+"""Known defects, True while unfixed: the grammar leaves out the pattern that triggers each one (rev4_s marks
+its check xfail instead), so the suite stays green meanwhile. Set an entry to False once its fix is merged
+(then the generator covers that pattern again). For a run that hunts defects, `DRMAS_PROPERTY_PATTERNS=all`
+(or a list: `rev4_p,rev4_q`) generates those patterns whatever this says."""
+
+_HUNT = os.environ.get("DRMAS_PROPERTY_PATTERNS", "")
+for _name in (KNOWN_DEFECTS if _HUNT == "all" else [n for n in _HUNT.split(",") if n]):
+    if _name not in KNOWN_DEFECTS:
+        raise ValueError(f"DRMAS_PROPERTY_PATTERNS names {_name!r}; known: {sorted(KNOWN_DEFECTS)} or 'all'")
+    KNOWN_DEFECTS[_name] = False
+
+APP_MODEL_REPLY = "APP MODEL ANSWERED"
+PROMPTS = ("Answer briefly.", "Think, then answer.", "Summarise the notes.", "Check the last result.")
+VALUE_KINDS = ("str", "int", "list", "set", "enum")
+"""What a call's node writes to the state besides its reply (set and Enum: see rev4_n)."""
+INVOKE_MODES = ("once", "seq", "batch", "pool")
+
+
+# -- descriptions -----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Call:
+    """One LLM call site: every prompt it sends starts with the system message 'site <site>: <prompt>'."""
+
+    site: str
+    """Id of the call site ('s3'): how a recorded turn is traced back to the description."""
+    kind: Literal["llm", "structured", "interrupt", "agent"]
+    """A plain call, a structured-output call, interrupt() then a call, or a create_agent agent with a tool."""
+    prompt: str
+    """The site's instruction (the changed-app check edits it)."""
+    schema: str = ""
+    """structured: the pydantic schema's key in SCHEMAS."""
+    method: str = ""
+    """structured: 'tool' (BaseChatModel.with_structured_output) or 'json_schema' (bind(response_format=...))."""
+    value: str = "str"
+    """What the node writes besides its reply: one of VALUE_KINDS."""
+
+
+@dataclass(frozen=True)
+class Node:
+    """A node of the top-level graph (or the worker of a fan-out)."""
+
+    name: str
+    kind: Literal["call", "subgraph", "invoke"]
+    """call: the node makes its call; subgraph: the node is a compiled subgraph whose nodes m0, m1.. make the
+    calls; invoke: the node's function invokes a subgraph (or a create_agent agent) `k` times by `mode`."""
+    calls: tuple[Call, ...]
+    mode: str = "once"
+    """invoke: one of INVOKE_MODES."""
+    k: int = 1
+    agent_name: str = ""
+    """invoke of a create_agent agent: its name (create_agent(name=...)); '' for a subgraph."""
+
+
+@dataclass(frozen=True)
+class Step:
+    kind: Literal["single", "branch", "fan"]
+    """single: one node; branch: a conditional edge picks one of two nodes; fan: `k` Sends to one worker."""
+    nodes: tuple[Node, ...]
+    k: int = 1
+
+
+@dataclass(frozen=True)
+class Route:
+    """How the calls of one top-level unit (node or task) reach an agent, and which policy serves it."""
+
+    unit: str
+    style: Literal["path", "rename", "glob", "name"]
+    """path: the agent is the node path; rename: agents={path: name}; glob: agents={'<unit>/*' or '*<task>':
+    name}; name: agents={'agent:<agent name>': name} (create_agent agents only)."""
+    policy: int
+    """Index of the scripted policy that serves the unit's agents."""
+
+
+@dataclass(frozen=True)
+class App:
+    kind: Literal["graph", "functional"]
+    steps: tuple[Step, ...] = ()
+    tasks: tuple[Call, ...] = ()
+    """functional: the @task call sites, task i named 't<i>'."""
+    parallel: bool = False
+    """functional: the entrypoint starts every task before waiting on any (else in turn, each after the last)."""
+    checkpointer: Literal["memory", "none", "false"] = "memory"
+    routes: tuple[Route, ...] = ()
+
+    def nodes(self) -> list[Node]:
+        return [node for step in self.steps for node in step.nodes]
+
+    def calls(self) -> list[Call]:
+        return list(self.tasks) + [c for node in self.nodes() for c in node.calls]
+
+    def with_call(self, site: str, **changes: Any) -> App:
+        """This app with one call site changed (the changed-app checks)."""
+        from dataclasses import replace
+
+        def call(c: Call) -> Call:
+            return replace(c, **changes) if c.site == site else c
+
+        steps = tuple(replace(s, nodes=tuple(replace(n, calls=tuple(map(call, n.calls))) for n in s.nodes))
+                      for s in self.steps)
+        return replace(self, steps=steps, tasks=tuple(map(call, self.tasks)))
+
+
+# -- the grammar ------------------------------------------------------------------------------------------
+
+
+@st.composite
+def apps(draw: Any, need: str | None = None) -> App:
+    """An app description. `need='structured'` / `'llm'` makes sure the app has a call site of that kind."""
+    sites = itertools.count()
+    values = [v for v in VALUE_KINDS if not (KNOWN_DEFECTS["rev4_n"] and v in ("set", "enum"))]
+
+    def call(kinds: tuple[str, ...], value: bool = True) -> Call:
+        kind = draw(st.sampled_from(kinds))
+        schema = draw(st.sampled_from(SCHEMAS_DRAWN)) if kind == "structured" else ""
+        method = draw(st.sampled_from(("tool", "json_schema"))) if kind == "structured" else ""
+        return Call(f"s{next(sites)}", kind, draw(st.sampled_from(PROMPTS)), schema, method,
+                    draw(st.sampled_from(values)) if value else "str")
+
+    if draw(st.integers(0, 4)) == 0:  # a Functional API app
+        tasks = tuple(call(("llm", "structured")) for _ in range(draw(st.integers(1, 3))))
+        app = App("functional", tasks=tasks, parallel=draw(st.booleans()),
+                  routes=tuple(Route(f"t{i}", draw(st.sampled_from(("path", "rename", "glob"))),
+                                     draw(st.integers(0, 2))) for i in range(len(tasks))))
+        return _needed(draw, app, need)
+
+    names = (f"n{i}" for i in itertools.count())
+    modes = [m for m in INVOKE_MODES if not (KNOWN_DEFECTS["rev4_q"] and m == "pool")]
+
+    def node(in_fan: bool) -> Node:
+        kind = draw(st.sampled_from(("call", "subgraph", "invoke")))
+        name = next(names)
+        if kind == "call":
+            kinds = ("llm", "structured") if in_fan else ("llm", "structured", "interrupt")
+            return Node(name, "call", (call(kinds, value=not in_fan),))
+        if kind == "subgraph":
+            return Node(name, "subgraph", tuple(call(("llm", "structured"), value=False)
+                                                for _ in range(draw(st.integers(1, 2)))))
+        mode = draw(st.sampled_from(modes))
+        k = 1 if mode == "once" or KNOWN_DEFECTS["rev4_p"] else draw(st.integers(1, 3))  # rev4_p: runs after the first
+        if draw(st.booleans()):
+            return Node(name, "invoke", (call(("agent",), value=False),), mode, k, agent_name=f"bot_{name}")
+        return Node(name, "invoke", tuple(call(("llm", "structured"), value=False)
+                                          for _ in range(draw(st.integers(1, 2)))), mode, k)
+
+    steps = []
+    for _ in range(draw(st.integers(1, 3))):
+        kind = draw(st.sampled_from(("single", "branch", "fan")))
+        if kind == "single":
+            steps.append(Step("single", (node(False),)))
+        elif kind == "branch":
+            steps.append(Step("branch", (node(False), node(False))))
+        else:
+            steps.append(Step("fan", (node(True),), draw(st.integers(1, 3))))
+    pauses = any(c.kind == "interrupt" for s in steps for n in s.nodes for c in n.calls)
+    savers = ["memory"] if pauses else ["memory", "none"] + ([] if KNOWN_DEFECTS["rev4_u"] else ["false"])
+    routes = []
+    for step in steps:
+        for n in step.nodes:
+            styles = ("path", "rename", "glob") + (("name",) if n.agent_name else ())
+            routes.append(Route(n.name, draw(st.sampled_from(styles)), draw(st.integers(0, 2))))
+    app = App("graph", steps=tuple(steps), checkpointer=draw(st.sampled_from(savers)), routes=tuple(routes))
+    return _needed(draw, app, need)
+
+
+def _needed(draw: Any, app: App, need: str | None) -> App:
+    from hypothesis import assume
+
+    assume(need is None or any(c.kind == need for c in app.calls()))
+    return app
+
+
+timings = st.integers(0, 2**16)
+"""A timing seed: how long every call site sleeps before its call (see `Timing`)."""
+
+
+# -- the builder ------------------------------------------------------------------------------------------
+
+
+class AppModel(BaseChatModel):
+    """The app's own chat model: answers APP_MODEL_REPLY and counts its calls (it must never be called for an
+    agent that has a policy)."""
+
+    calls: int = 0
+
+    @property
+    def _llm_type(self) -> str:
+        return "app-model"
+
+    def bind_tools(self, tools: Any, *, tool_choice: Any = None, **kwargs: Any) -> Any:
+        from langchain_core.utils.function_calling import convert_to_openai_tool
+
+        if tool_choice is not None:
+            kwargs["tool_choice"] = tool_choice
+        return self.bind(tools=[convert_to_openai_tool(t) for t in tools], **kwargs)
+
+    def _generate(self, messages: Any, stop: Any = None, run_manager: Any = None, **kwargs: Any) -> ChatResult:
+        self.calls += 1
+        return ChatResult(generations=[ChatGeneration(message=AIMessage(APP_MODEL_REPLY))])
+
+
+class Level(enum.Enum):
+    LOW = "low"
+    HIGH = "high"
+
+
+SCHEMAS: dict[str, type[BaseModel]] = {
+    "Verdict": create_model("Verdict", ok=(bool, ...)),
+    "Score": create_model("Score", score=(int, ...), reason=(str, ...)),
+    "Verdict+reason": create_model("Verdict", ok=(bool, ...), reason=(str, ...)),
+}
+"""Structured-output schemas by key. 'Verdict+reason' is 'Verdict' with one more required field under the same
+name: the changed-schema check swaps it in."""
+SCHEMAS_DRAWN = ("Verdict", "Score")
+
+
+def _last(a: Any, b: Any) -> Any:
+    return b
+
+
+class State(TypedDict, total=False):
+    """Channels with a reducer start from their type's empty value (LangGraph), so only `note`, which the
+    workers of a fan-out write together, has one besides `log`."""
+
+    topic: str
+    item: int
+    after: str
+    log: Annotated[list, operator.add]
+    note: Annotated[str, _last]
+    count: int
+    items: list
+    tags: set
+    level: Level
+
+
+class SubIn(TypedDict, total=False):
+    topic: str
+    item: int
+    after: str
+
+
+class SubOut(TypedDict, total=False):
+    log: list
+
+
+class Timing:
+    """Sleeps before calls, drawn from a seed: the same app run with another seed interleaves differently."""
+
+    def __init__(self, seed: int = 0, max_s: float = 0.01) -> None:
+        self.seed, self.max_s = seed, max_s
+
+    def sleep(self, where: str, instance: Any) -> None:
+        time.sleep(random.Random(f"{self.seed}/{where}/{instance}").random() * self.max_s)
+
+
+@tool
+def lookup(q: str) -> str:
+    """Look a word up."""
+    return f"found {q}"
+
+
+def after_of(state: dict) -> str:
+    """The text a call builds on: the fan-out's or subgraph's 'after', else the last logged reply."""
+    return state.get("after") or (state.get("log") or ["-"])[-1]
+
+
+@dataclass
+class Built:
+    """A compiled app and its knobs."""
+
+    graph: Any
+    model: AppModel
+    timing: Timing
+    checkpointed: bool
+
+
+def build(app: App, timing: Timing | None = None) -> Built:
+    """The compiled LangGraph app for a description."""
+    model, timing = AppModel(), timing or Timing()
+    if app.kind == "functional":
+        return Built(_functional(app, model, timing), model, timing, True)
+    saver = {"memory": InMemorySaver(), "none": None, "false": False}[app.checkpointer]
+    g = StateGraph(State)
+    prev = START
+    for i, step in enumerate(app.steps):
+        for node in step.nodes:
+            g.add_node(node.name, _node(node, model, timing))
+        if step.kind == "single":
+            g.add_edge(prev, step.nodes[0].name)
+            prev = step.nodes[0].name
+            continue
+        join = f"j{i}"
+        g.add_node(join, _join)
+        if step.kind == "branch":
+            left, right = (n.name for n in step.nodes)
+            g.add_conditional_edges(prev, _router(left, right), [left, right])
+        else:
+            g.add_conditional_edges(prev, _fan(step.nodes[0].name, step.k), [step.nodes[0].name])
+        for node in step.nodes:
+            g.add_edge(node.name, join)
+        prev = join
+    g.add_edge(prev, END)
+    return Built(g.compile(checkpointer=saver), model, timing, app.checkpointer == "memory")
+
+
+def _join(state: dict) -> dict:
+    return {}
+
+
+def _router(left: str, right: str) -> Any:
+    def route(state: dict) -> str:
+        return (left, right)[zlib.crc32(after_of(state).encode()) % 2]
+    return route
+
+
+def _fan(worker: str, k: int) -> Any:
+    def fan(state: dict) -> list[Send]:
+        return [Send(worker, {"topic": state["topic"], "item": i, "after": after_of(state)}) for i in range(k)]
+    return fan
+
+
+def ask(call: Call, model: AppModel, human: str) -> str:
+    """Make the call site's LLM call; a structured answer comes back as its JSON."""
+    messages = [SystemMessage(f"site {call.site}: {call.prompt}"), HumanMessage(human)]
+    if call.kind != "structured":
+        return model.invoke(messages).content
+    schema = SCHEMAS[call.schema]
+    if call.method == "tool":
+        return json.dumps(model.with_structured_output(schema).invoke(messages).model_dump(), sort_keys=True)
+    bound = model.bind(response_format={"type": "json_schema", "json_schema": {
+        "name": schema.__name__, "schema": schema.model_json_schema()}})
+    return json.dumps(schema.model_validate_json(bound.invoke(messages).content).model_dump(), sort_keys=True)
+
+
+def _values(kind: str, reply: str) -> dict:
+    odd = zlib.crc32(reply.encode()) % 2
+    return {"str": {"note": reply[:12]}, "int": {"count": len(reply)}, "list": {"items": [reply[:6], len(reply)]},
+            "set": {"tags": {reply[:6], "seen"}}, "enum": {"level": (Level.LOW, Level.HIGH)[odd]}}[kind]
+
+
+def _call_node(call: Call, model: AppModel, timing: Timing) -> Any:
+    def fn(state: dict) -> dict:
+        item = state.get("item", -1)
+        human = f"{state.get('topic')} #{item} after: {after_of(state)}"
+        if call.kind == "interrupt":
+            ask_for = {"site": call.site, "after": after_of(state)}
+            if call.value == "set":
+                ask_for["checks"] = {"tone", call.site}
+            human += f" answer: {interrupt(ask_for)}"
+        timing.sleep(call.site, item)
+        reply = ask(call, model, human)
+        return {"log": [f"{call.site}:{reply}"], **_values(call.value, reply)}
+    return fn
+
+
+def _subgraph(calls: tuple[Call, ...], model: AppModel, timing: Timing) -> Any:
+    g = StateGraph(State, input_schema=SubIn, output_schema=SubOut)
+    prev = START
+    for j, call in enumerate(calls):
+        g.add_node(f"m{j}", _call_node(call, model, timing))
+        g.add_edge(prev, f"m{j}")
+        prev = f"m{j}"
+    g.add_edge(prev, END)
+    return g.compile()
+
+
+def _agent(call: Call, name: str, model: AppModel) -> Any:
+    from langchain.agents import create_agent
+
+    return create_agent(model, tools=[lookup], system_prompt=f"site {call.site}: {call.prompt}", name=name)
+
+
+def _node(node: Node, model: AppModel, timing: Timing) -> Any:
+    if node.kind == "call":
+        return _call_node(node.calls[0], model, timing)
+    if node.kind == "subgraph":
+        return _subgraph(node.calls, model, timing)
+    body = _agent(node.calls[0], node.agent_name, model) if node.agent_name else _subgraph(node.calls, model, timing)
+
+    def fn(state: dict) -> dict:
+        topic, after = state.get("topic"), after_of(state)
+
+        def run(j: int) -> list[str]:
+            timing.sleep(f"{node.name}/run", j)
+            if node.agent_name:
+                out = body.invoke({"messages": [HumanMessage(f"{topic} #{j} after: {after}")]})
+                return [f"{node.calls[0].site}:{out['messages'][-1].content}"]
+            return body.invoke({"topic": topic, "item": j, "after": after})["log"]
+
+        if node.mode == "batch":
+            runs = RunnableLambda(run).batch(list(range(node.k)))
+        elif node.mode == "pool":
+            with concurrent.futures.ThreadPoolExecutor(node.k) as pool:
+                runs = list(pool.map(run, range(node.k)))
+        else:
+            runs = [run(j) for j in range(node.k)]
+        return {"log": [entry for entries in runs for entry in entries]}
+    return fn
+
+
+def _functional(app: App, model: AppModel, timing: Timing) -> Any:
+    def make(call: Call) -> Any:
+        def fn(topic: str, i: int, after: str) -> str:
+            timing.sleep(call.site, i)
+            return f"{call.site}:{ask(call, model, f'{topic} #{i} after: {after}')}"
+        return fn
+
+    tasks = [task(name=f"t{i}")(make(call)) for i, call in enumerate(app.tasks)]
+
+    @entrypoint(checkpointer=InMemorySaver())
+    def main(inp: dict) -> dict:
+        if app.parallel:
+            return {"log": [f.result() for f in [t(inp["topic"], i, "-") for i, t in enumerate(tasks)]]}
+        log = []
+        for i, t in enumerate(tasks):
+            log.append(t(inp["topic"], i, log[-1] if log else "-").result())
+        return {"log": log}
+
+    return main

@@ -1,0 +1,283 @@
+"""What every generated app must satisfy when instrumented, computed from its description alone.
+
+`wiring(app)` derives, from the description (never from the library's code), the node path, agent, agent name
+and policy of every call site, and the `policies=` / `agents=` arguments that say so. The scripted policies
+reply deterministically from the prompt (so two runs of one app match) and give valid structured output.
+Each `check_*` function asserts one invariant of the issue, with a message naming the app description.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import re
+import tempfile
+import uuid
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hypothesis import note
+
+from drmas_graph import RolloutError, TraceStore, instrument
+from drmas_graph.testing import scripted_policy
+from drmas_graph.traces.replay import ReplayResult, comparable, replay, replay_episode
+from drmas_graph.types import Episode
+from tests.property.apps import APP_MODEL_REPLY, App, Built, Call, Timing, build
+
+POLICY_NAMES = ("pol-a", "pol-b", "pol-c")
+SITE = re.compile(r"^site (s\d+): ")
+MARK = "MUTATED"
+
+
+@dataclass(frozen=True)
+class Expect:
+    """Where a call site's calls must be attributed."""
+
+    path: str
+    agent: str
+    policy: str
+    agent_name: str | None = None
+
+
+@dataclass(frozen=True)
+class Wiring:
+    sites: dict[str, Expect]
+    agents: dict[str, str]
+    policy_of_agent: dict[str, str]
+
+
+def wiring(app: App) -> Wiring:
+    """Expected node path, agent and policy of every call site; the `agents=` map that makes them so."""
+    routes = {r.unit: r for r in app.routes}
+    sites: dict[str, Expect] = {}
+    agents: dict[str, str] = {}
+
+    def place(unit: str, call: Call, path: str, agent_name: str | None = None) -> None:
+        route = routes[unit]
+        policy = POLICY_NAMES[route.policy]
+        if route.style == "path":
+            agent = path
+        elif route.style == "rename":
+            agent = agents[path] = f"a_{call.site}"
+        elif route.style == "glob":
+            pattern = f"*{unit}" if app.kind == "functional" else (unit if path == unit else f"{unit}/*")
+            agent = agents[pattern] = f"g_{unit}"
+        else:
+            agent = agents[f"agent:{agent_name}"] = f"n_{agent_name}"
+        sites[call.site] = Expect(path, agent, policy, agent_name)
+
+    for i, call in enumerate(app.tasks):
+        place(f"t{i}", call, f"main/t{i}")
+    for node in app.nodes():
+        for j, call in enumerate(node.calls):
+            if node.kind == "call":
+                place(node.name, call, node.name)
+            elif node.agent_name:
+                place(node.name, call, f"{node.name}/model", node.agent_name)
+            else:
+                place(node.name, call, f"{node.name}/m{j}")
+    return Wiring(sites, agents, {e.agent: e.policy for e in sites.values()})
+
+
+def reply_to(name: str) -> Any:
+    """A scripted policy's replies: a function of the rendered prompt only."""
+
+    def answer(prompt: str) -> str:
+        tag = f"{zlib.crc32(prompt.encode()):08x}"
+        if '"Verdict"' in prompt:
+            return json.dumps({"ok": int(tag, 16) % 2 == 0})
+        if '"Score"' in prompt:
+            return json.dumps({"score": int(tag, 16) % 10, "reason": f"r{tag[:4]}"})
+        if '"lookup"' in prompt:  # a create_agent agent: look up once, then answer
+            if "<|im_start|>tool" not in prompt:
+                return '<tool_call>{"name": "lookup", "arguments": {"q": "w' + tag[:4] + '"}}</tool_call>'
+            return f"{name} found {tag[:6]}"
+        return f"{name} says {tag[:6]}"
+    return answer
+
+
+_POLICIES: dict[str, Any] = {}
+
+
+def policies() -> dict[str, Any]:
+    """The three scripted policies (built once per process: their tiny models take a moment)."""
+    if not _POLICIES:
+        for i, name in enumerate(POLICY_NAMES):
+            _POLICIES[name] = scripted_policy(reply_to(name), seed=i, name=name)
+    return _POLICIES
+
+
+def close_policies() -> None:
+    for p in _POLICIES.values():
+        p.close()
+    _POLICIES.clear()
+
+
+def describe(app: App) -> str:
+    return f"app description: {app!r}"
+
+
+@dataclass
+class Run:
+    built: Built
+    wiring: Wiring
+    episode: Episode
+    error: BaseException | None
+
+
+def roll(app: App, built: Built, wired: Wiring, store: TraceStore | None, seed: int) -> Run:
+    """One instrumented rollout of the built app (interrupts answered), as the issue's user would run it."""
+    pols = policies()
+    instrumented = instrument(built.graph, {a: pols[p] for a, p in wired.policy_of_agent.items()},
+                              agents=wired.agents, store=store)
+
+    def resume(episode: Episode, interrupts: list) -> Any:
+        return {i.id: f"yes to {i.value['site']}" for i in interrupts}
+
+    try:
+        episode = instrumented.rollout({"topic": "cats"}, {"configurable": {"thread_id": uuid.uuid4().hex}},
+                                       metadata={"seed": seed}, resume=resume)
+        return Run(built, wired, episode, None)
+    except RolloutError as exc:
+        return Run(built, wired, exc.episode, exc)
+
+
+def site_of(turn: Any) -> str:
+    found = SITE.match(str(turn.messages[0].content)) if turn.messages else None
+    assert found, f"a call no site of the app made: {turn.messages!r}"
+    return found.group(1)
+
+
+def check_attribution(app: App, run: Run) -> None:
+    """Every call is served by the policy of the agent its node path or name maps to; never the app's model."""
+    got = [(t.index, t.node, t.agent, t.agent_name, t.policy, t.trainable, t.response_text[:40])
+           for t in run.episode.turns]
+    note(f"turns (index, node, agent, agent_name, policy, trainable, reply): {got}")
+    wrong = []
+    for turn in run.episode.turns:
+        want = run.wiring.sites[site_of(turn)]
+        seen = Expect(turn.node, turn.agent, turn.policy if turn.trainable else "the app's own model",
+                      turn.agent_name if want.agent_name else None)
+        if seen != want:
+            wrong.append(f"site {site_of(turn)}: expected {want}, got {seen}")
+    assert not wrong, "calls attributed to the wrong agent:\n" + "\n".join(wrong) + f"\n{describe(app)}"
+    assert run.built.model.calls == 0, (f"the app's own model was called {run.built.model.calls} time(s) although "
+                                        f"every agent has a policy\n{describe(app)}")
+    assert run.error is None, f"the rollout failed: {run.episode.error}\n{describe(app)}"
+    assert run.episode.turns, f"no LLM call recorded\n{describe(app)}"
+
+
+def identities(episode: Episode) -> list[tuple]:
+    """Each call as (prompt, call key, call index, seed, agent, node), in a timing-independent order."""
+    return sorted((_prompt(t), t.call_key, t.node_call_index, t.sampling.seed if t.sampling else None, t.agent,
+                   t.node) for t in episode.turns)
+
+
+def _prompt(turn: Any) -> str:
+    return "\n".join(f"{m.type}: {m.content}" for m in turn.messages)
+
+
+def check_same_under_other_timing(app: App, first: Run, second: Run) -> None:
+    a, b = identities(first.episode), identities(second.episode)
+    diff = [f"- {x}" for x in a if x not in b] + [f"+ {x}" for x in b if x not in a]
+    assert a == b, ("call keys / seeds differ between two runs of the same app with other timings "
+                    "(- first run, + second run):\n" + "\n".join(diff) + f"\n{describe(app)}")
+    assert comparable(first.episode.final_state) == comparable(second.episode.final_state), (
+        f"final states differ under other timings\n{describe(app)}")
+
+
+def check_store_round_trip(app: App, store: TraceStore, episode: Episode) -> None:
+    loaded = store.load_episode(episode.id)
+    for field in dataclasses.fields(episode.turns[0]):
+        for i, (mine, theirs) in enumerate(zip(episode.turns, loaded.turns)):
+            x, y = getattr(mine, field.name), getattr(theirs, field.name)
+            if field.name == "messages":
+                x, y = [m.model_dump() for m in x], [m.model_dump() for m in y]
+            assert x == y, f"turn {i}: field {field.name} changed in the store: {x!r} -> {y!r}\n{describe(app)}"
+    assert len(loaded.turns) == len(episode.turns), f"the store lost turns\n{describe(app)}"
+    assert [dataclasses.astuple(s)[:1] + (comparable(s.interrupts),) for s in loaded.segments] == [
+        dataclasses.astuple(s)[:1] + (comparable(s.interrupts),) for s in episode.segments], (
+        f"segments changed in the store\n{describe(app)}")
+    assert _stored_as(comparable(episode.final_state), comparable(loaded.final_state)), (
+        f"final state changed in the store: {loaded.final_state!r} vs {episode.final_state!r}\n{describe(app)}")
+
+
+def _stored_as(live: Any, stored: Any) -> bool:
+    """`stored` is `live` as JSON keeps it: a set as a list in any order, an Enum as its value (what the store
+    writes, by design; replay must compare in that form: rev4_n)."""
+    if isinstance(live, (set, frozenset)):
+        return isinstance(stored, list) and len(stored) == len(live) and set(stored) == live
+    if isinstance(live, enum.Enum):
+        return stored == live.value
+    if isinstance(live, dict):
+        return isinstance(stored, dict) and live.keys() == stored.keys() and all(
+            _stored_as(v, stored[k]) for k, v in live.items())
+    if isinstance(live, (list, tuple)):
+        return isinstance(stored, list) and len(live) == len(stored) and all(map(_stored_as, live, stored))
+    return live == stored
+
+
+def check_clean_replay(app: App, result: ReplayResult) -> None:
+    assert not result.divergences, (f"replay of the unchanged app reports {result.divergences[0]}\n"
+                                    f"{describe(app)}")
+    assert result.state_matches, (f"replay of the unchanged app: final state differs\n{result.state_diff}\n"
+                                  f"{describe(app)}")
+    assert not result.stopped and result.unreproducible is None, f"replay stopped: {result}\n{describe(app)}"
+
+
+def recorded(app: App, built: Built, seed: int) -> tuple[Run, TraceStore, Path]:
+    """Roll the app out once into a fresh trace store; asserts the rollout itself went right."""
+    folder = Path(tempfile.mkdtemp(prefix="drmas-prop-"))
+    store = TraceStore(folder / "traces.db")
+    run = roll(app, built, wiring(app), store, seed)
+    check_attribution(app, run)
+    return run, store, folder
+
+
+def replay_changed(app: App, changed: App, episode: Episode, timing_seed: int) -> ReplayResult:
+    note(f"changed app: {changed!r}")
+    return replay_episode(build(changed, Timing(timing_seed)).graph, episode, agents=wiring(app).agents)
+
+
+def replay_stored(app: App, store: TraceStore, episode: Episode, timing_seed: int) -> ReplayResult:
+    return replay(build(app, Timing(timing_seed)).graph, store, episode.id, agents=wiring(app).agents)
+
+
+def check_divergence_at(app: App, result: ReplayResult, site: str, kinds: tuple[str, ...]) -> None:
+    want = wiring(app).sites[site]
+    assert result.divergences, (f"site {site} changed, yet replay reports no divergence (state_matches="
+                                f"{result.state_matches})\n{describe(app)}")
+    first = result.divergences[0]
+    assert first.kind in kinds and first.node == want.path and first.agent == want.agent, (
+        f"site {site} changed: expected a {' or '.join(kinds)} divergence at node {want.path!r} (agent "
+        f"{want.agent!r}), got {first}\n{describe(app)}")
+
+
+def check_changed_reply(app: App, result: ReplayResult) -> None:
+    """A changed recorded reply shows where it flows: in the first divergence's prompt, else the final state."""
+    if result.divergences:
+        first = result.divergences[0]
+        assert MARK in first.diff, (f"a recorded reply was changed; the first divergence must be a call that reads "
+                                    f"it, got {first}\n{describe(app)}")
+        return
+    assert not result.state_matches and MARK in result.state_diff, (
+        f"a recorded reply was changed, yet replay reports no divergence and state_matches="
+        f"{result.state_matches}\n{describe(app)}")
+
+
+def with_reply(episode: Episode, index: int, policy: Any) -> Episode:
+    """The episode with turn `index`'s reply replaced by a marked one (ids re-tokenized)."""
+    turns = list(episode.turns)
+    text = f"{MARK} {turns[index].response_text}"
+    turns[index] = dataclasses.replace(turns[index], response_text=text,
+                                       response_ids=tuple(policy.tokenizer.encode(text, add_special_tokens=False)))
+    return dataclasses.replace(episode, turns=turns)
+
+
+def sites_called(episode: Episode, kinds: tuple[str, ...], app: App) -> list[str]:
+    by_site = {c.site: c for c in app.calls()}
+    return sorted({site_of(t) for t in episode.turns if by_site[site_of(t)].kind in kinds},
+                  key=lambda s: int(s[1:]))
