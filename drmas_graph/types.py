@@ -122,7 +122,9 @@ class Turn:
     call_key: str = ""
     """Node instance the call came from: the node path, plus '[i]' for the i-th `Send` to that node."""
     node_call_index: int = 0
-    """Position of this call among the calls of the same call_key (replay matches calls by both)."""
+    """Position of this call among the calls of the same call_key, in arrival order (replay matches calls by
+    both; calls one node instance makes concurrently are matched by prompt, and their seeds do not depend on
+    this index, so it is the one identity field that follows thread timing)."""
     sampling: SamplingParams | None = None
     """The sampling parameters used (the trainer needs the temperature to recompute logprobs)."""
     tools: tuple[dict, ...] = ()

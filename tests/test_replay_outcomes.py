@@ -326,3 +326,37 @@ def test_cli_replay_builds_a_factory_with_a_stand_in_model(tmp_path, capsys):
     assert cli_main(["traces", "replay", path, episode.id, "--graph", "tests.test_replay_outcomes:build_needing"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "'tests.test_replay_outcomes:build_needing' cannot be called with ['llm']" in err
+
+
+def test_a_one_run_episode_replayed_into_a_run_that_stops_at_an_interrupt_diverges():
+    """Found by the property suite: an episode that ran once (no segments) replayed into an edited app whose
+    node now calls interrupt() was reported as `missing_call` at the next call, never as the new interrupt."""
+    llm = Unreachable()
+
+    def draft(state):
+        return {"draft": llm.invoke(f"draft about {state['topic']}").content}
+
+    def asks_first(state):
+        return {"draft": llm.invoke(f"revise per {interrupt({'draft': state['draft']})}").content}
+
+    def write(state):
+        return {"draft": llm.invoke(f"polish {state['draft']}").content}
+
+    def build(write_node):
+        g = StateGraph(dict)
+        g.add_node("draft", draft)
+        g.add_node("write", write_node)
+        g.add_edge(START, "draft")
+        g.add_edge("draft", "write")
+        g.add_edge("write", END)
+        return g.compile(checkpointer=InMemorySaver())
+
+    policy = scripted_policy(["short draft", "polished"])
+    episode = instrument(build(write), {"draft": policy, "write": policy}).rollout(
+        {"topic": "cats"}, {"configurable": {"thread_id": "t"}})
+    assert [t.node for t in episode.turns] == ["draft", "write"] and episode.segments == []
+    result = replay_episode(build(asks_first), episode)
+    first = result.divergences[0]
+    assert (first.kind, first.node) == ("interrupt_changed", "write") and result.stopped
+    assert '+write: {"draft": "short draft"}' in first.diff
+    assert replay_episode(build(write), episode).divergences == []  # the unchanged app: no divergence

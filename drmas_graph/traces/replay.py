@@ -403,19 +403,16 @@ _END = object()
 
 
 class _Runs:
-    """The recorded runs of a multi-run episode (`Episode.segments`), fed to the replay one after another."""
+    """The recorded runs of an episode (`Episode.segments`), fed to the replay one after another. An episode
+    without segments ran once and did not end paused: one run that stopped at no interrupt, so a replayed run
+    that stops at one diverges (`interrupt_changed`)."""
 
     def __init__(self, run: _Run, episode: Episode) -> None:
-        self.run, self.segments, self.k = run, episode.segments, 0
+        self.run, self.segments, self.k = run, episode.segments or [Segment("start")], 0
         if len(self.segments) > 1 and _threads._checkpointer(run.app.graph) is None:
             raise ConfigError(f"episode {episode.id} is {len(self.segments)} runs of one thread (interrupts answered "
                               "or a conversation continued); replaying it needs the graph compiled with a "
                               "checkpointer (e.g. compile(checkpointer=InMemorySaver()))")
-
-    @property
-    def recorded(self) -> bool:
-        """Whether the episode recorded its runs (else it ran once to the end: nothing to check between runs)."""
-        return bool(self.segments)
 
     def after(self, pending: Any) -> Any:
         """The input of the next run once run k stopped at `pending`; `_END` when the replay is done."""
@@ -457,7 +454,7 @@ def replay_episode(graph: Any, episode: Episode, *, policies: Mapping[str, Polic
     _thread_config(run, *_threads.fork_config(run.app.graph, start))
     with _serving(run) as outcome:
         outcome.final_state = run.app.graph.invoke(episode.input, run.config or None)
-        while runs.recorded:
+        while True:
             nxt = runs.after(_segments.pending_interrupts(run.app.graph, run.config, outcome.final_state))
             if nxt is _END:
                 break
@@ -476,7 +473,7 @@ async def areplay_episode(graph: Any, episode: Episode, *, policies: Mapping[str
     _thread_config(run, *await _threads.afork_config(run.app.graph, start))
     with _serving(run) as outcome:
         outcome.final_state = await run.app.graph.ainvoke(episode.input, run.config or None)
-        while runs.recorded:
+        while True:
             nxt = runs.after(await _segments.apending_interrupts(run.app.graph, run.config, outcome.final_state))
             if nxt is _END:
                 break

@@ -82,4 +82,4 @@ def test_a_changed_schema_is_reported_at_its_call(app, data, seed):
     site = data.draw(st.sampled_from(verdicts), label="changed site")
     result = inv.replay_changed(app, app.with_call(site, schema="Verdict+reason"), first.episode,
                                 data.draw(timings, label="replay timing"))
-    inv.check_divergence_at(app, result, site, ("prompt_changed", "tools_changed"))
+    inv.check_divergence_at(app, result, site, ("format_changed", "tools_changed"))
