@@ -81,7 +81,7 @@ from drmas_graph.errors import ConfigError, DrmasError, PolicyError
 from drmas_graph.train import _build, _checkpoints, _distributed
 from drmas_graph.train._rollouts import StepBatch, slots_key
 from drmas_graph.train.offpolicy import CorrectionStats, OffPolicyCorrection
-from drmas_graph.train.update import ModelUpdater
+from drmas_graph.train.update import ModelUpdater, _set_attn_implementation
 
 __all__ = ["AsyncTimeoutError", "FreeRunning", "OneStepOff", "drop_stale", "pipeline", "trainer_copies"]
 
@@ -101,8 +101,14 @@ class AsyncTimeoutError(DrmasError, TimeoutError):
 
 def trainer_copies(trainer: Any) -> tuple[dict[str, Any], str | None]:
     """A copy of every trained embedded model for the trainer to train (put in `trainer.train_models`; its policy
-    keeps decoding with the original); or ({}, why) when a copy does not fit in its device's free memory."""
+    keeps decoding with the original); or ({}, why) when a copy does not fit in its device's free memory.
+
+    The policy's module first gets the configured attention kernel (`update.attn_implementation`: embedded policies
+    generate with it too), so that the copy and the module that samples (and recomputes the behaviour logprobs of
+    the one-step-off schedule) compute alike."""
     names = [n for n, p in trainer.model_policies.items() if _trained(trainer, n) and not _build.is_served(p)]
+    for name in names:
+        _set_attn_implementation(trainer.train_models[name], _build.model_update(trainer.cfg, name).attn_implementation)
     shared = {name: _frozen_base(trainer, name) for name in names}
     for name in names:
         module = trainer.train_models[name]
