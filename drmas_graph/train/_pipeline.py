@@ -25,8 +25,10 @@ How weights reach the rollouts, per trained model:
 - embedded (`TransformersPolicy`): the trainer trains a copy of the module (`trainer_copies`: one more copy of
   the weights in memory, 4 bytes x parameters in float32, 2 in bfloat16; where it does not fit in the device's
   free memory the run trains synchronously, with a warning and the metric `async/synchronous_fallback`), and
-  the policy decodes with its own module; install copies the weights in, inside `policy.updating_weights()`. The
-  update runs on the main thread while the policy decodes on its own (on CPU the two share the cores).
+  the policy decodes with its own module (given `update.attn_implementation` first, so both compute alike; its
+  behaviour logprobs are packed as a probe of that module says); install copies the weights in, inside
+  `policy.updating_weights()`. The update runs on the main thread while the policy decodes on its own (on CPU
+  the two share the cores).
 - served (SGLang, vLLM): the trainer already trains a local copy; install pushes it (`_checkpoints.push_weights`),
   at a boundary, so no request is in flight. The servers load v0 from run_dir/sync at the first boundary, so
   that a checkpoint can copy what they serve.

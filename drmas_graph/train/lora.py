@@ -13,7 +13,8 @@ name; agents naming the same adapter share it):
 - Training: `LoraUpdater` holds one `ModelUpdater` per adapter, each with its own optimizer over that
   adapter's parameters only (peft's `set_adapter` makes the active adapter the only trainable one), its own
   learning rate (`agents.<a>.lr`) and gradient clipping, as separate models would have. Samples go to the
-  updater of their agent's adapter; the base and the other adapters never change.
+  updater of their agent's adapter; the base and the other adapters never change. `lora.dropout` (peft's dropout
+  on the adapter's input) acts only with `update.dropout: true`: by default the update runs without dropout.
 - KL reference: the base model with adapters disabled (`base_forward`), not a copy.
 """
 

@@ -36,6 +36,12 @@ float32 master weights and accumulates gradients in float32 (DeepSpeed ZeRO-1/2/
 does the same, plus dynamic loss scaling for float16). ``autocast="bf16"`` runs a float32 model's forward
 passes in bfloat16; the rollout-vs-trainer gap it causes shows in the ``logprob_mismatch`` metric.
 
+Dropout: off in the update by default (``dropout: false``): the training passes compute what eval mode computes
+(every submodule in eval mode but the layers that run activation checkpointing, whose own dropout rates are 0
+meanwhile), as do the passes that give the ratios' denominators (old, behaviour and proximal logprobs), so a
+ratio carries no dropout noise: exactly 1 at the first mini-batch (with dropout it would be a ratio of two
+dropout masks). ``dropout: true`` runs the model's dropout (and LoRA's ``lora.dropout``) in the update.
+
 Memory: logprobs (and entropy, only when entropy_coef > 0) come from the LM head applied to the response
 tokens only, in checkpointed chunks (`drmas_graph.train._logprobs`); activation checkpointing, the attention
 kernel and token-sized micro-batches are settings; the KL reference is offloaded to CPU memory between
@@ -51,7 +57,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import logging
 import math
 import os
 import random
@@ -85,8 +90,6 @@ __all__ = [
     "UpdateMetrics",
     "UpdateSettings",
 ]
-
-log = logging.getLogger(__name__)
 
 BACKENDS = tuple(_ENGINES)
 OLD_LOGPROBS = ("given", "current")
@@ -252,12 +255,12 @@ class ModelUpdater:
         of the model), one 1-D float32 CPU tensor per sample, in order. Batched by agent with each agent's
         micro-batch size."""
         _check_samples(samples)
-        if module is None or module is self.model:
-            return [t.cpu() for t in self._logprobs_of(self.model, samples, self._packing)]
+        module = module if module is not None else self.model
         return [t.cpu() for t in self._logprobs_of(module, samples, self._packing_of(module))]
 
     @torch.no_grad()
-    def _logprobs_of(self, module: Any, samples: Sequence[Sample], packing: Packing | None) -> list[torch.Tensor]:
+    def _logprobs_of(self, module: torch.nn.Module, samples: Sequence[Sample], packing: Packing | None
+                     ) -> list[torch.Tensor]:
         """Per-sample logprobs on ``module``, packed as ``packing`` (found on that module, or a copy of it) says."""
         out: list[torch.Tensor] = [torch.empty(0)] * len(samples)
         lm_head = module.get_output_embeddings() if self._lm_head is not None else None
