@@ -356,33 +356,34 @@ def test_local_attention_layers_named_in_the_config_train_on_padded_rows(caplog)
 
 
 def test_a_window_the_config_does_not_name_is_found_by_the_probe():
-    """The probe's row is PROBE_NODES_DEFAULT (on CPU) long, its short branch at the far end from the shared prefix:
-    a window of row positions shorter than that (16 here) hides the prefix, whatever the config says."""
+    """The probe's row is PROBE_NODES_DEFAULT (on CPU) long, at most the model's positions (1024 here), its short
+    branch at the far end from the shared prefix: a window of row positions shorter than that (16 here) hides the
+    prefix, whatever the config says."""
     model = gpt_neo(16, named=False)
     found = check_packing(model)
     assert found.mask_kind is None and found.kernel == model.config._attn_implementation
-    assert found.reason.startswith(f"its logits on a packed probe of {PROBE_NODES_DEFAULT} nodes differ from the "
+    assert found.reason.startswith("its logits on a packed probe of 1024 nodes differ from the "
                                    "unpacked ones by ")
     assert "an attention window of row positions" in found.reason
 
 
 def test_packed_rows_hold_at_most_the_nodes_the_probe_proved():
-    """A window the probe did not find is longer than its row (PROBE_NODES_DEFAULT - 6 = 250 nodes proven on CPU):
+    """A window the probe did not find is longer than its row (PROBE_NODES_DEFAULT - 6 = 2042 nodes proven on CPU):
     rows of several samples stay within it, a longer sample is computed alone on a plain row."""
     model = build_model()
     updater = ModelUpdater(model, name="m", settings=UpdateSettings(backend="torch"),
                            agent_settings={"a": LossSettings(micro_batch_size=16)})
-    assert updater._packing.max_nodes == PROBE_NODES_DEFAULT - 6 == 250 and updater._mask_kind == "bool"
+    assert updater._packing.max_nodes == PROBE_NODES_DEFAULT - 6 == 2042 and updater._mask_kind == "bool"
     rng = random.Random(0)
-    prompt = tuple(rng.randrange(3, 500) for _ in range(150))
-    samples = [Sample(prompt, tuple(rng.randrange(3, 500) for _ in range(40)), (0.0,) * 40, advantage=1.0, agent="a")
-               for _ in range(3)]
-    long_prompt = tuple(rng.randrange(3, 500) for _ in range(300))
+    prompt = tuple(rng.randrange(3, 500) for _ in range(1000))
+    samples = [Sample(prompt, tuple(rng.randrange(3, 500) for _ in range(500)), (0.0,) * 500, advantage=1.0,
+                      agent="a") for _ in range(3)]
+    long_prompt = tuple(rng.randrange(3, 500) for _ in range(2100))
     samples.append(Sample(long_prompt, (7, 8, 9), (0.0,) * 3, advantage=1.0, agent="a"))
     groups = updater._micro_batches(list(range(4)), samples, packing=updater._packing)
-    # without the cap: 16 x 303 tokens allow sqrt(16 x 303 x 303) = 1212 nodes, one row of 150 + 3 x 40 + 303
-    assert sorted(map(sorted, groups)) == [[0, 1], [2], [3]]  # 150 + 40 + 40 = 230 <= 250; + 40 = 270 > 250
-    assert updater._collate([samples[3]], updater._packing).inputs["attention_mask"].shape == (1, 303)  # plain row
+    # without the cap: 16 x 2103 tokens allow sqrt(16 x 2103 x 2103) = 8412 nodes, one row of 1000 + 3 x 500 + 2103
+    assert sorted(map(sorted, groups)) == [[0, 1], [2], [3]]  # 1000 + 500 + 500 = 2000 <= 2042; + 500 > 2042
+    assert updater._collate([samples[3]], updater._packing).inputs["attention_mask"].shape == (1, 2103)  # plain row
     for got, want in zip(updater.compute_logprobs(samples), own_logprobs(model, samples)):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
 

@@ -143,10 +143,11 @@ def tree_inputs(tree: SequenceTree, *, mask_kind: str, dtype: torch.dtype, devic
 # --- can this model take the mask? ---------------------------------------------------------------------------
 
 PROBE_NODES = {"cuda": 4096}
-"""Device type -> nodes of the packing probe's row (`check_packing`), default `PROBE_NODES_DEFAULT`: packed rows
-of several samples never hold more nodes than the probe did. An attention window the probe did not see is at
-least this long, so it never hides a node's ancestor within such a row."""
-PROBE_NODES_DEFAULT = 256
+"""Device type -> nodes of the packing probe's row (`check_packing`), else `PROBE_NODES_DEFAULT` (at most the
+model's positions): packed rows of several samples never hold more nodes than the probe did. An attention window
+the probe did not see is at least this long, so it never hides a node's ancestor within such a row. (On CPU an
+sdpa probe of 2048 nodes costs a tiny model ~0.2 s; a larger probe would allow longer rows.)"""
+PROBE_NODES_DEFAULT = 2048
 _FULL_LAYER_TYPES = frozenset({"full_attention", "global", "full", "attention"})
 
 
@@ -165,10 +166,11 @@ class Packing:
 
 
 def _windows(config: Any) -> list[str]:
-    """The config's attention windows, found by name: any positive ``*window*`` value (sliding_window, window_size,
-    attention_window, ...; not when ``use_sliding_window`` is false) and any layer type other than full/global in
-    ``layer_types``, ``attention_layers``, ``attention_types`` (GPT-Neo's local layers, Gemma's sliding ones);
-    sub-configs (``text_config``, ...) too."""
+    """The config's attention windows, found by name: any positive ``*window*`` or ``attention_chunk*`` value
+    (sliding_window, window_size, attention_window, Llama 4's attention_chunk_size, ...; not when
+    ``use_sliding_window`` is false) and any layer type other than full/global in ``layer_types``,
+    ``attention_layers``, ``attention_types`` (GPT-Neo's local layers, Gemma's sliding ones); in the language
+    model's sub-config (``text_config``, ...) too, not in a vision encoder's."""
     values = config.to_dict() if callable(getattr(config, "to_dict", None)) else {}
     found: list[str] = []
 
@@ -177,8 +179,9 @@ def _windows(config: Any) -> list[str]:
         for key, value in d.items():
             key = str(key)  # (id2label has int keys)
             if isinstance(value, Mapping):
-                scan(value, f"{where}{key}.")
-            elif "window" in key.lower() and windows_used and _positive(value):
+                if any(k in key.lower() for k in ("text", "language", "llm")):
+                    scan(value, f"{where}{key}.")
+            elif any(k in key.lower() for k in ("window", "attention_chunk")) and windows_used and _positive(value):
                 found.append(f"{where}{key}={value!r}")
             elif any(k in key.lower() for k in ("layer_types", "attention_layers", "attention_types")):
                 local = sorted({t for t in _strings(value) if t.lower() not in _FULL_LAYER_TYPES})
