@@ -77,6 +77,7 @@ class UpdateConfig(_Strict):
     kl_reference: Literal["offload", "device"] = Field("offload", description="Where the frozen KL reference copy lives (kl_coef > 0): offload = CPU memory, moved to the device for one pass per update; device = stays there.")
     pack_prefixes: bool = Field(True, description="Compute each distinct token once: a micro-batch's samples are packed into one sequence tree (a group's shared prompt, an agent's earlier turns inside its later prompts), with a tree attention mask (eager/sdpa; other models fall back to padded rows, logged); false = padded rows.")
     autocast: Literal["bf16"] | None = Field(None, description="bf16: the trainer's forward passes of a float32 model run under bfloat16 autocast (see the logprob_mismatch metric); null = off.")
+    dropout: bool = Field(False, description="true: the update's forward passes run the model's dropout (and LoRA's lora.dropout); false: dropout off, as when the old, behaviour and proximal logprobs are computed, so PPO ratios and importance weights carry no dropout noise (ratio exactly 1 before the first step).")
 
     @field_validator("loss_agg")
     @classmethod
@@ -128,7 +129,7 @@ class ServeConfig(_Strict):
 class LoraConfig(_Strict):
     r: int = Field(8, ge=1, description="LoRA rank.")
     alpha: float = Field(16.0, gt=0, description="LoRA alpha: the update is scaled by alpha / r.")
-    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the LoRA input while training.")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the LoRA input in the update's forward passes; only with update.dropout: true (off by default).")
     target_modules: list[str] | str = Field("all-linear", description="Module names (or a regex) that get adapters; 'all-linear' = every linear layer but the output head.")
 
 

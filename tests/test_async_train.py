@@ -25,10 +25,11 @@ ASYNC = {"async": {"max_staleness": 1}}
 NO_EVAL = {"k": 1, "n_tasks": 1, "before_training": False}
 
 
-def run_async(tmp_path, run_dir, *, steps=3, conc=8, hook=None, app=None, n_train=5, **kw):
+def run_async(tmp_path, run_dir, *, steps=3, conc=8, hook=None, app=None, n_train=5, policy=None, **kw):
     """A one-step-off run (or as `kw`'s `async` says) of the solver -> verifier graph (or `app`) on one tiny
-    model; returns (result, trainer weights, rollout weights, trainer). `hook(trainer)` runs before `run()`."""
-    policy = tiny_policy(seed=0, sampling=SamplingParams(max_new_tokens=4))
+    model (or `policy`); returns (result, trainer weights, rollout weights, trainer). `hook(trainer)` runs before
+    `run()`."""
+    policy = policy or tiny_policy(seed=0, sampling=SamplingParams(max_new_tokens=4))
     cfg = small_config(tmp_path, run_dir=str(tmp_path / run_dir), steps=steps, tasks_per_step=2,
                        max_concurrency=conc, eval=NO_EVAL, **{**ASYNC, **kw})
     trainer = Trainer(app if app is not None else graph(), ParityEnv(n_train=n_train), cfg,
@@ -68,6 +69,23 @@ def test_one_step_off_is_reproducible_at_any_max_concurrency_with_groups_one_upd
             versions = {t.policy_version for ref in store.episodes(step=step) for t in store.load_episode(ref.id).turns}
             assert versions == {max(0, step - 1)}, step
         assert _sampled(store, 2) == _sampled(TraceStore(tmp_path / "c1" / "traces.db", readonly=True), 2)
+
+
+def test_the_policy_gets_the_configured_kernel_and_exact_behaviour_logprobs(tmp_path):
+    """update.attn_implementation reaches the policy's own module too (embedded policies generate with it), and the
+    behaviour logprobs recomputed on it are packed for its kernel: at lr 0, pi_prox = pi_behav, every importance
+    weight is 1."""
+    policy = tiny_policy(seed=0, sampling=SamplingParams(max_new_tokens=4))
+    policy.model.set_attn_implementation("eager")  # as the user loaded it
+    result, _, _, trainer = run_async(tmp_path, "kernel", steps=2, policy=policy,
+                                      update={"lr": 0.0, "backend": "torch", "attn_implementation": "sdpa"})
+    copy = trainer.train_models[policy.name]
+    assert copy is not policy.model and policy.model.config._attn_implementation == "sdpa"
+    assert copy.config._attn_implementation == "sdpa"
+    step1 = result.history[1]
+    for agent in ("solver", "verifier"):
+        assert step1[f"agent/{agent}/is_weight_max"] == pytest.approx(1.0, abs=1e-5)
+        assert step1[f"agent/{agent}/is_weight_mean"] == pytest.approx(1.0, abs=1e-6)
 
 
 def test_the_next_steps_rollouts_run_during_the_update(tmp_path):

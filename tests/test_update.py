@@ -686,6 +686,102 @@ def test_chunked_head_refuses_a_model_with_logit_softcapping():
     ModelUpdater(model, name="m", settings=settings(logprob_chunk_tokens=0))  # the full-logits path works
 
 
+@pytest.mark.parametrize("pack", [True, False])
+def test_a_micro_batch_of_empty_responses_contributes_zero_and_still_counts(pack):
+    """An empty response has no token for the chunked LM head: its micro-batch (micro_batch_size 1) contributes 0
+    and still counts in seq-mean, as on the full-logits path. loss = -(1/2) (A_0 x ratio 1 + 0) = -0.5."""
+    samples = [Sample((5, 6, 7, 8), (9, 10, 11), (0.0,) * 3, advantage=1.0, agent="a"),
+               Sample((5, 6, 7, 8), (), (), advantage=-1.0, agent="a")]
+    runs = []
+    for chunk in (0, 512):
+        model = fresh_model()
+        updater = ModelUpdater(model, name="m", settings=settings(logprob_chunk_tokens=chunk, pack_prefixes=pack,
+                                                                  loss_agg="seq-mean-token-mean"),
+                               agent_settings={"a": LossSettings(micro_batch_size=1)})
+        metrics = updater.update(samples, old_logprobs="current")
+        runs.append((metrics, snapshot(model)))
+    (full, p_full), (chunked, p_chunked) = runs
+    for m in (full, chunked):
+        assert m.loss == pytest.approx(-0.5, rel=1e-6) and m.n_samples == 2 and m.n_tokens == 3
+    assert chunked.grad_norm == pytest.approx(full.grad_norm, rel=1e-5) and full.grad_norm > 0
+    assert max_diff(p_full, p_chunked) < 0.1 * 1e-3
+    # only the empty sample forwarded (advantage 0 is skipped): a zero gradient, the step of AdamW's decay alone
+    only_empty = [dataclasses.replace(samples[0], advantage=0.0), samples[1]]
+    model = fresh_model()
+    start = snapshot(model)
+    metrics = ModelUpdater(model, name="m", settings=settings(pack_prefixes=pack)).update(only_empty,
+                                                                                       old_logprobs="current")
+    assert metrics.loss == 0.0 and metrics.grad_norm == 0.0 and metrics.n_samples == 2
+    decay = 1 - 1e-3 * settings().weight_decay
+    assert all(torch.equal(v, start[k] * decay) for k, v in snapshot(model).items() if k.endswith("weight"))
+
+
+# --- dropout: off in the update by default, as in the passes that give its ratios' denominators ------------
+
+
+def dropout_model() -> torch.nn.Module:
+    """A tiny GPT-2 with its default dropout 0.1 (embeddings, attention, residual): active in train mode."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(vocab_size=512, n_embd=32, n_layer=2, n_head=2, n_positions=128, bos_token_id=1, eos_token_id=2)
+    assert config.resid_pdrop == config.attn_pdrop == config.embd_pdrop == 0.1
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(config).eval()
+
+
+def ratios_at_lr_0(model: torch.nn.Module, lora: bool = False, **changes) -> tuple[list[float], list[float]]:
+    """(ratio_max, approx_kl) of each agent at lr 0, the old logprobs being the updater's own compute_logprobs."""
+    from drmas_graph.train.lora import LoraUpdater
+
+    samples = synthetic_samples()
+    if lora:
+        updater = LoraUpdater(model, name="m", settings=settings(lr=0.0, **changes), agent_adapters={"a": "ad", "b": "bd"},
+                              agent_settings={a: LossSettings() for a in "ab"})
+    else:
+        updater = ModelUpdater(model, name="m", settings=settings(lr=0.0, **changes))
+    old = updater.compute_logprobs(samples)
+    samples = [dataclasses.replace(s, old_logprobs=tuple(lp.tolist())) for s, lp in zip(samples, old)]
+    metrics = updater.update(samples)
+    by_agent = {a: m for one in (metrics.adapters.values() if lora else [metrics]) for a, m in one.agents.items()}
+    return [by_agent[a].ratio_max for a in "ab"], [by_agent[a].approx_kl for a in "ab"]
+
+
+@pytest.mark.parametrize("changes", [{}, {"gradient_checkpointing": True}, {"pack_prefixes": False}])
+def test_the_update_runs_without_dropout_by_default(changes):
+    """update.dropout false (the default): the first mini-batch's ratio pi / pi_old is exactly 1 at lr 0 for a model
+    with dropout 0.1, as the old logprobs were computed without dropout (activation checkpointing still runs)."""
+    model = dropout_model()
+    ratio_max, approx_kl = ratios_at_lr_0(model, **changes)
+    assert ratio_max == [1.0, 1.0] and approx_kl == [0.0, 0.0]
+    if changes.get("gradient_checkpointing"):
+        assert all(layer.gradient_checkpointing for layer in model.transformer.h)
+    assert not any(m.training for m in model.modules())  # eval mode again after the update
+
+
+def test_update_dropout_true_trains_with_the_models_dropout():
+    ratio_max, approx_kl = ratios_at_lr_0(dropout_model(), dropout=True)
+    assert all(r > 1.05 for r in ratio_max) and all(abs(k) > 1e-3 for k in approx_kl)  # dropout noise in every ratio
+
+
+def test_lora_dropout_is_off_in_the_update_by_default():
+    """lora.dropout applies only with update.dropout: true."""
+    pytest.importorskip("peft")
+    from drmas_graph.config import LoraConfig
+    from drmas_graph.train.lora import attach_adapters
+
+    def lora_model():
+        model = attach_adapters(fresh_model(), LoraConfig(dropout=0.5), ["ad", "bd"])
+        gen = torch.Generator().manual_seed(1)
+        with torch.no_grad():  # B = 0 would make the adapter (and its dropout) a no-op
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0, 0.3, generator=gen)
+        return model
+
+    assert ratios_at_lr_0(lora_model(), lora=True)[0] == [1.0, 1.0]
+    assert all(r > 1.01 for r in ratios_at_lr_0(lora_model(), lora=True, dropout=True)[0])
+
+
 # --- memory options: activation checkpointing, attention kernel, token-sized micro-batches, KL reference -----
 
 
@@ -715,7 +811,7 @@ def test_micro_batches_sized_in_tokens(rollout):
     updater = ModelUpdater(fresh_model(), name="m", settings=settings(max_tokens_per_micro_batch=60,
                                                                       pack_prefixes=False))
     lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
-    micro = updater._micro_batches(list(range(6)), samples)
+    micro = updater._micro_batches(list(range(6)), samples, packing=None)
     assert sorted(i for m in micro for i in m) == list(range(6))
     for m in micro:
         assert len({samples[i].agent for i in m}) == 1
@@ -723,7 +819,7 @@ def test_micro_batches_sized_in_tokens(rollout):
     assert any(len(m) > 1 for m in micro)
     # a sample longer than the budget is trained alone, not dropped
     alone = ModelUpdater(fresh_model(), name="m", settings=settings(max_tokens_per_micro_batch=5, pack_prefixes=False))
-    assert sorted(alone._micro_batches(list(range(6)), samples)) == [[i] for i in range(6)]
+    assert sorted(alone._micro_batches(list(range(6)), samples, packing=None)) == [[i] for i in range(6)]
 
 
 def test_packed_micro_batches_stay_within_the_padded_memory(rollout):
@@ -736,7 +832,7 @@ def test_packed_micro_batches_stay_within_the_padded_memory(rollout):
     for budget, micro_size in ((60, 4), (None, 2), (None, 8)):
         updater = ModelUpdater(fresh_model(), name="m", settings=settings(max_tokens_per_micro_batch=budget),
                                agent_settings={a: LossSettings(micro_batch_size=micro_size) for a in ("solver", "verifier")})
-        micro = updater._micro_batches(list(range(6)), samples)
+        micro = updater._micro_batches(list(range(6)), samples, packing=updater._packing)
         assert sorted(i for m in micro for i in m) == list(range(6))
         for m in micro:
             agent_rows = [i for i in range(6) if samples[i].agent == samples[m[0]].agent]

@@ -15,7 +15,7 @@ import torch
 from drmas_graph.errors import ConfigError
 from drmas_graph.testing import tiny_model, tiny_tokenizer
 from drmas_graph.train._old_logprobs import with_trainer_logprobs
-from drmas_graph.train._packing import build_tree, check_packing, pack_rows, sequences_of, tree_inputs
+from drmas_graph.train._packing import PROBE_NODES_DEFAULT, build_tree, check_packing, pack_rows, sequences_of, tree_inputs
 from drmas_graph.train.advantages import list_estimators, compute_advantages
 from drmas_graph.train.losses import list_loss_aggregations
 from drmas_graph.train.update import LossSettings, ModelUpdater, UpdateSettings
@@ -281,12 +281,14 @@ def test_a_model_that_cannot_take_the_tree_falls_back_to_padded_rows(samples, ca
     config = model.config
     impl = config._attn_implementation
     config._attn_implementation = "flash_attention_2"
-    assert check_packing(model) == (None, "its attention implementation is 'flash_attention_2'; a tree mask needs "
-                                          "one of ['eager', 'sdpa'] (update.attn_implementation)")
+    found = check_packing(model)
+    assert found.mask_kind is None and found.kernel == "flash_attention_2"
+    assert found.reason == ("its attention implementation is 'flash_attention_2'; a tree mask needs one of ['eager', "
+                            "'sdpa'] (update.attn_implementation)")
     config._attn_implementation = impl
-    kind, reason = check_packing(WithoutPositions(build_model()))
-    assert kind is None and "ignores the 4D attention mask or the position ids" in reason
-    with caplog.at_level(logging.WARNING, logger="drmas_graph.train.update"):
+    found = check_packing(WithoutPositions(build_model()))
+    assert found.mask_kind is None and "ignores the 4D attention mask or the position ids" in found.reason
+    with caplog.at_level(logging.WARNING, logger="drmas_graph.train._packing"):
         fallback = run(samples, model=WithoutPositions(build_model()))
     warned = [r.getMessage() for r in caplog.records if "prefix-shared packing is off" in r.getMessage()]
     assert len(warned) == 1 and "model 'm'" in warned[0] and "position ids" in warned[0]
@@ -294,6 +296,135 @@ def test_a_model_that_cannot_take_the_tree_falls_back_to_padded_rows(samples, ca
     grads = {f"inner.{k}": v for k, v in run(samples, pack_prefixes=False)[1].items()}
     padded = run(samples, pack_prefixes=False)
     assert_same_step((padded[0], grads, {}), fallback)
+
+
+def own_logprobs(model: torch.nn.Module, samples: list[Sample]) -> list[torch.Tensor]:
+    """Each sample alone through the model (no packing, no padding), log_softmax(logits / T): the numbers packing
+    must reproduce."""
+    out = []
+    with torch.no_grad():
+        for s in samples:
+            logits = model(input_ids=torch.tensor([s.prompt_ids + s.response_ids])).logits[0].float() / s.temperature
+            P = len(s.prompt_ids)
+            out.append(torch.log_softmax(logits[P - 1:-1], -1).gather(-1, torch.tensor(s.response_ids)[:, None])[:, 0])
+    return out
+
+
+def gpt_neo(window: int, *, named: bool = True) -> torch.nn.Module:
+    """A tiny GPT-Neo with a global and a local layer: the local one attends to the previous `window` row
+    positions, a window it builds into its own mask buffer. named=False: the config no longer says so."""
+    from transformers import AutoModelForCausalLM, GPTNeoConfig
+
+    config = GPTNeoConfig(vocab_size=300, hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64,
+                          attention_types=[[["global", "local"], 1]], window_size=window, max_position_embeddings=1024,
+                          bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    if not named:
+        model.config.attention_types, model.config.attention_layers = [[["global", "global"], 1]], ["global"] * 2
+        model.config.window_size = 0  # (an int field)
+    return model
+
+
+def prompt_and_two_responses(long: int, short: int = 8) -> list[Sample]:
+    """One prompt, a long response and a short one that sorts after it: packed, the short sample's tokens sit
+    `long` row positions to the right of their prompt."""
+    g = torch.Generator().manual_seed(0)
+    prompt = tuple(torch.randint(3, 100, (8,), generator=g).tolist())
+    responses = [(100,) + tuple(torch.randint(3, 300, (long - 1,), generator=g).tolist()),
+                 (200,) + tuple(torch.randint(3, 300, (short - 1,), generator=g).tolist())]
+    return [Sample(prompt, r, (0.0,) * len(r), advantage=1.0, agent="a") for r in responses]
+
+
+def test_local_attention_layers_named_in_the_config_train_on_padded_rows(caplog):
+    """GPT-Neo's local layers (attention_layers / window_size, not layer_types / sliding_window) are refused by
+    name: packed, the short sample would lose its prompt behind the long one (window 256 < 300 row positions)."""
+    model = gpt_neo(256)
+    found = check_packing(model)
+    assert found.mask_kind is None and found.max_nodes == 0
+    assert found.reason == ("it has local (windowed) attention layers (attention_types has ['local'], window_size=256, "
+                            "attention_layers has ['local']), whose window a packed row would move or replace")
+    samples = prompt_and_two_responses(300)
+    with caplog.at_level(logging.WARNING, logger="drmas_graph.train._packing"):
+        updater = ModelUpdater(model, name="neo", settings=UpdateSettings(backend="torch"))
+    assert updater._mask_kind is None
+    assert [r.getMessage() for r in caplog.records if "packing is off" in r.getMessage()] == [
+        f"model 'neo': prefix-shared packing is off because {found.reason}; training on padded rows "
+        "(update.pack_prefixes: false silences this)"]
+    for got, want in zip(updater.compute_logprobs(samples), own_logprobs(model, samples)):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
+def test_a_window_the_config_does_not_name_is_found_by_the_probe():
+    """The probe's row is PROBE_NODES_DEFAULT (on CPU) long, at most the model's positions (1024 here), its short
+    branch at the far end from the shared prefix: a window of row positions shorter than that (16 here) hides the
+    prefix, whatever the config says."""
+    model = gpt_neo(16, named=False)
+    found = check_packing(model)
+    assert found.mask_kind is None and found.kernel == model.config._attn_implementation
+    assert found.reason.startswith("its logits on a packed probe of 1024 nodes differ from the "
+                                   "unpacked ones by ")
+    assert "an attention window of row positions" in found.reason
+
+
+def test_packed_rows_hold_at_most_the_nodes_the_probe_proved():
+    """A window the probe did not find is longer than its row (PROBE_NODES_DEFAULT - 6 = 2042 nodes proven on CPU):
+    rows of several samples stay within it, a longer sample is computed alone on a plain row."""
+    model = build_model()
+    updater = ModelUpdater(model, name="m", settings=UpdateSettings(backend="torch"),
+                           agent_settings={"a": LossSettings(micro_batch_size=16)})
+    assert updater._packing.max_nodes == PROBE_NODES_DEFAULT - 6 == 2042 and updater._mask_kind == "bool"
+    rng = random.Random(0)
+    prompt = tuple(rng.randrange(3, 500) for _ in range(1000))
+    samples = [Sample(prompt, tuple(rng.randrange(3, 500) for _ in range(500)), (0.0,) * 500, advantage=1.0,
+                      agent="a") for _ in range(3)]
+    long_prompt = tuple(rng.randrange(3, 500) for _ in range(2100))
+    samples.append(Sample(long_prompt, (7, 8, 9), (0.0,) * 3, advantage=1.0, agent="a"))
+    groups = updater._micro_batches(list(range(4)), samples, packing=updater._packing)
+    # without the cap: 16 x 2103 tokens allow sqrt(16 x 2103 x 2103) = 8412 nodes, one row of 1000 + 3 x 500 + 2103
+    assert sorted(map(sorted, groups)) == [[0, 1], [2], [3]]  # 1000 + 500 + 500 = 2000 <= 2042; + 500 > 2042
+    assert updater._collate([samples[3]], updater._packing).inputs["attention_mask"].shape == (1, 2103)  # plain row
+    for got, want in zip(updater.compute_logprobs(samples), own_logprobs(model, samples)):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
+def test_lora_packing_is_probed_with_the_kernel_it_trains_with(samples):
+    """update.attn_implementation is applied before the probe: a LoRA model loaded with sdpa and trained with eager
+    gets eager's additive mask (a boolean one would be added to its scores), and one trained with a kernel that takes
+    no tree mask trains on padded rows."""
+    pytest.importorskip("peft")
+    from drmas_graph.config import LoraConfig
+    from drmas_graph.train.lora import LoraUpdater, attach_adapters
+
+    def lora(attn: str):
+        model = attach_adapters(build_model(), LoraConfig(), ["solver", "verifier"])  # loaded with sdpa
+        assert model.config._attn_implementation == "sdpa"
+        return model, LoraUpdater(model, name="m", settings=UpdateSettings(backend="torch", attn_implementation=attn),
+                                  agent_settings=AGENTS, agent_adapters={a: a for a in AGENTS})
+
+    model, updater = lora("eager")
+    assert {a: u._mask_kind for a, u in updater.updaters.items()} == {"solver": "additive", "verifier": "additive"}
+    solver = [s for s in samples if s.agent == "solver"]
+    model.set_adapter("solver")
+    for got, want in zip(updater.compute_logprobs(solver), own_logprobs(model, solver)):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    if importlib.util.find_spec("torch.nn.attention.flex_attention") is not None:
+        _, updater = lora("flex_attention")
+        assert {u._mask_kind for u in updater.updaters.values()} == {None}
+
+
+def test_a_probe_belongs_to_the_module_it_is_used_on(samples):
+    """compute_logprobs(module=...) packs another module (a policy's, a copy) with the mask format of that module's
+    own kernel, not the trained model's."""
+    import copy
+
+    model = build_model()
+    updater = ModelUpdater(model, name="m", settings=UpdateSettings(backend="torch", attn_implementation="sdpa"))
+    other = copy.deepcopy(model)
+    other.set_attn_implementation("eager")
+    for got, want in zip(updater.compute_logprobs(samples, module=other), own_logprobs(other, samples)):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    assert updater._probes.of(other).mask_kind == "additive" and updater._mask_kind == "bool"
 
 
 # --- on-policy: the old logprobs are the update's own --------------------------------------------------------

@@ -128,7 +128,9 @@ def response_token_stats(forward: Callable[..., Any], batch: Batch, *, lm_head: 
     ids_N = batch.response_ids_BT[mask_BT]
     temps_N = batch.temperatures_B[:, None].expand_as(mask_BT)[mask_BT]
     logprobs, entropies = [], []
-    for start in range(0, ids_N.shape[0], chunk_tokens):
+    # no response token (only empty responses): one empty chunk, so the result still hangs on the model and the
+    # LM head, and the micro-batch backpropagates 0 as on the full-logits path
+    for start in range(0, max(ids_N.shape[0], 1), chunk_tokens):
         piece = slice(start, start + chunk_tokens)
         args = (lm_head, hidden_NH[piece], ids_N[piece], temps_N[piece], with_entropy)
         if torch.is_grad_enabled() and hidden_NH.requires_grad:
@@ -137,8 +139,8 @@ def response_token_stats(forward: Callable[..., Any], batch: Batch, *, lm_head: 
             logprob_C, entropy_C = _head_chunk(*args)
         logprobs.append(logprob_C)
         entropies.append(entropy_C)
-    logprobs_BT = _scatter(mask_BT, logprobs, hidden_BLH)
-    entropy_BT = _scatter(mask_BT, entropies, hidden_BLH) if with_entropy else None
+    logprobs_BT = _scatter(mask_BT, logprobs)
+    entropy_BT = _scatter(mask_BT, entropies) if with_entropy else None
     return logprobs_BT, entropy_BT
 
 
@@ -150,8 +152,8 @@ def _head_chunk(lm_head: torch.nn.Module, hidden_CH: torch.Tensor, ids_C: torch.
     return token_logprobs(logits_CV, ids_C), entropy_C
 
 
-def _scatter(mask_BT: torch.Tensor, chunks: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
-    values_N = torch.cat(chunks) if chunks else like.new_zeros(0, dtype=torch.float32)
+def _scatter(mask_BT: torch.Tensor, chunks: list[torch.Tensor]) -> torch.Tensor:
+    values_N = torch.cat(chunks)
     return torch.zeros(mask_BT.shape, dtype=torch.float32, device=mask_BT.device).masked_scatter(mask_BT, values_N)
 
 

@@ -18,16 +18,22 @@ then its activations (~N) and attention scores (~N^2) never exceed those of the 
 (B x L <= budget and B x L^2 <= budget x L).
 
 Models: the mask goes through the model's own ``attention_mask`` argument, which Hugging Face models take as
-given when it is 4D: boolean for "sdpa", additive (0 / dtype min) for "eager". `check_packing` runs a probe at
-start-up (a packed pair of sequences against the same sequences unpacked) and names the reason when a model
-cannot take it (another attention kernel, sliding-window layers, a model that builds its own mask); the
-updater then trains on padded rows.
+given when it is 4D: boolean for "sdpa", additive (0 / dtype min) for "eager". `check_packing` probes a module
+with the attention kernel it trains with (a packed row of `PROBE_NODES` nodes against its sequences unpacked)
+and names the reason when it cannot take it (another attention kernel, attention windows named in its config,
+a model that builds its own mask); the updater then trains on padded rows. A window is a number of row
+positions (GPT-Neo's local layers build it from the row index), and in a packed row a sample's prompt can lie
+far to the left of its response, so a packed row of several samples holds at most the probe's nodes
+(`Packing.max_nodes`): a window the probe did not detect is longer than any such row. A sample longer than that
+is computed alone on a padded row.
 """
 
 from __future__ import annotations
 
+import logging
 import math
-from collections.abc import Sequence
+import weakref
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,7 +41,10 @@ import torch
 
 from drmas_graph.types import Sample
 
-__all__ = ["MASK_KINDS", "SequenceTree", "build_tree", "check_packing", "max_nodes", "pack_rows", "tree_inputs"]
+__all__ = ["MASK_KINDS", "Packing", "PackingProbes", "SequenceTree", "build_tree", "check_packing", "max_nodes", "pack_rows",
+           "tree_inputs"]
+
+log = logging.getLogger(__name__)
 
 MASK_KINDS = {"sdpa": "bool", "eager": "additive"}
 """Attention implementation -> the 4D mask format it takes."""
@@ -133,47 +142,157 @@ def tree_inputs(tree: SequenceTree, *, mask_kind: str, dtype: torch.dtype, devic
 
 # --- can this model take the mask? ---------------------------------------------------------------------------
 
+PROBE_NODES = {"cuda": 4096}
+"""Device type -> nodes of the packing probe's row (`check_packing`), else `PROBE_NODES_DEFAULT` (at most the
+model's positions): packed rows of several samples never hold more nodes than the probe did. An attention window
+the probe did not see is at least this long, so it never hides a node's ancestor within such a row. (On CPU an
+sdpa probe of 2048 nodes costs a tiny model ~0.2 s; a larger probe would allow longer rows.)"""
+PROBE_NODES_DEFAULT = 2048
+_FULL_LAYER_TYPES = frozenset({"full_attention", "global", "full", "attention"})
 
-def _sliding_window(config: Any) -> bool:
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types:
-        return any(t != "full_attention" for t in layer_types)
-    return getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True) is not False
+
+@dataclass(frozen=True)
+class Packing:
+    """Whether and how one module takes packed rows: what `check_packing` found."""
+
+    mask_kind: str | None
+    """The packed rows' attention-mask format (`MASK_KINDS`); None = padded rows."""
+    reason: str
+    """Why it trains on padded rows ("" when it packs)."""
+    max_nodes: int
+    """The most nodes a packed row of several samples may hold: the probe's row length (0 when it does not pack)."""
+    kernel: str | None
+    """The attention implementation it was probed with (a packing found for one kernel says nothing of another)."""
+
+
+def _windows(config: Any) -> list[str]:
+    """The config's attention windows, found by name: any positive ``*window*`` or ``attention_chunk*`` value
+    (sliding_window, window_size, attention_window, Llama 4's attention_chunk_size, ...; not when
+    ``use_sliding_window`` is false) and any layer type other than full/global in ``layer_types``,
+    ``attention_layers``, ``attention_types`` (GPT-Neo's local layers, Gemma's sliding ones); in the language
+    model's sub-config (``text_config``, ...) too, not in a vision encoder's."""
+    values = config.to_dict() if callable(getattr(config, "to_dict", None)) else {}
+    found: list[str] = []
+
+    def scan(d: Mapping[str, Any], where: str) -> None:
+        windows_used = d.get("use_sliding_window", True) is not False
+        for key, value in d.items():
+            key = str(key)  # (id2label has int keys)
+            if isinstance(value, Mapping):
+                if any(k in key.lower() for k in ("text", "language", "llm")):
+                    scan(value, f"{where}{key}.")
+            elif any(k in key.lower() for k in ("window", "attention_chunk")) and windows_used and _positive(value):
+                found.append(f"{where}{key}={value!r}")
+            elif any(k in key.lower() for k in ("layer_types", "attention_layers", "attention_types")):
+                local = sorted({t for t in _strings(value) if t.lower() not in _FULL_LAYER_TYPES})
+                if local:
+                    found.append(f"{where}{key} has {local}")
+
+    scan(values, "")
+    return found
+
+
+def _positive(value: Any) -> bool:
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, (list, tuple)):
+        return any(_positive(v) for v in value)
+    return isinstance(value, (int, float)) and value > 0
+
+
+def _strings(value: Any) -> list[str]:
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [s for v in value for s in _strings(v)]
+    return []
+
+
+def _max_positions(config: Any) -> int | None:
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def _probe(n_nodes: int, vocab: int) -> list[list[int]]:
+    """Two sequences whose trie is one row of ``n_nodes`` nodes: a 4-token prefix, then a long branch (the first
+    sequence, ``n_nodes - 4`` tokens) and a short one of 4 tokens (the second) at the end of the row. In the row the
+    short branch's first node lies ``n_nodes - 7`` positions after the last prefix token (in its own sequence:
+    1), so a window of at most that many row positions hides the whole prompt from it; the long branch is as long
+    as the row allows, so a window that a custom mask would replace shows in it (when it is shorter)."""
+    tokens = [3 + (7 * k) % max(vocab - 3, 1) for k in range(n_nodes)]  # not 0-2 (often pad/bos/eos)
+    prefix, long_branch, short_branch = tokens[:4], tokens[4:n_nodes - 4], tokens[n_nodes - 4:]
+    short_branch[0] = (long_branch[0] + 1 - 3) % max(vocab - 3, 1) + 3  # branches differ at their first token
+    return [prefix + long_branch, prefix + short_branch]
 
 
 @torch.no_grad()
-def check_packing(model: torch.nn.Module) -> tuple[str | None, str]:
-    """(mask kind, "") when ``model`` computes a packed tree exactly as it computes the separate sequences,
-    else (None, the reason). Probe: two sequences sharing 3 tokens, packed (7 nodes) and as padded rows."""
+def check_packing(model: torch.nn.Module) -> Packing:
+    """Whether ``model``, with its current attention implementation, computes a packed tree exactly as it computes
+    the separate sequences. Refused: another attention kernel, an attention window in its config (`_windows`), a
+    forward pass that refuses the inputs, and a probe row (`_probe`, `PROBE_NODES` long, at most the model's
+    positions) whose packed logits differ from the unpacked ones (a window of row positions the config does not
+    name, a mask or position ids the model ignores). The row length it proves is `Packing.max_nodes`."""
     config = getattr(model, "config", None)
     impl = getattr(config, "_attn_implementation", None)
+
+    def refused(reason: str) -> Packing:
+        return Packing(mask_kind=None, reason=reason, max_nodes=0, kernel=impl)
+
     if impl not in MASK_KINDS:
-        return None, (f"its attention implementation is {impl!r}; a tree mask needs one of {sorted(MASK_KINDS)} "
-                      "(update.attn_implementation)")
-    if _sliding_window(config):
-        return None, "it has sliding-window attention layers, whose window a custom mask would replace"
+        return refused(f"its attention implementation is {impl!r}; a tree mask needs one of {sorted(MASK_KINDS)} "
+                       "(update.attn_implementation)")
+    windows = _windows(config)
+    if windows:
+        return refused(f"it has local (windowed) attention layers ({', '.join(windows)}), whose window a packed row "
+                       "would move or replace")
     param = next(model.parameters())
     vocab = getattr(config, "vocab_size", None) or 8
-    a, b = [1, 2, 3, 4, 5], [1, 2, 3, 6, 7]
-    sequences = [[t % vocab for t in a], [t % vocab for t in b]]
+    n_nodes = PROBE_NODES.get(param.device.type, PROBE_NODES_DEFAULT)
+    n_nodes = max(12, min(n_nodes, _max_positions(config) or n_nodes))
+    sequences = _probe(n_nodes, vocab)
     tree = build_tree(sequences)
     was_training = model.training
     model.eval()
     try:
         packed = model(**tree_inputs(tree, mask_kind=MASK_KINDS[impl], dtype=param.dtype, device=param.device),
                        use_cache=False).logits[0].float()
-        plain = model(input_ids=torch.tensor(sequences, device=param.device), use_cache=False).logits.float()
-    except (TypeError, ValueError, RuntimeError) as exc:
-        return None, f"its forward pass refused the packed inputs ({type(exc).__name__}: {exc})"
+        plain = [model(input_ids=torch.tensor([s], device=param.device), use_cache=False).logits[0].float()
+                 for s in sequences]
+    except (TypeError, ValueError, RuntimeError, IndexError) as exc:
+        return refused(f"its forward pass refused the packed inputs ({type(exc).__name__}: {exc})")
     finally:
         model.train(was_training)
     gap = max((packed[tree.paths[s]] - plain[s]).abs().max().item() for s in range(2))
-    scale = plain.abs().max().item() + 1e-6
+    scale = max(p.abs().max().item() for p in plain) + 1e-6
     tolerance = 1e-4 if param.dtype == torch.float32 else 2e-2
     if not gap <= tolerance * scale:
-        return None, (f"its logits on a packed probe differ from the unpacked ones by {gap:.3g} (it ignores the "
-                      "4D attention mask or the position ids)")
-    return MASK_KINDS[impl], ""
+        return refused(f"its logits on a packed probe of {n_nodes} nodes differ from the unpacked ones by {gap:.3g} "
+                       "(an attention window of row positions, or it ignores the 4D attention mask or the position "
+                       "ids)")
+    return Packing(mask_kind=MASK_KINDS[impl], reason="", max_nodes=n_nodes - 6, kernel=impl)
+
+
+class PackingProbes:
+    """`check_packing` of each module an updater computes on, probed at its first use and again after its attention
+    kernel changed, so a probe result is only ever used on the module (and kernel) it was found on. The reason a
+    module trains on padded rows is logged once."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._found: weakref.WeakKeyDictionary[torch.nn.Module, Packing] = weakref.WeakKeyDictionary()
+
+    def of(self, module: torch.nn.Module) -> Packing:
+        kernel = getattr(getattr(module, "config", None), "_attn_implementation", None)
+        found = self._found.get(module)
+        if found is None or found.kernel != kernel:
+            found = self._found[module] = check_packing(module)
+            if found.reason:
+                log.warning("model %r: prefix-shared packing is off because %s; training on padded rows "
+                            "(update.pack_prefixes: false silences this)", self.name, found.reason)
+        return found
 
 
 def sequences_of(samples: Sequence[Sample]) -> list[tuple[int, ...]]:

@@ -25,8 +25,10 @@ How weights reach the rollouts, per trained model:
 - embedded (`TransformersPolicy`): the trainer trains a copy of the module (`trainer_copies`: one more copy of
   the weights in memory, 4 bytes x parameters in float32, 2 in bfloat16; where it does not fit in the device's
   free memory the run trains synchronously, with a warning and the metric `async/synchronous_fallback`), and
-  the policy decodes with its own module; install copies the weights in, inside `policy.updating_weights()`. The
-  update runs on the main thread while the policy decodes on its own (on CPU the two share the cores).
+  the policy decodes with its own module (given `update.attn_implementation` first, so both compute alike; its
+  behaviour logprobs are packed as a probe of that module says); install copies the weights in, inside
+  `policy.updating_weights()`. The update runs on the main thread while the policy decodes on its own (on CPU
+  the two share the cores).
 - served (SGLang, vLLM): the trainer already trains a local copy; install pushes it (`_checkpoints.push_weights`),
   at a boundary, so no request is in flight. The servers load v0 from run_dir/sync at the first boundary, so
   that a checkpoint can copy what they serve.
@@ -81,7 +83,7 @@ from drmas_graph.errors import ConfigError, DrmasError, PolicyError
 from drmas_graph.train import _build, _checkpoints, _distributed
 from drmas_graph.train._rollouts import StepBatch, slots_key
 from drmas_graph.train.offpolicy import CorrectionStats, OffPolicyCorrection
-from drmas_graph.train.update import ModelUpdater
+from drmas_graph.train.update import ModelUpdater, _set_attn_implementation
 
 __all__ = ["AsyncTimeoutError", "FreeRunning", "OneStepOff", "drop_stale", "pipeline", "trainer_copies"]
 
@@ -101,8 +103,14 @@ class AsyncTimeoutError(DrmasError, TimeoutError):
 
 def trainer_copies(trainer: Any) -> tuple[dict[str, Any], str | None]:
     """A copy of every trained embedded model for the trainer to train (put in `trainer.train_models`; its policy
-    keeps decoding with the original); or ({}, why) when a copy does not fit in its device's free memory."""
+    keeps decoding with the original); or ({}, why) when a copy does not fit in its device's free memory.
+
+    The policy's module first gets the configured attention kernel (`update.attn_implementation`: embedded policies
+    generate with it too), so that the copy and the module that samples (and recomputes the behaviour logprobs of
+    the one-step-off schedule) compute alike."""
     names = [n for n, p in trainer.model_policies.items() if _trained(trainer, n) and not _build.is_served(p)]
+    for name in names:
+        _set_attn_implementation(trainer.train_models[name], _build.model_update(trainer.cfg, name).attn_implementation)
     shared = {name: _frozen_base(trainer, name) for name in names}
     for name in names:
         module = trainer.train_models[name]

@@ -13,7 +13,8 @@ name; agents naming the same adapter share it):
 - Training: `LoraUpdater` holds one `ModelUpdater` per adapter, each with its own optimizer over that
   adapter's parameters only (peft's `set_adapter` makes the active adapter the only trainable one), its own
   learning rate (`agents.<a>.lr`) and gradient clipping, as separate models would have. Samples go to the
-  updater of their agent's adapter; the base and the other adapters never change.
+  updater of their agent's adapter; the base and the other adapters never change. `lora.dropout` (peft's dropout
+  on the adapter's input) acts only with `update.dropout: true`: by default the update runs without dropout.
 - KL reference: the base model with adapters disabled (`base_forward`), not a copy.
 """
 
@@ -21,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import logging
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -32,15 +32,13 @@ import torch
 from drmas_graph.config import check_adapter_name
 from drmas_graph.engine._adapters import is_peft_model, load_adapter_weights
 from drmas_graph.errors import ConfigError
-from drmas_graph.train._packing import check_packing
+from drmas_graph.train._packing import PackingProbes
 
 if TYPE_CHECKING:
     from drmas_graph.config import AgentConfig, LoraConfig
     from drmas_graph.types import Sample
     from drmas_graph.train._settings import LossSettings, UpdateSettings
     from drmas_graph.train._update_metrics import UpdateMetrics
-
-log = logging.getLogger(__name__)
 
 __all__ = ["attach_adapters", "base_forward", "build_updater", "LoraUpdater", "LoraUpdateMetrics",
            "load_checkpoint_adapters", "merged_state_dict", "save_for_sync", "save_merged"]
@@ -219,19 +217,14 @@ class LoraUpdater:
         self.model, self.name, self.settings = model, name, settings
         self.agent_adapters = {a: agent_adapters[a] for a in agent_settings}
         self.updaters: dict[str, ModelUpdater] = {}
-        packing = None
-        if settings.pack_prefixes:  # one probe for all adapters (they share the base's attention)
-            packing = check_packing(model)
-            if packing[1]:
-                log.warning("model %r: prefix-shared packing is off because %s; training on padded rows "
-                            "(update.pack_prefixes: false silences this)", name, packing[1])
+        probes = PackingProbes(name)  # one probe per module for all adapters (they share the base's attention)
         for adapter in dict.fromkeys(self.agent_adapters.values()):
             lr = (adapter_lr or {}).get(adapter, settings.lr)
             agents = {a: s for a, s in agent_settings.items() if self.agent_adapters[a] == adapter}
             self._activate(adapter)  # the optimizer takes the trainable parameters: this adapter's
             self.updaters[adapter] = ModelUpdater(model, name=f"{name}/{adapter}", agent_settings=agents,
                                                   settings=_with_lr(settings, lr), reference=base_forward(model),
-                                                  packing=packing)
+                                                  probes=probes)
 
     def _activate(self, adapter: str) -> None:
         """Make `adapter` the one that forward passes use and the only trainable parameters (peft)."""

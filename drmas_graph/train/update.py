@@ -36,6 +36,12 @@ float32 master weights and accumulates gradients in float32 (DeepSpeed ZeRO-1/2/
 does the same, plus dynamic loss scaling for float16). ``autocast="bf16"`` runs a float32 model's forward
 passes in bfloat16; the rollout-vs-trainer gap it causes shows in the ``logprob_mismatch`` metric.
 
+Dropout: off in the update by default (``dropout: false``): the training passes compute what eval mode computes
+(every submodule in eval mode but the layers that run activation checkpointing, whose own dropout rates are 0
+meanwhile), as do the passes that give the ratios' denominators (old, behaviour and proximal logprobs), so a
+ratio carries no dropout noise: exactly 1 at the first mini-batch (with dropout it would be a ratio of two
+dropout masks). ``dropout: true`` runs the model's dropout (and LoRA's ``lora.dropout``) in the update.
+
 Memory: logprobs (and entropy, only when entropy_coef > 0) come from the LM head applied to the response
 tokens only, in checkpointed chunks (`drmas_graph.train._logprobs`); activation checkpointing, the attention
 kernel and token-sized micro-batches are settings; the KL reference is offloaded to CPU memory between
@@ -51,7 +57,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import logging
 import math
 import os
 import random
@@ -64,7 +69,7 @@ import torch
 
 from drmas_graph.train._engines import _ENGINES, _all_reduce, _barrier, _rank, _world_size
 from drmas_graph.train._logprobs import Batch, check_chunked_head, collate, collate_packed, response_token_stats
-from drmas_graph.train._packing import check_packing, max_nodes, pack_rows, sequences_of
+from drmas_graph.train._packing import Packing, PackingProbes, max_nodes, pack_rows, sequences_of
 from drmas_graph.train._reference import REFERENCES, Reference
 from drmas_graph.train._settings import LossSettings, UpdateSettings
 from drmas_graph.train._update_metrics import AgentUpdateMetrics, UpdateMetrics, _agent_metrics, _Tally, _tally_samples
@@ -85,8 +90,6 @@ __all__ = [
     "UpdateMetrics",
     "UpdateSettings",
 ]
-
-log = logging.getLogger(__name__)
 
 BACKENDS = tuple(_ENGINES)
 OLD_LOGPROBS = ("given", "current")
@@ -146,14 +149,15 @@ class ModelUpdater:
             agent whose samples reach `update` must have an entry.
         reference: the KL reference policy (`drmas_graph.train._reference.Reference`) when ``kl_coef > 0``; None
             builds ``settings.kl_reference`` (a frozen copy of the initial weights, offloaded or on device).
-        packing: what `drmas_graph.train._packing.check_packing(model)` returned, when the caller probed the model
-            already (`LoraUpdater` probes once for all its adapters); None probes it here (with
-            ``settings.pack_prefixes``), and logs why when the model cannot be packed.
+        probes: the `drmas_graph.train._packing.PackingProbes` to share (`LoraUpdater`: its adapters share one
+            module, probed once); None makes one. With ``settings.pack_prefixes`` each module this updater computes
+            on (the model, or a ``module=`` of `compute_logprobs`) is probed with the attention kernel it has,
+            after ``settings.attn_implementation`` is applied, and the reason it cannot be packed is logged.
     """
 
     def __init__(self, model: torch.nn.Module, *, name: str, settings: UpdateSettings,
                  agent_settings: Mapping[str, LossSettings] | None = None,
-                 reference: Reference | None = None, packing: tuple[str | None, str] | None = None) -> None:
+                 reference: Reference | None = None, probes: PackingProbes | None = None) -> None:
         if not isinstance(settings, UpdateSettings):
             raise ConfigError(f"settings must be an UpdateSettings, got {type(settings).__name__}")
         for agent, value in (agent_settings or {}).items():
@@ -174,17 +178,26 @@ class ModelUpdater:
         self._skip_zero_advantage = settings.kl_coef == 0 and settings.entropy_coef == 0
         self._autocast_dtype = _check_autocast(model, settings.autocast)
         self._lm_head = check_chunked_head(model) if settings.logprob_chunk_tokens > 0 else None
-        self._mask_kind = None
-        """The packed rows' attention-mask format (`_packing.MASK_KINDS`); None trains on padded rows."""
-        if settings.pack_prefixes:
-            self._mask_kind, reason = packing if packing is not None else check_packing(model)
-            if packing is None and reason:
-                log.warning("model %r: prefix-shared packing is off because %s; training on padded rows "
-                            "(update.pack_prefixes: false silences this)", name, reason)
+        self._probes = probes or PackingProbes(name)
+        self._packing_of(model)  # probed now, with the kernel it trains with (the reason is logged at start-up)
         self._engine = _ENGINES[settings.backend](model, settings)
         pad_id = getattr(getattr(model, "config", None), "pad_token_id", None)
         self._pad_id = int(pad_id) if pad_id is not None else 0
         model.eval()
+
+    def _packing_of(self, module: torch.nn.Module) -> Packing | None:
+        """How ``module`` takes packed rows (`PackingProbes`), None with pack_prefixes off."""
+        return self._probes.of(module) if self.settings.pack_prefixes else None
+
+    @property
+    def _packing(self) -> Packing | None:
+        """How the model takes packed rows (found with its current kernel); None: pack_prefixes is off."""
+        return self._packing_of(self.model)
+
+    @property
+    def _mask_kind(self) -> str | None:
+        """The packed rows' attention-mask format of the model (`_packing.MASK_KINDS`); None trains on padded rows."""
+        return self._packing.mask_kind if self._packing is not None else None
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         """bfloat16 autocast of the forward passes when ``settings.autocast`` asks for it."""
@@ -242,14 +255,18 @@ class ModelUpdater:
         of the model), one 1-D float32 CPU tensor per sample, in order. Batched by agent with each agent's
         micro-batch size."""
         _check_samples(samples)
-        return [t.cpu() for t in self._logprobs_of(module if module is not None else self.model, samples)]
+        module = module if module is not None else self.model
+        return [t.cpu() for t in self._logprobs_of(module, samples, self._packing_of(module))]
 
     @torch.no_grad()
-    def _logprobs_of(self, module: torch.nn.Module, samples: Sequence[Sample]) -> list[torch.Tensor]:
+    def _logprobs_of(self, module: torch.nn.Module, samples: Sequence[Sample], packing: Packing | None
+                     ) -> list[torch.Tensor]:
+        """Per-sample logprobs on ``module``, packed as ``packing`` (found on that module, or a copy of it) says."""
         out: list[torch.Tensor] = [torch.empty(0)] * len(samples)
         lm_head = module.get_output_embeddings() if self._lm_head is not None else None
-        for rows in self._micro_batches(list(range(len(samples))), samples, skip_zero_advantage=False):
-            batch = self._collate([samples[i] for i in rows])
+        every = list(range(len(samples)))
+        for rows in self._micro_batches(every, samples, packing=packing, skip_zero_advantage=False):
+            batch = self._collate([samples[i] for i in rows], packing)
             logprobs_BT, _ = self._token_stats(module, batch, with_entropy=False, lm_head=lm_head)
             for b, i in enumerate(rows):
                 out[i] = logprobs_BT[b, : len(samples[i].response_ids)]
@@ -260,8 +277,8 @@ class ModelUpdater:
         offloaded reference per update)."""
         if self._reference is None or not samples:
             return {}
-        with self._reference.on_device() as module:
-            return {id(s): lp for s, lp in zip(samples, self._logprobs_of(module, samples))}
+        with self._reference.on_device() as module:  # a frozen copy of the model (or it, adapters disabled): its probe
+            return {id(s): lp for s, lp in zip(samples, self._logprobs_of(module, samples, self._packing))}
 
     def full_weights(self) -> contextlib.AbstractContextManager:
         """Inside this block the model's parameters are whole (read them to save or push weights to servers).
@@ -319,7 +336,7 @@ class ModelUpdater:
         """Shuffle (seeded), split into mini-batches, group each into one-agent micro-batches, and agree
         with the other processes on the normalizers and on the number of backward passes."""
         chunks = self._minibatch_rows(len(samples))
-        micro = [self._micro_batches(chunk, samples) for chunk in chunks]
+        micro = [self._micro_batches(chunk, samples, packing=self._packing) for chunk in chunks]
         local_norms = [sum(self._norm_count(samples[i]) for i in chunk) for chunk in chunks]
         norms = _all_reduce(local_norms, "SUM", self.device)
         passes = _all_reduce([float(len(m)) for m in micro], "MAX", self.device)
@@ -346,11 +363,12 @@ class ModelUpdater:
         cuts = [order[k * n_global // n_minibatches:(k + 1) * n_global // n_minibatches] for k in range(n_minibatches)]
         return [[g - offset for g in cut if offset <= g < offset + n_local] for cut in cuts]
 
-    def _micro_batches(self, rows: Sequence[int], samples: Sequence[Sample], *,
+    def _micro_batches(self, rows: Sequence[int], samples: Sequence[Sample], *, packing: Packing | None,
                        skip_zero_advantage: bool = True) -> list[list[int]]:
         """Rows grouped by agent (agents in order of first appearance), cut by each agent's micro_batch_size
         (or ``max_tokens_per_micro_batch``) into padded rows; with packing, into sequence trees of at most
-        `_packing.max_nodes` positions for the same budget (`_packing.pack_rows`).
+        `_packing.max_nodes` positions for the same budget, and at most the nodes the packing probe proved
+        (`Packing.max_nodes`; `_packing.pack_rows`).
 
         For training (``skip_zero_advantage``) with KL and entropy off, a sample with advantage exactly 0 has
         loss 0 and gradient 0 (every PPO branch is -A * ratio), so it is not forwarded; it still counts in
@@ -367,21 +385,24 @@ class ModelUpdater:
         budget = self.settings.max_tokens_per_micro_batch
         for agent, agent_rows in by_agent.items():
             size = self.loss_settings(agent).micro_batch_size
-            if self._mask_kind is not None:  # prefix-shared packing, as memory-bounded as the padded rows
+            if packing is not None and packing.mask_kind is not None:  # as memory-bounded as the padded rows
                 sequences = sequences_of([samples[i] for i in agent_rows])
                 longest = max(map(len, sequences))
-                out += pack_rows(agent_rows, sequences, max_nodes(longest, budget or size * longest))
+                limit = min(max_nodes(longest, budget or size * longest), packing.max_nodes)
+                out += pack_rows(agent_rows, sequences, limit)
             elif budget is not None:
                 out += _pack_by_tokens(agent_rows, [_length(samples[i]) for i in agent_rows], budget)
             else:
                 out += [agent_rows[k:k + size] for k in range(0, len(agent_rows), size)]
         return out
 
-    def _collate(self, samples: Sequence[Sample]) -> Batch:
-        """The micro-batch's `Batch`: one packed row of its trie, or padded rows when packing is off."""
-        if self._mask_kind is None:
+    def _collate(self, samples: Sequence[Sample], packing: Packing | None) -> Batch:
+        """The micro-batch's `Batch`: one packed row of its trie, or padded rows when packing is off (or for a
+        sample longer than the packed rows the probe proved, alone: `_micro_batches` gives it a row of its own)."""
+        alone_too_long = len(samples) == 1 and packing is not None and _length(samples[0]) > packing.max_nodes
+        if packing is None or packing.mask_kind is None or alone_too_long:
             return collate(samples, pad_id=self._pad_id, device=self.device)
-        return collate_packed(samples, pad_id=self._pad_id, device=self.device, mask_kind=self._mask_kind,
+        return collate_packed(samples, pad_id=self._pad_id, device=self.device, mask_kind=packing.mask_kind,
                               dtype=next(self.model.parameters()).dtype)
 
     def _norm_count(self, sample: Sample) -> float:
@@ -410,7 +431,7 @@ class ModelUpdater:
                           current: bool) -> torch.Tensor:
         """This micro-batch's share of the mini-batch loss, w_a * agg(l) * n(m) / n(M) (module docstring)."""
         s, loss_settings = self.settings, self.loss_settings(samples[0].agent)
-        batch = self._collate(samples)
+        batch = self._collate(samples, self._packing)
         with_entropy = s.entropy_coef > 0
         logprobs_BT, entropy_BT = self._token_stats(functools.partial(self._engine.forward, is_last=is_last), batch,
                                                     with_entropy=with_entropy)
@@ -467,9 +488,12 @@ class ModelUpdater:
 
     @contextlib.contextmanager
     def _training_mode(self) -> Iterator[None]:
+        """The gradient passes: train mode with ``settings.dropout``; else (the default) the model computes as
+        in eval mode, as its old, behaviour and proximal logprobs were computed (`_without_dropout`)."""
         self.model.train()
         try:
-            yield
+            with contextlib.nullcontext() if self.settings.dropout else _without_dropout(self.model):
+                yield
         finally:
             self.model.eval()
 
@@ -508,16 +532,23 @@ def _pad_rows(rows: Sequence[torch.Tensor], mask_BT: torch.Tensor) -> torch.Tens
     return out_BT
 
 
+def _set_attn_implementation(model: torch.nn.Module, attn_implementation: str | None) -> None:
+    """Give ``model`` the attention kernel `UpdateSettings.attn_implementation` names (None: keep its own). Also
+    applied to an embedded policy's own module when the trainer trains a copy (`_pipeline.trainer_copies`)."""
+    if attn_implementation is None:
+        return
+    setter = getattr(model, "set_attn_implementation", None)
+    _require(callable(setter), f"UpdateSettings.attn_implementation={attn_implementation!r}: "
+             f"{type(model).__name__} is not a Hugging Face model with set_attn_implementation()")
+    try:
+        setter(attn_implementation)
+    except (ValueError, ImportError) as exc:
+        raise ConfigError(f"UpdateSettings.attn_implementation={attn_implementation!r}: {exc}") from None
+
+
 def _prepare_model(model: torch.nn.Module, s: UpdateSettings) -> None:
     """Apply the settings that change how the module computes: attention kernel, activation checkpointing."""
-    if s.attn_implementation is not None:
-        setter = getattr(model, "set_attn_implementation", None)
-        _require(callable(setter), f"UpdateSettings.attn_implementation={s.attn_implementation!r}: "
-                 f"{type(model).__name__} is not a Hugging Face model with set_attn_implementation()")
-        try:
-            setter(s.attn_implementation)
-        except (ValueError, ImportError) as exc:
-            raise ConfigError(f"UpdateSettings.attn_implementation={s.attn_implementation!r}: {exc}") from None
+    _set_attn_implementation(model, s.attn_implementation)
     if s.gradient_checkpointing:
         enable = getattr(model, "activation_checkpointing_enable", None) or getattr(
             model, "gradient_checkpointing_enable", None)
@@ -527,6 +558,30 @@ def _prepare_model(model: torch.nn.Module, s: UpdateSettings) -> None:
             enable(activation_checkpointing_kwargs={"use_reentrant": False})
         else:
             enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+@contextlib.contextmanager
+def _without_dropout(model: torch.nn.Module) -> Iterator[None]:
+    """Dropout off in a model in train mode: every submodule in eval mode (nn.Dropout, LoRA's dropout, attention
+    dropout read from ``self.training``), except those that run activation checkpointing (Hugging Face checkpoints
+    a layer only while it trains), whose own ``*dropout`` probabilities are set to 0 meanwhile."""
+    kept = [m for m in model.modules() if getattr(m, "gradient_checkpointing", False) is True]
+    zeroed = [(m, k, v) for m in kept for k, v in vars(m).items()
+              if k.endswith("dropout") and isinstance(v, float) and v > 0]
+    modes = [(m, m.training) for m in model.modules()]
+    for m, _ in modes:
+        m.training = False
+    for m in kept:
+        m.training = True
+    for m, k, _ in zeroed:
+        setattr(m, k, 0.0)
+    try:
+        yield
+    finally:
+        for m, k, v in zeroed:
+            setattr(m, k, v)
+        for m, training in modes:
+            m.training = training
 
 
 def _length(sample: Sample) -> int:
