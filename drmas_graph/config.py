@@ -180,7 +180,7 @@ class EvalConfig(_Strict):
     before_training: bool = Field(True, description="Also evaluate the initial policies (step 0).")
 
 
-TruncationLimit = Literal["max_llm_calls", "timeout_s", "recursion_limit"]
+TruncationLimit = Literal["max_llm_calls", "timeout_s", "recursion_limit", "max_resumes"]
 """A limit that truncates an episode (`drmas_graph.instrumentation._limits.LIMITS`)."""
 
 
@@ -189,12 +189,12 @@ class RolloutConfig(_Strict):
 
     recursion_limit: int | None = Field(None, ge=1, description="LangGraph recursion_limit of every episode (supersteps; reaching it truncates the episode); null = the graph's own (with_config), else LangGraph's default (10,007 in LangGraph 1.2).")
     max_llm_calls: int | None = Field(50, ge=1, description="Stop an episode at its next LLM call once it made this many: it is truncated (kept, rewarded, trained on); null = no cap.")
-    timeout_s: float | None = Field(1800.0, gt=0, description="Stop an episode at its next LLM call once it ran this many seconds (truncated); one stuck 1 s longer without starting a call is cancelled and fails. A hang guard: truncation by time is not reproducible. null = no cap.")
+    timeout_s: float | None = Field(1800.0, gt=0, description="Stop an episode at its next LLM call once it ran this many seconds (truncated); one that starts no call for 1 s longer is cancelled: inside a generation it is truncated, between calls (a stuck tool) it fails with StuckEpisodeError. A hang guard: truncation by time is not reproducible. null = no cap.")
     truncated_reward: float | None = Field(0.0, description="Team reward of a truncated episode (minus invalid-turn penalties): it did not finish its task; null = env.reward scores it (episode.truncated says why).")
     model_error_reward: float | None = Field(0.0, description="Team reward of an episode the policy's own output broke (model error; the turn that broke it is also invalid); null = env.reward scores it.")
     mask_truncated: bool | list[TruncationLimit] = Field(False, description="Drop truncated episodes instead of training on them (rLLM's mask_truncated_samples): true = all, or a list of the limits whose episodes are dropped.")
     configurable: dict[str, Any] = Field(default_factory=dict, description="`configurable` entries of every episode's config; each episode gets its own `thread_id` (graphs with a checkpointer).")
-    max_resumes: int = Field(16, ge=0, description="Most runs of an episode's thread after its first: answers to `interrupt()` (env.resume) and a conversation's next inputs (env.next_input); an episode that needs more fails.")
+    max_resumes: int = Field(16, ge=0, description="Most runs of an episode's thread after its first: answers to `interrupt()` (env.resume) and a conversation's next inputs (env.next_input); at the bound an episode still paused at an interrupt fails (EpisodeInterruptedError), a conversation still going is truncated (truncated/max_resumes).")
 
     @field_validator("configurable")
     @classmethod
