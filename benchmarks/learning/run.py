@@ -66,10 +66,10 @@ APPS: dict[str, dict[str, Any]] = {
         "agents": {"caller": 8, "answerer": 12},
     },
 }
-FULL = {"seeds": [0, 1, 2, 3, 4], "steps": 24, "tasks_per_step": 4, "group_size": 8, "eval_k": 4, "eval_tasks": 24}
-QUICK = {"seeds": [0, 1], "steps": 2, "tasks_per_step": 2, "group_size": 8, "eval_k": 4, "eval_tasks": 6}
+FULL = {"seeds": [0, 1, 2, 3, 4], "steps": 16, "tasks_per_step": 4, "group_size": 8, "eval_k": 4, "eval_tasks": 24}
+QUICK = {"seeds": [0, 1], "steps": 2, "tasks_per_step": 2, "group_size": 4, "eval_k": 4, "eval_tasks": 4}
 TINY = {"seeds": [0, 1], "steps": 2, "tasks_per_step": 2, "group_size": 4, "eval_k": 4, "eval_tasks": 2}
-UPDATE = {"lr": 2.0e-5, "grad_clip": 1.0, "n_minibatches": 2, "kl_coef": 0.001, "backend": "torch"}
+UPDATE = {"lr": 1.0e-5, "grad_clip": 1.0, "n_minibatches": 2, "kl_coef": 0.001, "backend": "torch"}
 """Optimizer and loss, the same for every estimator. n_minibatches 2 makes the PPO ratio (and the clip
 fraction) non-trivial; kl_coef 0.001 (the reference code's value when its KL loss is on) makes the trainer
 compute the KL to the start weights."""
