@@ -1,0 +1,1 @@
+"""A tool-using pair: a caller looks a fact up in a per-task random table, an answerer writes the answer."""
