@@ -6,6 +6,7 @@ factories and never prints an app's traceback."""
 import enum
 import json
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import TypedDict
 
 import pytest
@@ -178,6 +179,40 @@ def test_a_changed_structured_output_request_is_a_divergence(tmp_path):
     assert '"reason"' in new and '"reason"' not in old and "+[human]" not in d.diff
     [d] = replay_episode(_judge(None), episode).divergences  # the app dropped the request: free text
     assert d.kind == "format_changed" and d.diff.splitlines()[-1].startswith("-[response_format]")
+
+
+
+def test_a_changed_schema_of_concurrent_calls_is_format_changed_whatever_arrives_first():
+    """Found by the property suite: two structured calls of one node, made concurrently; the replay's first
+    call is the recording's second. The divergence is judged against the recorded call with the same prompt
+    (format_changed), not against the recording's first call (was: prompt_changed with the other question)."""
+    first_done = threading.Event()
+
+    def two_questions(response_format, late):
+        llm = Unreachable().bind(response_format=response_format)
+
+        def ask(question):
+            if question == late:
+                first_done.wait(5)
+            out = llm.invoke([HumanMessage(question)]).content
+            if question != late:
+                first_done.set()
+            return out
+
+        def solve(state):
+            first_done.clear()
+            with ThreadPoolExecutor(2) as pool:
+                return {"verdict": {"answers": list(pool.map(ask, ["q1", "q2"]))}}
+
+        return _one_node(solve, Verdict)
+
+    app = instrument(two_questions(_verdict_format(SCHEMA), late="q2"), {"solve": scripted_policy(['{"ok": true}'])})
+    episode = app.rollout({"question": "two"})
+    assert [(t.messages[-1].content, t.node_call_index) for t in episode.turns] == [("q1", 0), ("q2", 1)]
+    schema = {**SCHEMA, "properties": {**SCHEMA["properties"], "reason": {"type": "string"}},
+              "required": ["ok", "reason"]}
+    d = replay_episode(two_questions(_verdict_format(schema), late="q1"), episode).divergences[0]
+    assert (d.kind, d.call_index) == ("format_changed", 1) and "[human] q2" in d.diff and "q1" not in d.diff
 
 
 # --- rev4_t and rev4_x: recorded errors are reproduced ----------------------------------------------------

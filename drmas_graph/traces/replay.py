@@ -222,10 +222,19 @@ class _ReplayHandler:
                      if self._live(site, request, t) == self.requests[(t.call_key, t.node_call_index)]), None)
 
     def _divergence(self, site: CallSite, n: int, request: Request) -> Divergence:
-        turn = next(iter(self._candidates(site.call_key, n)), None)
-        if turn is None:
+        """Against the unused recorded call of the node instance that is closest (the same prompt, then the
+        same tools; the n-th among equals): concurrent calls of one node arrive in any order, so a changed
+        schema is reported as `format_changed` against the call with the same prompt."""
+        candidates = self._candidates(site.call_key, n)
+        if not candidates:
             return Divergence("unrecorded_call", self.agent_of(site), site.node, site.call_key, n,
                               diff("", request.text()))
+
+        def distance(t: Turn) -> tuple[bool, bool]:
+            recorded = self.requests[(t.call_key, t.node_call_index)]
+            return request.prompt != recorded.prompt, request.tools != recorded.tools
+
+        turn = min(candidates, key=distance)
         live, recorded = self._live(site, request, turn), self.requests[(turn.call_key, turn.node_call_index)]
         return Divergence(live.changed(recorded), turn.agent, site.node, site.call_key, turn.node_call_index,
                           diff(recorded.text(), live.text()))
