@@ -195,6 +195,8 @@ class Trainer:
         """Why a run configured as asynchronous trains synchronously (a second copy of a model did not fit)."""
         self._copies: dict[str, Any] = {}
         """Model name -> the trainer's own copy of an embedded model (asynchronous training)."""
+        store_file = _distributed.store_path(self.run_dir)
+        new_store = not store_file.exists()
         try:
             self.agent_policies, self.model_policies = _build.build_policies(
                 cfg, policies, train_models, trained=self.train_models, built=self._built)
@@ -232,6 +234,9 @@ class Trainer:
             self._close_built()  # e.g. servers launched for a run that never starts
             if getattr(self, "store", None) is not None:
                 self.store.close()
+                if new_store:  # no episode yet: the folder stays free for the corrected run
+                    for path in (store_file, *(store_file.with_name(store_file.name + s) for s in ("-wal", "-shm"))):
+                        path.unlink(missing_ok=True)
             raise
         # never overwrite a training run's config; under several processes rank 0 writes it
         if _distributed.is_main() and (train or not (self.run_dir / "config.yaml").exists()):
