@@ -19,8 +19,9 @@ ROOT = Path(__file__).resolve().parents[1] / "drmas_graph"
 
 SHARED = {"types", "errors", "config", "env", "policy", "_chat", "_structured", "_moved"}
 """Top-level modules every layer may import (`_moved` names modules by strings only)."""
-FACADES = {"", "testing"}
-"""The package itself and the public name of the tiny test models: they may import anything."""
+FACADES = {"", "testing", "ui.__main__"}
+"""The package itself, the public name of the tiny test models and `python -m drmas_graph.ui` (the command
+line's entry point): they may import anything."""
 LAYERS = {  # layer -> the layers it may import (besides itself and the shared modules)
     "shared": set(),
     "instrumentation": set(),
@@ -28,7 +29,8 @@ LAYERS = {  # layer -> the layers it may import (besides itself and the shared m
     "served": {"instrumentation"},
     "traces": {"instrumentation"},
     "train": {"instrumentation", "engine", "served", "traces"},
-    "cli": {"instrumentation", "engine", "served", "traces", "train"},
+    "ui": {"instrumentation", "traces"},
+    "cli": {"instrumentation", "engine", "served", "traces", "train", "ui"},
 }
 
 

@@ -35,8 +35,8 @@ from rich.console import Console
 
 from drmas_graph.cli._traces import add_traces_commands
 from drmas_graph.cli._train import add_train_commands
+from drmas_graph.cli._ui import add_ui_command
 from drmas_graph.errors import DrmasError
-from drmas_graph.ui import add_ui_command
 
 __all__ = ["main", "build_parser"]
 

@@ -1,5 +1,5 @@
 import sys
 
-from drmas_graph.ui import main
+from drmas_graph.cli._ui import main
 
 sys.exit(main())
