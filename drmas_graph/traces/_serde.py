@@ -1,14 +1,10 @@
 """How an `Episode` becomes rows of the trace store and back, and how rows are exported.
 
 The table layout (`SCHEMA`) lives here, next to the code that fills it; `drmas_graph.traces.store` runs the
-transactions. Token arrays are little-endian numpy buffers, everything else is JSON.
-
-Nothing here unpickles or evaluates anything. Decoding only parses JSON and numpy buffers; the only
-objects rebuilt from a trace are LangChain messages (`messages_from_dict`), LangGraph `Command`s and `Send`s
-(from their fields) and `SamplingParams`.
-
-Arrays: token ids are int32 (4 bytes a token), logprobs float64 (8 bytes a token) so that the Python
-floats a policy returned come back bit for bit.
+transactions. Token ids are little-endian int32 buffers (4 bytes a token), logprobs float64 (8 bytes a token,
+so the Python floats a policy returned come back bit for bit), everything else is JSON. Nothing here unpickles
+or evaluates anything: the only objects rebuilt from a trace are LangChain messages (`messages_from_dict`),
+LangGraph `Command`s and `Send`s (from their fields) and `SamplingParams`.
 
 JSON values that are not JSON (`to_json`): LangChain messages become ``{"__message__": <messages_to_dict
 form>}`` and are rebuilt on load, so are LangGraph `Command`s (``{"__command__": <fields>}``, the input
@@ -169,11 +165,9 @@ def _sequence_form(value: Any) -> str | None:
 
 def _as_form(value: Any, form: str) -> Any:
     """A revived JSON list back in its `_sequence_form`."""
-    if not isinstance(value, list):
-        return value
-    if form.endswith(" of pairs"):
+    if isinstance(value, list) and form.endswith(" of pairs"):
         value = [tuple(item) for item in value]
-    return tuple(value) if form.startswith("tuple") else value
+    return tuple(value) if isinstance(value, list) and form.startswith("tuple") else value
 
 
 def _json_key(key: Any) -> str:

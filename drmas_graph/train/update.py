@@ -18,10 +18,10 @@ where agg is the aggregation ``loss_agg`` and n counts what agg averages over: v
 the micro-batch size. Samples of agents with loss weight 0 are not counted in n(M) (they only feed
 metrics). With KL and entropy off, samples whose advantage is exactly 0 (zero-variance groups) are not
 forwarded at all: their gradient is exactly 0, and they still count in n(M), so the step is unchanged
-(per-token metrics then cover the forwarded samples). With P processes, n(M) is summed over all of them
-and each loss is multiplied by P (DeepSpeed and the torch backend average gradients over processes), and the
-shuffle that cuts mini-batches is one global order of the step's samples, so P processes each given a
-contiguous block of the samples take exactly the steps of one process given all of them.
+(per-token metrics then cover the forwarded samples). With P processes, n(M) is summed over all of them and
+each loss is multiplied by P (DeepSpeed and the torch backend average gradients over processes), and the shuffle
+that cuts mini-batches is one global order of the step's samples, so P processes each given a contiguous
+block of the samples take exactly the steps of one process given all of them.
 
 Backends, chosen by `UpdateSettings.backend`:
 - "deepspeed": ``deepspeed.initialize`` with a client ``torch.optim.AdamW`` and ZeRO stage 0-3 (default 1).
@@ -74,11 +74,7 @@ from drmas_graph.train._reference import REFERENCES, Reference
 from drmas_graph.train._settings import LossSettings, UpdateSettings
 from drmas_graph.train._update_metrics import AgentUpdateMetrics, UpdateMetrics, _agent_metrics, _Tally, _tally_samples
 from drmas_graph.errors import ConfigError
-from drmas_graph.train.losses import (
-    agg_loss,
-    kl_penalty,
-    policy_loss,
-)
+from drmas_graph.train.losses import agg_loss, kl_penalty, policy_loss
 from drmas_graph.types import Sample
 
 __all__ = [
