@@ -128,8 +128,10 @@ class Run:
     error: BaseException | None
 
 
-def roll(app: App, built: Built, wired: Wiring, store: TraceStore | None, seed: int) -> Run:
-    """One instrumented rollout of the built app (interrupts answered), as the issue's user would run it."""
+def roll(app: App, built: Built, wired: Wiring, store: TraceStore | None, seed: int,
+         max_llm_calls: int | None = None) -> Run:
+    """One instrumented rollout of the built app (interrupts answered), as the issue's user would run it;
+    `max_llm_calls` caps its calls (the episode is truncated at the call past the cap)."""
     pols = policies()
     instrumented = instrument(built.graph, {a: pols[p] for a, p in wired.policy_of_agent.items()},
                               agents=wired.agents, store=store)
@@ -139,7 +141,7 @@ def roll(app: App, built: Built, wired: Wiring, store: TraceStore | None, seed: 
 
     try:
         episode = instrumented.rollout({"topic": "cats"}, {"configurable": {"thread_id": uuid.uuid4().hex}},
-                                       metadata={"seed": seed}, resume=resume)
+                                       metadata={"seed": seed, "max_llm_calls": max_llm_calls}, resume=resume)
         return Run(built, wired, episode, None)
     except RolloutError as exc:
         return Run(built, wired, exc.episode, exc)
@@ -228,6 +230,30 @@ def check_clean_replay(app: App, result: ReplayResult) -> None:
     assert result.state_matches, (f"replay of the unchanged app: final state differs\n{result.state_diff}\n"
                                   f"{describe(app)}")
     assert not result.stopped and result.unreproducible is None, f"replay stopped: {result}\n{describe(app)}"
+
+
+def check_truncated(app: App, run: Run, cap: int, n_calls: int) -> None:
+    """An episode capped below its number of calls is truncated by the cap, keeps exactly `cap` calls, and
+    every turn's run (`Turn.segment`) is a recorded segment; one capped at its number of calls finishes."""
+    episode = run.episode
+    if cap >= n_calls:
+        assert run.error is None and episode.outcome == "finished", (
+            f"capped at {cap} of {n_calls} calls, the episode did not finish: {episode.stop_reason}\n{describe(app)}")
+        return
+    assert episode.outcome == "truncated" and episode.truncated_by == "max_llm_calls", (
+        f"capped at {cap} of {n_calls} calls: outcome {episode.outcome} ({episode.stop_reason})\n{describe(app)}")
+    assert len(episode.turns) == cap, f"capped at {cap}: {len(episode.turns)} turns kept\n{describe(app)}"
+    runs = max(len(episode.segments), 1)
+    assert all(t.segment < runs for t in episode.turns), (
+        f"a turn points past the recorded runs: {[t.segment for t in episode.turns]} of {runs}\n{describe(app)}")
+
+
+def check_truncated_replay(app: App, result: ReplayResult, truncated: bool) -> None:
+    """The unchanged app replays a capped recording without divergence and stops where the cap stopped it."""
+    assert not result.divergences, (f"replay of the unchanged, capped app reports {result.divergences[0]}\n"
+                                    f"{describe(app)}")
+    assert result.stopped == truncated, f"replay stopped={result.stopped}, truncated={truncated}\n{describe(app)}"
+    assert result.state_matches, f"final state differs\n{result.state_diff}\n{describe(app)}"
 
 
 def recorded(app: App, built: Built, seed: int) -> tuple[Run, TraceStore, Path]:

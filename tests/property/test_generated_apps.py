@@ -7,10 +7,14 @@ prints the app description (Hypothesis shrinks it first). Profiles: tests/confte
 `--hypothesis-profile=long` for a long hunt).
 """
 
+import tempfile
+from pathlib import Path
+
 import pytest
 from hypothesis import assume, given, note
 from hypothesis import strategies as st
 
+from drmas_graph import TraceStore
 from tests.property import invariants as inv
 from tests.property.apps import KNOWN_DEFECTS, Timing, apps, build, timings
 
@@ -83,3 +87,22 @@ def test_a_changed_schema_is_reported_at_its_call(app, data, seed):
     result = inv.replay_changed(app, app.with_call(site, schema="Verdict+reason"), first.episode,
                                 data.draw(timings, label="replay timing"))
     inv.check_divergence_at(app, result, site, ("format_changed", "tools_changed"))
+
+
+@given(app=apps(need="llm"), data=st.data(), seed=seeds)
+def test_a_capped_episode_is_truncated_stored_and_replays_to_the_cap(app, data, seed):
+    """rev4_m and rev4_o as properties: a `max_llm_calls` cap stops the episode at any call (in a later run of
+    an interrupted thread, among parallel branches); the store keeps every run, and replay under other timing
+    reports no divergence and stops where the cap stopped the recording."""
+    note(inv.describe(app))
+    full, store, _ = inv.recorded(app, build(app), seed)
+    store.close()
+    n_calls = len(full.episode.turns)
+    cap = data.draw(st.integers(1, n_calls), label="max_llm_calls")
+    built = build(app, Timing(data.draw(timings, label="recording timing")))
+    with TraceStore(Path(tempfile.mkdtemp(prefix="drmas-prop-")) / "traces.db") as store:
+        run = inv.roll(app, built, full.wiring, store, seed, max_llm_calls=cap)
+        inv.check_truncated(app, run, cap, n_calls)
+        inv.check_store_round_trip(app, store, run.episode)
+        result = inv.replay_stored(app, store, run.episode, data.draw(timings, label="replay timing"))
+    inv.check_truncated_replay(app, result, cap < n_calls)
