@@ -26,7 +26,7 @@ def _hypothesis_profiles():
     phases = [Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink]  # no 'explain': slow here
     settings.register_profile("ci", max_examples=40, deadline=None, derandomize=True, suppress_health_check=slow,
                               print_blob=True, phases=phases)
-    settings.register_profile("long", max_examples=1500, deadline=None, suppress_health_check=slow,
+    settings.register_profile("long", max_examples=3000, deadline=None, suppress_health_check=slow,
                               print_blob=True)
     settings.load_profile("ci")
 
