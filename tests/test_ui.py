@@ -227,3 +227,15 @@ def test_query_round_trips_through_its_url():
     query = EpisodeQuery(step=2, agent="solver", outcome="truncated", min_reward=0.5, sort="reward", desc=True, page=3)
     assert EpisodeQuery.from_params(query.params()) == query
     assert EpisodeQuery().params() == {}
+
+
+@pytest.mark.parametrize("command", [["drmas_graph.cli", "ui"], ["drmas_graph.ui"]])
+def test_both_command_lines_refuse_a_missing_run_folder_in_one_line(command, tmp_path):
+    """`drmas-graph ui` and `python -m drmas_graph.ui` share one command line (`cli/_ui.py`): exit 2, one line."""
+    import subprocess
+    import sys
+
+    missing = tmp_path / "no-run"
+    done = subprocess.run([sys.executable, "-m", *command, str(missing), "--port", "0"], capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 2 and done.stderr.strip() == f"drmas-graph: error: run folder {missing} does not exist"
