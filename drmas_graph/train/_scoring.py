@@ -14,7 +14,6 @@
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -115,27 +114,19 @@ def step_record(step: int, agents: Sequence[str], scored: Scored, counts: dict[s
     for agent in agents:
         rewards = [ep.rewards[agent] for ep in episodes if agent in ep.rewards]
         turns = [(ep, i) for ep in episodes for i, turn in enumerate(ep.turns) if turn.agent == agent]
-        served = [ep.turns[i] for ep, i in turns if ep.turns[i].trainable]  # the turns with an advantage
+        served = [(ep.turns[i], ep.advantages[i]) for ep, i in turns if ep.turns[i].trainable]  # have an advantage
         invalid = [sc.invalid[i] for _, ep, sc in scored for i, turn in enumerate(ep.turns) if turn.agent == agent]
         record[f"agent/{agent}/reward_mean"], record[f"agent/{agent}/reward_std"] = mean_std(rewards)
-        advs = [ep.advantages[i] for ep, i in turns if ep.turns[i].trainable]
-        record[f"agent/{agent}/advantage_mean"], record[f"agent/{agent}/advantage_std"] = population_mean_std(advs)
+        record[f"agent/{agent}/advantage_mean"], record[f"agent/{agent}/advantage_std"] = mean_std(
+            [adv for _, adv in served], ddof=0)
         record[f"agent/{agent}/calls"] = len(turns)
         record[f"agent/{agent}/invalid_rate"] = sum(invalid) / len(invalid) if invalid else 0.0
         record[f"agent/{agent}/response_length"] = (
-            sum(len(t.response_ids) for t in served) / len(served) if served else 0.0)
+            sum(len(t.response_ids) for t, _ in served) / len(served) if served else 0.0)
         if not turns:
             record[f"agent/{agent}/never_acted"] = 1
     record.update(update_metrics)
     return record
-
-
-def population_mean_std(values: list[float]) -> tuple[float, float]:
-    """Mean and population std (divided by n, not n - 1: the spread of the values themselves); NaN, 0 for none."""
-    if not values:
-        return math.nan, 0.0
-    mu = sum(values) / len(values)
-    return mu, math.sqrt(sum((v - mu) ** 2 for v in values) / len(values))
 
 
 def unfinished_metrics(agents: Sequence[str], episodes: Sequence[Episode]) -> dict[str, float]:

@@ -19,15 +19,16 @@ from typing import Any
 __all__ = ["RunLogger", "mean_std", "progress_status"]
 
 
-def mean_std(values: list[float]) -> tuple[float, float]:
-    """Mean and unbiased std (0 for fewer than two values); NaN mean for no values."""
+def mean_std(values: list[float], ddof: int = 1) -> tuple[float, float]:
+    """Mean and std with divisor n - ddof (1: unbiased; 0: the population std, the spread of the values
+    themselves); std 0 for fewer than two values, NaN mean for no values."""
     n = len(values)
     if n == 0:
         return math.nan, 0.0
     mu = sum(values) / n
     if n < 2:
         return mu, 0.0
-    return mu, math.sqrt(sum((v - mu) ** 2 for v in values) / (n - 1))
+    return mu, math.sqrt(sum((v - mu) ** 2 for v in values) / (n - ddof))
 
 
 def progress_status(agents: list[str], record: dict[str, Any]) -> str:
