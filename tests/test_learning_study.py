@@ -113,3 +113,15 @@ def test_runner_tiny_end_to_end(tmp_path):
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("learning study: ")]
     assert [ln.split(":")[1].strip() for ln in lines] == ["verified_math", "lookup"]
     assert all(ln.endswith("(1 seeds)") and " agent vs episode_global final reward " in ln for ln in lines)
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert saved["rollout"] == {"temperature": 0.6, "top_p": 0.95}  # amendment 1
+    # run order: seed, then app, then estimator; each run keeps its own folder
+    assert [(r["app"], r["estimator"]) for r in runs] == [
+        ("verified_math", "episode_global"), ("verified_math", "agent"), ("lookup", "episode_global"), ("lookup", "agent")]
+    assert (tmp_path / "runs/lookup-agent-s0/metrics.jsonl").exists()
+    # --resume with every run done runs nothing and keeps results.json as it was
+    again = subprocess.run([sys.executable, str(ROOT / "benchmarks/learning/run.py"), "--tiny", "--seeds", "0",
+                            "--out", str(tmp_path), "--resume"], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "--resume: all 4 runs are in" in again.stdout
+    assert json.loads((tmp_path / "results.json").read_text()) == saved

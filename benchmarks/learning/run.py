@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import math
 import os
 import statistics
@@ -69,6 +70,10 @@ APPS: dict[str, dict[str, Any]] = {
 FULL = {"seeds": [0, 1, 2, 3, 4], "steps": 16, "tasks_per_step": 4, "group_size": 8, "eval_k": 4, "eval_tasks": 24}
 QUICK = {"seeds": [0, 1], "steps": 2, "tasks_per_step": 2, "group_size": 4, "eval_k": 4, "eval_tasks": 4}
 TINY = {"seeds": [0, 1], "steps": 2, "tasks_per_step": 2, "group_size": 4, "eval_k": 4, "eval_tasks": 2}
+ROLLOUT = {"temperature": 0.6, "top_p": 0.95}
+"""Rollout sampling. Amendment 1 (before any comparison run; README.md): the pre-registration said temperature
+1.0; the `--quick` smoke run showed the untrained solver's replies 100% invalid at 1.0 (the difficulty was tuned
+at 0.6 / 0.95, the evaluation's sampling), so rollouts now sample as the tuning and the evaluation do."""
 UPDATE = {"lr": 1.0e-5, "grad_clip": 1.0, "n_minibatches": 2, "kl_coef": 0.001, "backend": "torch"}
 """Optimizer and loss, the same for every estimator. n_minibatches 2 makes the PPO ratio (and the clip
 fraction) non-trivial; kl_coef 0.001 (the reference code's value when its KL loss is on) makes the trainer
@@ -119,7 +124,7 @@ def make_config(app: str, estimator: str, seed: int, plan: dict[str, Any], run_d
     spec = APPS[app]
     models = {f"{a}_model": ({"tiny": {"seed": seed, "vocab_size": 512}} if tiny else {"path": "smollm2", "max_batch_size": 32})
               for a in spec["agents"]}
-    agents = {a: {"model": f"{a}_model", "sampling": {"temperature": 1.0, "max_new_tokens": n},
+    agents = {a: {"model": f"{a}_model", "sampling": {**ROLLOUT, "max_new_tokens": n},
                   "loss": {"micro_batch_size": 8}} for a, n in spec["agents"].items()}
     return TrainConfig.model_validate({
         "name": f"{app}-{estimator}-s{seed}", "run_dir": str(run_dir), "seed": seed,
@@ -331,6 +336,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, help="override the plan's steps (not for the pre-registered study)")
     p.add_argument("--out", type=Path, help="folder for results.json and the plots (default: this folder for the "
                                             "full study, a temporary folder otherwise)")
+    p.add_argument("--resume", action="store_true", help="keep the finished runs in OUT/results.json (same "
+                                                          "settings) and run only the missing ones")
     args = p.parse_args(argv)
     if args.tune:
         tune(args.apps, k=4, n_tasks=APPS[args.apps[0]]["env_kwargs"]["n_test"])
@@ -342,19 +349,33 @@ def main(argv: list[str] | None = None) -> int:
         plan["steps"] = args.steps
     out = args.out or (HERE if not (args.quick or args.tiny) else Path(tempfile.mkdtemp(prefix="learning-")))
     out.mkdir(parents=True, exist_ok=True)
+    results = out / "results.json"
     runs: list[dict[str, Any]] = []
-    with tempfile.TemporaryDirectory() as root:
-        for app in args.apps:
-            for seed in plan["seeds"]:  # estimators interleaved per seed: a stopped study still has pairs
-                for est in args.estimators:
-                    run = run_one(app, est, seed, plan, Path(root), tiny=args.tiny)
-                    runs.append(run)
-                    print(f"{app} {est} seed {seed}: {len(run['steps'])} steps in {run['wall_s']:.0f} s, final "
-                          f"avg@{run['eval'][-1]['k']} {run['eval'][-1]['avg@k']:.3f}", flush=True)
-                    (out / "results.json").write_text(json.dumps(
-                        {"plan": plan, "update": UPDATE, "apps": {a: {k: v for k, v in s.items() if k != "build" and k != "env"}
-                                                                  for a, s in APPS.items()},
-                         "runs": runs}, indent=1, default=str))
+    if args.resume and results.exists():
+        saved = json.loads(results.read_text())
+        if (saved.get("plan"), saved.get("update"), saved.get("rollout")) != (plan, UPDATE, ROLLOUT):
+            p.error(f"--resume: {results} was written with other settings (plan, update or rollout); "
+                    "use another --out or remove it")
+        runs = saved["runs"]
+    done = {(r["app"], r["estimator"], r["seed"]) for r in runs}
+    root = out / "runs"  # the runs' own folders (trace stores, metrics.jsonl), kept for the UI
+    # seed outermost, then app, then estimator: a stopped study has whole pairs of both apps
+    todo = [(app, est, seed) for seed in plan["seeds"] for app in args.apps for est in args.estimators
+            if (app, est, seed) not in done]
+    for app, est, seed in todo:
+        shutil.rmtree(root / f"{app}-{est}-s{seed}", ignore_errors=True)  # a run cut off before: start it again
+        run = run_one(app, est, seed, plan, root, tiny=args.tiny)
+        runs.append(run)
+        print(f"{app} {est} seed {seed}: {len(run['steps'])} steps in {run['wall_s']:.0f} s, final "
+              f"avg@{run['eval'][-1]['k']} {run['eval'][-1]['avg@k']:.3f}", flush=True)
+        tmp = results.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(
+            {"plan": plan, "update": UPDATE, "rollout": ROLLOUT,
+             "apps": {a: {k: v for k, v in s.items() if k not in ("build", "env")} for a, s in APPS.items()},
+             "runs": runs}, indent=1, default=str))
+        tmp.replace(results)  # a crash while writing keeps the previous file
+    if len(done) and not todo:
+        print(f"--resume: all {len(done)} runs are in {results}; nothing to run")
     print(table(runs, args.estimators))
     for path in plots(runs, out):
         print(f"plot: {path}")
