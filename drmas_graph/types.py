@@ -206,6 +206,10 @@ class Episode:
     schema); the episode is kept with `rollout.model_error_reward`. None otherwise."""
     model_error_turn: int | None = None
     """Position in `turns` of the turn whose output caused `model_error` (training counts it as invalid)."""
+    judgement: dict[str, Any] | None = None
+    """What a judge model made of the episode when its reward came from one (`drmas_graph.rewards.Judge`): the
+    mode, the judge's prompt, raw replies, parsed scores and reasons, attempts, tokens, whether it came from
+    the cache, and the error if the judge failed. None when no judge scored it."""
     segments: list[Segment] = field(default_factory=list)
     """Every run of the episode's thread, in order, when there was more than one or the last one stopped at
     an interrupt; empty for an episode that ran once to the end."""
