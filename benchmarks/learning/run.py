@@ -365,6 +365,7 @@ def main(argv: list[str] | None = None) -> int:
     for app, est, seed in todo:
         shutil.rmtree(root / f"{app}-{est}-s{seed}", ignore_errors=True)  # a run cut off before: start it again
         run = run_one(app, est, seed, plan, root, tiny=args.tiny)
+        shutil.rmtree(root / f"{app}-{est}-s{seed}" / "checkpoints", ignore_errors=True)  # ~3 GB a run; not kept
         runs.append(run)
         print(f"{app} {est} seed {seed}: {len(run['steps'])} steps in {run['wall_s']:.0f} s, final "
               f"avg@{run['eval'][-1]['k']} {run['eval'][-1]['avg@k']:.3f}", flush=True)
