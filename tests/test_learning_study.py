@@ -125,3 +125,33 @@ def test_runner_tiny_end_to_end(tmp_path):
     assert again.returncode == 0, again.stderr[-3000:]
     assert "--resume: all 4 runs are in" in again.stdout
     assert json.loads((tmp_path / "results.json").read_text()) == saved
+
+
+def _fake_run(app: str, estimator: str, seed: int, avg: float, tnr: float, adv_sq: float) -> dict:
+    agents = {"verified_math": ("solver", "verifier"), "lookup": ("caller", "answerer")}[app]
+    rates = {"eval verifier_tnr": tnr} if app == "verified_math" else {"eval tool_call_rate": tnr}
+    step = {"team_reward": avg, "agents": {a: {"reward": avg, "grad_norm": 1.0, "adv_sq": adv_sq} for a in agents}}
+    return {"app": app, "estimator": estimator, "seed": seed, "steps": [step] * 4,
+            "eval": [{"avg@k": avg, "pass@k": avg, "rates": {k.split(" ", 1)[1]: v for k, v in rates.items()}}]}
+
+
+def test_hypothesis_verdicts_follow_the_preregistered_rule():
+    """d = agent - episode_global per seed; 95% t interval (df = n - 1): supported when it excludes 0 in the
+    stated direction, contradicted the other way, otherwise not resolved."""
+    sys.path.insert(0, str(ROOT / "benchmarks/learning"))
+    import run as study
+
+    runs = []
+    for s, d in enumerate([0.10, 0.12, 0.14]):  # math avg@4: d mean 0.12, sd 0.02, t(2) = 4.303: [0.070, 0.170]
+        runs.append(_fake_run("verified_math", "episode_global", s, 0.5, 0.3, 1.0))
+        runs.append(_fake_run("verified_math", "agent", s, 0.5 + d, 0.3 - d, 1.0))  # TNR falls: H1 contradicted
+        runs.append(_fake_run("lookup", "episode_global", s, 0.4, 0.5, 1.0))
+        runs.append(_fake_run("lookup", "agent", s, 0.4 + (-1) ** s * 0.1, 0.5, 1.0 - d))  # +-0.1: not resolved
+    lines = {ln.split(": d = ")[0].removeprefix("hypothesis: "): ln for ln in study.hypothesis_lines(runs)}
+    assert lines["H2 math (final held-out avg@k) [verified_math]"].endswith(
+        "d = 0.120 [0.070, 0.170] over 3 pairs: supported")
+    assert lines["H1 verifier catches errors (final held-out TNR) [verified_math]"].endswith(
+        "d = -0.120 [-0.170, -0.070] over 3 pairs: contradicted")
+    assert lines["H3 lookup (final held-out avg@k) [lookup]"].endswith("over 3 pairs: not resolved")
+    assert lines["H5 stability: max per-agent E[A^2] [lookup]"].endswith(
+        "d = -0.120 [-0.170, -0.070] over 3 pairs: supported")

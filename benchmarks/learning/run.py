@@ -257,6 +257,40 @@ def verdict_lines(runs: list[dict[str, Any]]) -> list[str]:
     return out
 
 
+HYPOTHESES = [  # (name, app, metric of run_metrics, direction in which it supports the hypothesis)
+    ("H1 verifier catches errors (final held-out TNR)", "verified_math", "eval verifier_tnr", +1),
+    ("H2 math (final held-out avg@k)", "verified_math", "avg@k", +1),
+    ("H3 lookup (final held-out avg@k)", "lookup", "avg@k", +1),
+    ("H4 tool use (final held-out tool-call rate)", "lookup", "eval tool_call_rate", +1),
+    ("H5 stability: max per-agent E[A^2]", "verified_math", "max E[A^2]", -1),
+    ("H5 stability: max per-agent E[A^2]", "lookup", "max E[A^2]", -1),
+    ("H5 stability: grad-norm spikes (not higher)", "verified_math", "spikes", -1),
+    ("H5 stability: grad-norm spikes (not higher)", "lookup", "spikes", -1),
+]
+"""The pre-registered hypotheses as (metric, direction): d = agent - episode_global, paired by seed."""
+
+
+def hypothesis_lines(runs: list[dict[str, Any]]) -> list[str]:
+    """Each hypothesis's verdict by the pre-registered rule: supported when the 95% t interval of the paired
+    difference excludes 0 in the stated direction, contradicted when it excludes 0 the other way, else not
+    resolved. (H5's spikes clause says "not higher": an interval below 0 or containing 0 does not contradict it.)"""
+    out = []
+    for name, app, metric, sign in HYPOTHESES:
+        by = {(r["estimator"], r["seed"]): run_metrics(r)[metric] for r in runs if r["app"] == app}
+        d = [by[("agent", s)] - by[("episode_global", s)] for e, s in by if e == "agent" and ("episode_global", s) in by]
+        m, lo, hi = t_interval(d)
+        if math.isnan(lo):
+            verdict = "not resolved (fewer than 2 pairs)"
+        elif (lo > 0 and sign > 0) or (hi < 0 and sign < 0):
+            verdict = "supported"
+        elif (hi < 0 and sign > 0) or (lo > 0 and sign < 0):
+            verdict = "contradicted"
+        else:
+            verdict = "not resolved"
+        out.append(f"hypothesis: {name} [{app}]: d = {_fmt((m, lo, hi))} over {len(d)} pairs: {verdict}")
+    return out
+
+
 # -- plots ------------------------------------------------------------------------------------------------
 def plots(runs: list[dict[str, Any]], out: Path) -> list[Path]:
     import matplotlib
@@ -336,6 +370,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, help="override the plan's steps (not for the pre-registered study)")
     p.add_argument("--out", type=Path, help="folder for results.json and the plots (default: this folder for the "
                                             "full study, a temporary folder otherwise)")
+    p.add_argument("--report", action="store_true", help="only print the table, verdicts and plots of OUT/results.json "
+                                                          "(with --resume: a study still running or stopped)")
     p.add_argument("--resume", action="store_true", help="keep the finished runs in OUT/results.json (same "
                                                           "settings) and run only the missing ones")
     args = p.parse_args(argv)
@@ -351,17 +387,19 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     results = out / "results.json"
     runs: list[dict[str, Any]] = []
-    if args.resume and results.exists():
+    if args.report and not results.exists():
+        p.error(f"--report: no {results}")
+    if (args.resume or args.report) and results.exists():
         saved = json.loads(results.read_text())
         if (saved.get("plan"), saved.get("update"), saved.get("rollout")) != (plan, UPDATE, ROLLOUT):
-            p.error(f"--resume: {results} was written with other settings (plan, update or rollout); "
+            p.error(f"--resume/--report: {results} was written with other settings (plan, update or rollout); "
                     "use another --out or remove it")
         runs = saved["runs"]
     done = {(r["app"], r["estimator"], r["seed"]) for r in runs}
     root = out / "runs"  # the runs' own folders (trace stores, metrics.jsonl), kept for the UI
     # seed outermost, then app, then estimator: a stopped study has whole pairs of both apps
     todo = [(app, est, seed) for seed in plan["seeds"] for app in args.apps for est in args.estimators
-            if (app, est, seed) not in done]
+            if (app, est, seed) not in done and not args.report]
     for app, est, seed in todo:
         shutil.rmtree(root / f"{app}-{est}-s{seed}", ignore_errors=True)  # a run cut off before: start it again
         run = run_one(app, est, seed, plan, root, tiny=args.tiny)
@@ -375,13 +413,13 @@ def main(argv: list[str] | None = None) -> int:
              "apps": {a: {k: v for k, v in s.items() if k not in ("build", "env")} for a, s in APPS.items()},
              "runs": runs}, indent=1, default=str))
         tmp.replace(results)  # a crash while writing keeps the previous file
-    if len(done) and not todo:
+    if len(done) and not todo and not args.report:
         print(f"--resume: all {len(done)} runs are in {results}; nothing to run")
     print(table(runs, args.estimators))
     for path in plots(runs, out):
         print(f"plot: {path}")
     print(f"results: {out / 'results.json'}")
-    for line in verdict_lines(runs):
+    for line in verdict_lines(runs) + hypothesis_lines(runs):
         print(line)
     return 0
 
