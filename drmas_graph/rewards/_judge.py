@@ -5,8 +5,8 @@ a task side by side, scored relative to each other) or each agent of an episode 
 structured output (`with_structured_output(schema, method="json_schema", include_raw=True)`) where the model
 has it, else for the JSON in the text; either way the raw reply is parsed and validated here. An unusable
 reply (not the JSON, a score outside [0, 1], the wrong attempts or agents), an exception or a timeout is
-retried up to `max_retries` times (a retry after an unusable reply shows the model its reply and what was
-wrong), then the unit's episodes get a Judgement with an error: never a silent 0.
+retried up to `max_retries` times (a retry after an unusable reply shows the model that reply and what was
+wrong with it), then the unit's episodes get a Judgement with an error: never a silent 0.
 
 The calls run outside every instrumented run (`app_models()`), so they are never turns of an episode, at
 most `max_concurrency` at once across threads; a call past `timeout_s` is abandoned (its attempt fails, and
@@ -194,7 +194,8 @@ class Judge:
 
     def _ask(self, prompt: list[dict[str, str]], schema: Any, agents: Sequence[str]) -> dict[str, Any]:
         """Call the model until a reply parses (at most 1 + max_retries calls); the result (JSON-able)."""
-        messages: list[Any] = [SystemMessage(prompt[0]["content"]), HumanMessage(prompt[1]["content"])]
+        base: list[Any] = [SystemMessage(prompt[0]["content"]), HumanMessage(prompt[1]["content"])]
+        messages = base
         replies: list[str] = []
         errors: list[str] = []
         tokens = [0, 0]
@@ -220,7 +221,7 @@ class Judge:
             except ReplyError as exc:
                 errors.append(f"attempt {attempt}: {exc}")
                 self._counters.add(failed_calls=1)
-                messages = [*messages, AIMessage(text), HumanMessage(f"That reply cannot be used: {exc}. Reply "
+                messages = [*base, AIMessage(text), HumanMessage(f"That reply cannot be used: {exc}. Reply "
                                                                      "again with only the JSON object.")]
                 continue
             return _result(items, replies, attempt, tokens, time.monotonic() - start, [])
