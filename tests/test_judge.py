@@ -14,6 +14,7 @@ import pytest
 from langchain_core.language_models.chat_models import BaseChatModel
 from langchain_core.messages import AIMessage
 from langchain_core.outputs import ChatGeneration, ChatResult
+from langchain_core.utils.function_calling import convert_to_openai_tool
 from pydantic import ConfigDict
 
 from drmas_graph.env import Task, score_episode
@@ -177,8 +178,9 @@ def test_unusable_replies_are_retried_with_what_was_wrong():
     assert second[3] == ("human", "That reply cannot be used: the reply is not a JSON object: 'I think it is good'. "
                                   "Reply again with only the JSON object.")
     third = model.log.calls[2]["messages"]
-    assert third[:2] == second[:2] and third[3][1].startswith("That reply cannot be used: the reply does not match the format asked for "
-                                  "(score: Input should be less than or equal to 1)")
+    assert third[:2] == second[:2] and third[3][1].startswith(
+        "That reply cannot be used: the reply does not match the format asked for (score: Input should be less than "
+        "or equal to 1)")
     assert model.log.calls[3]["messages"] == third  # a raising call is retried with the same prompt
     metrics = judge.reward_metrics()
     assert (metrics["judge/calls"], metrics["judge/retries"], metrics["judge/failed_calls"]) == (4, 3, 3)
@@ -422,8 +424,41 @@ def test_embedded_judge_is_a_greedy_policy_with_structured_output():
     assert type(model).__name__ == "PolicyChatModel" and model.temperature == 0.0
     judge = Judge(model, RUBRIC, mode="episode", max_retries=1, max_tokens=8)
     assert judge.structured and judge.name == 'judge:tiny{"seed": 0}'
+    assert judge.settings == {"temperature": 0.0, "seed": 0, "max_tokens": 8}  # PolicyChatModel's fields
     judgement = judge.judge_episode(TASK, episode("5", id="e1"))
     # random weights: the reply is not the JSON (8 tokens), so the judge fails, with the replies kept
     assert judgement.reward is None and "after 2 call(s)" in judgement.error
     assert len(judgement.record["replies"]) == 2
     assert judgement.record["output_tokens"] == 16 and judgement.record["input_tokens"] > 100
+
+
+class ToolScriptedJudge(ScriptedJudge):
+    """A scripted judge with tool binding, so LangChain's `with_structured_output` forces a tool call: its
+    scripted JSON comes back as the call's arguments."""
+
+    def bind_tools(self, tools, **kwargs):
+        return self.bind(tools=[convert_to_openai_tool(t) for t in tools], **kwargs)
+
+    def _generate(self, messages, stop=None, run_manager=None, **kwargs) -> ChatResult:
+        self.log.calls.append({"bound": {k: kwargs[k] for k in ("tool_choice",) if k in kwargs},
+                               "tool": kwargs["tools"][0]["function"]["name"]})
+        text = self.replies.pop(0)
+        call = {"name": "Verdict", "args": json.loads(text), "id": "c1", "type": "tool_call"}
+        return ChatResult(generations=[ChatGeneration(message=AIMessage("", tool_calls=[call]))])
+
+
+def test_structured_output_through_a_forced_tool_call_keeps_the_raw_arguments():
+    model = ToolScriptedJudge(replies=['{"reason": "too much", "score": 2}', '{"reason": "ok", "score": 0.5}'],
+                              log=Log())
+    judge = Judge(model, RUBRIC, mode="episode")
+    judgement = judge.judge_episode(TASK, episode("5", id="e1"))
+    assert judge.structured and judgement.reward == 0.5
+    assert judgement.record["replies"] == ['{"reason": "too much", "score": 2}', '{"reason": "ok", "score": 0.5}']
+    assert model.log.calls[0] == {"bound": {"tool_choice": "any"}, "tool": "Verdict"}
+
+
+def test_control_characters_inside_a_reply_string_are_tolerated():
+    # what vLLM's guided decoding let a random model write (tests/test_judge_vllm.py): a raw newline in a string
+    judge = Judge(scripted('{"reason": "line one\nline two\t.", "score": 0.5}'), RUBRIC, mode="episode")
+    judgement = judge.judge_episode(TASK, episode("5", id="e1"))
+    assert judgement.reward == 0.5 and judgement.record["reasons"] == "line one\nline two\t."

@@ -4,6 +4,10 @@
 `reward_metrics`); `JudgedEnv(env, judge)` gives an environment the judge's rewards; `judge_model(spec)` builds
 the judge's chat model from a config spec. Every judged episode keeps the judge's prompt, raw replies, scores
 and reasons in `Episode.judgement`.
+
+May import: the shared modules, `instrumentation` (judge calls run outside every instrumented run; an embedded
+judge answers through `PolicyChatModel`) and `train` (an embedded judge's policy is built from a ModelConfig
+the way training builds one). The trainer never imports this package: it calls the environment protocol.
 """
 
 from drmas_graph.errors import JudgeError

@@ -1,5 +1,6 @@
-"""The judge's cache: results of judge calls by key (a sha256 of the model name, mode and rendered prompt), in
-memory, and in an SQLite file when a path is given, so a resumed run (or a rescore) pays nothing twice.
+"""The judge's cache: results of judge calls by key (a sha256 of the model name, mode, settings and rendered
+prompt: the rubric and the trajectories), in memory, and in an SQLite file when a path is given, so a resumed
+run (or a rescore) pays nothing twice.
 
 Only usable results are cached: a failed call is retried by the next run. Each read and write opens its own
 connection, so threads and processes may share one file (SQLite serialises the writers).

@@ -32,7 +32,8 @@ from drmas_graph.instrumentation._intercept import app_models
 from drmas_graph.rewards._cache import JudgeCache, cache_key
 from drmas_graph.rewards._models import model_name
 from drmas_graph.rewards._render import MODES, build_prompt
-from drmas_graph.rewards._schema import ReplyError, Verdict, clip_reply, parse_reply, reply_text, schema_for
+from drmas_graph.rewards._schema import (ReplyError, Verdict, clip_reply, json_schema, parse_reply, reply_text,
+                                         schema_for)
 from drmas_graph.types import Episode
 
 __all__ = ["Judge", "Judgement", "JudgedEnv", "METRIC_KEYS"]
@@ -43,7 +44,9 @@ METRIC_KEYS = ("judge/calls", "judge/retries", "judge/failed_calls", "judge/cach
 reply (unparsable, out of range, exception, timeout), units answered from the cache, the tokens of the calls
 (the model's `usage_metadata`; cache hits cost none), and the seconds spent waiting for calls."""
 
-_SETTING_FIELDS = {"temperature": ("temperature",), "seed": ("seed",), "max_tokens": ("max_tokens", "max_output_tokens")}
+_SETTING_FIELDS = {"temperature": ("temperature",), "seed": ("seed",),
+                   "max_tokens": ("max_tokens", "max_output_tokens")}
+"""Judge setting -> the chat-model fields that take it (the first one the model's class declares)."""
 
 
 @dataclass(frozen=True)
@@ -95,7 +98,7 @@ def _has_structured_output(model: Any) -> bool:
     """Whether `model.with_structured_output(..., method="json_schema", include_raw=True)` works (LangChain's
     base class raises NotImplementedError for models without tool binding)."""
     try:
-        model.with_structured_output(Verdict, method="json_schema", include_raw=True)
+        model.with_structured_output(json_schema(Verdict), method="json_schema", include_raw=True)
     except NotImplementedError:
         return False
     return True
@@ -181,7 +184,7 @@ class Judge:
         if self.mode == "agent" and not agents:
             result = _result(None, [], 0, [0, 0], 0.0, ["the episode made no LLM call, so it has no agent to score"])
             return [self._judgement(task, episodes, 0, prompt, result, cached=False)]
-        key = cache_key(self.name, self.mode, prompt)
+        key = cache_key(self.name, self.mode, self.settings, prompt)  # the prompt holds the rubric and trajectories
         result = self._cache.get(key)
         cached = result is not None
         if cached:
@@ -230,7 +233,7 @@ class Judge:
     def _call(self, messages: list[Any], schema: Any) -> Any:
         """One model call in its own thread, outside every instrumented run, holding a concurrency slot until
         it returns; the reply message. `_CallFailed` when it raises or takes longer than timeout_s."""
-        runnable = (self.model.with_structured_output(schema, method="json_schema", include_raw=True)
+        runnable = (self.model.with_structured_output(json_schema(schema), method="json_schema", include_raw=True)
                     if self.structured else self.model)
         box: dict[str, Any] = {}
         done = threading.Event()

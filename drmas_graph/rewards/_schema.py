@@ -14,12 +14,11 @@ import re
 from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
-from langchain_core.messages import AIMessage
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
 from drmas_graph._chat import _text
 
-__all__ = ["ReplyError", "Verdict", "schema_for", "reply_text", "parse_reply"]
+__all__ = ["ReplyError", "Verdict", "schema_for", "json_schema", "reply_text", "parse_reply"]
 
 REASON_CHARS = 600
 """Longest reason accepted (a bound in the schema, so guided decoding of a rambling model ends)."""
@@ -63,14 +62,20 @@ def schema_for(mode: str, n: int, agents: Sequence[str] = ()) -> type[BaseModel]
     return Verdict
 
 
+def json_schema(schema: type[BaseModel]) -> dict[str, Any]:
+    """The reply format as a JSON schema dict: what `with_structured_output` is given, rather than the pydantic
+    class, so that the model's reply comes back as raw text even when it does not validate (OpenAI's SDK
+    parses a class's reply inside the call and raises, losing the text); `parse_reply` validates it."""
+    return schema.model_json_schema()
+
+
 def reply_text(message: Any) -> str:
     """The raw text of a judge's reply: its content, or the arguments of its tool call (models whose structured
     output is a forced tool call)."""
-    if not isinstance(message, AIMessage):
-        return _text(getattr(message, "content", message)) if not isinstance(message, str) else message
-    text = _text(message.content)
-    if not text.strip() and message.tool_calls:
-        return json.dumps(message.tool_calls[0].get("args", {}), ensure_ascii=False)
+    text = _text(getattr(message, "content", ""))
+    calls = getattr(message, "tool_calls", None)
+    if not text.strip() and calls:
+        return json.dumps(calls[0].get("args", {}), ensure_ascii=False)
     return text
 
 
@@ -86,7 +91,7 @@ def _json_object(text: str) -> dict:
         candidates.append(text[text.index("{"): text.rindex("}") + 1])
     for candidate in candidates:
         try:
-            value = json.loads(candidate)
+            value = json.loads(candidate, strict=False)  # control characters inside strings are tolerated
         except ValueError:
             continue
         if isinstance(value, dict):
