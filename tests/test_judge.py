@@ -233,7 +233,7 @@ def test_at_most_max_concurrency_calls_at_once_across_threads():
 
 
 def test_sqlite_cache_makes_a_resumed_run_pay_nothing(tmp_path):
-    reply = '{"scores": [{"attempt": 1, "reason": "a", "score": 1}, {"attempt": 2, "reason": "b", "score": 0}]}'
+    reply = '{"attempt_1": {"reason": "a", "score": 1}, "attempt_2": {"reason": "b", "score": 0}}'
     group = [episode("5", id="e1"), episode("6", id="e2")]
     first = Judge(scripted(reply), RUBRIC, cache=tmp_path / "judge.db")
     assert first.reward_group(TASK, group) == [1.0, 0.0]
@@ -261,9 +261,9 @@ def test_a_corrupt_cache_file_is_a_clear_error(tmp_path):
 
 
 def test_group_mode_one_call_scores_mapped_back_and_wrong_count_retried():
-    two = '{"scores": [{"attempt": 1, "reason": "a", "score": 1}, {"attempt": 2, "reason": "b", "score": 0}]}'
-    three = ('{"scores": [{"attempt": 2, "reason": "wrong", "score": 0.1}, {"attempt": 3, "reason": "best", '
-             '"score": 0.9}, {"attempt": 1, "reason": "close", "score": 0.6}]}')
+    two = '{"attempt_1": {"reason": "a", "score": 1}, "attempt_2": {"reason": "b", "score": 0}}'
+    three = ('{"attempt_2": {"reason": "wrong", "score": 0.1}, "attempt_3": {"reason": "best", "score": 0.9}, '
+             '"attempt_1": {"reason": "close", "score": 0.6}}')
     model = scripted(two, three)
     judge = Judge(model, RUBRIC)
     group = [episode("5", id="e1", verdict="yes"), episode("7", id="e2", verdict="no"),
@@ -285,26 +285,26 @@ def test_group_mode_one_call_scores_mapped_back_and_wrong_count_retried():
     system = first["messages"][0][1]
     assert "You see the task and 3 attempts at it, numbered 1 to 3" in system
     assert "the best attempt gets the highest score" in system
-    assert system.endswith('{"scores": [{"attempt": 1, "reason": "<one sentence>", "score": <a number from 0 to 1>}, '
-                           '...]} with one entry for each attempt, 1 to 3')
-    assert "scores: List should have at least 3 items" in second["messages"][3][1]
+    assert system.endswith('{"attempt_1": {"reason": "<one sentence>", "score": <a number from 0 to 1>}, ...} with '
+                           "one entry for each attempt, attempt_1 to attempt_3")
+    assert "(attempt_3: Field required)" in second["messages"][3][1]  # two scores for three attempts
     assert judgements[0].record["prompt"] == [{"role": r, "content": c} for r, c in
                                               zip(("system", "user"), (system, first["messages"][1][1]))]
 
 
-def test_group_reply_must_score_each_attempt_once():
-    dup = '{"scores": [{"attempt": 1, "reason": "a", "score": 1}, {"attempt": 1, "reason": "b", "score": 0}]}'
-    judge = Judge(scripted(dup), RUBRIC, max_retries=0)
+def test_group_reply_with_an_extra_attempt_fails_every_episode_of_the_group():
+    extra = ('{"attempt_1": {"reason": "a", "score": 1}, "attempt_2": {"reason": "b", "score": 0}, '
+             '"attempt_3": {"reason": "c", "score": 0}}')
+    judge = Judge(scripted(extra), RUBRIC, max_retries=0)
     results = judge.reward_group(TASK, [episode("5", id="e1"), episode("6", id="e2")])
     assert all(isinstance(r, JudgeError) for r in results)
-    assert "the reply must score each attempt of [1, 2] once, but it scores [1, 1]" in str(results[1])
+    assert "(attempt_3: Extra inputs are not permitted)" in str(results[1])
     assert "episode e2 (task 't1', attempt 2 of a group of 2)" in str(results[1])
 
 
 def test_agent_mode_scores_each_agent_of_the_episode():
-    missing = '{"scores": [{"agent": "solver", "reason": "right", "score": 1}]}'
-    both = ('{"scores": [{"agent": "verifier", "reason": "too vague", "score": 0.25}, '
-            '{"agent": "solver", "reason": "right", "score": 1}]}')
+    missing = '{"solver": {"reason": "right", "score": 1}}'
+    both = '{"verifier": {"reason": "too vague", "score": 0.25}, "solver": {"reason": "right", "score": 1}}'
     model = scripted(missing, both)
     judge = Judge(model, RUBRIC, mode="agent")
     env = JudgedEnv(_Env(), judge)
@@ -317,18 +317,17 @@ def test_agent_mode_scores_each_agent_of_the_episode():
     assert first[1][1] == USER_EPISODE + "\n\nAgents to score: solver, verifier"
     assert "Score each agent from 0 (useless) to 1 (perfect), judging the agent on its own replies" in first[0][1]
     assert first[0][1].endswith("with one entry for each agent: solver, verifier")
-    assert "scores: List should have at least 2 items" in model.log.calls[1]["messages"][3][1]
+    assert "(verifier: Field required)" in model.log.calls[1]["messages"][3][1]
     model.replies.append(both)  # the per-agent dict is the reward the trainer already takes
     score = score_episode(env, TASK, episode("5", id="e2"), invalid_penalty=0.1)
     assert score.rewards == {"solver": 1.0, "verifier": 0.25} and score.team == 0.625
 
 
 def test_agent_mode_unknown_agent_is_retried_and_no_agent_is_an_error():
-    wrong = ('{"scores": [{"agent": "planner", "reason": "x", "score": 1}, '
-             '{"agent": "solver", "reason": "y", "score": 1}]}')
+    wrong = '{"planner": {"reason": "x", "score": 1}, "solver": {"reason": "y", "score": 1}}'
     judge = Judge(scripted(wrong), RUBRIC, mode="agent", max_retries=0)
     bad = judge.judge_episode(TASK, episode("5", id="e1"))
-    assert "scores.0.agent: Input should be 'solver' or 'verifier'" in bad.error
+    assert "(verifier: Field required; planner: Extra inputs are not permitted)" in bad.error
     empty = judge.judge_episode(TASK, Episode(id="e0", input=TASK.input))
     assert empty.reward is None and "the episode made no LLM call, so it has no agent to score" in empty.error
     assert empty.record["attempts"] == 0

@@ -190,12 +190,12 @@ class Judge:
         if cached:
             self._counters.add(cache_hits=1)
         else:
-            result = self._ask(prompt, schema_for(self.mode, len(episodes), agents), agents)
+            result = self._ask(prompt, schema_for(self.mode, len(episodes), agents))
             if result["error"] is None:
                 self._cache.put(key, result)
         return [self._judgement(task, episodes, i, prompt, result, cached) for i in range(len(episodes))]
 
-    def _ask(self, prompt: list[dict[str, str]], schema: Any, agents: Sequence[str]) -> dict[str, Any]:
+    def _ask(self, prompt: list[dict[str, str]], schema: Any) -> dict[str, Any]:
         """Call the model until a reply parses (at most 1 + max_retries calls); the result (JSON-able)."""
         base: list[Any] = [SystemMessage(prompt[0]["content"]), HumanMessage(prompt[1]["content"])]
         messages = base
@@ -220,7 +220,7 @@ class Judge:
             text = reply_text(message)
             replies.append(text)
             try:
-                items = parse_reply(text, schema, self.mode, agents)
+                items = parse_reply(text, schema)
             except ReplyError as exc:
                 errors.append(f"attempt {attempt}: {exc}")
                 self._counters.add(failed_calls=1)

@@ -44,10 +44,10 @@ _TASKS = {
 }
 _FORMATS = {
     "episode": '{{"reason": "<one sentence>", "score": <a number from 0 to 1>}}',
-    "group": '{{"scores": [{{"attempt": 1, "reason": "<one sentence>", "score": <a number from 0 to 1>}}, ...]}} '
-             "with one entry for each attempt, 1 to {n}",
-    "agent": '{{"scores": [{{"agent": "<agent name>", "reason": "<one sentence>", "score": <a number from 0 to 1>}}, '
-             "...]}} with one entry for each agent: {agents}",
+    "group": '{{"attempt_1": {{"reason": "<one sentence>", "score": <a number from 0 to 1>}}, ...}} with one entry '
+             "for each attempt, attempt_1 to attempt_{n}",
+    "agent": '{{"<agent name>": {{"reason": "<one sentence>", "score": <a number from 0 to 1>}}, ...}} with one '
+             "entry for each agent: {agents}",
 }
 
 

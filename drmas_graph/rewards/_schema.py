@@ -1,9 +1,10 @@
 """The judge's reply format: pydantic models (their JSON schema is what structured output enforces), and the
 parsing of a raw reply into (score, reason) pairs, one per judged item.
 
-Items: the one episode (mode episode), the G attempts of a group in order (mode group), the agents of an
-episode in the order given (mode agent). A reply that is not JSON, does not validate (a score outside [0, 1],
-the wrong number of attempts) or names an attempt/agent twice raises `ReplyError`, which the judge retries.
+Items: the one episode (mode episode), the G attempts of a group in order (mode group: keys 'attempt_1' ...
+'attempt_G'), the agents of an episode in the order given (mode agent: keys the agents' names); each item a
+{"reason", "score"} object. A reply that is not JSON or does not validate (a score outside [0, 1], an attempt
+or agent missing, an unknown key) raises `ReplyError`, which the judge retries.
 """
 
 from __future__ import annotations
@@ -12,13 +13,13 @@ import functools
 import json
 import re
 from collections.abc import Sequence
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
 from drmas_graph._chat import _text
 
-__all__ = ["ReplyError", "Verdict", "schema_for", "json_schema", "reply_text", "parse_reply"]
+__all__ = ["ReplyError", "Verdict", "schema_for", "group_keys", "json_schema", "reply_text", "parse_reply"]
 
 REASON_CHARS = 600
 """Longest reason accepted (a bound in the schema, so guided decoding of a rambling model ends)."""
@@ -32,29 +33,38 @@ class ReplyError(ValueError):
 
 
 class Verdict(BaseModel):
-    """Mode episode: the episode's score and why."""
+    """One score and why: of an episode, of an attempt of a group, of an agent."""
 
     model_config = ConfigDict(extra="ignore")
     reason: Reason
     score: Score
 
 
+def _keyed_schema(name: str, keys: Sequence[str]) -> type[BaseModel]:
+    """An object with one required `Verdict` per key, in order, and no other key: guided decoding (and any
+    structured-output backend) then writes each attempt/agent exactly once."""
+    fields: dict[str, Any] = {f"k{i}": (Verdict, Field(alias=key)) for i, key in enumerate(keys)}
+    return create_model(name, __config__=ConfigDict(extra="forbid"), **fields)
+
+
 @functools.lru_cache(maxsize=64)
 def _group_schema(n: int) -> type[BaseModel]:
-    item = create_model("AttemptVerdict", attempt=(Annotated[int, Field(ge=1, le=n)], ...), reason=(Reason, ...),
-                        score=(Score, ...))
-    return create_model("GroupVerdict", scores=(Annotated[list[item], Field(min_length=n, max_length=n)], ...))
+    return _keyed_schema("GroupVerdict", group_keys(n))
 
 
 @functools.lru_cache(maxsize=64)
 def _agent_schema(agents: tuple[str, ...]) -> type[BaseModel]:
-    item = create_model("AgentVerdict", agent=(Literal[agents], ...), reason=(Reason, ...), score=(Score, ...))
-    n = len(agents)
-    return create_model("AgentVerdicts", scores=(Annotated[list[item], Field(min_length=n, max_length=n)], ...))
+    return _keyed_schema("AgentVerdicts", agents)
+
+
+def group_keys(n: int) -> list[str]:
+    """The reply's keys in group mode: 'attempt_1' ... 'attempt_n'."""
+    return [f"attempt_{i}" for i in range(1, n + 1)]
 
 
 def schema_for(mode: str, n: int, agents: Sequence[str] = ()) -> type[BaseModel]:
-    """The pydantic model of a reply: `Verdict` (episode), G attempts (group, n = G), one entry per agent."""
+    """The pydantic model of a reply: `Verdict` (episode); {"attempt_1": Verdict, ...} for the n attempts of a
+    group; {agent: Verdict} for the agents of an episode."""
     if mode == "group":
         return _group_schema(n)
     if mode == "agent":
@@ -103,8 +113,7 @@ def clip_reply(text: str, limit: int = 300) -> str:
     return text if len(text) <= limit else text[:limit] + f"... ({len(text)} characters)"
 
 
-def parse_reply(text: str, schema: type[BaseModel], mode: str, agents: Sequence[str] = ()
-                ) -> list[tuple[float, str]]:
+def parse_reply(text: str, schema: type[BaseModel]) -> list[tuple[float, str]]:
     """(score, reason) per judged item, in the items' order; `ReplyError` saying what is wrong otherwise."""
     obj = _json_object(text)
     try:
@@ -112,13 +121,7 @@ def parse_reply(text: str, schema: type[BaseModel], mode: str, agents: Sequence[
     except ValidationError as exc:
         problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'reply'}: {e['msg']}" for e in exc.errors()[:5])
         raise ReplyError(f"the reply does not match the format asked for ({problems}): {clip_reply(text)!r}") from None
-    if mode == "episode":
+    if isinstance(reply, Verdict):
         return [(float(reply.score), reply.reason)]
-    keys = [item.attempt for item in reply.scores] if mode == "group" else [item.agent for item in reply.scores]
-    wanted = list(range(1, len(reply.scores) + 1)) if mode == "group" else list(agents)
-    if sorted(map(str, keys)) != sorted(map(str, wanted)):
-        what = "attempt" if mode == "group" else "agent"
-        raise ReplyError(f"the reply must score each {what} of {wanted} once, but it scores {keys}: "
-                         f"{clip_reply(text)!r}")
-    by_key = {item.attempt if mode == "group" else item.agent: item for item in reply.scores}
-    return [(float(by_key[k].score), by_key[k].reason) for k in wanted]
+    verdicts = [getattr(reply, name) for name in type(reply).model_fields]  # in the keys' order
+    return [(float(v.score), v.reason) for v in verdicts]
