@@ -59,7 +59,9 @@ class Judgement:
     """Why the judge gave no usable score (the attempts' errors and the last raw reply); None when scored."""
     record: dict[str, Any]
     """JSON-able audit record, stored as `Episode.judgement`: mode, model, rubric_sha, prompt, replies, scores,
-    reasons, attempts, input_tokens, output_tokens, cached, seconds, group_size, index, error."""
+    reasons, attempts, input_tokens, output_tokens, cached, seconds, group_size, index, error. In group mode the
+    prompt and replies are the group's; group_size and index (the episode's position) are None in the other
+    modes. A cache hit has the original call's replies, tokens and seconds, and cached true."""
 
 
 class _CallFailed(Exception):
