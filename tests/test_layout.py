@@ -30,7 +30,8 @@ LAYERS = {  # layer -> the layers it may import (besides itself and the shared m
     "traces": {"instrumentation"},
     "train": {"instrumentation", "engine", "served", "traces"},
     "ui": {"instrumentation", "traces"},
-    "cli": {"instrumentation", "engine", "served", "traces", "train", "ui"},
+    "rewards": {"instrumentation", "train"},
+    "cli": {"instrumentation", "engine", "served", "traces", "train", "ui", "rewards"},
 }
 
 
