@@ -143,3 +143,88 @@ def test_the_judgement_column_is_one_of_the_added_columns():
     assert ("episodes", "judgement", "TEXT") in _serde.ADDED_COLUMNS and "judgement" in _serde.EPISODE_COLUMNS
     assert _serde.judgement_from_json(_serde.judgement_to_json(AGENT_RECORD)) == AGENT_RECORD
     assert _serde.judgement_to_json(None) is None and _serde.judgement_from_json(None) is None
+
+
+# -- traces show ------------------------------------------------------------------------------------------------
+
+
+def panel_lines(out: str, title: str) -> list[str]:
+    """The text lines of the panel whose title starts with `title`, borders stripped."""
+    lines = out.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(f"╭─ {title}"))
+    end = next(i for i in range(start, len(lines)) if lines[i].startswith("╰"))
+    return [lines[start].strip("╭─╮ ").rstrip("─ ")] + [line.strip("│").strip() for line in lines[start + 1:end]]
+
+
+def test_traces_show_prints_the_judges_scores_reasons_reply_and_folded_prompt(tmp_path, capsys):
+    from drmas_graph.cli import main
+
+    record = group_record(1, [0.0, 0.8], ["wrong", "right, [bold]4[/bold]"])
+    episode = make_episode(judgement=record)
+    with TraceStore(tmp_path / "run.db") as store:
+        store.write_episode(episode, step=1)
+    assert main(["traces", "show", str(tmp_path / "run.db"), episode.id]) == 0
+    out = capsys.readouterr().out
+    assert panel_lines(out, "judge") == [
+        "judge  mode group  episode 2 of 2 judged together",
+        "model scripted-judge   rubric 3f2a9c0d1e4b   attempts 2   tokens in 812 / out 64   cached no   seconds 1.25",
+        "scores 0.8",
+        "reason   right, [bold]4[/bold]",  # user text, not rich markup
+        "error    -",
+        "prompt   system: You grade answers. Rubric: the answer must be correct. Score each trajectory in [0, 1].",
+        "prompt   user: Task: 2+2? Reference answer: 4 #0 solver (solve): 4 #1 solver (solve): 5",  # one line
+        'reply    {"scores": [0.0, 0.8], "reasons": ["wrong", "right, [bold]4[/bold]"]}',
+    ]
+    assert out.index("╭─ judge") < out.index("╭─ #0  node solver_node")  # after the header, before the turns
+
+    long_rubric = "Rubric: " + "Be strict about units. " * 30
+    record["prompt"][0]["content"] = long_rubric
+    long = make_episode(judgement=record)
+    with TraceStore(tmp_path / "run.db") as store:
+        store.write_episode(long)
+    assert main(["traces", "show", str(tmp_path / "run.db"), long.id]) == 0
+    folded = " ".join(capsys.readouterr().out.replace("│", " ").split())
+    cut = ("system: " + long_rubric.strip())[:239] + "…"  # one line of 240 characters, the cut marked
+    assert cut.endswith("units. Be strict about …") and f"prompt {cut} prompt user: Task: 2+2?" in folded
+    assert main(["traces", "show", str(tmp_path / "run.db"), long.id, "--full"]) == 0
+    full = " ".join(capsys.readouterr().out.replace("│", " ").split())
+    assert long_rubric.strip() in full  # the whole prompt
+    assert 'reply 1 not json reply 2 {"scores": [0.0, 0.8]' in full  # every attempt's reply
+
+
+def test_traces_show_prints_per_agent_scores_and_a_judge_failure(tmp_path, capsys):
+    from drmas_graph.cli import main
+
+    failed = {"mode": "agent", "model": "scripted-judge", "prompt": [], "replies": [], "scores": None,
+              "reasons": None, "attempts": 3, "cached": False,
+              "error": "JudgeError: the judge timed out after 120.0 s (3 attempts)"}
+    agent, broken = make_episode(judgement=copy.deepcopy(AGENT_RECORD)), make_episode(judgement=failed)
+    with TraceStore(tmp_path / "run.db") as store:
+        store.write_episode(agent)
+        store.write_episode(broken)
+    assert main(["traces", "show", str(tmp_path / "run.db"), agent.id]) == 0
+    assert panel_lines(capsys.readouterr().out, "judge") == [
+        "judge  mode agent",
+        "model scripted-judge   rubric 0b1c2d3e4f5a   attempts 1   tokens in 40 / out 30   cached yes   seconds 0.00",
+        "scores solver=1, verifier=0.25",
+        "reason   solver: right",
+        "reason   verifier: lax",
+        "error    -",
+        "prompt   user: Score each agent.",
+        'reply    {"scores": {"solver": 1.0, "verifier": 0.25}, "reasons": {"solver": "right", "verifier": "lax"}}',
+    ]
+    assert main(["traces", "show", str(tmp_path / "run.db"), broken.id]) == 0
+    assert panel_lines(capsys.readouterr().out, "judge") == [
+        "judge  mode agent",
+        "model scripted-judge   rubric -   attempts 3   tokens in - / out -   cached no   seconds -",
+        "scores -",
+        "reason   -",
+        "error    JudgeError: the judge timed out after 120.0 s (3 attempts)",
+        "prompt   -",
+        "reply    -",
+    ]
+    plain = make_episode()
+    with TraceStore(tmp_path / "run.db") as store:
+        store.write_episode(plain)
+    assert main(["traces", "show", str(tmp_path / "run.db"), plain.id]) == 0
+    assert "╭─ judge" not in capsys.readouterr().out  # no judge, no block
