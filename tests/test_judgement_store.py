@@ -13,12 +13,13 @@ from pathlib import Path
 
 import pytest
 
+from drmas_graph.env import BadRewardError, Task
 from drmas_graph.errors import ConfigError
 from drmas_graph.traces import _serde
 from drmas_graph.traces.store import TraceStore
 from drmas_graph.train import _distributed
-from drmas_graph.types import Episode
-from tests.test_store import make_episode, make_turn
+from drmas_graph.train.rescore import rescore
+from tests.test_store import make_episode
 
 
 def group_record(index: int, scores: list[float], reasons: list[str], **changes) -> dict:
@@ -228,3 +229,163 @@ def test_traces_show_prints_per_agent_scores_and_a_judge_failure(tmp_path, capsy
         store.write_episode(plain)
     assert main(["traces", "show", str(tmp_path / "run.db"), plain.id]) == 0
     assert "╭─ judge" not in capsys.readouterr().out  # no judge, no block
+
+
+# -- rescore with a judge ---------------------------------------------------------------------------------------
+
+
+class JudgeError(RuntimeError):
+    """Stands in for drmas_graph.rewards.JudgeError: the judge gave no usable score for an episode."""
+
+
+class ScriptedGroupJudge:
+    """A group-mode judge with `drmas_graph.rewards.Judge`'s protocol: one call sees the whole group, sets every
+    episode's judgement and returns one item per episode. Its score of an episode is the episode's
+    metadata["score"] (a float, an {agent: float} dict, or None: the judge fails on it)."""
+
+    name = "scripted-group-judge"
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[object, list[str]]] = []
+
+    def reward_group(self, task, episodes):
+        self.calls.append((task, [e.id for e in episodes]))
+        scores = [e.metadata["score"] for e in episodes]
+        prompt = [{"role": "user", "content": f"task {task.id}: {task.input} (reference answer: {task.answer})"}]
+        items = []
+        for i, (episode, score) in enumerate(zip(episodes, scores, strict=True)):
+            error = None if score is not None else "no usable score after 3 attempts"
+            episode.judgement = {"mode": "group", "model": "scripted", "prompt": prompt, "replies": [repr(scores)],
+                                 "scores": score, "reasons": f"episode {i} of {task.id}", "attempts": 1,
+                                 "group_size": len(episodes), "index": i, "error": error}
+            items.append(JudgeError(error) if error else score)
+        return items
+
+
+class ScriptedJudgedEnv(ScriptedGroupJudge):
+    """A JudgedEnv stand-in: the judge plus the env's tasks (with reference answers)."""
+
+    def tasks(self, split):
+        return TASKS if split == "train" else TASKS[:1]
+
+
+TASKS = [Task(id="t1", input={"q": "2+2?"}, answer="4"), Task(id="t2", input={"q": "3*3?"}, answer="9")]
+GROUP_T2 = [{"solver": 0.9, "verifier": 0.3}, {"solver": 0.6, "verifier": 0.3}, {"solver": 0.3, "verifier": 0.3}]
+
+
+def judged_run(path: Path) -> dict[str, list[str]]:
+    """Step 0 of a run: group train:0:t1 (team scores 1, 0.5, the judge fails, 0) and group train:0:t2 (per-agent
+    scores GROUP_T2), trained with an older judge's verdicts stored. Returns the ids by group."""
+    ids: dict[str, list[str]] = {}
+    episodes = []
+    for task, scores in (("t1", [1.0, 0.5, None, 0.0]), ("t2", GROUP_T2)):
+        group = [make_episode(task_id=task, group_id=f"train:0:{task}", input=TASKS[task == "t2"].input,
+                              metadata={"score": score}) for score in scores]
+        ids[task] = [e.id for e in group]
+        episodes += group
+    with TraceStore(path) as store:
+        for episode in episodes:
+            store.write_episode(episode)
+            episode.judgement = {"mode": "episode", "model": "older-judge", "scores": 0.5, "error": None}
+            episode.rewards = {"solver": 0.5, "verifier": 0.5}
+        store.record_training(0, episodes)
+    return ids
+
+
+def test_rescore_with_a_group_judge_calls_it_once_per_group_and_stores_its_judgements(tmp_path):
+    ids = judged_run(tmp_path / "run.db")
+    judge = ScriptedGroupJudge()
+    result = rescore(tmp_path / "run.db", judge=judge, tasks=TASKS, out=tmp_path / "judged.db")
+
+    calls = sorted(judge.calls, key=lambda call: call[0].id)  # groups are judged concurrently
+    assert calls == [(TASKS[0], ids["t1"]), (TASKS[1], ids["t2"])]
+    failed = ids["t1"][2]
+    assert result.failed == {failed: "JudgeError: no usable score after 3 attempts"}
+    assert list(result) == [i for i in ids["t1"] + ids["t2"] if i != failed]
+    # group t1, team rewards 1, 0.5, 0 for both agents: mu = 0.5, unbiased sigma = sqrt((0.25 + 0 + 0.25) / 2) = 0.5
+    # -> A = (1 - 0.5) / 0.5 = 1, 0, -1 (the failed episode is out of the pool)
+    assert [a for i in (ids["t1"][0], ids["t1"][1], ids["t1"][3]) for a in result[i].advantages] == \
+        pytest.approx([1.0, 1.0, 0.0, 0.0, -1.0, -1.0], abs=1e-5)
+    assert result[ids["t1"][1]].rewards == {"solver": 0.5, "verifier": 0.5}
+    # group t2, per agent: solver 0.9, 0.6, 0.3 -> mu 0.6, sigma 0.3 -> A = 1, 0, -1; verifier all 0.3 -> 0
+    assert [a for i in ids["t2"] for a in result[i].advantages] == pytest.approx([1.0, 0.0, 0.0, 0.0, -1.0, 0.0],
+                                                                                abs=1e-5)
+    assert result[ids["t2"][0]].turn_rewards == [0.9, 0.3]
+    assert result[ids["t2"][2]].judgement["reasons"] == "episode 2 of t2"
+
+    with TraceStore(tmp_path / "judged.db", readonly=True) as out:
+        assert out.config["judge"] == "scripted-group-judge" and out.config["reward_fn"] is None
+        loaded = {i: out.load_episode(i) for i in ids["t1"] + ids["t2"]}
+        assert out.trained_episodes() == list(result)  # the failed one has its error: not trained on
+    assert loaded[ids["t2"][0]].judgement == {
+        "mode": "group", "model": "scripted", "prompt": [{"role": "user", "content":
+                                                          "task t2: {'q': '3*3?'} (reference answer: 9)"}],
+        "replies": [repr(GROUP_T2)], "scores": {"solver": 0.9, "verifier": 0.3}, "reasons": "episode 0 of t2",
+        "attempts": 1, "group_size": 3, "index": 0, "error": None}
+    assert loaded[ids["t2"][0]].advantages == pytest.approx([1.0, 0.0], abs=1e-5)
+    assert loaded[failed].judgement["error"] == "no usable score after 3 attempts"
+    assert loaded[failed].error == "JudgeError: no usable score after 3 attempts"
+    assert loaded[failed].rewards == {} and loaded[failed].advantages is None
+    with TraceStore(tmp_path / "run.db", readonly=True) as source:  # never modified
+        assert source.load_episode(failed).judgement["model"] == "older-judge"
+
+
+def test_rescore_without_tasks_rebuilds_each_task_from_the_stored_input(tmp_path):
+    ids = judged_run(tmp_path / "run.db")
+    judge = ScriptedGroupJudge()
+    rescore(tmp_path / "run.db", judge=judge, step=0, episodes=ids["t2"])
+    [(task, group)] = judge.calls
+    assert task == Task(id="t2", input={"q": "3*3?"}) and task.answer is None and group == ids["t2"]
+
+
+def test_rescore_with_a_judge_refuses_what_it_cannot_score(tmp_path):
+    ids = judged_run(tmp_path / "run.db")
+    with pytest.raises(ConfigError, match=r"task 't2' \(group 'train:0:t2'\) is not in the tasks given"):
+        rescore(tmp_path / "run.db", judge=ScriptedGroupJudge(), tasks=TASKS[:1])
+    with pytest.raises(ConfigError, match="give exactly one of reward_fn"):
+        rescore(tmp_path / "run.db", lambda e: 1.0, judge=ScriptedGroupJudge())
+    with pytest.raises(ConfigError, match="not an object with a reward_group"):
+        rescore(tmp_path / "run.db", judge=object())
+
+    class ShortJudge(ScriptedGroupJudge):
+        def reward_group(self, task, episodes):
+            return super().reward_group(task, episodes)[:-1]
+
+    with pytest.raises(ConfigError, match=r"ShortJudge.reward_group returned 3 items for the 4 episodes of group "
+                                          r"'train:0:t1'; return one reward \(or exception\) per episode"):
+        rescore(tmp_path / "run.db", judge=ShortJudge())
+    with pytest.raises(BadRewardError, match=rf"the judge scored none of the 1 pooled episodes; the first failure "
+                                             rf"\(episode {ids['t1'][2]}\): JudgeError: no usable score"):
+        rescore(tmp_path / "run.db", judge=ScriptedGroupJudge(), episodes=[ids["t1"][2]])
+
+
+def test_rescore_with_a_reward_function_drops_the_stored_judgements(tmp_path):
+    ids = judged_run(tmp_path / "run.db")
+    result = rescore(tmp_path / "run.db", lambda e: 1.0, out=tmp_path / "out.db")
+    assert result.failed == {} and result[ids["t1"][0]].judgement is None
+    with TraceStore(tmp_path / "out.db", readonly=True) as out:
+        assert out.load_episode(ids["t1"][0]).judgement is None  # the older judge did not give these rewards
+
+
+def test_cli_rescore_takes_a_judge_and_says_what_failed(tmp_path, capsys):
+    from drmas_graph.cli import main
+
+    ids = judged_run(tmp_path / "run.db")
+    args = ["traces", "rescore", str(tmp_path / "run.db"), "--judge", "tests.test_judgement_store:ScriptedGroupJudge"]
+    assert main([*args, "--out", str(tmp_path / "judged.db")]) == 0
+    out = " ".join(capsys.readouterr().out.split())  # the console wraps at 160 columns
+    assert out == (
+        "rescored 6 episodes (pool: trained; tasks rebuilt from the stored inputs, without reference answers); "
+        f"mean reward: solver 0.5500, verifier 0.4000; wrote {tmp_path / 'judged.db'} "  # (1+.5+0+.9+.6+.3)/6 = .55
+        "the judge gave no usable reward to 1 episode(s), left out of the advantages (stored with their error in "
+        f"--out): - {ids['t1'][2]}: JudgeError: no usable score after 3 attempts")
+    with TraceStore(tmp_path / "judged.db", readonly=True) as out:
+        assert out.load_episode(ids["t1"][0]).judgement["reasons"] == "episode 0 of t1"
+    assert main(["traces", "rescore", str(tmp_path / "run.db"), "--judge",
+                 "tests.test_judgement_store:ScriptedJudgedEnv", "--split", "train"]) == 0
+    assert "(pool: trained; tasks of the train splits)" in capsys.readouterr().out
+    assert main(["traces", "rescore", str(tmp_path / "run.db"), "--judge", "tests.test_judgement_store:TASKS"]) == 2
+    assert "is a list, not a judge" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as usage:
+        main(["traces", "rescore", str(tmp_path / "run.db"), "--reward", "x:y", "--judge", "x:y"])
+    assert usage.value.code == 2 and "argument --judge: not allowed with argument --reward" in capsys.readouterr().err
