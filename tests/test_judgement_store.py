@@ -30,7 +30,8 @@ def group_record(index: int, scores: list[float], reasons: list[str], **changes)
         "mode": "group", "model": "scripted-judge", "rubric_sha": "3f2a9c0d1e4b",
         "prompt": [{"role": "system", "content": "You grade answers. Rubric: the answer must be correct. "
                                                  "Score each trajectory in [0, 1]."},
-                   {"role": "user", "content": "Task: 2+2?\nReference answer: 4\n#0 solver (solve): 4\n#1 solver (solve): 5"}],
+                   {"role": "user",
+                    "content": "Task: 2+2?\nReference answer: 4\n#0 solver (solve): 4\n#1 solver (solve): 5"}],
         "replies": ["not json", reply],
         "scores": scores[index], "reasons": reasons[index], "attempts": 2,
         "input_tokens": 812, "output_tokens": 64, "cached": False, "seconds": 1.25,
@@ -64,7 +65,8 @@ def test_write_episode_stores_the_judgement_and_load_episode_returns_it_equal(st
     store.write_episode(judged, step=2)
     store.write_episode(plain)
     assert store.load_episode(judged.id).judgement == judged.judgement
-    assert store.load_episode(judged.id).judgement["replies"][1] == '{"scores": [0.0, 0.8], "reasons": ["wrong", "right <b>"]}'
+    reply = store.load_episode(judged.id).judgement["replies"][1]
+    assert reply == '{"scores": [0.0, 0.8], "reasons": ["wrong", "right <b>"]}'
     assert store.load_episode(plain.id).judgement is None
     per_agent = make_episode(judgement=copy.deepcopy(AGENT_RECORD))
     store.write_episode(per_agent)
@@ -154,7 +156,8 @@ def panel_lines(out: str, title: str) -> list[str]:
     lines = out.splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith(f"╭─ {title}"))
     end = next(i for i in range(start, len(lines)) if lines[i].startswith("╰"))
-    return [lines[start].strip("╭─╮ ").rstrip("─ ")] + [line.strip("│").strip() for line in lines[start + 1:end]]
+    body = [line.strip("│").strip() for line in lines[start + 1:end]]
+    return [lines[start].strip("╭─╮ ").rstrip("─ "), *body]
 
 
 def test_traces_show_prints_the_judges_scores_reasons_reply_and_folded_prompt(tmp_path, capsys):

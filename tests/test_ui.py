@@ -143,7 +143,8 @@ def test_stored_html_is_escaped_text(app):
 
 def test_episode_page_shows_the_judges_verdict_escaped(app, run_dir):
     record = {"mode": "agent", "model": "judge<7b>", "rubric_sha": "3f2a9c0d1e4b",
-              "prompt": [{"role": "system", "content": "Rubric: " + XSS_PROMPT}, {"role": "user", "content": "#0 solver"}],
+              "prompt": [{"role": "system", "content": "Rubric: " + XSS_PROMPT},
+                         {"role": "user", "content": "#0 solver"}],
               "replies": ["not json", '{"scores": {"solver": 0.75, "checker": 0.0}}' + XSS_REPLY],
               "scores": {"solver": 0.75, "checker": 0.0}, "reasons": {"solver": XSS_REPLY, "checker": "no <check>"},
               "attempts": 2, "input_tokens": 812, "output_tokens": 64, "cached": True, "seconds": 1.25, "error": None}
@@ -157,7 +158,8 @@ def test_episode_page_shows_the_judges_verdict_escaped(app, run_dir):
     assert status == 200 and "<script>" not in body and "<img" not in body and "<check>" not in body
     section = body.split('id="judgement"')[1].split("</section>")[0]
     assert "agent mode" in section and "judge&lt;7b&gt;" in section and ">cached<" in section
-    rows = re.findall(r'<tr><th>([^<]+)</th><td class="score">([^<]+)</td><td class="reason">([^<]+)</td></tr>', section)
+    rows = re.findall(r'<tr><th>([^<]+)</th><td class="score">([^<]+)</td><td class="reason">([^<]+)</td></tr>',
+                      section)
     assert rows == [("solver", "0.75", "&lt;script&gt;alert(&#34;reply&#34;)&lt;/script&gt;&lt;img src=x "
                                        "onerror=alert(&#34;img&#34;)&gt;"), ("checker", "0", "no &lt;check&gt;")]
     reply = re.search(r'<pre id="judge-reply">([^<]*)</pre>', section).group(1)

@@ -144,8 +144,9 @@ def _judge_and_tasks(spec: str, splits: list[str] | None) -> tuple[Any, list[Any
     if isinstance(judge, type) or (callable(judge) and not hasattr(judge, "reward_group")):  # a factory
         judge = judge()
     if not callable(getattr(judge, "reward_group", None)):
-        raise ConfigError(f"--judge {spec!r} is a {type(judge).__name__}, not a judge: name a drmas_graph.rewards.Judge, "
-                          "a JudgedEnv (or any object with reward_group(task, episodes)), or a factory returning one")
+        raise ConfigError(f"--judge {spec!r} is a {type(judge).__name__}, not a judge: name a "
+                          "drmas_graph.rewards.Judge, a JudgedEnv (or any object with reward_group(task, episodes)), "
+                          "or a factory returning one")
     if not callable(getattr(judge, "tasks", None)):
         if splits:
             raise ConfigError(f"--split: the judge {spec!r} has no tasks(split); name a JudgedEnv to look tasks up")

@@ -272,7 +272,7 @@ CREATE TABLE IF NOT EXISTS episodes (
     truncated TEXT,               -- Episode.truncated: '<limit>: <why>' when a limit stopped the run; NULL otherwise
     model_error TEXT,             -- Episode.model_error: the policy's output that broke the app; NULL otherwise
     model_error_turn INTEGER,     -- Episode.model_error_turn: position of the offending turn
-    segments TEXT,                -- JSON Episode.segments (runs of the thread: resumes and next inputs); NULL if one run
+    segments TEXT,                -- JSON Episode.segments (runs of the thread: resumes and next inputs); NULL: one run
     judgement TEXT                -- JSON Episode.judgement (what a judge model made of the episode); NULL if none
 );
 CREATE TABLE IF NOT EXISTS rewards (

@@ -53,9 +53,9 @@ from drmas_graph.traces import _serde
 from drmas_graph.errors import ConfigError
 from drmas_graph.types import Episode, Turn
 
-__all__ = ["EPISODE_OP", "TURN_OP", "JUDGE_OP", "REWARD_FEEDBACK", "JUDGEMENT_FEEDBACK", "WeaveExportWarning", "WeaveExporter", "require_weave",
-           "connect", "evaluation_episode", "export_episode", "log_evaluation", "sample_groups", "export_store",
-           "start_exporter"]
+__all__ = ["EPISODE_OP", "TURN_OP", "JUDGE_OP", "REWARD_FEEDBACK", "JUDGEMENT_FEEDBACK", "WeaveExportWarning",
+           "WeaveExporter", "require_weave", "connect", "evaluation_episode", "export_episode", "log_evaluation",
+           "sample_groups", "export_store", "start_exporter"]
 
 EPISODE_OP = "drmas.episode"
 """Op name of an episode's root call."""

@@ -96,8 +96,6 @@ def rescore(
     (else its task_id), turn id = how many calls its agent made before it in the episode;
     ``compute_advantages`` does the rest. No invalid-turn penalty is applied.
     """
-    from drmas_graph.train.advantages import compute_advantages
-
     if (reward_fn is None) == (judge is None):
         raise ConfigError("rescore: give exactly one of reward_fn (episode -> reward) and judge (an object with "
                           "reward_group(task, episodes), e.g. drmas_graph.rewards.Judge)")
@@ -136,13 +134,41 @@ def rescore(
         raise BadRewardError(f"rescore: the judge scored none of the {len(episodes)} pooled episodes; the first "
                              f"failure (episode {first_id}): {type(first).__name__}: {first}") from first
     scored = [e for e in episodes if e.id not in failed]
+    result = RescoreResult(_rescored(scored, rewards_by_episode, estimator=estimator, norm_by_std=norm_by_std, eps=eps),
+                           {i: f"{type(e).__name__}: {e}" for i, e in failed.items()})
+
+    if out is not None:
+        config = {
+            "rescored_from": str(source_path),
+            "estimator": estimator,
+            "norm_by_std": norm_by_std,
+            "eps": eps,
+            "reward_fn": None if reward_fn is None else getattr(reward_fn, "__qualname__", repr(reward_fn)),
+            "judge": None if judge is None else _judge_name(judge),
+            "source_config": source_config,
+        }
+        with TraceStore(out, config=config) as target:
+            for episode in episodes:
+                new = result.get(episode.id)
+                changes = (dict(rewards=new.rewards, turn_rewards=new.turn_rewards, advantages=new.advantages)
+                           if new is not None else
+                           dict(rewards={}, turn_rewards=None, advantages=None, error=result.failed[episode.id]))
+                target.write_episode(dataclasses.replace(episode, **changes), step=steps[episode.id])
+    return result
+
+
+def _rescored(episodes: list[Episode], rewards_by_episode: Mapping[str, dict[str, float]], *, estimator: str,
+              norm_by_std: bool, eps: float) -> dict[str, Rescored]:
+    """The new rewards, per-turn rewards and advantages of `episodes` (pooled by `_group_of`), with the
+    judgement each episode now holds."""
+    from drmas_graph.train.advantages import compute_advantages
 
     rewards_N: list[float] = []
     group_ids: list[str] = []
     agent_ids: list[str] = []
     episode_ids: list[str] = []
     turn_ids: list[int] = []
-    for episode in scored:
+    for episode in episodes:
         rewards = rewards_by_episode[episode.id]
         calls_so_far: dict[str, int] = {}
         for turn in episode.turns:
@@ -164,35 +190,15 @@ def rescore(
         else []
     )  # fmt: skip
     next_advantage = iter(advantages_N)
-    rescored: dict[str, Rescored] = {}
-    for episode in scored:
-        rewards = rewards_by_episode[episode.id]
-        rescored[episode.id] = Rescored(
-            rewards=rewards,
-            turn_rewards=[rewards[t.agent] for t in episode.turns],
+    return {
+        episode.id: Rescored(
+            rewards=rewards_by_episode[episode.id],
+            turn_rewards=[rewards_by_episode[episode.id][t.agent] for t in episode.turns],
             advantages=[next(next_advantage) if t.trainable else 0.0 for t in episode.turns],
             judgement=episode.judgement,
         )
-    result = RescoreResult(rescored, {i: f"{type(e).__name__}: {e}" for i, e in failed.items()})
-
-    if out is not None:
-        config = {
-            "rescored_from": str(source_path),
-            "estimator": estimator,
-            "norm_by_std": norm_by_std,
-            "eps": eps,
-            "reward_fn": None if reward_fn is None else getattr(reward_fn, "__qualname__", repr(reward_fn)),
-            "judge": None if judge is None else _judge_name(judge),
-            "source_config": source_config,
-        }
-        with TraceStore(out, config=config) as target:
-            for episode in episodes:
-                new = result.get(episode.id)
-                changes = (dict(rewards=new.rewards, turn_rewards=new.turn_rewards, advantages=new.advantages)
-                           if new is not None else
-                           dict(rewards={}, turn_rewards=None, advantages=None, error=result.failed[episode.id]))
-                target.write_episode(dataclasses.replace(episode, **changes), step=steps[episode.id])
-    return result
+        for episode in episodes
+    }
 
 
 def _group_of(episode: Episode) -> str:
