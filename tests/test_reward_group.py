@@ -94,3 +94,140 @@ def test_training_and_evaluation_score_each_group_with_one_reward_group_call(tmp
     assert [line["judge/calls"] for line in lines if "reward/team_mean" in line] == [2]
     assert [line["eval/judge/calls"] for line in lines if "eval/avg@k" in line] == [2]
     assert [k for line in lines for k in line if not is_documented(k)] == []
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Step 0's rollouts of a tiny model on RankingEnv's two training tasks, 4 episodes each (not scored)."""
+    tmp_path = tmp_path_factory.mktemp("rollouts")
+    policy = tiny_policy(seed=0, sampling=SamplingParams(max_new_tokens=6))
+    cfg = small_config(tmp_path, steps=1, tasks_per_step=2, group_size=4)
+    trainer = Trainer(graph(), RankingEnv(n_train=2), cfg, policies={"solver": policy, "verifier": policy}, train=False)
+    try:
+        out, counts = trainer.rollouts(trainer.batch_tasks(0), 0, 4, phase="train")
+    finally:
+        trainer.close()
+    assert len(out) == 8 and counts["failed_episodes"] == 0
+    return out
+
+
+def score(env, runs, **rollout):
+    """`score_runs` on copies of the runs: (scored, errors, counts, the copies)."""
+    runs = copy.deepcopy(runs)
+    counts = {}
+    scored, errors = _scoring.score_runs(env, runs, counts, invalid_penalty=0.1, rollout=RolloutConfig(**rollout),
+                                         on_error=lambda exc: None)
+    return scored, errors, counts, runs
+
+
+def test_truncated_and_masked_episodes_are_never_sent_to_reward_group(runs):
+    runs = copy.deepcopy(runs)
+    (_, a), (_, b), (_, c) = runs[0], runs[2], runs[5]
+    a.truncated, b.truncated = "max_llm_calls: 2 calls", "max_llm_calls: 2 calls"
+    c.truncated = "timeout_s: 60 s"
+    env = RankingEnv(n_train=2)
+    scored, errors, counts, runs = score(env, runs, truncated_reward=0.25, mask_truncated=["timeout_s"])
+    first, second = runs[0][0].id, runs[4][0].id
+    sent = {task: [ep.id for ep in eps] for task, eps, _ in env.calls}
+    assert sent == {first: [runs[1][1].id, runs[3][1].id], second: [runs[4][1].id, runs[6][1].id, runs[7][1].id]}
+    assert counts["masked_truncated_episodes"] == 1 and errors == [] and len(scored) == 7
+    rewards = {ep.id: ep.rewards["solver"] for _, ep, _ in scored}
+    assert rewards[runs[0][1].id] == rewards[runs[2][1].id] == 0.25  # rollout.truncated_reward
+    assert [rewards[runs[i][1].id] for i in (1, 3)] == group_scores([runs[1][1], runs[3][1]])
+    assert counts["judge/calls"] == 2
+
+    # truncated_reward null: the environment scores them too (the masked one still never)
+    env = RankingEnv(n_train=2)
+    score(env, runs, truncated_reward=None, mask_truncated=["timeout_s"])
+    assert sorted(len(eps) for _, eps, _ in env.calls) == [3, 4]
+
+
+def test_a_group_whose_truncated_episodes_all_have_a_configured_reward_is_not_sent(runs):
+    runs = copy.deepcopy(runs)
+    for _, ep in runs[:4]:
+        ep.truncated = "max_llm_calls: 2 calls"
+    env = RankingEnv(n_train=2)
+    scored, _, _, runs = score(env, runs, truncated_reward=0.0)
+    assert [task for task, _, _ in env.calls] == [runs[4][0].id] and len(scored) == 8
+
+
+def test_a_wrong_length_list_or_a_raising_reward_group_fails_the_whole_group_naming_the_env(runs):
+    second = runs[4][0].id
+    scored, errors, counts, copies = score(RankingEnv(n_train=2, wrong_length={second}), runs)
+    assert len(scored) == 4 and counts["bad_reward_episodes"] == 4 and counts["judge_failed_episodes"] == 0
+    message = (f"env RankingEnv.reward_group() returned 3 rewards for the 4 episodes of group 'train:0:{second}' "
+               f"(task '{second}'); it must return one per episode, in their order")
+    assert [str(e) for e in errors] == [message] * 4 and all(isinstance(e, BadRewardError) for e in errors)
+    assert [ep.error for _, ep in copies[4:]] == [f"BadRewardError: {message}"] * 4
+
+    scored, errors, counts, _ = score(RankingEnv(n_train=2, raise_on={second}), runs)
+    assert len(scored) == 4 and counts["bad_reward_episodes"] == 4
+    assert str(errors[0]) == (f"env RankingEnv.reward_group() raised on group 'train:0:{second}' (task '{second}'): "
+                              f"ValueError: the judge broke on {second}")
+    assert isinstance(errors[0].__cause__, ValueError)
+
+    # a JudgeError raised for the whole group: every episode of it counts as judge-failed
+    _, errors, counts, _ = score(RankingEnv(n_train=2, raise_on={second}, raises="JudgeError"), runs)
+    assert counts["judge_failed_episodes"] == 4 and counts["bad_reward_episodes"] == 0
+
+
+def test_groups_are_scored_concurrently_and_keep_the_job_order(runs):
+    import threading
+
+    second_called = threading.Event()
+
+    class FirstWaitsForSecond(RankingEnv):
+        def reward_group(self, task, episodes):
+            if task.id == runs[0][0].id:  # finishes only once the second group's call began: they overlap
+                assert second_called.wait(timeout=30), "the groups were scored one after the other"
+            else:
+                second_called.set()
+            return super().reward_group(task, episodes)
+
+    env = FirstWaitsForSecond(n_train=2)
+    scored, _, _, copies = score(env, runs)
+    assert [ep.id for _, ep, _ in scored] == [ep.id for _, ep in copies]  # job order, not completion order
+    assert [task for task, _, _ in env.calls] == [runs[4][0].id, runs[0][0].id]
+    assert len({thread for _, _, thread in env.calls}) == 2
+    assert [ep.rewards["solver"] for _, ep, _ in scored] == group_scores(
+        [ep for _, ep in copies[:4]]) + group_scores([ep for _, ep in copies[4:]])
+
+
+def test_score_episode_takes_a_reward_given_in_advance(runs):
+    task, episode = copy.deepcopy(runs[0])
+    env = RankingEnv(n_train=2)  # its reward() raises: never called
+    got = score_episode(env, task, episode, invalid_penalty=0.1, reward={"solver": 1.0, "verifier": 0.5})
+    assert got.rewards == {"solver": 1.0, "verifier": 0.5} and got.team == 0.75 and got.turn_rewards == [1.0, 0.5]
+    with pytest.raises(BadRewardError, match=r"reward of team for task 'train-\d' is nan"):
+        score_episode(env, task, episode, invalid_penalty=0.1, reward=float("nan"))
+    with pytest.raises(BadRewardError, match="env RankingEnv gave no reward for task .*: KeyError: 'score'") as info:
+        score_episode(env, task, episode, invalid_penalty=0.1, reward=KeyError("score"))
+    assert isinstance(info.value.__cause__, KeyError)
+
+
+@pytest.mark.parametrize("metrics, error", [
+    ({"episodes": 3}, "returned the key 'episodes': keys are 'namespace/name'"),
+    ({"agent/solver/calls": 3}, "returned the key 'agent/solver/calls': keys are 'namespace/name'"),
+    ({"judge/calls": "3"}, "returned 'judge/calls': '3', not a number"),
+    ([("judge/calls", 3)], "returned list, not a dict"),
+])
+def test_reward_metrics_must_be_namespaced_numbers(metrics, error):
+    class Env:
+        def reward_metrics(self):
+            return metrics
+
+    with pytest.raises((TypeError, ValueError), match=f"env Env.reward_metrics\\(\\) {error}"):
+        _scoring.reward_metrics(Env())
+    assert _scoring.reward_metrics(object()) == {}
+
+
+def test_check_scores_groups_with_reward_group_and_reports_the_judge(tmp_path, capsys):
+    cfg = write_config(tmp_path, env="tests._envs:RankingEnv",
+                       env_kwargs={"n_train": 2, "n_test": 2, "fail_tasks": ["train-0", "train-1"]}, group_size=4)
+    status = main(["check", str(cfg), "--groups", "2"])
+    out = capsys.readouterr().out
+    assert status == 0  # the groups' scores differ: a learning signal
+    assert "2 groups x 4 episodes on the base models: 6 scored, 4 of 4 advantage pools with a learning signal" in out
+    assert "0 failed, 0 bad rewards, 2 not scored by the judge" in out
+    assert "scoring (the environment's reward_metrics): judge/calls 2, judge/input_tokens " in out
+    assert "2 of 8 episodes failed or got no usable reward" in out
