@@ -48,14 +48,16 @@ class Env(Protocol):
     Optional, for rewards that compare the episodes of a GRPO group or come from a judge model (see
     `drmas_graph.rewards`): `reward_group(task, episodes)` returns the rewards of a group's episodes (those of
     one task rolled out together, in their order), one item per episode: a float, a {agent: float} dict (as
-    `reward`), or an exception instance for an episode it could not score (a `JudgeError` is counted in the
+    `reward`), or an exception instance for an episode it could not score (a `drmas_graph.errors.JudgeError`, what
+a `rewards.Judge` returns for an episode it gave no usable score, is counted in the
     metric `judge_failed_episodes`, another exception in `bad_reward_episodes`; that episode gets
     `episode.error` and is not trained on). When present, training steps, evaluation and `drmas-graph check`
     call it instead of `reward`, once per group, groups concurrently (from a thread pool: it must be
     thread-safe). Episodes that `rollout.truncated_reward` / `rollout.model_error_reward` score, and truncated
     ones `rollout.mask_truncated` drops, are not passed to it (a group with none left is not sent); failed
     episodes never reach scoring. A list of the wrong length, or `reward_group` raising, makes every episode
-    of the group a bad-reward episode, with an error naming the environment. It may set
+    of the group a bad-reward episode (judge-failed if it raised a JudgeError), with an error naming the
+    environment. It may set
     `episode.judgement` (a JSON-able dict, stored with the episode). `reward_metrics()` returns counters since
     its last call ({name: number}, e.g. a judge's `judge/calls`, `judge/input_tokens`), called after each
     training step's and each evaluation's scoring and merged into the step's metrics record and the

@@ -1,6 +1,7 @@
 """A toy environment for trainer tests: the reward depends on the sampled tokens, so groups have variance."""
 
 from drmas_graph.env import Task
+from drmas_graph.errors import JudgeError
 
 
 class ParityEnv:
@@ -30,10 +31,6 @@ class ParityEnv:
 
     def turn_is_valid(self, task, turn):
         return turn.agent != "verifier" or len(turn.response_ids) < 8
-
-
-class JudgeError(RuntimeError):
-    """Stands in for `drmas_graph.rewards.JudgeError` (the trainer recognises a JudgeError by its class)."""
 
 
 def solver_chars(episode):

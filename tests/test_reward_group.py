@@ -231,3 +231,49 @@ def test_check_scores_groups_with_reward_group_and_reports_the_judge(tmp_path, c
     assert "0 failed, 0 bad rewards, 2 not scored by the judge" in out
     assert "scoring (the environment's reward_metrics): judge/calls 2, judge/input_tokens " in out
     assert "2 of 8 episodes failed or got no usable reward" in out
+
+
+def test_a_group_judge_trains_through_reward_group_with_its_counters_and_records(tmp_path):
+    """The real `rewards.Judge` (group mode) behind a scripted judge model that scores attempt i of n as
+    (i - 1) / (n - 1): episode j of every group gets reward j / (G - 1), its judgement holds the group's reply."""
+    import re
+
+    from drmas_graph.rewards import Judge, JudgedEnv
+    from tests._envs import ParityEnv
+    from tests.test_judge import scripted
+
+    def ranked(messages):
+        n = len(re.findall(r"^Attempt \d+:$", messages[-1].content, flags=re.M))
+        return json.dumps({"scores": [{"attempt": i, "reason": f"attempt {i}", "score": (i - 1) / (n - 1)}
+                                      for i in range(1, n + 1)]})
+
+    model = scripted(default=ranked)
+    env = JudgedEnv(ParityEnv(n_train=2, n_test=2), Judge(model, "Longer is better.", mode="group"))
+    policy = tiny_policy(seed=0, sampling=SamplingParams(max_new_tokens=4))
+    cfg = small_config(tmp_path, steps=1, tasks_per_step=2, group_size=4,
+                       eval={"k": 2, "n_tasks": 2, "before_training": False})
+    result = train_graph(graph(), env, cfg, policies={"solver": policy, "verifier": policy})
+
+    record, evaluation = result.history[0], result.evals[-1]
+    assert len(model.log.calls) == 4  # 2 training groups + 2 evaluation groups, one call each
+    assert (record["judge/calls"], record["judge/retries"], record["judge/failed_calls"]) == (2, 0, 0)
+    # the scripted model's usage: one token per word of the prompt (training's two calls come first)
+    assert record["judge/input_tokens"] == sum(len(str(c).split()) for call in model.log.calls[:2]
+                                               for _, c in call["messages"])
+    assert record["judge_failed_episodes"] == 0 and record["episodes"] == 8
+    assert evaluation["judge/calls"] == 2 and evaluation["solver/reward"] == pytest.approx(0.5)  # (0 + 1) / 2
+    with TraceStore(tmp_path / "run" / "traces.db", readonly=True) as store:
+        trained = [store.load_episode(i) for i in store.trained_episodes(step=0)]
+    by_group = {}
+    for ep in trained:
+        by_group.setdefault(ep.group_id, []).append(ep)
+    assert sorted(by_group) == ["train:0:train-0", "train:0:train-1"]
+    position = {episode_seed(cfg.seed, "train", 0, b, j): j for b in range(2) for j in range(4)}
+    advantages = pool_advantages([0.0, 1 / 3, 2 / 3, 1.0])
+    for episodes in by_group.values():  # episode j of the group was attempt j + 1 of the judge's call
+        episodes.sort(key=lambda ep: position[ep.metadata["seed"]])
+        assert [position[ep.metadata["seed"]] for ep in episodes] == [0, 1, 2, 3]
+        assert [ep.rewards for ep in episodes] == [{"solver": j / 3, "verifier": j / 3} for j in range(4)]
+        assert [ep.advantages for ep in episodes] == [pytest.approx([a, a], abs=1e-6) for a in advantages]
+    lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [k for line in lines for k in line if not is_documented(k)] == []

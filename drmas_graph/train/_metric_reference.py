@@ -74,14 +74,14 @@ ASYNC = [
 ]
 JUDGE = [
     ("judge/calls", "Calls to the judge model since the previous record (group mode: one per group; retries "
-                    "included)."),
-    ("judge/retries", "Of those, calls that repeated a failed, unparsable or out-of-range reply."),
-    ("judge/failed_calls", "Calls that failed (an exception, a timeout, an unusable reply)."),
-    ("judge/cache_hits", "Judgements taken from the judge's cache instead of a call (a resumed run pays nothing "
-                         "twice)."),
-    ("judge/input_tokens", "Prompt tokens of the judge's calls."),
+                    "included; cache hits make none)."),
+    ("judge/retries", "Of those, calls that repeated an unusable or failed one."),
+    ("judge/failed_calls", "Calls that gave no usable reply (unparsable, out of range, an exception, a timeout)."),
+    ("judge/cache_hits", "Judgements (a group in group mode, else an episode) answered from the judge's cache "
+                         "instead of a call (a resumed run pays nothing twice)."),
+    ("judge/input_tokens", "Prompt tokens of the judge's calls (the model's usage_metadata)."),
     ("judge/output_tokens", "Reply tokens of the judge's calls."),
-    ("judge/seconds", "Seconds spent in judge calls, summed over concurrent calls."),
+    ("judge/seconds", "Seconds spent waiting for judge calls, summed over concurrent calls."),
 ]
 """The counters a `rewards.Judge` (or `JudgedEnv`) returns from `reward_metrics()`; any environment's
 `reward_metrics()` keys join the step and evaluation records the same way (asynchronous training: the counters

@@ -32,7 +32,7 @@ from drmas_graph.env import (
     score_episode,
     trainable_agent_turns,
 )
-from drmas_graph.errors import RolloutError
+from drmas_graph.errors import JudgeError, RolloutError
 from drmas_graph.train.advantages import compute_advantages
 from drmas_graph.train.metrics import mean_std
 from drmas_graph.types import Episode, Sample
@@ -88,12 +88,7 @@ def score_runs(env: Any, runs: list[tuple[Any, Episode]], counts: dict[str, Any]
 def failure_metric(exc: BadRewardError) -> str:
     """The count an unusable reward goes to: `judge_failed_episodes` when a judge gave no score (a `JudgeError`
     caused it), else `bad_reward_episodes`."""
-    return "judge_failed_episodes" if is_judge_error(exc.__cause__) else "bad_reward_episodes"
-
-
-def is_judge_error(exc: BaseException | None) -> bool:
-    """Whether `exc` is a `drmas_graph.rewards.JudgeError` (or a subclass of one)."""
-    return exc is not None and any(cls.__name__ == "JudgeError" for cls in type(exc).__mro__)
+    return "judge_failed_episodes" if isinstance(exc.__cause__, JudgeError) else "bad_reward_episodes"
 
 
 def group_rewards(env: Any, runs: Sequence[tuple[Any, Episode]], *, truncated_reward: float | None,
