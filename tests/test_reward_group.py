@@ -277,3 +277,15 @@ def test_a_group_judge_trains_through_reward_group_with_its_counters_and_records
         assert [ep.advantages for ep in episodes] == [pytest.approx([a, a], abs=1e-6) for a in advantages]
     lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [k for line in lines for k in line if not is_documented(k)] == []
+
+
+def test_asynchronous_training_scores_each_step_with_reward_group(tmp_path):
+    env = RankingEnv(n_train=2, n_test=2)
+    policy = tiny_policy(seed=0, sampling=SamplingParams(max_new_tokens=4))
+    cfg = small_config(tmp_path, steps=2, tasks_per_step=2, group_size=2, eval={"k": 1, "n_tasks": 1,
+                       "before_training": False}, **{"async": {"max_staleness": 1}})
+    result = train_graph(graph(), env, cfg, policies={"solver": policy, "verifier": policy})
+    assert "async/wait_s" in result.history[0]  # pipelined
+    train_groups = sorted(eps[0].group_id for task, eps, _ in env.calls if task.startswith("train-"))
+    assert train_groups == ["train:0:train-0", "train:0:train-1", "train:1:train-0", "train:1:train-1"]
+    assert [r["judge/calls"] for r in result.history] == [2, 2] and result.evals[-1]["judge/calls"] == 1
