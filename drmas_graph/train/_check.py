@@ -112,7 +112,8 @@ class CheckReport:
         out += [f"agent {a!r} acted in no scored episode: it would not be trained (does the graph reach it?)"
                 for a in self.silent]
         unfinished = self.counts.get("truncated_episodes", 0) + self.counts.get("model_error_episodes", 0)
-        failed = sum(self.counts.get(k, 0) for k in ("failed_episodes", "bad_reward_episodes", "judge_failed_episodes"))
+        failed = sum(self.counts.get(k, 0)
+                     for k in ("failed_episodes", "bad_reward_episodes", "judge_failed_episodes"))
         total = self.groups * self.group_size
         if unfinished > total / 2:
             out.append(f"{unfinished} of {total} episodes did not finish (truncated or model errors): see the "
