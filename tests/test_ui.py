@@ -141,6 +141,36 @@ def test_stored_html_is_escaped_text(app):
     assert listed(body) == ["xss"] and "<b>" not in body.split('id="episodes"')[1]
 
 
+def test_episode_page_shows_the_judges_verdict_escaped(app, run_dir):
+    record = {"mode": "agent", "model": "judge<7b>", "rubric_sha": "3f2a9c0d1e4b",
+              "prompt": [{"role": "system", "content": "Rubric: " + XSS_PROMPT}, {"role": "user", "content": "#0 solver"}],
+              "replies": ["not json", '{"scores": {"solver": 0.75, "checker": 0.0}}' + XSS_REPLY],
+              "scores": {"solver": 0.75, "checker": 0.0}, "reasons": {"solver": XSS_REPLY, "checker": "no <check>"},
+              "attempts": 2, "input_tokens": 812, "output_tokens": 64, "cached": True, "seconds": 1.25, "error": None}
+    with TraceStore(run_dir / "traces.db") as store:
+        store.write_episode(Episode(id="judged", task_id="t0", turns=[make_turn("solver", 0), make_turn("checker", 1)],
+                                    judgement=record))
+        store.write_episode(Episode(id="misjudged", task_id="t0", turns=[make_turn("solver", 0)], judgement={
+            "mode": "group", "model": "judge", "prompt": [], "replies": [], "scores": None, "reasons": None,
+            "attempts": 3, "group_size": 4, "index": 2, "error": "JudgeError: no usable <score> after 3 attempts"}))
+    status, body = get(app, "/runs/myrun/episodes/judged")
+    assert status == 200 and "<script>" not in body and "<img" not in body and "<check>" not in body
+    section = body.split('id="judgement"')[1].split("</section>")[0]
+    assert "agent mode" in section and "judge&lt;7b&gt;" in section and ">cached<" in section
+    rows = re.findall(r'<tr><th>([^<]+)</th><td class="score">([^<]+)</td><td class="reason">([^<]+)</td></tr>', section)
+    assert rows == [("solver", "0.75", "&lt;script&gt;alert(&#34;reply&#34;)&lt;/script&gt;&lt;img src=x "
+                                       "onerror=alert(&#34;img&#34;)&gt;"), ("checker", "0", "no &lt;check&gt;")]
+    reply = re.search(r'<pre id="judge-reply">([^<]*)</pre>', section).group(1)
+    assert reply.startswith("{&#34;scores&#34;: {&#34;solver&#34;: 0.75") and reply.endswith("alert(&#34;img&#34;)&gt;")
+    assert "the last of 2" in section and "<pre>not json</pre>" in section  # every attempt's reply, folded away
+    assert "Rubric: &lt;/pre&gt;&lt;script&gt;alert(&#39;prompt&#39;)&lt;/script&gt;" in section
+    assert "the judge's prompt (2 messages)" in section and "<td>812 / 64</td>" in section
+    section = get(app, "/runs/myrun/episodes/misjudged")[1].split('id="judgement"')[1].split("</section>")[0]
+    assert '<p class="error" id="judge-error">JudgeError: no usable &lt;score&gt; after 3 attempts</p>' in section
+    assert "episode 3 of 4 judged together" in section and '<pre id="judge-reply">–</pre>' in section
+    assert 'id="judgement"' not in get(app, "/runs/myrun/episodes/plain005")[1]  # no judge, no section
+
+
 def test_nothing_outside_the_run_folders_is_served(app, run_dir):
     (run_dir.parent / "secret.txt").write_text("top secret")
     for path in ("/static/../secret.txt", "/static/%2e%2e/secret.txt", "/runs/myrun/../secret.txt",

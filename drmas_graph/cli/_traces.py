@@ -13,6 +13,7 @@ from rich.table import Table
 from rich.text import Text
 
 from drmas_graph.cli._imports import build_graph, import_object
+from drmas_graph.errors import ConfigError
 from drmas_graph.traces.store import TraceStore
 from drmas_graph.types import Episode, Turn
 
@@ -82,12 +83,23 @@ def _add_rescore_command(commands: Any) -> None:
     from drmas_graph.train.rescore import POOLS
 
     p = commands.add_parser(
-        "rescore", help="new rewards and advantages for a stored run from another reward function, no model",
+        "rescore", help="new rewards and advantages for a stored run from another reward function or a judge, "
+                        "no policy model",
         description="Recompute rewards and advantages of the pooled episodes (advantages are normalised over "
                     "them, group by group). Pools: " + "; ".join(f"{k}: {v}" for k, v in POOLS.items()) + ".")
     p.add_argument("path", help="trace store of a run (run_dir/traces.db)")
-    p.add_argument("--reward", required=True, metavar="MODULE:ATTR",
-                   help="reward function: episode -> float (team reward) or {agent: float}")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--reward", metavar="MODULE:ATTR",
+                        help="reward function: episode -> float (team reward) or {agent: float}")
+    source.add_argument("--judge", metavar="MODULE:ATTR",
+                        help="a judge (an object with reward_group(task, episodes), e.g. drmas_graph.rewards.Judge "
+                             "or JudgedEnv) or a zero-argument factory returning one; called once per group, it "
+                             "stores its verdict with each episode (--out). If it also has tasks(split) (a "
+                             "JudgedEnv), the judge sees those tasks (reference answers); else each task is "
+                             "rebuilt from the stored input")
+    p.add_argument("--split", action="append", metavar="SPLIT",
+                   help="with --judge: the splits of its tasks(split) to look task ids up in (repeat it; "
+                        "default: train and test)")
     p.add_argument("--episodes", choices=list(POOLS), default="trained",
                    help="which episodes to pool (default: trained = the episodes training used in the latest "
                         "run; eval, failed, bad-reward and pre-resume episodes are left out)")
@@ -102,16 +114,46 @@ def _add_rescore_command(commands: Any) -> None:
 def _cmd_rescore(args: argparse.Namespace, console: Console) -> int:
     from drmas_graph.train.rescore import rescore
 
-    result = rescore(args.path, import_object(args.reward), estimator=args.estimator,
-                     norm_by_std=args.norm_by_std, step=args.step, episodes=args.episodes, out=args.out)
+    source, judge, tasks = "", None, None
+    if args.judge:
+        judge, tasks, source = _judge_and_tasks(args.judge, args.split)
+    elif args.split:
+        raise ConfigError("--split applies to --judge (the splits of the judge's tasks)")
+    result = rescore(args.path, None if judge else import_object(args.reward), judge=judge, tasks=tasks,
+                     estimator=args.estimator, norm_by_std=args.norm_by_std, step=args.step, episodes=args.episodes,
+                     out=args.out)
     totals: dict[str, list[float]] = {}
     for rescored in result.values():
         for agent, reward in rescored.rewards.items():
             totals.setdefault(agent, []).append(reward)
     means = ", ".join(f"{a} {sum(r) / len(r):.4f}" for a, r in sorted(totals.items()))
-    console.print(f"rescored {len(result)} episodes (pool: {args.episodes}); mean reward: {means or '-'}"
+    console.print(f"rescored {len(result)} episodes (pool: {args.episodes}{source}); mean reward: {means or '-'}"
                   + (f"; wrote {args.out}" if args.out else ""), markup=False)
+    if result.failed:
+        console.print(f"the judge gave no usable reward to {len(result.failed)} episode(s), left out of the "
+                      f"advantages" + (" (stored with their error in --out)" if args.out else "") + ":", markup=False)
+        for episode_id, error in result.failed.items():
+            console.print(f"- {episode_id}: {_snippet(error, 200)}", markup=False)
     return 0
+
+
+def _judge_and_tasks(spec: str, splits: list[str] | None) -> tuple[Any, list[Any] | None, str]:
+    """`--judge MODULE:ATTR`: the judge (the object, or what a zero-argument factory returns), the tasks of its
+    `tasks(split)` if it has one, and what the output line says about them."""
+    judge = import_object(spec)
+    if isinstance(judge, type) or (callable(judge) and not hasattr(judge, "reward_group")):  # a factory
+        judge = judge()
+    if not callable(getattr(judge, "reward_group", None)):
+        raise ConfigError(f"--judge {spec!r} is a {type(judge).__name__}, not a judge: name a drmas_graph.rewards.Judge, "
+                          "a JudgedEnv (or any object with reward_group(task, episodes)), or a factory returning one")
+    if not callable(getattr(judge, "tasks", None)):
+        if splits:
+            raise ConfigError(f"--split: the judge {spec!r} has no tasks(split); name a JudgedEnv to look tasks up")
+        return judge, None, "; tasks rebuilt from the stored inputs, without reference answers"
+    tasks: list[Any] = []
+    for split in splits or ["train", "test"]:
+        tasks += list(judge.tasks(split))
+    return judge, tasks, f"; tasks of the {', '.join(splits or ['train', 'test'])} splits"
 
 
 def _cmd_list(args: argparse.Namespace, console: Console) -> int:
@@ -144,6 +186,8 @@ def _cmd_show(args: argparse.Namespace, console: Console) -> int:
         summary = store.summary(args.episode)
         episode = store.load_episode(args.episode)
     console.print(_episode_header(episode, summary.step))
+    if episode.judgement is not None:
+        console.print(_judgement_block(episode.judgement, full=args.full))
     for position, turn in enumerate(episode.turns):
         console.print(_turn_block(episode, position, turn, full=args.full))
     return 0
@@ -275,6 +319,46 @@ def _episode_header(episode: Episode, train_step: int | None) -> Panel:
     if episode.model_error:
         lines.append(f"model error {episode.model_error}   (kept: trained with rollout.model_error_reward)")
     return Panel(Text("\n".join(lines)), title=Text(f"episode {episode.id}"), title_align="left")
+
+
+def _judgement_block(record: dict[str, Any], *, full: bool = False) -> Panel:
+    """What the judge made of the episode (`Episode.judgement`): its scores and reasons, the raw reply of its
+    last attempt in full, its prompt folded to one line per message (in full with `full`)."""
+    mode = record.get("mode") or "-"
+    title = f"judge  mode {mode}"
+    if record.get("group_size") is not None and record.get("index") is not None:
+        title += f"  episode {record['index'] + 1} of {record['group_size']} judged together"
+    seconds = record.get("seconds")
+    cached = {True: "yes", False: "no"}.get(record.get("cached"), "-")
+    lines = [
+        f"model {_or_dash(record.get('model'))}   rubric {_or_dash(record.get('rubric_sha'))}   "
+        f"attempts {_or_dash(record.get('attempts'))}   tokens in {_or_dash(record.get('input_tokens'))} / out "
+        f"{_or_dash(record.get('output_tokens'))}   cached {cached}   "
+        f"seconds {'-' if seconds is None else f'{seconds:.2f}'}",
+        f"scores {_scores(record.get('scores'))}",
+    ]
+    reasons = record.get("reasons")
+    if isinstance(reasons, dict):
+        lines += [f"reason   {agent}: {reason}" for agent, reason in reasons.items()] or ["reason   -"]
+    else:
+        lines.append(f"reason   {_or_dash(reasons)}")
+    lines.append(f"error    {record.get('error') or '-'}")
+    fold = (lambda text: str(text)) if full else _snippet
+    messages = [m for m in record.get("prompt") or () if isinstance(m, dict)]
+    lines += [f"prompt   {fold(str(m.get('role')) + ': ' + str(m.get('content')))}" for m in messages] or ["prompt   -"]
+    replies = [str(r) for r in record.get("replies") or ()]
+    if full and len(replies) > 1:  # every attempt's reply, the unusable ones too
+        lines += [f"reply {k}  {reply}" for k, reply in enumerate(replies, 1)]
+    else:
+        lines.append(f"reply    {replies[-1] if replies else '-'}")
+    return Panel(Text("\n".join(lines)), title=Text(title), title_align="left")
+
+
+def _scores(scores: Any) -> str:
+    """A judge's score (float) or scores ({agent: float}) as text; '-' when it gave none."""
+    if isinstance(scores, dict):
+        return ", ".join(f"{agent}={_number(v)}" for agent, v in scores.items()) or "-"
+    return _number(scores) if isinstance(scores, int | float) else _or_dash(scores)
 
 
 def _turn_block(episode: Episode, position: int, turn: Turn, *, full: bool = False) -> Panel:

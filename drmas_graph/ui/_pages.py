@@ -21,7 +21,7 @@ from drmas_graph.types import Episode, Turn
 from drmas_graph.ui._charts import Series, line_chart, points
 from drmas_graph.ui._data import Run
 
-__all__ = ["run_charts", "eval_rows", "episode_view", "replay_view", "diff_lines", "token_html"]
+__all__ = ["run_charts", "eval_rows", "episode_view", "judgement_view", "replay_view", "diff_lines", "token_html"]
 
 FIRST_CHARTS = (
     "reward/team_mean", "agent/*/reward_mean", "model/*/grad_norm", "agent/*/approx_kl", "agent/*/entropy",
@@ -98,7 +98,10 @@ def token_html(turn: Turn, tokenizer: Any, cache: dict[int, str]) -> Markup:
 
 
 def _content(message: Any) -> str:
-    content = message.content
+    return _content_text(message.content)
+
+
+def _content_text(content: Any) -> str:
     return content if isinstance(content, str) else json.dumps(content, indent=1, ensure_ascii=False, default=str)
 
 
@@ -144,7 +147,23 @@ def episode_view(run: Run, episode: Episode) -> dict[str, Any]:
     has_tokenizer = any(run.tokenizer(t.policy) is not None for t in episode.turns if t.trainable)
     return {"episode": episode, "turns": turns, "tree": tree, "segments": segments,
             "final_state": _json(episode.final_state), "input": _json(episode.input),
-            "has_tokenizer": has_tokenizer, "open_all": len(turns) <= 12}
+            "has_tokenizer": has_tokenizer, "open_all": len(turns) <= 12,
+            "judgement": None if episode.judgement is None else judgement_view(episode.judgement)}
+
+
+def judgement_view(record: Mapping[str, Any]) -> dict[str, Any]:
+    """Template values of the judge's verdict (`Episode.judgement`): one (who, score, reason) row per agent in
+    agent mode, one row for the episode otherwise; the prompt as (role, text); every attempt's raw reply."""
+    scores, reasons = record.get("scores"), record.get("reasons")
+    if isinstance(scores, Mapping) or isinstance(reasons, Mapping):
+        scores = scores if isinstance(scores, Mapping) else {}
+        reasons = reasons if isinstance(reasons, Mapping) else {}
+        rows = [(agent, scores.get(agent), reasons.get(agent)) for agent in {**scores, **reasons}]
+    else:
+        rows = [("episode", scores, reasons)]
+    prompt = [(str(m.get("role")), _content_text(m.get("content"))) for m in record.get("prompt") or ()
+              if isinstance(m, Mapping)]
+    return {"record": record, "rows": rows, "prompt": prompt, "replies": [str(r) for r in record.get("replies") or ()]}
 
 
 def group_view(run: Run, group_id: str) -> dict[str, Any]:
