@@ -73,7 +73,13 @@ def test_training_and_evaluation_score_each_group_with_one_reward_group_call(tmp
     # rewards and advantages: the group's scores, normalised per (group, agent) over the episodes kept
     with TraceStore(tmp_path / "run" / "traces.db", readonly=True) as store:
         trained = {ep_id: store.load_episode(ep_id) for ep_id in store.trained_episodes(step=0)}
+        stored_failed = store.load_episode(failed.id)
+        failed_step = next(e.step for e in store.episodes() if e.id == failed.id)
+        stored_eval = [store.load_episode(ep.id) for _, eps, _ in eval_calls for ep in eps]
     assert failed.id not in trained and len(trained) == 7
+    # every judgement is stored: the failed episode's (never trained), the trained ones', the evaluation's
+    assert stored_failed.judgement == failed.judgement and failed_step is None and not stored_failed.rewards
+    assert [ep.judgement for ep in stored_eval] == [ep.judgement for _, eps, _ in eval_calls for ep in eps]
     for task_id, episodes, _ in train_calls:
         scores = group_scores(episodes)
         kept = [(ep, s) for i, (ep, s) in enumerate(zip(episodes, scores)) if not (task_id == "train-1" and i == 1)]
@@ -83,6 +89,8 @@ def test_training_and_evaluation_score_each_group_with_one_reward_group_call(tmp
             assert stored.rewards == {"solver": score, "verifier": score}
             assert stored.turn_rewards == [score, score]  # every verifier reply is valid (< 8 tokens)
             assert stored.advantages == pytest.approx([adv, adv], abs=1e-6)  # float32 tensors
+            assert stored.judgement == ep.judgement == {"mode": "group", "index": episodes.index(ep),
+                                                        "chars": [solver_chars(e) for e in episodes]}
 
     # evaluation: reward_group too, its counters in the eval record
     evaluation = result.evals[-1]

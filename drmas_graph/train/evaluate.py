@@ -64,11 +64,14 @@ def evaluate(trainer: Any, *, step: int, split: str | None = None,
         except BadRewardError as exc:
             counts[_scoring.failure_metric(exc)] += 1
             episode.error = f"BadRewardError: {exc}"
+            if episode.judgement is not None:
+                trainer.store.update_training(episode.id, step=None, judgement=episode.judgement)
             successes[task.id].append(False)
             if local is not None:
                 local.append((task, episode, None, False))
             continue
-        trainer.store.update_training(episode.id, step=None, rewards=score.rewards, turn_rewards=score.turn_rewards)
+        trainer.store.update_training(episode.id, step=None, rewards=score.rewards, turn_rewards=score.turn_rewards,
+                                      judgement=episode.judgement)
         teams.append(score.team)
         successes[task.id].append(is_success(trainer.env, task, episode, score, trainer.cfg.success_threshold))
         if local is not None:

@@ -395,8 +395,15 @@ class Trainer:
 
     def _score_runs(self, runs: list[tuple[Any, Episode]], counts: dict[str, int]
                     ) -> tuple[_scoring.Scored, list[BadRewardError]]:
-        return _scoring.score_runs(self.env, runs, counts, invalid_penalty=self.invalid_penalty,
-                                   rollout=self.cfg.rollout, on_error=self._log_reward_raise)
+        """`_scoring.score_runs`; the judgement of an episode left out (its judge gave no score) goes to the store
+        now (those of the trained episodes go with their rewards, `record_training`)."""
+        scored, errors = _scoring.score_runs(self.env, runs, counts, invalid_penalty=self.invalid_penalty,
+                                             rollout=self.cfg.rollout, on_error=self._log_reward_raise)
+        kept = {ep.id for _, ep, _ in scored}
+        for _, episode in runs:
+            if episode.id not in kept and episode.judgement is not None:
+                self.store.update_training(episode.id, step=None, judgement=episode.judgement)
+        return scored, errors
 
     def _advantages(self, scored: _scoring.Scored) -> tuple[list[Sample], Any]:
         """Advantages of every policy-served turn and the Samples of the trained agents' turns."""
