@@ -252,8 +252,8 @@ def test_a_group_judge_trains_through_reward_group_with_its_counters_and_records
 
     def ranked(messages):
         n = len(re.findall(r"^Attempt \d+:$", messages[-1].content, flags=re.M))
-        return json.dumps({"scores": [{"attempt": i, "reason": f"attempt {i}", "score": (i - 1) / (n - 1)}
-                                      for i in range(1, n + 1)]})
+        return json.dumps({f"attempt_{i}": {"reason": f"attempt {i}", "score": (i - 1) / (n - 1)}
+                           for i in range(1, n + 1)})
 
     model = scripted(default=ranked)
     env = JudgedEnv(ParityEnv(n_train=2, n_test=2), Judge(model, "Longer is better.", mode="group"))

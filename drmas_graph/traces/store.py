@@ -40,7 +40,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from drmas_graph.traces import _queries, _serde
+from drmas_graph.traces import _export, _queries, _serde
 from drmas_graph.traces._queries import EpisodeSummary, StoreStats
 from drmas_graph.traces._serde import TraceStoreWarning
 from drmas_graph.errors import (
@@ -429,16 +429,16 @@ class TraceStore:
         step: int | None = None,
     ) -> int:
         """Write per-agent trajectories, one row per LLM call, to ``path`` as ``jsonl`` or ``parquet``;
-        returns the number of rows. Columns: `drmas_graph.traces._serde.EXPORT_COLUMNS`. ``reward`` is
+        returns the number of rows. Columns: `drmas_graph.traces._export.EXPORT_COLUMNS`. ``reward`` is
         the agent's episode reward; ``turn_reward`` and ``advantage`` are what training stored."""
-        if format not in _serde.EXPORT_WRITERS:
-            valid = ", ".join(_serde.EXPORT_WRITERS)
+        if format not in _export.EXPORT_WRITERS:
+            valid = ", ".join(_export.EXPORT_WRITERS)
             raise ConfigError(f"unknown export format {format!r}; valid formats: {valid}")
         where, params = _queries.conditions(("t.agent = ?", agent), ("e.step = ?", step))
-        sql = _serde.EXPORT_SELECT + (" WHERE " + " AND ".join(where) if where else "") + _serde.EXPORT_ORDER
+        sql = _export.EXPORT_SELECT + (" WHERE " + " AND ".join(where) if where else "") + _export.EXPORT_ORDER
         with self._lock, self._errors("export"):
             cursor = self._connection().execute(sql, params)
-            return _serde.EXPORT_WRITERS[format](Path(path), _serde.export_rows(cursor))
+            return _export.EXPORT_WRITERS[format](Path(path), _export.export_rows(cursor))
 
     # -- lifetime ----------------------------------------------------------------------------------
 
