@@ -16,6 +16,7 @@ __all__ = [
     "PolicyError",
     "RolloutError",
     "NoLLMCallError",
+    "JudgeError",
 ]
 
 
@@ -59,6 +60,11 @@ class RolloutError(DrmasError, RuntimeError):
 
 class NoLLMCallError(RolloutError):
     """A rollout finished without a single LLM call, so there is nothing to train on."""
+
+
+class JudgeError(DrmasError, RuntimeError):
+    """The judge gave no usable score for an episode after its retries (the message says why, with the last raw
+    reply); `drmas_graph.rewards.Judge.reward_group` returns it in place of the episode's reward."""
 
 
 class TraceStoreError(DrmasError, OSError):

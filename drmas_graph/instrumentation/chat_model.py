@@ -28,6 +28,19 @@ class PolicyChatModel(BaseChatModel):
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
     policy: Policy
+    temperature: float | None = None
+    """Sampling temperature of every call (0 = greedy); None = the policy's own `sampling`."""
+    max_tokens: int | None = None
+    """Most tokens of a reply; None = the policy's own `sampling.max_new_tokens`."""
+    seed: int | None = None
+    """Sampler seed of every call; None = the policy's own."""
+
+    def _sampling(self, stop: list[str] | None) -> Any:
+        changes = {k: v for k, v in (("temperature", self.temperature), ("max_new_tokens", self.max_tokens),
+                                     ("seed", self.seed)) if v is not None}
+        if stop:
+            changes["stop"] = tuple(self.policy.sampling.stop) + tuple(stop)
+        return self.policy.sampling.replace(**changes)
 
     @property
     def _llm_type(self) -> str:
@@ -37,9 +50,7 @@ class PolicyChatModel(BaseChatModel):
         return self.bind(tools=[convert_to_openai_tool(t) for t in tools], **kwargs)
 
     def _generate(self, messages, stop=None, run_manager=None, **kwargs: Any) -> ChatResult:
-        params = self.policy.sampling
-        if stop:
-            params = params.replace(stop=tuple(params.stop) + tuple(stop))
+        params = self._sampling(stop)
         tools = normalize_tools(kwargs.get("tools"))
         where = f"PolicyChatModel(policy {self.policy.name!r})"
         spec, model_class = output_spec(kwargs, tools, where)  # with_structured_output / tool_choice
@@ -57,5 +68,7 @@ class PolicyChatModel(BaseChatModel):
         finish = "tool_calls" if parsed.tool_calls and gen.finish_reason == "stop" else gen.finish_reason
         message = AIMessage(content=parsed.content, tool_calls=parsed.tool_calls,
                             invalid_tool_calls=parsed.invalid_tool_calls, additional_kwargs=extra,
-                            response_metadata={"finish_reason": finish, "model_name": self.policy.name})
+                            response_metadata={"finish_reason": finish, "model_name": self.policy.name},
+                            usage_metadata={"input_tokens": len(prompt_ids), "output_tokens": len(gen.token_ids),
+                                            "total_tokens": len(prompt_ids) + len(gen.token_ids)})
         return ChatResult(generations=[ChatGeneration(message=message)])
