@@ -9,7 +9,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from drmas_graph.types import Episode, Turn
 
-__all__ = ["Env", "Task", "score_episode", "EpisodeScore"]
+__all__ = ["Env", "Task", "score_episode", "EpisodeScore", "fixed_reward"]
 
 
 @dataclass(frozen=True)
@@ -44,6 +44,22 @@ class Env(Protocol):
     {interrupt id: value} for several, or a `Command`; None leaves the episode paused, and it fails), and
     `next_input(task, episode)` returns the next user input on the same thread after a run that finished, or
     None to end the conversation. Either may be `async def`; sync ones run on worker threads.
+
+    Optional, for rewards that compare the episodes of a GRPO group or come from a judge model (see
+    `drmas_graph.rewards`): `reward_group(task, episodes)` returns the rewards of a group's episodes (those of
+    one task rolled out together, in their order), one item per episode: a float, a {agent: float} dict (as
+    `reward`), or an exception instance for an episode it could not score (a `JudgeError` is counted in the
+    metric `judge_failed_episodes`, another exception in `bad_reward_episodes`; that episode gets
+    `episode.error` and is not trained on). When present, training steps, evaluation and `drmas-graph check`
+    call it instead of `reward`, once per group, groups concurrently (from a thread pool: it must be
+    thread-safe). Episodes that `rollout.truncated_reward` / `rollout.model_error_reward` score, and truncated
+    ones `rollout.mask_truncated` drops, are not passed to it (a group with none left is not sent); failed
+    episodes never reach scoring. A list of the wrong length, or `reward_group` raising, makes every episode
+    of the group a bad-reward episode, with an error naming the environment. It may set
+    `episode.judgement` (a JSON-able dict, stored with the episode). `reward_metrics()` returns counters since
+    its last call ({name: number}, e.g. a judge's `judge/calls`, `judge/input_tokens`), called after each
+    training step's and each evaluation's scoring and merged into the step's metrics record and the
+    evaluation record (keys are 'namespace/name' outside the trainer's own namespaces such as `agent/`).
     """
 
     def tasks(self, split: str) -> Sequence[Any]: ...
@@ -74,26 +90,56 @@ class EpisodeScore:
     """The team reward (mean over agents when the environment returned per-agent rewards)."""
 
 
+class _EnvReward:
+    def __repr__(self) -> str:
+        return "ENV_REWARD"
+
+
+ENV_REWARD: Any = _EnvReward()
+"""`score_episode(reward=...)`'s default: ask `env.reward` (no reward given in advance)."""
+
+
 class BadRewardError(ValueError):
     """The environment returned a reward that cannot be trained on (None, NaN, missing agent), or its `reward`
     or `turn_is_valid` raised (the exception is the `__cause__`)."""
 
 
+def fixed_reward(episode: Episode, *, truncated_reward: float | None = None,
+                 model_error_reward: float | None = None) -> float | None:
+    """The configured team reward of an episode that did not finish (`truncated_reward` for a truncated one,
+    `model_error_reward` for a model error); None when the environment scores it."""
+    return {"truncated": truncated_reward, "model_error": model_error_reward}.get(episode.outcome)
+
+
 def score_episode(env: Any, task: Any, episode: Episode, *, invalid_penalty: float,
-                  truncated_reward: float | None = None, model_error_reward: float | None = None) -> EpisodeScore:
+                  truncated_reward: float | None = None, model_error_reward: float | None = None,
+                  reward: Any = ENV_REWARD) -> EpisodeScore:
     """Call the environment's reward and validity check for one episode the trainer kept.
 
     The team reward of a truncated episode is `truncated_reward` and that of a model-error episode
     `model_error_reward` (the config's `rollout` fields); None asks `env.reward` (it sees `episode.truncated`
-    / `episode.model_error`; `final_state` is None unless the app caught the stop). A turn is invalid when
+    / `episode.model_error`; `final_state` is None unless the app caught the stop). `reward`, when given, is
+    the raw reward the environment already gave for the episode (its item of `env.reward_group`): it is
+    checked and used instead of calling `env.reward` (a configured reward above still takes precedence; an
+    exception instance raises `BadRewardError` from it). A turn is invalid when
     `env.turn_is_valid` says so, when its reply failed its structured-output request or its tool calls do not
     parse (`Turn.format_error`), or when it is the turn that caused the model error.
 
     Raises `BadRewardError` for an unusable reward and when `env.reward` or `env.turn_is_valid` raises
     (chained), so one bad episode costs its group a sample, never the run.
     """
-    fixed = {"truncated": truncated_reward, "model_error": model_error_reward}.get(episode.outcome)
-    raw = fixed if fixed is not None else _call_env(env.reward, task, episode)
+    fixed = fixed_reward(episode, truncated_reward=truncated_reward, model_error_reward=model_error_reward)
+    if fixed is not None:
+        raw = fixed
+    elif reward is ENV_REWARD:
+        raw = _call_env(env.reward, task, episode)
+    elif isinstance(reward, BaseException):
+        if isinstance(reward, BadRewardError):
+            raise reward
+        raise BadRewardError(f"env {type(env).__name__} gave no reward for task {getattr(task, 'id', task)!r}: "
+                             f"{type(reward).__name__}: {reward}") from reward
+    else:
+        raw = reward
     agents = episode.agents
     if isinstance(raw, Mapping):
         missing = [a for a in agents if a not in raw]

@@ -3,10 +3,11 @@
 GRPO learns only from groups whose episodes got different rewards: a group where every episode got the same
 reward has advantages of exactly 0 (no gradient). `preflight` rolls out a few groups the way the first
 training step would (the first tasks of the training order, `group_size` episodes each, the same seeds and
-sampling), scores them with the training rewards, and reports per agent the reward's spread, the share of its
-groups with zero variance, how often its turns were invalid (environment check or broken format) and its
-replies hit `max_new_tokens`, and one sample reply; `CheckReport.warnings` says what to change when most
-groups teach nothing. Nothing is trained; the episodes go to their own trace store.
+sampling), scores them with the training rewards (`env.reward_group` when the environment has it), and
+reports per agent the reward's spread, the share of its groups with zero variance, how often its turns were
+invalid (environment check or broken format) and its replies hit `max_new_tokens`, and one sample reply, then
+the environment's `reward_metrics()` (a judge's calls and tokens); `CheckReport.warnings` says what to change
+when most groups teach nothing. Nothing is trained; the episodes go to their own trace store.
 """
 
 from __future__ import annotations
@@ -69,7 +70,8 @@ class CheckReport:
     episodes: int
     """Episodes scored (failed, bad-reward and masked truncated episodes are left out and counted)."""
     counts: dict[str, int]
-    """The rollout's counts (failed_episodes, truncated_episodes, model_error_episodes, bad_reward_episodes, ...)."""
+    """The rollout's counts (failed_episodes, truncated_episodes, model_error_episodes, bad_reward_episodes,
+    judge_failed_episodes, ...) and the environment's `reward_metrics()` (e.g. judge/calls)."""
     pools: int
     """Advantage pools the configured estimator formed."""
     signal_pools: int
@@ -78,6 +80,11 @@ class CheckReport:
     """Per agent that acted, by name."""
     silent: tuple[str, ...] = ()
     """Agents with a policy that acted in no scored episode."""
+
+    @property
+    def reward_metrics(self) -> dict[str, float]:
+        """The environment's `reward_metrics()` of the preflight's scoring (e.g. a judge's calls and tokens)."""
+        return {k: v for k, v in self.counts.items() if "/" in k and not k.startswith(_scoring.TRAINER_PREFIXES)}
 
     @property
     def has_signal(self) -> bool:
@@ -105,7 +112,7 @@ class CheckReport:
         out += [f"agent {a!r} acted in no scored episode: it would not be trained (does the graph reach it?)"
                 for a in self.silent]
         unfinished = self.counts.get("truncated_episodes", 0) + self.counts.get("model_error_episodes", 0)
-        failed = self.counts.get("failed_episodes", 0) + self.counts.get("bad_reward_episodes", 0)
+        failed = sum(self.counts.get(k, 0) for k in ("failed_episodes", "bad_reward_episodes", "judge_failed_episodes"))
         total = self.groups * self.group_size
         if unfinished > total / 2:
             out.append(f"{unfinished} of {total} episodes did not finish (truncated or model errors): see the "
@@ -124,7 +131,8 @@ class CheckReport:
         rows = [f"{self.groups} groups x {self.group_size} episodes on the base models: {self.episodes} scored, "
                 f"{self.signal_pools} of {self.pools} advantage pools with a learning signal",
                 f"episodes: {c.get('truncated_episodes', 0)} truncated by a limit, {c.get('model_error_episodes', 0)} "
-                f"model errors, {c.get('failed_episodes', 0)} failed, {c.get('bad_reward_episodes', 0)} bad rewards",
+                f"model errors, {c.get('failed_episodes', 0)} failed, {c.get('bad_reward_episodes', 0)} bad rewards"
+                + (f", {c['judge_failed_episodes']} not scored by the judge" if c.get("judge_failed_episodes") else ""),
                 f"{'agent':<16}{'reward mean':>12}{'std':>8}{'min':>8}{'max':>8}{'no-signal groups':>18}"
                 f"{'invalid':>9}{'format':>8}{'cut off':>9}"]
         for agent, a in self.agents.items():
@@ -133,6 +141,9 @@ class CheckReport:
                         f"{a.format_error_rate:>8.0%}{a.truncated_reply_rate:>9.0%}")
         for agent, a in self.agents.items():
             rows.append(f"sample reply of {agent}: {a.sample_reply!r}")
+        scoring = [f"{k} {v:g}" for k, v in self.reward_metrics.items()]
+        if scoring:
+            rows.append("scoring (the environment's reward_metrics): " + ", ".join(scoring))
         rows += [f"warning: {w}" for w in self.warnings()]
         return rows
 

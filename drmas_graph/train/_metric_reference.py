@@ -21,7 +21,11 @@ STEP = [
     ("failed_episodes", "Episodes that raised in the graph (dropped from their group; the error is in traces.db)."),
     ("interrupted_episodes", "Of the failed ones, those left paused at an `interrupt()` no answer resumed."),
     ("no_llm_call_episodes", "Episodes that made no LLM call (dropped)."),
-    ("bad_reward_episodes", "Episodes whose reward was unusable (None, NaN, a missing agent) or whose env raised."),
+    ("bad_reward_episodes", "Episodes whose reward was unusable (None, NaN, a missing agent) or whose env raised "
+                            "(also: an exception item of `env.reward_group` other than a JudgeError, a "
+                            "`reward_group` list of the wrong length)."),
+    ("judge_failed_episodes", "Episodes the judge gave no score (a `JudgeError` item of `env.reward_group`, after its "
+                              "retries): not trained on; `episode.error` and the stored judgement say why."),
     ("masked_truncated_episodes", "Truncated episodes `rollout.mask_truncated` dropped."),
     ("truncated_episodes", "Episodes a limit stopped (trained on with `rollout.truncated_reward`)."),
     ("truncated/<limit>", "Of those, the ones `<limit>` stopped (max_llm_calls, recursion_limit, timeout_s)."),
@@ -68,6 +72,20 @@ ASYNC = [
     ("agent/<agent>/is_weight_max", "Largest importance weight (before the cap)."),
     ("agent/<agent>/is_capped_frac", "Share of the agent's tokens whose weight the cap clipped."),
 ]
+JUDGE = [
+    ("judge/calls", "Calls to the judge model since the previous record (group mode: one per group; retries "
+                    "included)."),
+    ("judge/retries", "Of those, calls that repeated a failed, unparsable or out-of-range reply."),
+    ("judge/failed_calls", "Calls that failed (an exception, a timeout, an unusable reply)."),
+    ("judge/cache_hits", "Judgements taken from the judge's cache instead of a call (a resumed run pays nothing "
+                         "twice)."),
+    ("judge/input_tokens", "Prompt tokens of the judge's calls."),
+    ("judge/output_tokens", "Reply tokens of the judge's calls."),
+    ("judge/seconds", "Seconds spent in judge calls, summed over concurrent calls."),
+]
+"""The counters a `rewards.Judge` (or `JudgedEnv`) returns from `reward_metrics()`; any environment's
+`reward_metrics()` keys join the step and evaluation records the same way (asynchronous training: the counters
+since the previous call, which may include a neighbouring step's scoring under `async.schedule: free`)."""
 EVAL = [
     ("eval/split", "The evaluation's task split."),
     ("eval/k", "Samples per task."),
@@ -76,13 +94,15 @@ EVAL = [
                    "success_threshold, or env.is_success)."),
     ("eval/pass@k", "Share of tasks with at least one success among k."),
     ("eval/failed_episodes", "Episodes that failed or made no LLM call (they count as failures)."),
+    ("eval/bad_reward_episodes", "Episodes whose reward was unusable (they count as failures)."),
+    ("eval/judge_failed_episodes", "Episodes the judge gave no score (they count as failures)."),
     ("eval/<agent>/reward", "Mean turn reward of the agent (invalid-turn penalties included)."),
     ("eval/<agent>/invalid_rate", "Share of the agent's turns that were invalid."),
     ("eval/<agent>/calls_per_episode", "The agent's calls per episode."),
     ("eval/<agent>/response_length", "Mean response length in tokens of the agent's replies."),
     ("eval/<agent>/top_replies", "The agent's 5 most frequent replies (whitespace-normalized, cut to 80 "
                                  "characters): a list of {reply, count, reward (mean)}; not a scalar."),
-]
+] + [(f"eval/{key}", f"{meaning.rstrip('.')}, during the evaluation.") for key, meaning in JUDGE]
 
 
 def _field_docs(cls: type) -> dict[str, str]:
@@ -98,6 +118,7 @@ def metrics_reference() -> list[tuple[str, str, str]]:
     update += [(f"agent/<agent>/{k}", d) for k, d in _field_docs(AgentUpdateMetrics).items()]
     sections = [("Training step", STEP), ("Update (per trainable model and agent)", update),
                 ("Asynchronous training", ASYNC),
+                ("Judge rewards (an environment's `reward_metrics()`: a `rewards.Judge`'s counters)", JUDGE),
                 ("Evaluation (lines with eval/ keys; `TrainResult.evals` and a `drmas-graph eval`'s eval.json hold "
                  "the same record without the prefix)", EVAL)]
     return [(section, key, meaning) for section, rows in sections for key, meaning in rows]

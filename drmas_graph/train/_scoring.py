@@ -3,7 +3,9 @@
 - `score_runs`: the reward of every kept episode (minus the invalid-turn penalty): the environment's for a
   finished one, `rollout.truncated_reward` / `rollout.model_error_reward` for one that did not finish
   (`score_episode`); a truncated episode `rollout.mask_truncated` names is dropped and counted, so is one
-  whose reward is unusable (None, NaN, or the env raised).
+  whose reward is unusable (None, NaN, the env raised, or its judge gave no score: `judge_failed_episodes`).
+- `group_rewards`: the rewards of an environment with `reward_group`, one call per group, groups concurrently;
+  `reward_metrics`: the environment's counters (`reward_metrics()`), checked, for the step or eval record.
 - `samples_with_advantages`: advantages of every policy-served turn (`compute_advantages`, estimator by name)
   and one `Sample` per turn of a trained agent.
 - `step_record`: the metrics of one training step, per agent (truncated and model-error episodes and their
@@ -14,20 +16,29 @@
 from __future__ import annotations
 
 import logging
+import numbers
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from drmas_graph.config import RolloutConfig, TrainConfig
-from drmas_graph.env import BadRewardError, EpisodeScore, score_episode, trainable_agent_turns
+from drmas_graph.env import (
+    ENV_REWARD,
+    BadRewardError,
+    EpisodeScore,
+    fixed_reward,
+    score_episode,
+    trainable_agent_turns,
+)
 from drmas_graph.errors import RolloutError
 from drmas_graph.train.advantages import compute_advantages
 from drmas_graph.train.metrics import mean_std
 from drmas_graph.types import Episode, Sample
 
-__all__ = ["score_runs", "masked", "samples_with_advantages", "step_record", "unfinished_metrics",
-           "unfinished_warning", "nothing_to_train", "ZeroSignalWatch"]
+__all__ = ["score_runs", "group_rewards", "reward_metrics", "failure_metric", "masked", "samples_with_advantages",
+           "step_record", "unfinished_metrics", "unfinished_warning", "nothing_to_train", "ZeroSignalWatch"]
 
 log = logging.getLogger(__name__)
 
@@ -35,29 +46,132 @@ Scored = list[tuple[Any, Episode, EpisodeScore]]
 """(task, episode, score) of every episode that got a usable reward."""
 
 
-def score_runs(env: Any, runs: list[tuple[Any, Episode]], counts: dict[str, int], *, invalid_penalty: float,
+GROUP_THREADS = 16
+"""At most this many groups are scored at once by an environment's `reward_group` (one thread each)."""
+
+
+def score_runs(env: Any, runs: list[tuple[Any, Episode]], counts: dict[str, Any], *, invalid_penalty: float,
                rollout: RolloutConfig, on_error: Callable[[BadRewardError], None]) -> tuple[Scored, list[BadRewardError]]:
-    """Score every run; bad-reward episodes get their `error`, are counted in `counts` and reported to
-    `on_error`, and are left out of the returned list; so are (counted, not reported) truncated episodes
-    that `rollout.mask_truncated` drops."""
-    scored, errors, counts["bad_reward_episodes"], counts["masked_truncated_episodes"] = [], [], 0, 0
+    """Score every run (through `env.reward_group` when the environment has it, see `group_rewards`); bad-reward
+    and judge-failed episodes get their `error`, are counted in `counts` (`bad_reward_episodes`,
+    `judge_failed_episodes`) and reported to `on_error`, and are left out of the returned list; so are
+    (counted, not reported) truncated episodes that `rollout.mask_truncated` drops. Then the environment's
+    `reward_metrics()` go into `counts`."""
+    scored, errors = [], []
+    counts.update(bad_reward_episodes=0, judge_failed_episodes=0, masked_truncated_episodes=0)
+    kept = []
     for task, episode in runs:
         if masked(episode, rollout.mask_truncated):
             counts["masked_truncated_episodes"] += 1
-            continue
+        else:
+            kept.append((task, episode))
+    given = group_rewards(env, kept, truncated_reward=rollout.truncated_reward,
+                          model_error_reward=rollout.model_error_reward)
+    for task, episode in kept:
         try:
             score = score_episode(env, task, episode, invalid_penalty=invalid_penalty,
                                   truncated_reward=rollout.truncated_reward,
-                                  model_error_reward=rollout.model_error_reward)
+                                  model_error_reward=rollout.model_error_reward,
+                                  reward=given.get(episode.id, ENV_REWARD))
         except BadRewardError as exc:
-            counts["bad_reward_episodes"] += 1
+            counts[failure_metric(exc)] += 1
             episode.error = f"BadRewardError: {exc}"
             errors.append(exc)
             on_error(exc)
             continue
         episode.rewards, episode.turn_rewards = score.rewards, score.turn_rewards
         scored.append((task, episode, score))
+    counts.update(reward_metrics(env))
     return scored, errors
+
+
+def failure_metric(exc: BadRewardError) -> str:
+    """The count an unusable reward goes to: `judge_failed_episodes` when a judge gave no score (a `JudgeError`
+    caused it), else `bad_reward_episodes`."""
+    return "judge_failed_episodes" if is_judge_error(exc.__cause__) else "bad_reward_episodes"
+
+
+def is_judge_error(exc: BaseException | None) -> bool:
+    """Whether `exc` is a `drmas_graph.rewards.JudgeError` (or a subclass of one)."""
+    return exc is not None and any(cls.__name__ == "JudgeError" for cls in type(exc).__mro__)
+
+
+def group_rewards(env: Any, runs: Sequence[tuple[Any, Episode]], *, truncated_reward: float | None,
+                  model_error_reward: float | None) -> dict[str, Any]:
+    """The raw rewards `env.reward_group` gives, by episode id: {} when the environment has no `reward_group`.
+
+    The runs that need the environment's reward (not the truncated / model-error ones `truncated_reward` /
+    `model_error_reward` score) are grouped by `group_id` (a training group, or one task's k evaluation
+    episodes), keeping their order; each group is one `reward_group(task, episodes)` call, the groups run
+    concurrently on up to `GROUP_THREADS` threads. An item is a reward (float or {agent: float}, checked
+    later by `score_episode`) or a `BadRewardError` (the item was an exception, caused by it; or the group's
+    call raised or returned the wrong number of items: then every episode of the group gets one)."""
+    call = getattr(env, "reward_group", None)
+    if call is None:
+        return {}
+    groups: dict[str, tuple[Any, list[Episode]]] = {}
+    for task, episode in runs:
+        if fixed_reward(episode, truncated_reward=truncated_reward, model_error_reward=model_error_reward) is None:
+            groups.setdefault(episode.group_id or str(task.id), (task, []))[1].append(episode)
+    if not groups:
+        return {}
+    with ThreadPoolExecutor(max_workers=min(len(groups), GROUP_THREADS), thread_name_prefix="reward-group") as pool:
+        futures = [(episodes, pool.submit(_reward_group, env, call, group_id, task, episodes))
+                   for group_id, (task, episodes) in groups.items()]
+        return {ep.id: item for episodes, future in futures for ep, item in zip(episodes, future.result())}
+
+
+def _reward_group(env: Any, call: Callable[..., Any], group_id: str, task: Any, episodes: list[Episode]
+                  ) -> list[Any]:
+    """One group's `reward_group` items, exceptions (the items' own, the call's) turned into BadRewardErrors."""
+    where = f"env {type(env).__name__}.reward_group()"
+    group = f"group {group_id!r} (task {getattr(task, 'id', task)!r})"
+    try:
+        items = list(call(task, list(episodes)))
+    except Exception as exc:
+        error = BadRewardError(f"{where} raised on {group}: {type(exc).__name__}: {exc}")
+        error.__cause__ = exc
+        return [error] * len(episodes)
+    if len(items) != len(episodes):
+        error = BadRewardError(f"{where} returned {len(items)} rewards for the {len(episodes)} episodes of {group}; "
+                               "it must return one per episode, in their order")
+        return [error] * len(episodes)
+    out = []
+    for i, item in enumerate(items):
+        if isinstance(item, BaseException):
+            error = BadRewardError(f"{where} gave no reward for episode {i} ({episodes[i].id}) of {group}: "
+                                   f"{type(item).__name__}: {item}")
+            error.__cause__ = item
+            item = error
+        out.append(item)
+    return out
+
+
+TRAINER_PREFIXES = ("agent/", "model/", "adv/", "time/", "samples/", "reward/", "rollout/", "async/", "truncated/",
+                    "eval/")
+"""Namespaces of the trainer's own metrics, which an environment's `reward_metrics()` keys must not use."""
+
+
+def reward_metrics(env: Any) -> dict[str, float]:
+    """The environment's `reward_metrics()` (counters since its last call), {} when it has none. Each key is
+    'namespace/name' outside the trainer's namespaces (`TRAINER_PREFIXES`), each value a number; otherwise a
+    TypeError or ValueError names the environment and the key."""
+    call = getattr(env, "reward_metrics", None)
+    if call is None:
+        return {}
+    where = f"env {type(env).__name__}.reward_metrics()"
+    metrics = call()
+    if not isinstance(metrics, Mapping):
+        raise TypeError(f"{where} returned {type(metrics).__name__}, not a dict {{name: number}}")
+    out = {}
+    for key, value in metrics.items():
+        if not isinstance(key, str) or "/" not in key.strip("/") or key.startswith(TRAINER_PREFIXES):
+            raise ValueError(f"{where} returned the key {key!r}: keys are 'namespace/name' (e.g. 'judge/calls'), "
+                             f"outside the trainer's own namespaces {', '.join(TRAINER_PREFIXES)}")
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise TypeError(f"{where} returned {key!r}: {value!r}, not a number")
+        out[key] = value if isinstance(value, int) else float(value)
+    return out
 
 
 def masked(episode: Episode, mask_truncated: bool | Sequence[str]) -> bool:

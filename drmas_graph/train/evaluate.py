@@ -3,7 +3,9 @@
 Every task is rolled out k times with `eval.temperature` / `eval.top_p` (never trained on, so truncated
 sampling is fine on every backend); an episode succeeds when its team reward reaches `success_threshold`
 (or `env.is_success` says so; truncated and model-error episodes get their configured rewards, as in
-training); failed episodes count as failures. The record also holds, per agent, its most frequent replies
+training; an environment with `reward_group` scores each task's k episodes in one call, as a training group);
+failed episodes, and those without a usable reward (counted: `bad_reward_episodes`, `judge_failed_episodes`),
+count as failures. The environment's `reward_metrics()` join the record. The record also holds, per agent, its most frequent replies
 (`top_replies`: whitespace-normalized, cut to 80 characters, with their count and mean turn reward), and
 every scored episode's rewards go to the trace store (`traces list` shows them). Under a launcher each process evaluates its share of the tasks
 and the counts are merged; the rollouts a caller asks for (rank 0's Weave export) come from every process.
@@ -15,9 +17,9 @@ import logging
 from collections import Counter, defaultdict
 from typing import Any
 
-from drmas_graph.env import BadRewardError, is_success, score_episode
+from drmas_graph.env import ENV_REWARD, BadRewardError, is_success, score_episode
 from drmas_graph.traces.weave_export import evaluation_episode
-from drmas_graph.train import _distributed
+from drmas_graph.train import _distributed, _scoring
 
 __all__ = ["evaluate", "top_replies", "reply_lines"]
 
@@ -53,11 +55,15 @@ def evaluate(trainer: Any, *, step: int, split: str | None = None,
     per_agent: dict[str, dict[str, list[float]]] = {}
     replies: list[tuple[str, str, float]] = []  # (agent, reply, turn reward) of every scored turn
     teams: list[float] = []  # team reward of every scored episode
+    given = _scoring.group_rewards(trainer.env, runs, **trainer.unfinished_rewards)
+    counts.update(bad_reward_episodes=0, judge_failed_episodes=0)
     for task, episode in runs:
         try:
             score = score_episode(trainer.env, task, episode, invalid_penalty=trainer.invalid_penalty,
-                                  **trainer.unfinished_rewards)
-        except BadRewardError:
+                                  **trainer.unfinished_rewards, reward=given.get(episode.id, ENV_REWARD))
+        except BadRewardError as exc:
+            counts[_scoring.failure_metric(exc)] += 1
+            episode.error = f"BadRewardError: {exc}"
             successes[task.id].append(False)
             if local is not None:
                 local.append((task, episode, None, False))
@@ -73,6 +79,7 @@ def evaluate(trainer: Any, *, step: int, split: str | None = None,
             stats["invalid"].append(float(bad))
             stats["len"].append(float(len(turn.response_ids)))
             replies.append((turn.agent, turn.response_text, r))
+    counts.update(_scoring.reward_metrics(trainer.env))
     successes, per_agent, counts, n_runs = _distributed.merge_eval(successes, per_agent, counts, len(runs))
     if local is not None:
         merged = _distributed.merge_rollouts(local, tasks, evaluation_episode)
@@ -82,13 +89,21 @@ def evaluate(trainer: Any, *, step: int, split: str | None = None,
     record = {"step": step, "split": split, "k": ec.k, "tasks": len(tasks),
               "avg@k": sum(per_task) / len(per_task) if per_task else 0.0,
               "pass@k": sum(any(s) for s in successes.values()) / len(tasks) if tasks else 0.0,
-              "failed_episodes": counts["failed_episodes"] + counts["no_llm_call_episodes"]}
+              "failed_episodes": counts["failed_episodes"] + counts["no_llm_call_episodes"],
+              "bad_reward_episodes": counts["bad_reward_episodes"],
+              "judge_failed_episodes": counts["judge_failed_episodes"]}
     for agent, stats in sorted(per_agent.items()):
         n = len(stats["reward"])
         record[f"{agent}/reward"] = sum(stats["reward"]) / n
         record[f"{agent}/invalid_rate"] = sum(stats["invalid"]) / n
         record[f"{agent}/calls_per_episode"] = n / max(n_runs, 1)
         record[f"{agent}/response_length"] = sum(stats["len"]) / n
+    for key, value in counts.items():  # the environment's reward_metrics (summed over processes)
+        if "/" in key and not key.startswith(_scoring.TRAINER_PREFIXES):
+            if key in record:
+                raise ValueError(f"env {type(trainer.env).__name__}.reward_metrics() returned the key {key!r}, "
+                                 "which the evaluation record has for an agent; rename it")
+            record[key] = value
     for agent, top in top_replies([r for part in _distributed.gather(replies) for r in part]).items():
         record[f"{agent}/top_replies"] = top
     _check_threshold(trainer, [t for part in _distributed.gather(teams) for t in part], record)

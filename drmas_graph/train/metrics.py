@@ -39,7 +39,8 @@ def progress_status(agents: list[str], record: dict[str, Any]) -> str:
              and not math.isnan(record[f"agent/{a}/reward_mean"])]
     status = "reward " + " ".join(parts)
     total = sum(record.get(k, 0) for k in ("episodes", "failed_episodes", "no_llm_call_episodes",
-                                           "bad_reward_episodes", "masked_truncated_episodes"))
+                                           "bad_reward_episodes", "judge_failed_episodes",
+                                           "masked_truncated_episodes"))
     for key, name in (("truncated_episodes", "truncated"), ("model_error_episodes", "model errors")):
         if record.get(key):
             status += f"  {name} {record[key]}/{total}"

@@ -1,7 +1,8 @@
 """`train_graph(graph, env)`: agent-wise GRPO (Dr. MAS) over an existing LangGraph app.
 
 One step: sample B tasks (a seeded, resumable order) -> G concurrent rollouts each through the
-instrumented graph -> rewards (team or per agent, minus the invalid-turn penalty) -> advantages
+instrumented graph -> rewards (team or per agent, minus the invalid-turn penalty; an environment with
+`reward_group`, e.g. a judge, scores each group at once) -> advantages
 (`compute_advantages`, estimator by name) -> one `ModelUpdater.update` per trainable model -> new weights
 visible to the rollout backend -> metrics, periodic evaluation (avg@k, pass@k) and checkpoints.
 
@@ -165,7 +166,8 @@ class Trainer:
         """Errors of the failed episodes of the last `rollouts` call, in job order."""
         self.reward_errors: list[BadRewardError] = []
         """Errors of the bad-reward episodes of the last step's scoring."""
-        self._reward_raise_logged = False
+        self._reward_raise_logged: set[str] = set()
+        """The metrics (`bad_reward_episodes`, `judge_failed_episodes`) whose first exception was logged."""
         self.threshold_warned = False
         """Whether an evaluation warned that success_threshold is above every team reward (`evaluate`; once)."""
         self.zero_signal = _scoring.ZeroSignalWatch()
@@ -444,11 +446,14 @@ class Trainer:
     _rollouts = rollouts  # the name before the layout change (issue 19); the repro scripts call it
 
     def _log_reward_raise(self, exc: BadRewardError) -> None:
-        """The first env.reward / turn_is_valid exception of the run, with its traceback (later ones are counted)."""
-        if exc.__cause__ is not None and not self._reward_raise_logged:
-            self._reward_raise_logged = True
-            log.warning("%s; the episode counts as a bad-reward episode (metric bad_reward_episodes); later "
-                        "exceptions of the environment are counted, not logged", exc, exc_info=exc.__cause__)
+        """The first env.reward / reward_group / turn_is_valid exception of the run, with its traceback, and the
+        first judge failure (later ones are counted)."""
+        metric = _scoring.failure_metric(exc)
+        if exc.__cause__ is not None and metric not in self._reward_raise_logged:
+            self._reward_raise_logged.add(metric)
+            kind = "a judge-failed" if metric == "judge_failed_episodes" else "a bad-reward"
+            log.warning("%s; the episode counts as %s episode (metric %s), it is not trained on; later ones are "
+                        "counted, not logged", exc, kind, metric, exc_info=exc.__cause__)
 
     def _evaluate(self, step: int, logger: RunLogger) -> dict[str, Any]:
         if self.pipeline is not None:  # the rollouts in flight end, the trainer's weights reach the rollouts
