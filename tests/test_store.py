@@ -129,6 +129,12 @@ def rich_episode() -> Episode:
         advantages=[0.7071, -0.1, 0.0],
         timings={"start": 1700000000.125, "end": 1700000001.5, "wall_s": 1.375, "llm_s": 0.5},
         metadata={"input": {"question": "capital of France?"}, "thread_id": "th-1"},
+        judgement={"mode": "agent", "model": "judge-model", "rubric_sha": "0123456789ab",
+                   "prompt": [{"role": "user", "content": "Score the solver and the judge."}],
+                   "replies": ['{"scores": {"solver": 1.0, "judge": 0.25}}'],
+                   "scores": {"solver": 1.0, "judge": 0.25}, "reasons": {"solver": "Paris", "judge": "too lax"},
+                   "attempts": 1, "input_tokens": 31, "output_tokens": 17, "cached": False, "seconds": 0.5,
+                   "error": None},
     )
 
 
@@ -159,9 +165,9 @@ def test_round_trip_is_exact(store: TraceStore):
     assert loaded.turns[1].messages[2].tool_call_id == "call_1"
     assert loaded.turns[2].sampling is None and loaded.turns[2].trainable is False
 
-    for field in ("id", "task_id", "group_id", "rewards", "turn_rewards", "advantages", "error", "timings",
-                  "metadata", "final_state"):  # fmt: skip
+    for field in (f.name for f in dataclasses.fields(Episode)):  # every field: a new one must be stored too
         assert getattr(loaded, field) == getattr(episode, field), field
+    assert loaded.judgement["reasons"] == {"solver": "Paris", "judge": "too lax"}
     assert isinstance(loaded.final_state["messages"][1], AIMessage)
     assert store.summary(episode.id).step == 4
 

@@ -132,6 +132,42 @@ def test_failed_episode_is_a_call_with_its_error_as_exception(weave_env):
     assert list(ep.feedback) == []
 
 
+def test_the_judges_verdict_is_a_child_call_and_feedback_of_its_episode(weave_env):
+    _, client = weave_env
+    judged = hand_episode()
+    prompt = [{"role": "system", "content": "Rubric: correct answers score 1."},
+              {"role": "user", "content": "#0 solver (solve): 4\n#1 solver (solve): 5"}]
+    judged.judgement = {"mode": "group", "model": "judge-7b", "rubric_sha": "3f2a9c0d1e4b", "prompt": prompt,
+                        "replies": ["oops", '{"scores": [1.0, 0.0], "reasons": ["right", "wrong"]}'],
+                        "scores": 1.0, "reasons": "right", "attempts": 2, "input_tokens": 120, "output_tokens": 30,
+                        "cached": False, "seconds": 0.75, "group_size": 2, "index": 0, "error": None}
+    failed = hand_episode()
+    failed.judgement = {"mode": "episode", "model": "judge-7b", "prompt": prompt, "replies": ["no", "still no"],
+                        "scores": None, "reasons": None, "attempts": 3, "cached": False,
+                        "error": "JudgeError: no usable score after 3 attempts; last reply: 'still no'"}
+    wx.export_episode(client, judged, train_step=1)
+    wx.export_episode(client, failed, train_step=1)
+    client.flush()
+    roots = {c.id: c for c in by_op(client, wx.EPISODE_OP)}
+    judges = by_op(client, wx.JUDGE_OP)
+    [ok], [bad] = [c for c in judges if c.exception is None], [c for c in judges if c.exception is not None]
+    assert ok.parent_id in roots and bad.parent_id in roots and ok.parent_id != bad.parent_id
+    assert ok.started_at == ok.ended_at == utc(T0 + 2)  # at the episode's end (its record says how long it took)
+    assert ok.inputs["messages"] == prompt and ok.inputs["mode"] == "group" and ok.inputs["index"] == 0
+    assert ok.output["scores"] == 1.0 and ok.output["reasons"] == "right" and ok.output["model"] == "judge-7b"
+    assert ok.output["reply"] == '{"scores": [1.0, 0.0], "reasons": ["right", "wrong"]}'
+    assert ok.output["replies"] == ["oops", ok.output["reply"]] and ok.exception is None
+    assert dict(ok.summary["drmas"]) == {"attempts": 2, "input_tokens": 120, "output_tokens": 30, "seconds": 0.75,
+                                         "cached": False}
+    assert "JudgementError" in bad.exception and "last reply: 'still no'" in bad.exception
+    root = roots[ok.parent_id]
+    assert "judge-7b" not in root.summary["usage"]  # one group call judged G episodes: no per-episode usage
+    verdicts = [f.payload for f in root.feedback if f.feedback_type == wx.JUDGEMENT_FEEDBACK]
+    assert verdicts == [{"mode": "group", "model": "judge-7b", "scores": 1.0, "reasons": "right", "error": None}]
+    [verdict] = [f.payload for f in roots[bad.parent_id].feedback if f.feedback_type == wx.JUDGEMENT_FEEDBACK]
+    assert verdict["scores"] is None and verdict["error"].startswith("JudgeError: no usable score")
+
+
 def test_traces_without_turn_start_times_fall_back_to_the_episode_start(weave_env):
     _, client = weave_env
     episode = hand_episode()

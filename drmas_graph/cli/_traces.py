@@ -144,6 +144,8 @@ def _cmd_show(args: argparse.Namespace, console: Console) -> int:
         summary = store.summary(args.episode)
         episode = store.load_episode(args.episode)
     console.print(_episode_header(episode, summary.step))
+    if episode.judgement is not None:
+        console.print(_judgement_block(episode.judgement, full=args.full))
     for position, turn in enumerate(episode.turns):
         console.print(_turn_block(episode, position, turn, full=args.full))
     return 0
@@ -275,6 +277,46 @@ def _episode_header(episode: Episode, train_step: int | None) -> Panel:
     if episode.model_error:
         lines.append(f"model error {episode.model_error}   (kept: trained with rollout.model_error_reward)")
     return Panel(Text("\n".join(lines)), title=Text(f"episode {episode.id}"), title_align="left")
+
+
+def _judgement_block(record: dict[str, Any], *, full: bool = False) -> Panel:
+    """What the judge made of the episode (`Episode.judgement`): its scores and reasons, the raw reply of its
+    last attempt in full, its prompt folded to one line per message (in full with `full`)."""
+    mode = record.get("mode") or "-"
+    title = f"judge  mode {mode}"
+    if record.get("group_size") is not None and record.get("index") is not None:
+        title += f"  episode {record['index'] + 1} of {record['group_size']} judged together"
+    seconds = record.get("seconds")
+    cached = {True: "yes", False: "no"}.get(record.get("cached"), "-")
+    lines = [
+        f"model {_or_dash(record.get('model'))}   rubric {_or_dash(record.get('rubric_sha'))}   "
+        f"attempts {_or_dash(record.get('attempts'))}   tokens in {_or_dash(record.get('input_tokens'))} / out "
+        f"{_or_dash(record.get('output_tokens'))}   cached {cached}   "
+        f"seconds {'-' if seconds is None else f'{seconds:.2f}'}",
+        f"scores {_scores(record.get('scores'))}",
+    ]
+    reasons = record.get("reasons")
+    if isinstance(reasons, dict):
+        lines += [f"reason   {agent}: {reason}" for agent, reason in reasons.items()] or ["reason   -"]
+    else:
+        lines.append(f"reason   {_or_dash(reasons)}")
+    lines.append(f"error    {record.get('error') or '-'}")
+    fold = (lambda text: str(text)) if full else _snippet
+    messages = [m for m in record.get("prompt") or () if isinstance(m, dict)]
+    lines += [f"prompt   {fold(str(m.get('role')) + ': ' + str(m.get('content')))}" for m in messages] or ["prompt   -"]
+    replies = [str(r) for r in record.get("replies") or ()]
+    if full and len(replies) > 1:  # every attempt's reply, the unusable ones too
+        lines += [f"reply {k}  {reply}" for k, reply in enumerate(replies, 1)]
+    else:
+        lines.append(f"reply    {replies[-1] if replies else '-'}")
+    return Panel(Text("\n".join(lines)), title=Text(title), title_align="left")
+
+
+def _scores(scores: Any) -> str:
+    """A judge's score (float) or scores ({agent: float}) as text; '-' when it gave none."""
+    if isinstance(scores, dict):
+        return ", ".join(f"{agent}={_number(v)}" for agent, v in scores.items()) or "-"
+    return _number(scores) if isinstance(scores, int | float) else _or_dash(scores)
 
 
 def _turn_block(episode: Episode, position: int, turn: Turn, *, full: bool = False) -> Panel:

@@ -272,7 +272,8 @@ CREATE TABLE IF NOT EXISTS episodes (
     truncated TEXT,               -- Episode.truncated: '<limit>: <why>' when a limit stopped the run; NULL otherwise
     model_error TEXT,             -- Episode.model_error: the policy's output that broke the app; NULL otherwise
     model_error_turn INTEGER,     -- Episode.model_error_turn: position of the offending turn
-    segments TEXT                 -- JSON Episode.segments (runs of the thread: resumes, next inputs); NULL if one run
+    segments TEXT,                -- JSON Episode.segments (runs of the thread: resumes and next inputs); NULL if one run
+    judgement TEXT                -- JSON Episode.judgement (what a judge model made of the episode); NULL if none
 );
 CREATE TABLE IF NOT EXISTS rewards (
     episode_id TEXT NOT NULL REFERENCES episodes (id),
@@ -322,7 +323,7 @@ EPISODE_COLUMNS = (
     "id", "task_id", "group_id", "step", "error", "n_turns", "n_prompt_tokens", "n_response_tokens",
     "agents", "reward", "rewards", "input", "final_state", "timings", "metadata", "created", "trained",
     "truncated", "model_error", "model_error_turn",
-    "segments",
+    "segments", "judgement",
 )  # fmt: skip
 ADDED_COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("episodes", "trained", "REAL"),
@@ -334,10 +335,13 @@ ADDED_COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("episodes", "segments", "TEXT"),
     ("turns", "agent_name", "TEXT"),
     ("turns", "segment", "INTEGER"),
+    ("episodes", "judgement", "TEXT"),
 )
 """Columns added to the layout after schema version 1 was released: (table, column, SQL type), each
 nullable. They keep the schema version: opening an older store to write adds them (NULL in old rows),
-opening one read-only reads them as NULL (`absent_columns`, `select_list`). Add new columns here."""
+opening one read-only reads them as NULL (`absent_columns`, `select_list`). Add new columns here (and keep commas
+out of the SQL comment after a column in `SCHEMA`: SQLite's DROP COLUMN, which the tests use to make an older
+store, looks back from a dropped last column for the comma before it)."""
 TURN_COLUMNS = (
     "episode_id", "position", "call_index", "agent", "node", "step", "call_key", "node_call_index",
     "messages", "prompt_ids", "response_ids", "response_logprobs", "n_prompt_tokens", "n_response_tokens",
@@ -417,6 +421,7 @@ def episode_rows(episode: Episode, step: int | None) -> tuple[tuple, list[tuple]
         episode.model_error,
         episode.model_error_turn,
         to_json(list(episode.segments), "segments") if episode.segments else None,
+        judgement_to_json(episode.judgement),
     )
     reward_rows = [(episode.id, agent, float(r)) for agent, r in episode.rewards.items()]
     return episode_row, turn_rows, reward_rows
@@ -515,6 +520,7 @@ def episode_from_rows(row: Mapping[str, Any], turn_rows: list[tuple]) -> Episode
         model_error=row.get("model_error"),
         model_error_turn=row.get("model_error_turn"),
         segments=segments_from_json(row.get("segments")),
+        judgement=judgement_from_json(row.get("judgement")),
     )
 
 
@@ -522,6 +528,21 @@ def segments_from_json(text: str | None) -> list[Segment]:
     """`Episode.segments` back from its column (Commands revived; interrupts as dicts); [] for NULL."""
     return [Segment(kind=s["kind"], input=s.get("input"), interrupts=tuple(s.get("interrupts") or ()))
             for s in from_json(text) or ()]
+
+
+def judgement_to_json(judgement: Mapping[str, Any] | None) -> str | None:
+    """`Episode.judgement` for its column: JSON, NULL when no judge scored the episode."""
+    if judgement is None:
+        return None
+    if not isinstance(judgement, Mapping):
+        raise ConfigError(f"Episode.judgement is a {type(judgement).__name__}; it must be a dict (the judge's record) "
+                          "or None")
+    return to_json(dict(judgement), "judgement")
+
+
+def judgement_from_json(text: str | None) -> dict[str, Any] | None:
+    """`Episode.judgement` back from its column: the record as written (plain JSON data); None for NULL."""
+    return None if text is None else json.loads(text)
 
 
 # -- export: one flat row per LLM call -------------------------------------------------------------------

@@ -264,22 +264,27 @@ class TraceStore:
         rewards: Mapping[str, float] | None = None,
         turn_rewards: Sequence[float] | None = None,
         advantages: Sequence[float] | None = None,
+        judgement: Mapping[str, Any] | None = None,
     ) -> None:
-        """Record what training made of a stored episode: its training step, its rewards per agent, and
-        per-turn rewards and advantages (aligned with its turns). Arguments left None keep their value."""
+        """Record what training made of a stored episode: its training step, its rewards per agent, per-turn
+        rewards and advantages (aligned with its turns), and the judge's record when a judge gave the rewards
+        (`Episode.judgement`; episodes are written when their run ends, before they are judged). Arguments left
+        None keep their value."""
+        judgement_json = _serde.judgement_to_json(judgement)  # encode outside the lock
         with self._errors("write to"):
             self._transaction(
-                lambda conn: self._update(conn, episode_id, step, rewards, turn_rewards, advantages)
+                lambda conn: self._update(conn, episode_id, step, rewards, turn_rewards, advantages, judgement_json)
             )
 
     def record_training(self, step: int, episodes: Iterable[Episode]) -> None:
         """`update_training` for many stored episodes at once (one transaction), taking ``rewards``,
-        ``turn_rewards`` and ``advantages`` from each episode as the trainer filled them."""
-        updates = [(ep.id, ep.rewards, ep.turn_rewards, ep.advantages) for ep in episodes]
+        ``turn_rewards``, ``advantages`` and ``judgement`` (when set) from each episode as the trainer filled them."""
+        updates = [(ep.id, ep.rewards, ep.turn_rewards, ep.advantages, _serde.judgement_to_json(ep.judgement))
+                   for ep in episodes]
 
         def body(conn: sqlite3.Connection) -> None:
-            for episode_id, rewards, turn_rewards, advantages in updates:
-                self._update(conn, episode_id, step, rewards, turn_rewards, advantages)
+            for episode_id, *values in updates:
+                self._update(conn, episode_id, step, *values)
 
         with self._errors("write to"):
             self._transaction(body)
@@ -292,6 +297,7 @@ class TraceStore:
         rewards: Mapping[str, float] | None,
         turn_rewards: Sequence[float] | None,
         advantages: Sequence[float] | None,
+        judgement_json: str | None,
     ) -> None:
         row = conn.execute("SELECT n_turns FROM episodes WHERE id = ?", (episode_id,)).fetchone()
         if row is None:
@@ -299,6 +305,8 @@ class TraceStore:
         n_turns = row[0]
         if step is not None:
             conn.execute("UPDATE episodes SET step = ?, trained = ? WHERE id = ?", (step, time.time(), episode_id))
+        if judgement_json is not None:
+            conn.execute("UPDATE episodes SET judgement = ? WHERE id = ?", (judgement_json, episode_id))
         if rewards is not None:
             conn.execute(
                 "UPDATE episodes SET rewards = ?, reward = ? WHERE id = ?",

@@ -14,6 +14,13 @@ What appears in Weave (one project):
   agent, node, step (LangGraph superstep), call_key, trainable, sampling, policy and version; summary
   `drmas` with the turn reward, advantage, logprob sum/mean/min and token count; start = when the call
   started, end = start + its latency.
+- `drmas.judge` (when a judge model gave the rewards, `Episode.judgement`; a child of its episode, placed at the
+  episode's end, zero long: the record holds how long the judge took, not when): inputs the judge's prompt
+  (messages), mode, rubric hash and the episode's place in the judged group; output the model, parsed scores and
+  reasons, the last raw reply and every attempt's reply; the judge's failure as the call's exception; summary
+  `drmas` with attempts, tokens, seconds and whether it came from the cache. No `usage`: in group mode one judge
+  call scores every episode of the group, so per-episode usage would count it G times. The scores and reasons
+  are also feedback `drmas.judgement` ({mode, model, scores, reasons, error}) on the episode.
 - Evaluations (avg@k, pass@k) through `weave.EvaluationLogger`: one prediction per task with scores
   avg@k, pass@k, and per agent reward, avg@k and pass@k; the summary holds the trainer's eval record.
 
@@ -46,7 +53,7 @@ from drmas_graph.traces import _serde
 from drmas_graph.errors import ConfigError
 from drmas_graph.types import Episode, Turn
 
-__all__ = ["EPISODE_OP", "TURN_OP", "REWARD_FEEDBACK", "WeaveExportWarning", "WeaveExporter", "require_weave",
+__all__ = ["EPISODE_OP", "TURN_OP", "JUDGE_OP", "REWARD_FEEDBACK", "JUDGEMENT_FEEDBACK", "WeaveExportWarning", "WeaveExporter", "require_weave",
            "connect", "evaluation_episode", "export_episode", "log_evaluation", "sample_groups", "export_store",
            "start_exporter"]
 
@@ -54,8 +61,12 @@ EPISODE_OP = "drmas.episode"
 """Op name of an episode's root call."""
 TURN_OP = "drmas.turn"
 """Op name of one LLM call."""
+JUDGE_OP = "drmas.judge"
+"""Op name of the judge's verdict on an episode (`Episode.judgement`)."""
 REWARD_FEEDBACK = "drmas.reward"
 """Feedback type of an agent's episode reward: payload {"agent", "value"}."""
+JUDGEMENT_FEEDBACK = "drmas.judgement"
+"""Feedback type of the judge's verdict: payload {"mode", "model", "scores", "reasons", "error"}."""
 APP_MODEL = "app-model"
 """Model name (usage key) of calls served by the app's own model (not a policy; token counts unknown)."""
 
@@ -66,6 +77,10 @@ class WeaveExportWarning(UserWarning):
 
 class EpisodeError(Exception):
     """The recorded failure of an episode, as the exception of its Weave call."""
+
+
+class JudgementError(Exception):
+    """The judge's recorded failure on an episode (`Episode.judgement["error"]`), as the exception of its call."""
 
 
 # -- the weave package and client ----------------------------------------------------------------------
@@ -193,6 +208,8 @@ def export_episode(client: Any, episode: Episode, *, train_step: int | None = No
                                   display_name=f"{episode.task_id} ({phase or 'episode'})")
         for position, turn in enumerate(episode.turns):
             _export_turn(client, root, episode, position, turn, train_step)
+        if episode.judgement is not None:
+            _export_judgement(client, root, episode, end)
         root.summary = {"drmas": {
             "team_reward": _serde.mean(episode.rewards.values()), "rewards": dict(episode.rewards),
             "calls": len(episode.turns), "prompt_tokens": sum(t.n_prompt_tokens for t in episode.turns),
@@ -202,6 +219,9 @@ def export_episode(client: Any, episode: Episode, *, train_step: int | None = No
                            exception=EpisodeError(episode.error) if episode.error else None, ended_at=_utc(end))
     for agent, reward in episode.rewards.items():
         root.feedback.add(REWARD_FEEDBACK, {"agent": agent, "value": float(reward)})
+    if episode.judgement is not None:
+        verdict = {key: episode.judgement.get(key) for key in ("mode", "model", "scores", "reasons", "error")}
+        root.feedback.add(JUDGEMENT_FEEDBACK, _safe(verdict, f"episode {episode.id} judgement"))
     return root
 
 
@@ -222,6 +242,23 @@ def _export_turn(client: Any, root: Any, episode: Episode, position: int, turn: 
     # The parent sums its children's in-memory summaries: keep only what adds up (usage, status counts); the
     # request already sent holds the turn's full summary (finish_call serialised it).
     call.summary = {k: v for k, v in call.summary.items() if k != "drmas"}
+
+
+def _export_judgement(client: Any, root: Any, episode: Episode, end: float) -> None:
+    record = _safe(episode.judgement, f"episode {episode.id} judgement")
+    replies = record.get("replies") or []
+    inputs = {"messages": record.get("prompt") or [], "mode": record.get("mode"),
+              "rubric_sha": record.get("rubric_sha"), "group_size": record.get("group_size"),
+              "index": record.get("index")}
+    call = client.create_call(JUDGE_OP, inputs, parent=root, attributes={"model": record.get("model")},
+                              use_stack=False, started_at=_utc(end), display_name=f"judge · {record.get('model')}")
+    call.summary = {"drmas": {key: record.get(key) for key in
+                              ("attempts", "input_tokens", "output_tokens", "seconds", "cached")}}
+    output = {"model": record.get("model"), "scores": record.get("scores"), "reasons": record.get("reasons"),
+              "reply": replies[-1] if replies else None, "replies": replies}
+    error = record.get("error")
+    client.finish_call(call, output, exception=JudgementError(error) if error else None, ended_at=_utc(end))
+    call.summary = {k: v for k, v in call.summary.items() if k != "drmas"}  # as a turn's: the parent sums children
 
 
 # -- evaluations ---------------------------------------------------------------------------------------------

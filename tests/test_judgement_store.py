@@ -1,0 +1,230 @@
+"""Episode.judgement (what a judge model made of an episode) in the trace store, `traces show`, the Weave export,
+the UI's episode page and `rescore` with a judge (issue 32, JUDGE_DESIGN.md section 3).
+
+The judges here are scripted: objects with the `reward_group(task, episodes)` protocol that set
+`episode.judgement` the way `drmas_graph.rewards.Judge` does, so every number is known in advance.
+"""
+
+from __future__ import annotations
+
+import copy
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+from drmas_graph.errors import ConfigError
+from drmas_graph.traces import _serde
+from drmas_graph.traces.store import TraceStore
+from drmas_graph.train import _distributed
+from drmas_graph.types import Episode
+from tests.test_store import make_episode, make_turn
+
+
+def group_record(index: int, scores: list[float], reasons: list[str], **changes) -> dict:
+    """The record a group-mode judge stores with episode `index` of a group (prompt and replies are the group's)."""
+    reply = '{"scores": [%s], "reasons": [%s]}' % (", ".join(map(str, scores)),
+                                                      ", ".join(f'"{r}"' for r in reasons))
+    record = {
+        "mode": "group", "model": "scripted-judge", "rubric_sha": "3f2a9c0d1e4b",
+        "prompt": [{"role": "system", "content": "You grade answers. Rubric: the answer must be correct. "
+                                                 "Score each trajectory in [0, 1]."},
+                   {"role": "user", "content": "Task: 2+2?\nReference answer: 4\n#0 solver (solve): 4\n#1 solver (solve): 5"}],
+        "replies": ["not json", reply],
+        "scores": scores[index], "reasons": reasons[index], "attempts": 2,
+        "input_tokens": 812, "output_tokens": 64, "cached": False, "seconds": 1.25,
+        "group_size": len(scores), "index": index, "error": None,
+    }
+    record.update(changes)
+    return record
+
+
+AGENT_RECORD = {
+    "mode": "agent", "model": "scripted-judge", "rubric_sha": "0b1c2d3e4f5a",
+    "prompt": [{"role": "user", "content": "Score each agent."}],
+    "replies": ['{"scores": {"solver": 1.0, "verifier": 0.25}, "reasons": {"solver": "right", "verifier": "lax"}}'],
+    "scores": {"solver": 1.0, "verifier": 0.25}, "reasons": {"solver": "right", "verifier": "lax"},
+    "attempts": 1, "input_tokens": 40, "output_tokens": 30, "cached": True, "seconds": 0.0, "error": None,
+}
+
+
+@pytest.fixture
+def store(tmp_path: Path):
+    with TraceStore(tmp_path / "run.db") as s:
+        yield s
+
+
+# -- the trace store ---------------------------------------------------------------------------------------
+
+
+def test_write_episode_stores_the_judgement_and_load_episode_returns_it_equal(store):
+    judged = make_episode(judgement=group_record(1, [0.0, 0.8], ["wrong", "right <b>"]))
+    plain = make_episode()
+    store.write_episode(judged, step=2)
+    store.write_episode(plain)
+    assert store.load_episode(judged.id).judgement == judged.judgement
+    assert store.load_episode(judged.id).judgement["replies"][1] == '{"scores": [0.0, 0.8], "reasons": ["wrong", "right <b>"]}'
+    assert store.load_episode(plain.id).judgement is None
+    per_agent = make_episode(judgement=copy.deepcopy(AGENT_RECORD))
+    store.write_episode(per_agent)
+    assert store.load_episode(per_agent.id).judgement == AGENT_RECORD
+
+
+def test_update_training_and_record_training_store_the_judgement_that_arrives_with_the_rewards(store):
+    first, second, third = make_episode(), make_episode(), make_episode()
+    for episode in (first, second, third):
+        store.write_episode(episode)  # written when the run ends: not judged yet
+    record = group_record(0, [0.8, 0.2], ["solved", "off by one"])
+    store.update_training(first.id, step=None, rewards={"solver": 0.8, "verifier": 0.8}, judgement=record)
+    assert store.load_episode(first.id).judgement == record
+    store.update_training(first.id, step=4, advantages=[0.5, -0.5])  # judgement None: kept
+    assert store.load_episode(first.id).judgement == record and store.summary(first.id).step == 4
+
+    second.judgement = group_record(1, [0.8, 0.2], ["solved", "off by one"], error="JudgeError: no scores")
+    second.rewards = {"solver": 0.2, "verifier": 0.2}
+    store.record_training(5, [second, third])  # third has no judgement: its column stays NULL
+    assert store.load_episode(second.id).judgement == second.judgement
+    assert store.load_episode(second.id).rewards == {"solver": 0.2, "verifier": 0.2}
+    assert store.load_episode(third.id).judgement is None
+    third.judgement = None
+    store.record_training(5, [first])  # first.judgement is None here: the stored record is not erased
+    assert store.load_episode(first.id).judgement == record
+
+
+def test_a_judgement_that_is_not_a_dict_is_refused_naming_the_field(store):
+    with pytest.raises(ConfigError, match=r"Episode.judgement is a list; it must be a dict"):
+        store.write_episode(make_episode(judgement=[0.5]))
+    episode = make_episode()
+    store.write_episode(episode)
+    with pytest.raises(ConfigError, match=r"Episode.judgement is a str"):
+        store.update_training(episode.id, step=None, judgement="0.5")
+    assert store.load_episode(episode.id).judgement is None
+
+
+def test_a_store_written_before_judgements_reads_none_and_gains_the_column_when_opened_to_write(tmp_path):
+    path = tmp_path / "old.db"
+    old = make_episode()
+    with TraceStore(path) as store:
+        store.write_episode(old, step=0)
+    with sqlite3.connect(path) as conn:
+        conn.execute("ALTER TABLE episodes DROP COLUMN judgement")
+    conn.close()
+    with TraceStore(path, readonly=True) as store:
+        assert ("episodes", "judgement") in store._absent
+        assert store.load_episode(old.id).judgement is None and store.load_episode(old.id).turns == old.turns
+    record = group_record(0, [1.0], ["right"])
+    with TraceStore(path) as store:  # opening to write adds the column (NULL in the old rows)
+        assert store.load_episode(old.id).judgement is None
+        store.update_training(old.id, step=None, judgement=record)
+        new = make_episode(judgement=record)
+        store.write_episode(new)
+    with sqlite3.connect(path) as conn:
+        assert "judgement" in {row[1] for row in conn.execute("PRAGMA table_info(episodes)")}
+    conn.close()
+    with TraceStore(path, readonly=True) as store:
+        assert store.load_episode(old.id).judgement == record and store.load_episode(new.id).judgement == record
+
+
+def test_merging_rank_stores_copies_the_judgements(tmp_path):
+    main, other = TraceStore(tmp_path / "traces.db"), TraceStore(tmp_path / "traces.rank1.db")
+    theirs = [make_episode(group_id="train:0:t1") for _ in range(2)]
+    for episode in theirs:
+        other.write_episode(episode)
+    for i, episode in enumerate(theirs):
+        episode.judgement = group_record(i, [1.0, 0.0], ["right", "wrong"])
+    other.record_training(0, theirs)
+    assert _distributed.merge_traces(tmp_path) == 2
+    assert [main.load_episode(e.id).judgement for e in theirs] == [e.judgement for e in theirs]
+    other.close()
+    main.close()
+
+
+def test_the_judgement_column_is_one_of_the_added_columns():
+    assert ("episodes", "judgement", "TEXT") in _serde.ADDED_COLUMNS and "judgement" in _serde.EPISODE_COLUMNS
+    assert _serde.judgement_from_json(_serde.judgement_to_json(AGENT_RECORD)) == AGENT_RECORD
+    assert _serde.judgement_to_json(None) is None and _serde.judgement_from_json(None) is None
+
+
+# -- traces show ------------------------------------------------------------------------------------------------
+
+
+def panel_lines(out: str, title: str) -> list[str]:
+    """The text lines of the panel whose title starts with `title`, borders stripped."""
+    lines = out.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(f"╭─ {title}"))
+    end = next(i for i in range(start, len(lines)) if lines[i].startswith("╰"))
+    return [lines[start].strip("╭─╮ ").rstrip("─ ")] + [line.strip("│").strip() for line in lines[start + 1:end]]
+
+
+def test_traces_show_prints_the_judges_scores_reasons_reply_and_folded_prompt(tmp_path, capsys):
+    from drmas_graph.cli import main
+
+    record = group_record(1, [0.0, 0.8], ["wrong", "right, [bold]4[/bold]"])
+    episode = make_episode(judgement=record)
+    with TraceStore(tmp_path / "run.db") as store:
+        store.write_episode(episode, step=1)
+    assert main(["traces", "show", str(tmp_path / "run.db"), episode.id]) == 0
+    out = capsys.readouterr().out
+    assert panel_lines(out, "judge") == [
+        "judge  mode group  episode 2 of 2 judged together",
+        "model scripted-judge   rubric 3f2a9c0d1e4b   attempts 2   tokens in 812 / out 64   cached no   seconds 1.25",
+        "scores 0.8",
+        "reason   right, [bold]4[/bold]",  # user text, not rich markup
+        "error    -",
+        "prompt   system: You grade answers. Rubric: the answer must be correct. Score each trajectory in [0, 1].",
+        "prompt   user: Task: 2+2? Reference answer: 4 #0 solver (solve): 4 #1 solver (solve): 5",  # one line
+        'reply    {"scores": [0.0, 0.8], "reasons": ["wrong", "right, [bold]4[/bold]"]}',
+    ]
+    assert out.index("╭─ judge") < out.index("╭─ #0  node solver_node")  # after the header, before the turns
+
+    long_rubric = "Rubric: " + "Be strict about units. " * 30
+    record["prompt"][0]["content"] = long_rubric
+    long = make_episode(judgement=record)
+    with TraceStore(tmp_path / "run.db") as store:
+        store.write_episode(long)
+    assert main(["traces", "show", str(tmp_path / "run.db"), long.id]) == 0
+    folded = " ".join(capsys.readouterr().out.replace("│", " ").split())
+    cut = ("system: " + long_rubric.strip())[:239] + "…"  # one line of 240 characters, the cut marked
+    assert cut.endswith("units. Be strict about …") and f"prompt {cut} prompt user: Task: 2+2?" in folded
+    assert main(["traces", "show", str(tmp_path / "run.db"), long.id, "--full"]) == 0
+    full = " ".join(capsys.readouterr().out.replace("│", " ").split())
+    assert long_rubric.strip() in full  # the whole prompt
+    assert 'reply 1 not json reply 2 {"scores": [0.0, 0.8]' in full  # every attempt's reply
+
+
+def test_traces_show_prints_per_agent_scores_and_a_judge_failure(tmp_path, capsys):
+    from drmas_graph.cli import main
+
+    failed = {"mode": "agent", "model": "scripted-judge", "prompt": [], "replies": [], "scores": None,
+              "reasons": None, "attempts": 3, "cached": False,
+              "error": "JudgeError: the judge timed out after 120.0 s (3 attempts)"}
+    agent, broken = make_episode(judgement=copy.deepcopy(AGENT_RECORD)), make_episode(judgement=failed)
+    with TraceStore(tmp_path / "run.db") as store:
+        store.write_episode(agent)
+        store.write_episode(broken)
+    assert main(["traces", "show", str(tmp_path / "run.db"), agent.id]) == 0
+    assert panel_lines(capsys.readouterr().out, "judge") == [
+        "judge  mode agent",
+        "model scripted-judge   rubric 0b1c2d3e4f5a   attempts 1   tokens in 40 / out 30   cached yes   seconds 0.00",
+        "scores solver=1, verifier=0.25",
+        "reason   solver: right",
+        "reason   verifier: lax",
+        "error    -",
+        "prompt   user: Score each agent.",
+        'reply    {"scores": {"solver": 1.0, "verifier": 0.25}, "reasons": {"solver": "right", "verifier": "lax"}}',
+    ]
+    assert main(["traces", "show", str(tmp_path / "run.db"), broken.id]) == 0
+    assert panel_lines(capsys.readouterr().out, "judge") == [
+        "judge  mode agent",
+        "model scripted-judge   rubric -   attempts 3   tokens in - / out -   cached no   seconds -",
+        "scores -",
+        "reason   -",
+        "error    JudgeError: the judge timed out after 120.0 s (3 attempts)",
+        "prompt   -",
+        "reply    -",
+    ]
+    plain = make_episode()
+    with TraceStore(tmp_path / "run.db") as store:
+        store.write_episode(plain)
+    assert main(["traces", "show", str(tmp_path / "run.db"), plain.id]) == 0
+    assert "╭─ judge" not in capsys.readouterr().out  # no judge, no block
