@@ -338,3 +338,40 @@ def test_train_from_task_files_with_a_python_reward(tmp_path, monkeypatch):
     want = [1.0 if answers[e.task_id] in e.final_state["verdict"] else 0.25 for e in episodes]
     assert [e.rewards for e in episodes] == [{"solver": r, "verifier": r} for r in want]
     assert all(e.input == {"question": next(r["question"] for r in ROWS if r["id"] == e.task_id)} for e in episodes)
+
+
+def test_train_from_task_files_with_a_judge(tmp_path):
+    """`drmas-graph train cfg.yaml` with `env.reward.judge` (a scripted judge): every trained episode's reward is
+    the judge's score of it in its group (attempt i: 0.25 * i), its judgement is stored, and metrics.jsonl
+    counts the judge's calls, the one retry and its tokens."""
+    from drmas_graph.cli import main
+    from drmas_graph.traces.store import TraceStore
+    from tests._judge_models import UNUSABLE
+
+    write_jsonl(tmp_path / "t.jsonl", ROWS)
+    env = {"tasks": str(tmp_path / "t.jsonl"), "input": {"question": "{question}"}, "answer": "answer", "id": "id",
+           "reward": {"judge": {"model": {"import": "tests._judge_models:ranking_judge"}, "mode": "group",
+                                "rubric": "The verifier must agree with the reference answer."}}}
+    assert main(["train", str(write_train_config(tmp_path, env))]) == 0
+    with TraceStore(tmp_path / "run" / "traces.db", readonly=True) as store:
+        episodes = [store.load_episode(s.id) for s in store.episodes() if s.step == 0]
+    assert len(episodes) == 4
+    groups: dict[str, list[int]] = {}
+    for e in episodes:
+        j = e.judgement
+        score = 0.25 * (j["index"] + 1)
+        assert e.rewards == {"solver": score, "verifier": score}
+        assert j["scores"] == score and j["reasons"] == f"attempt {j['index'] + 1} ranks {j['index'] + 1}"
+        assert j["mode"] == "group" and j["group_size"] == 2 and j["model"] == "RankingJudge" and j["error"] is None
+        assert j["prompt"][1]["content"].startswith(f"Task:\nquestion: {e.input['question']}\nReference answer: ")
+        groups.setdefault(e.group_id, []).append(j["index"])
+    assert sorted(sorted(v) for v in groups.values()) == [[0, 1], [0, 1]]
+    retried = [e.judgement for e in episodes if e.judgement["attempts"] == 2]  # the group whose first reply failed
+    assert len(retried) == 2 and all(j["replies"][0] == UNUSABLE for j in retried)
+    records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    step = next(r for r in records if "reward/team_mean" in r and r["step"] == 0)
+    assert {k: step[k] for k in step if k.startswith("judge")} == {
+        "judge/calls": 3.0, "judge/retries": 1.0, "judge/failed_calls": 1.0, "judge/cache_hits": 0.0,
+        "judge/input_tokens": 300.0, "judge/output_tokens": 60.0, "judge/seconds": step["judge/seconds"],
+        "judge_failed_episodes": 0}
+    assert step["reward/team_mean"] == 0.375 and (tmp_path / "run" / "judge_cache.db").is_file()
