@@ -375,3 +375,30 @@ def test_train_from_task_files_with_a_judge(tmp_path):
         "judge/input_tokens": 300.0, "judge/output_tokens": 60.0, "judge/seconds": step["judge/seconds"],
         "judge_failed_episodes": 0}
     assert step["reward/team_mean"] == 0.375 and (tmp_path / "run" / "judge_cache.db").is_file()
+
+
+def test_the_helpdesk_example_config_tasks_and_graph():
+    """graphs/helpdesk/train.yaml validates, its task files load (24 train, 8 test, unique ids), and the graph
+    turns a filled input into the reviewer's reply."""
+    from pathlib import Path
+
+    from langchain_core.language_models.fake_chat_models import FakeListChatModel
+
+    from drmas_graph.config import load_config
+    from graphs.helpdesk.graph import build_graph
+
+    root = Path(__file__).resolve().parents[1]
+    cfg = load_config(root / "graphs" / "helpdesk" / "train.yaml")
+    assert cfg.env.reward.judge.model == {"path": "smollm2", "max_batch_size": 8}
+    assert cfg.env.reward.judge.mode == "group" and cfg.env.reward.judge.temperature == 0.0
+    assert set(cfg.agents) == {"drafter", "reviewer"}
+    env_cfg = cfg.env.model_copy(update={"tasks": str(root / cfg.env.tasks), "test": str(root / cfg.env.test)})
+    train = load_tasks(env_cfg.tasks, env_cfg.input, answer=env_cfg.answer, id=env_cfg.id)
+    test = load_tasks(env_cfg.test, env_cfg.input, answer=env_cfg.answer, id=env_cfg.id)
+    assert (len(train), len(test)) == (24, 8) and train[0].id == "t01" and test[-1].id == "e08"
+    assert train[19].input == {"messages": [{"role": "user", "content": "Do gift cards expire?"}]}
+    assert train[19].answer == "No, gift cards never expire."
+    graph = build_graph(FakeListChatModel(responses=["Gift cards never expire, ever!", "No, they never expire."]))
+    state = graph.invoke(train[19].input)
+    assert state["draft"] == "Gift cards never expire, ever!" and state["reply"] == "No, they never expire."
+    assert [m.type for m in state["messages"]] == ["human", "ai"]
