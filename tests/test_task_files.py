@@ -8,7 +8,7 @@ import sys
 import pytest
 import yaml
 
-from drmas_graph.config import TaskFilesConfig, TrainConfig, _validate, config_reference
+from drmas_graph.config import TaskFilesConfig, TrainConfig, _validate, config_reference, load_config
 from drmas_graph.env import Task
 from drmas_graph.errors import ConfigError
 from drmas_graph.task_files import (TaskFileEnv, fill_template, load_rows, load_tasks, tasks_from_config,
@@ -384,7 +384,6 @@ def test_the_helpdesk_example_config_tasks_and_graph():
 
     from langchain_core.language_models.fake_chat_models import FakeListChatModel
 
-    from drmas_graph.config import load_config
     from graphs.helpdesk.graph import build_graph
 
     root = Path(__file__).resolve().parents[1]
@@ -402,3 +401,28 @@ def test_the_helpdesk_example_config_tasks_and_graph():
     state = graph.invoke(train[19].input)
     assert state["draft"] == "Gift cards never expire, ever!" and state["reply"] == "No, they never expire."
     assert [m.type for m in state["messages"]] == ["human", "ai"]
+
+
+def test_judge_from_config_reads_the_rubric_file_and_caches_in_the_run_folder(tmp_path, monkeypatch):
+    from drmas_graph.task_files import judge_from_config
+
+    monkeypatch.chdir(tmp_path)
+    write_jsonl(tmp_path / "t.jsonl", ROWS)
+    (tmp_path / "rubric.txt").write_text("Agree with the reference answer.\n")
+    judge = {"model": {"import": "tests._judge_models:ranking_judge"}, "rubric_file": "rubric.txt", "mode": "agent",
+             "max_retries": 5}
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump({"run_dir": str(tmp_path / "run"), "env": _env(reward={"judge": judge})}))
+    built = judge_from_config(path)  # a config file, as `traces rescore --judge CONFIG.yaml` passes it
+    assert (built.rubric, built.mode, built.max_retries) == ("Agree with the reference answer.\n", "agent", 5)
+    assert built._cache.path == tmp_path / "run" / "judge_cache.db"
+    elsewhere = judge_from_config(load_config(path), run_dir=tmp_path / "other")
+    assert elsewhere._cache.path == tmp_path / "other" / "judge_cache.db"
+    no_cache = judge_from_config(_validate({"env": _env(reward={"judge": {**judge, "cache": None}})}, "c"))
+    assert no_cache._cache.path is None
+    with pytest.raises(ConfigError) as err:
+        judge_from_config(_validate({"env": _env(reward={"judge": {**judge, "rubric_file": "nope.txt"}})}, "c"))
+    assert str(err.value) == "env.reward.judge.rubric_file 'nope.txt' does not exist"
+    with pytest.raises(ConfigError) as err:
+        judge_from_config(_validate({"env": _env()}, "c"))
+    assert str(err.value) == "the config has no judge: its `env` must be a mapping with `reward: {judge: ...}`"
