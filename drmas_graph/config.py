@@ -11,16 +11,18 @@ against the name tuples below; a test keeps them equal to the registries in `drm
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from types import UnionType
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, field_validator, model_validator
 
 from drmas_graph.errors import ConfigError
 
 __all__ = [
     "TrainConfig", "ModelConfig", "ServeConfig", "AgentConfig", "SamplingConfig", "LossConfig", "UpdateConfig",
-    "EvalConfig", "RolloutConfig", "LoggingConfig", "LoraConfig", "WeaveConfig", "AsyncConfig", "load_config",
+    "EvalConfig", "RolloutConfig", "LoggingConfig", "LoraConfig", "WeaveConfig", "AsyncConfig", "TaskFilesConfig",
+    "RewardConfig", "JudgeConfig", "load_config",
     "apply_overrides", "config_reference", "ESTIMATORS", "LOSS_AGGREGATIONS", "CORRECTIONS", "BASE_ADAPTER", "check_adapter_name", "model_adapters", "resolve_adapters",
 ]
 
@@ -242,6 +244,67 @@ class AsyncConfig(_Strict):
         return _known_name("async.correction", value, CORRECTIONS)
 
 
+class JudgeConfig(_Strict):
+    """A judge model's reward (`drmas_graph.rewards.Judge`): a chat model scores episodes against a rubric."""
+
+    model: str | dict[str, Any] = Field(description="The judge's chat model: 'provider:model' (langchain's init_chat_model, an API model), {base_url, model} (an OpenAI-compatible server such as vLLM or SGLang), {import: 'module:attr'} (a chat model or a zero-argument factory) or {path: ...} (an embedded model, `models.<name>` fields, greedy).")
+    rubric: str | None = Field(None, description="What a good episode is, in plain text (the judge also sees each task's reference answer when `answer` names a column); give this or rubric_file.")
+    rubric_file: str | None = Field(None, description="A text file holding the rubric (relative to the working directory), instead of `rubric`.")
+    mode: Literal["episode", "group", "agent"] = Field("group", description="episode: one call per episode, a score in [0, 1]; group: one call sees a task's whole GRPO group and scores the episodes relative to each other; agent: one call per episode scores each agent from its own turns ({agent: score}).")
+    max_retries: int = Field(2, ge=0, description="Retries of a judge call whose reply is unparsable, out of range or failed; then the episode fails (judge_failed_episodes), never a silent 0.")
+    timeout_s: float = Field(120.0, gt=0, description="Longest wait for one judge call (a timeout is a failed call, retried).")
+    max_concurrency: int = Field(4, ge=1, description="Most judge calls in flight at once, over all groups being scored.")
+    temperature: float = Field(0.0, ge=0, description="The judge's sampling temperature (0 = greedy, reproducible).")
+    seed: int | None = Field(0, description="Seed passed to judge models that take one; null = none.")
+    max_tokens: int = Field(512, ge=1, description="Most tokens of one judge reply.")
+    cache: str | None = Field("judge_cache.db", description="SQLite file caching judgements by (model, rubric, mode, trajectory), relative to run_dir (a resumed run pays nothing twice); null = no cache.")
+
+    @model_validator(mode="after")
+    def _one_rubric(self) -> JudgeConfig:
+        if (self.rubric is None) == (self.rubric_file is None):
+            raise ValueError("give exactly one of `rubric` (the text) or `rubric_file` (a file holding it)")
+        return self
+
+
+class RewardConfig(_Strict):
+    """Where the rewards of tasks from files come from: a judge model or a Python function (exactly one)."""
+
+    judge: JudgeConfig | None = Field(None, description="Score episodes with a judge model; null = use `python`.")
+    python: str | None = Field(None, description="'module:attr' of a function (task, episode) -> float or {agent: float}; the task's `answer` is the reference answer.")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> RewardConfig:
+        if (self.judge is None) == (self.python is None):
+            raise ValueError("give exactly one of `judge` (a judge model scores the episodes) or `python` "
+                             "('module:attr' of a reward function)")
+        return self
+
+
+class TaskFilesConfig(_Strict):
+    """An environment built from task files (`drmas_graph.task_files.TaskFileEnv`): no Python beyond the app."""
+
+    tasks: str = Field(description="The training tasks: a .jsonl, .json (a list of objects), .csv or .parquet file, or a Hugging Face `datasets` folder (save_to_disk; a DatasetDict's 'train' split); relative to the working directory.")
+    test: str | None = Field(None, description="The test tasks (evaluation), in the same formats (a DatasetDict's 'test' split); null = the 'test' split of a DatasetDict `tasks`, else the training tasks.")
+    input: Any = Field(description="The graph input of a task: any YAML value whose strings are templates, '{column}' filled from the task's row (str.format: '{{' is a literal brace).")
+    answer: str | None = Field(None, description="The column holding each task's reference answer (Task.answer: shown to the judge, passed to a python reward); null = none.")
+    id: str | None = Field(None, description="The column holding each task's unique id; null = a stable hash of the row.")
+    reward: RewardConfig = Field(description="The reward: `judge` or `python`.")
+
+
+def _env_kind(value: Any) -> str | None:
+    if isinstance(value, (dict, TaskFilesConfig)):
+        return _FILES_TAG
+    return _IMPORT_TAG if isinstance(value, str) else None
+
+
+_IMPORT_TAG, _FILES_TAG = "<env module:attr>", "<env tasks>"  # union members' tags; _validate drops them from locations
+EnvSpec = Annotated[Annotated[str, Tag(_IMPORT_TAG)] | Annotated[TaskFilesConfig, Tag(_FILES_TAG)],
+                    Discriminator(_env_kind, custom_error_type="env_spec", custom_error_message=(
+                        "env must be 'module:attr' of an environment, or a mapping of task files (tasks, input, "
+                        "reward)"))]
+"""`TrainConfig.env`: 'module:attr' of an environment, or a `TaskFilesConfig` mapping."""
+
+
 class TrainConfig(_Strict):
     """A training run. YAML keys mirror these fields; `--set a.b=v` overrides any of them."""
 
@@ -253,8 +316,8 @@ class TrainConfig(_Strict):
     seed: int = Field(0, description="Seeds task order, sampling and initialisation.")
     graph: str | None = Field(None, description="'module:attr' of the graph or of a factory building it (CLI only); a factory's `llm` parameter gets a stand-in chat model.")
     graph_kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the graph factory.")
-    env: str | None = Field(None, description="'module:attr' of the environment class or factory (CLI only).")
-    env_kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the environment factory.")
+    env: EnvSpec | None = Field(None, description="The environment (CLI only): 'module:attr' of its class or factory, or a mapping of task files, input template and reward (drmas_graph.task_files; the fields below).")
+    env_kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the environment factory ('module:attr' `env` only).")
     models: dict[str, ModelConfig] = Field(default_factory=dict, description="Models by name.")
     agents: dict[str, AgentConfig] = Field(default_factory=dict, description="Agents by name, each served by one model.")
     update: UpdateConfig = Field(default_factory=UpdateConfig, description="Optimizer and loss settings of every model without its own `update`.")
@@ -277,6 +340,13 @@ class TrainConfig(_Strict):
     rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="Per-episode graph config and limits.")
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Logging settings.")
     async_: AsyncConfig = Field(default_factory=AsyncConfig, alias="async", description="Asynchronous training settings.")
+
+    @model_validator(mode="after")
+    def _env_kwargs_need_a_factory(self) -> TrainConfig:
+        if self.env_kwargs and isinstance(self.env, TaskFilesConfig):
+            raise ValueError(f"env_kwargs {sorted(self.env_kwargs)} are keyword arguments of an environment factory, "
+                             "but `env` is a mapping of task files; remove env_kwargs")
+        return self
 
     @model_validator(mode="after")
     def _resolve_adapters(self) -> TrainConfig:
@@ -321,7 +391,7 @@ def _validate(data: dict[str, Any], where: str) -> TrainConfig:
     except ValidationError as exc:
         lines = [f"{where}: invalid training config"]
         for err in exc.errors():
-            loc = ".".join(str(p) for p in err["loc"]) or "<root>"
+            loc = ".".join(str(p) for p in err["loc"] if p not in (_IMPORT_TAG, _FILES_TAG)) or "<root>"
             lines.append(f"  {loc}: {err['msg']}")
         raise ConfigError("\n".join(lines)) from None
 
@@ -386,7 +456,7 @@ def config_reference() -> list[tuple[str, str, str]]:
             if getattr(ann, "__origin__", None) is dict and _is_model(args[-1]):
                 walk(args[-1], f"{prefix}{name}.<name>.")
                 continue
-            sub = next((a for a in (ann, *args) if _is_model(a)), None)
+            sub = next((a for a in _union_members(ann) if _is_model(a)), None)
             if sub is not None:
                 if not field.is_required() and field.get_default() is None:  # optional section: say what null means
                     rows.append((f"{prefix}{name}", "None", field.description or ""))
@@ -431,6 +501,16 @@ def resolve_adapters(models: dict[str, ModelConfig], agents: dict[str, AgentConf
 def model_adapters(model: str, agents: dict[str, AgentConfig]) -> list[str]:
     """The adapters of model `model`, in order of first use by `agents`."""
     return list(dict.fromkeys(ac.adapter for ac in agents.values() if ac.model == model and ac.adapter))
+
+
+def _union_members(ann: Any) -> list[Any]:
+    """The types a field's annotation admits: `A | B | None` -> [A, B, None], through `Annotated`."""
+    origin = get_origin(ann)
+    if origin is Annotated:
+        return _union_members(get_args(ann)[0])
+    if origin in (Union, UnionType):
+        return [member for arg in get_args(ann) for member in _union_members(arg)]
+    return [ann]
 
 
 def _is_model(obj: Any) -> bool:

@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.table import Table
 
 from drmas_graph.cli._imports import StandInChatModel, build_graph, import_object
-from drmas_graph.config import TrainConfig, config_reference, load_config
+from drmas_graph.config import TaskFilesConfig, TrainConfig, config_reference, load_config
 from drmas_graph.errors import ConfigError
 
 __all__ = ["add_train_commands", "StandInChatModel", "attached_servers", "build_graph_and_env", "eval_dir",
@@ -26,11 +26,17 @@ __all__ = ["add_train_commands", "StandInChatModel", "attached_servers", "build_
 
 
 def build_graph_and_env(cfg: TrainConfig) -> tuple[Any, Any]:
-    """Import and build the graph and environment a config names ('module:attr' + kwargs)."""
+    """Import and build the graph and environment a config names ('module:attr' + kwargs), or the environment
+    of an `env` mapping of task files (`drmas_graph.task_files`; a judge caches in the run folder)."""
 
     if not cfg.graph or not cfg.env:
-        raise ConfigError("the config must name `graph` and `env` as 'module:attr' for the CLI")
+        raise ConfigError("the config must name `graph` as 'module:attr' and `env` as 'module:attr' or a mapping of "
+                          "task files (tasks, input, reward) for the CLI")
     graph = build_graph(cfg.graph, cfg.graph_kwargs)
+    if isinstance(cfg.env, TaskFilesConfig):
+        from drmas_graph.task_files import env_from_config
+
+        return graph, env_from_config(cfg.env, run_dir=cfg.run_dir)
     env_factory = import_object(cfg.env)
     env = env_factory(**cfg.env_kwargs) if callable(env_factory) else env_factory
     return graph, env
