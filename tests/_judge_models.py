@@ -34,7 +34,7 @@ class RankingJudge(BaseChatModel):
             first = self._calls == 1
         attempts = [int(n) for n in ATTEMPT.findall(str(messages[1].content))]
         text = UNUSABLE if first else json.dumps(
-            {"scores": [{"attempt": i, "reason": f"attempt {i} ranks {i}", "score": 0.25 * i} for i in attempts]})
+            {f"attempt_{i}": {"reason": f"attempt {i} ranks {i}", "score": 0.25 * i} for i in attempts})
         usage = {"input_tokens": 100, "output_tokens": 20, "total_tokens": 120}
         return ChatResult(generations=[ChatGeneration(message=AIMessage(text, usage_metadata=usage))])
 
