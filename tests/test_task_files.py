@@ -376,6 +376,15 @@ def test_train_from_task_files_with_a_judge(tmp_path):
         "judge_failed_episodes": 0}
     assert step["reward/team_mean"] == 0.375 and (tmp_path / "run" / "judge_cache.db").is_file()
 
+    # traces rescore --judge CONFIG.yaml: the config's judge and tasks; the run's cache answers every group again
+    out = tmp_path / "rescored.db"
+    assert main(["traces", "rescore", str(tmp_path / "run" / "traces.db"), "--judge",
+                 str(tmp_path / "cfg.yaml"), "--out", str(out)]) == 0
+    with TraceStore(out, readonly=True) as store:
+        again = {e.id: e for e in (store.load_episode(s.id) for s in store.episodes())}
+    assert {e.id: e.rewards for e in episodes} == {i: e.rewards for i, e in again.items()}
+    assert all(e.judgement["cached"] and e.judgement["scores"] == e.rewards["solver"] for e in again.values())
+
 
 def test_the_helpdesk_example_config_tasks_and_graph():
     """graphs/helpdesk/train.yaml validates, its task files load (24 train, 8 test, unique ids), and the graph

@@ -91,8 +91,10 @@ def _add_rescore_command(commands: Any) -> None:
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--reward", metavar="MODULE:ATTR",
                         help="reward function: episode -> float (team reward) or {agent: float}")
-    source.add_argument("--judge", metavar="MODULE:ATTR",
-                        help="a judge (an object with reward_group(task, episodes), e.g. drmas_graph.rewards.Judge "
+    source.add_argument("--judge", metavar="CONFIG.yaml|MODULE:ATTR",
+                        help="a training config whose env has reward.judge (the judge it trains with, its tasks "
+                             "with their reference answers, its cache in the config's run_dir), or a judge "
+                             "(an object with reward_group(task, episodes), e.g. drmas_graph.rewards.Judge "
                              "or JudgedEnv) or a zero-argument factory returning one; called once per group, it "
                              "stores its verdict with each episode (--out). If it also has tasks(split) (a "
                              "JudgedEnv), the judge sees those tasks (reference answers); else each task is "
@@ -138,8 +140,16 @@ def _cmd_rescore(args: argparse.Namespace, console: Console) -> int:
 
 
 def _judge_and_tasks(spec: str, splits: list[str] | None) -> tuple[Any, list[Any] | None, str]:
-    """`--judge MODULE:ATTR`: the judge (the object, or what a zero-argument factory returns), the tasks of its
-    `tasks(split)` if it has one, and what the output line says about them."""
+    """`--judge CONFIG.yaml`: the judge and tasks of a training config's `env` mapping; `--judge MODULE:ATTR`: the
+    judge (the object, or what a zero-argument factory returns), the tasks of its `tasks(split)` if it has one.
+    Also what the output line says about the tasks."""
+    if spec.endswith((".yaml", ".yml")):
+        from drmas_graph.task_files import judge_from_config, tasks_from_config
+
+        if splits:
+            raise ConfigError("--split applies to --judge MODULE:ATTR; a config's judge sees every task of its "
+                              "`env.tasks` and `env.test` files")
+        return judge_from_config(spec), tasks_from_config(spec), f"; judge and tasks of {spec}"
     judge = import_object(spec)
     if isinstance(judge, type) or (callable(judge) and not hasattr(judge, "reward_group")):  # a factory
         judge = judge()
