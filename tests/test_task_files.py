@@ -412,6 +412,27 @@ def test_the_helpdesk_example_config_tasks_and_graph():
     assert [m.type for m in state["messages"]] == ["human", "ai"]
 
 
+def test_the_helpdesk_vllm_judge_config_differs_from_train_yaml_only_in_the_judge():
+    """graphs/helpdesk/train_vllm_judge.yaml is train.yaml with the judge served by serve_judge.sh (its port and
+    --served-model-name), room for long guided replies, and its own run folder: nothing else drifts."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "graphs" / "helpdesk"
+    base = load_config(root / "train.yaml").model_dump()
+    served = load_config(root / "train_vllm_judge.yaml").model_dump()
+    judge, base_judge = served["env"]["reward"].pop("judge"), base["env"]["reward"].pop("judge")
+    assert judge["model"] == {"base_url": "http://127.0.0.1:8008/v1", "model": "smollm2-judge", "timeout": 300}
+    assert (judge["max_tokens"], judge["timeout_s"]) == (3000, 300.0)
+    assert {k: v for k, v in judge.items() if k not in ("model", "max_tokens", "timeout_s")} == \
+           {k: v for k, v in base_judge.items() if k not in ("model", "max_tokens", "timeout_s")}
+    assert (served.pop("name"), served.pop("run_dir")) == ("helpdesk-vllm-judge", "runs/helpdesk_vllm_judge")
+    base.pop("name"), base.pop("run_dir")
+    assert served == base
+    script = (root / "serve_judge.sh").read_text()
+    assert "--served-model-name smollm2-judge" in script and 'PORT="${PORT:-8008}"' in script
+    assert """'{"backend": "xgrammar", "disable_any_whitespace": true}'""" in script
+
+
 def test_judge_from_config_reads_the_rubric_file_and_caches_in_the_run_folder(tmp_path, monkeypatch):
     from drmas_graph.task_files import judge_from_config
 
