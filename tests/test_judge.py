@@ -461,3 +461,27 @@ def test_control_characters_inside_a_reply_string_are_tolerated():
     judge = Judge(scripted('{"reason": "line one\nline two\t.", "score": 0.5}'), RUBRIC, mode="episode")
     judgement = judge.judge_episode(TASK, episode("5", id="e1"))
     assert judgement.reward == 0.5 and judgement.record["reasons"] == "line one\nline two\t."
+
+
+def test_a_reply_cut_at_max_tokens_is_recorded_counted_and_retried():
+    """OpenAI's client raises LengthFinishReasonError for a structured reply cut at max_tokens (seen against
+    vLLM): the judge keeps the reply's text and the server's token counts, says why it cannot be used, retries."""
+    openai = pytest.importorskip("openai")
+    from openai.types.chat import ChatCompletion
+
+    completion = ChatCompletion.model_validate({
+        "id": "c", "object": "chat.completion", "created": 0, "model": "m",
+        "choices": [{"index": 0, "finish_reason": "length",
+                     "message": {"role": "assistant", "content": '{"reason": "1.1.1.1'}}],
+        "usage": {"prompt_tokens": 40, "completion_tokens": 7, "total_tokens": 47}})
+    model = scripted(openai.LengthFinishReasonError(completion=completion), '{"reason": "ok", "score": 0.75}')
+    judge = Judge(model, RUBRIC, mode="episode", max_tokens=7)
+    judgement = judge.judge_episode(TASK, episode("5", id="e1"))
+    assert judgement.reward == 0.75 and judgement.record["replies"][0] == '{"reason": "1.1.1.1'
+    assert model.log.calls[1]["messages"][3] == (
+        "human", "That reply cannot be used: the reply was cut at max_tokens=7 (raise the judge's max_tokens). "
+                 "Reply again with only the JSON object.")
+    metrics = judge.reward_metrics()
+    assert (metrics["judge/calls"], metrics["judge/retries"], metrics["judge/failed_calls"]) == (2, 1, 1)
+    assert metrics["judge/input_tokens"] == 40 + tokens_of(model.log.calls[1])
+    assert judgement.record["input_tokens"] == metrics["judge/input_tokens"]

@@ -127,7 +127,7 @@ class Judge:
                  cache: str | Path | None = None, temperature: float = 0.0, seed: int | None = 0,
                  max_tokens: int = 512, name: str | None = None):
         _check_arguments(rubric, mode, max_retries, timeout_s, max_concurrency, max_tokens)
-        self.rubric, self.mode, self.max_retries = rubric, mode, max_retries
+        self.rubric, self.mode, self.max_retries, self.max_tokens = rubric, mode, max_retries, max_tokens
         self.timeout_s, self.max_concurrency = float(timeout_s), max_concurrency
         self.name = name or model_name(model)
         self.model, self.settings = _configured(model, {"temperature": temperature, "seed": seed,
@@ -222,6 +222,9 @@ class Judge:
             text = reply_text(message)
             replies.append(text)
             try:
+                if (getattr(message, "response_metadata", None) or {}).get("finish_reason") == "length":
+                    raise ReplyError(f"the reply was cut at max_tokens={self.max_tokens} (raise the judge's "
+                                     "max_tokens)")
                 items = parse_reply(text, schema)
             except ReplyError as exc:
                 errors.append(f"attempt {attempt}: {exc}")
@@ -245,7 +248,8 @@ class Judge:
                 with app_models():
                     box["value"] = runnable.invoke(messages)
             except BaseException as exc:  # reported to the caller, who retries
-                box["error"] = exc
+                cut = _cut_reply(exc)  # a reply the client refused (cut at max_tokens): parsed and counted
+                box["value" if cut is not None else "error"] = cut if cut is not None else exc
             finally:
                 self._slots.release()
                 done.set()
@@ -344,3 +348,17 @@ class JudgedEnv:
         """The wrapped env's own reward metrics (if it has any) and the judge's counters."""
         own = getattr(self.env, "reward_metrics", None)
         return {**(own() if callable(own) else {}), **self.judge.reward_metrics()}
+
+
+def _cut_reply(exc: BaseException) -> AIMessage | None:
+    """The reply inside an OpenAI client's `LengthFinishReasonError` (the structured-output parser refuses a
+    reply cut at max_tokens, but the server answered and billed it): its text, tokens and finish reason, so the
+    attempt is recorded and counted like any unusable reply. None for any other exception."""
+    completion = getattr(exc, "completion", None)
+    choices = getattr(completion, "choices", None)
+    if not choices:
+        return None
+    usage = getattr(completion, "usage", None)
+    n_in, n_out = (getattr(usage, "prompt_tokens", 0) or 0, getattr(usage, "completion_tokens", 0) or 0)
+    return AIMessage(choices[0].message.content or "", response_metadata={"finish_reason": choices[0].finish_reason},
+                     usage_metadata={"input_tokens": n_in, "output_tokens": n_out, "total_tokens": n_in + n_out})
