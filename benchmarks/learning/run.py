@@ -291,6 +291,21 @@ def hypothesis_lines(runs: list[dict[str, Any]]) -> list[str]:
     return out
 
 
+def runs_markdown(runs: list[dict[str, Any]]) -> str:
+    """Every run as one markdown row: held-out avg@k at each evaluation, the final training reward, the app's
+    final held-out rate, spikes, max E[A^2] and wall time (the README's per-run table)."""
+    lines = ["| app | estimator | seed | avg@k at steps | final reward | final held-out rate | spikes | "
+             "max E[A^2] | wall s |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in runs:
+        m = run_metrics(r)
+        rate = {k: v for k, v in r["eval"][-1]["rates"].items() if k in ("verifier_tnr", "tool_call_rate")}
+        avgs = " / ".join(f"{e['avg@k']:.3f}" for e in r["eval"])
+        lines.append(f"| {r['app']} | {r['estimator']} | {r['seed']} | {avgs} | {m['final reward']:.3f} | "
+                     + ", ".join(f"{k} {v:.3f}" for k, v in rate.items())
+                     + f" | {m['spikes']} | {m['max E[A^2]']:.3f} | {r['wall_s']:.0f} |")
+    return "\n".join(lines)
+
+
 # -- plots ------------------------------------------------------------------------------------------------
 def plots(runs: list[dict[str, Any]], out: Path) -> list[Path]:
     import matplotlib
@@ -416,6 +431,8 @@ def main(argv: list[str] | None = None) -> int:
     if len(done) and not todo and not args.report:
         print(f"--resume: all {len(done)} runs are in {results}; nothing to run")
     print(table(runs, args.estimators))
+    if args.report:
+        print("\n" + runs_markdown(runs))
     for path in plots(runs, out):
         print(f"plot: {path}")
     print(f"results: {out / 'results.json'}")
