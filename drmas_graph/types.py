@@ -196,7 +196,8 @@ class Episode:
     timings: dict[str, Any] = field(default_factory=dict)
     """'start' and 'end' (unix time), 'wall_s', 'llm_s' (sum of call latencies), 'turn_starts' (unix start of each turn)."""
     metadata: dict[str, Any] = field(default_factory=dict)
-    """Free-form extras (the input, the run config's thread id, the training step, ...)."""
+    """Free-form extras (the input, the run config's thread id, the training step, `group_index`: its position in
+    its GRPO group, ...)."""
     truncated: str | None = None
     """'<limit>: <why>' when a limit stopped the run before its end (limit: max_llm_calls, timeout_s or
     recursion_limit); its turns are kept, rewarded and trained on. None when it ran to its end."""

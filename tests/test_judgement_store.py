@@ -341,6 +341,21 @@ def test_rescore_without_tasks_rebuilds_each_task_from_the_stored_input(tmp_path
     assert task == Task(id="t2", input={"q": "3*3?"}) and task.answer is None and group == ids["t2"]
 
 
+def test_rescore_shows_the_judge_each_group_in_the_order_training_did_not_the_order_episodes_finished(tmp_path):
+    """The store holds episodes in the order they finished; a group judge that ranks by position (as a cached
+    group reply does) must see them in their group order (`metadata["group_index"]`), as training did."""
+    group = [make_episode(task_id="t1", group_id="train:0:t1", input=TASKS[0].input,
+                          metadata={"score": 0.25 * (i + 1), "group_index": i}) for i in range(3)]
+    with TraceStore(tmp_path / "run.db") as store:
+        for episode in (group[2], group[0], group[1]):  # finishing order
+            store.write_episode(episode)
+        store.record_training(0, group)
+    judge = ScriptedGroupJudge()
+    result = rescore(tmp_path / "run.db", judge=judge, tasks=TASKS)
+    assert judge.calls == [(TASKS[0], [e.id for e in group])]
+    assert [result[e.id].judgement["index"] for e in group] == [0, 1, 2]
+
+
 def test_rescore_with_a_judge_refuses_what_it_cannot_score(tmp_path):
     ids = judged_run(tmp_path / "run.db")
     with pytest.raises(ConfigError, match=r"task 't2' \(group 'train:0:t2'\) is not in the tasks given"):

@@ -320,7 +320,8 @@ def run_episodes(app: Any, jobs: Sequence[EpisodeJob], *, phase: str, step: int,
 
 async def _run_one(app: Any, job: EpisodeJob, *, phase: str, step: int, run_seed: int, rollout: RolloutConfig,
                    base_config: Mapping[str, Any] | None, env: Any = None) -> Episode | RolloutError:
-    metadata = {"phase": phase, "step": step, "seed": episode_seed(run_seed, phase, step, job.group, job.index),
+    metadata = {"phase": phase, "step": step, "group_index": job.index,
+                "seed": episode_seed(run_seed, phase, step, job.group, job.index),
                 **limit_metadata(rollout.max_llm_calls, rollout.timeout_s)}
     cont = continuation_from_env(env, job.task, rollout.max_resumes)
     run = asyncio.ensure_future(app.arollout(job.task.input, episode_config(base_config, rollout),

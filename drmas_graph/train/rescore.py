@@ -123,6 +123,9 @@ def rescore(
     for episode in episodes:
         episode.judgement = None  # the stored verdict is not the new rewards': only the new judge's is kept
         groups.setdefault(_group_of(episode), []).append(episode)
+    for members in groups.values():  # a group in the order training scored it (the store holds finishing order)
+        if all(isinstance(e.metadata.get("group_index"), int) for e in members):
+            members.sort(key=lambda e: e.metadata["group_index"])
 
     failed: dict[str, BaseException] = {}
     if judge is not None:
