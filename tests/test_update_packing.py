@@ -15,7 +15,8 @@ import torch
 from drmas_graph.errors import ConfigError
 from drmas_graph.testing import tiny_model, tiny_tokenizer
 from drmas_graph.train._old_logprobs import with_trainer_logprobs
-from drmas_graph.train._packing import PROBE_NODES_DEFAULT, build_tree, check_packing, pack_rows, sequences_of, tree_inputs
+from drmas_graph.train._packing import (PROBE_NODES_DEFAULT, PROBE_NODES_MIN, PackingProbes, build_tree, check_packing,
+                                        pack_rows, sequences_of, tree_inputs)
 from drmas_graph.train.advantages import list_estimators, compute_advantages
 from drmas_graph.train.losses import list_loss_aggregations
 from drmas_graph.train.update import LossSettings, ModelUpdater, UpdateSettings
@@ -368,24 +369,53 @@ def test_a_window_the_config_does_not_name_is_found_by_the_probe():
 
 
 def test_packed_rows_hold_at_most_the_nodes_the_probe_proved():
-    """A window the probe did not find is longer than its row (PROBE_NODES_DEFAULT - 6 = 2042 nodes proven on CPU):
-    rows of several samples stay within it, a longer sample is computed alone on a plain row."""
+    """A window the probe did not find is longer than its row (at most PROBE_NODES_DEFAULT - 6 = 2042 nodes proven
+    on CPU): rows of several samples stay within it, a longer sample is computed alone on a plain row. The start-up
+    probe is the shortest (PROBE_NODES_MIN); samples that need longer rows probe again, up to the device's length."""
     model = build_model()
     updater = ModelUpdater(model, name="m", settings=UpdateSettings(backend="torch"),
                            agent_settings={"a": LossSettings(micro_batch_size=16)})
-    assert updater._packing.max_nodes == PROBE_NODES_DEFAULT - 6 == 2042 and updater._mask_kind == "bool"
+    assert (updater._packing.max_nodes, updater._packing.most_nodes) == (PROBE_NODES_MIN - 6, 2042) == (250, 2042)
     rng = random.Random(0)
     prompt = tuple(rng.randrange(3, 500) for _ in range(1000))
     samples = [Sample(prompt, tuple(rng.randrange(3, 500) for _ in range(500)), (0.0,) * 500, advantage=1.0,
                       agent="a") for _ in range(3)]
     long_prompt = tuple(rng.randrange(3, 500) for _ in range(2100))
     samples.append(Sample(long_prompt, (7, 8, 9), (0.0,) * 3, advantage=1.0, agent="a"))
+    assert updater._packing_of(model, samples).max_nodes == PROBE_NODES_DEFAULT - 6 == 2042 == updater._packing.max_nodes
     groups = updater._micro_batches(list(range(4)), samples, packing=updater._packing)
     # without the cap: 16 x 2103 tokens allow sqrt(16 x 2103 x 2103) = 8412 nodes, one row of 1000 + 3 x 500 + 2103
     assert sorted(map(sorted, groups)) == [[0, 1], [2], [3]]  # 1000 + 500 + 500 = 2000 <= 2042; + 500 > 2042
     assert updater._collate([samples[3]], updater._packing).inputs["attention_mask"].shape == (1, 2103)  # plain row
     for got, want in zip(updater.compute_logprobs(samples), own_logprobs(model, samples)):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
+def test_a_probe_grows_with_the_rows_and_finds_a_window_longer_than_its_first_row(caplog):
+    """One process probes only as long a row as the samples' packed rows can need (`_row_nodes`: at most
+    max_nodes(L, budget) and the trie of the agent's samples), from 256 nodes, doubling: a window of 300 row
+    positions (not named in the config) hides nothing in the first probe (249 positions), and is found by the probe
+    of 512 that rows of ~400 nodes need; from then on the model trains on padded rows, with exact logprobs."""
+    model = gpt_neo(300, named=False)
+    with caplog.at_level(logging.WARNING, logger="drmas_graph.train._packing"):
+        updater = ModelUpdater(model, name="neo", settings=UpdateSettings(backend="torch"),
+                               agent_settings={"a": LossSettings(micro_batch_size=8)})
+        assert (updater._mask_kind, updater._packing.max_nodes, updater._packing.most_nodes) == ("additive", 250, 1018)
+        short = prompt_and_two_responses(100)  # a trie of 8 + 100 + 8 = 116 nodes: the first probe suffices
+        assert updater._row_nodes(short) == 116 and updater._packing_of(model, short).max_nodes == 250
+        assert not caplog.records
+        samples = prompt_and_two_responses(400)  # 8 + 400 + 8 = 416 nodes: a probe of 512
+        assert updater._row_nodes(samples) == 416
+        found = updater._packing_of(model, samples)
+    assert found.mask_kind is None and found.reason.startswith("its logits on a packed probe of 512 nodes differ")
+    assert [r.getMessage() for r in caplog.records if "packing is off" in r.getMessage()] == [
+        f"model 'neo': prefix-shared packing is off because {found.reason}; training on padded rows "
+        "(update.pack_prefixes: false silences this)"]
+    for got, want in zip(updater.compute_logprobs(samples), own_logprobs(model, samples)):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    # several processes: the longest probe at once (a ZeRO-3 forward is collective; it must not follow one rank's data)
+    assert PackingProbes("neo", grow=False).of(gpt_neo(300, named=False), 0).max_nodes == 0
+    assert PackingProbes("m", grow=False).of(build_model(), 0).max_nodes == 2042
 
 
 def test_lora_packing_is_probed_with_the_kernel_it_trains_with(samples):

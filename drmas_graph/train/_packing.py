@@ -19,7 +19,8 @@ then its activations (~N) and attention scores (~N^2) never exceed those of the 
 
 Models: the mask goes through the model's own ``attention_mask`` argument, which Hugging Face models take as
 given when it is 4D: boolean for "sdpa", additive (0 / dtype min) for "eager". `check_packing` probes a module
-with the attention kernel it trains with (a packed row of `PROBE_NODES` nodes against its sequences unpacked)
+with the attention kernel it trains with (a packed row of up to `PROBE_NODES` nodes against its sequences
+unpacked; one process probes only as long a row as its packed rows need, `PackingProbes`)
 and names the reason when it cannot take it (another attention kernel, attention windows named in its config,
 a model that builds its own mask); the updater then trains on padded rows. A window is a number of row
 positions (GPT-Neo's local layers build it from the row index), and in a packed row a sample's prompt can lie
@@ -42,7 +43,7 @@ import torch
 from drmas_graph.types import Sample
 
 __all__ = ["MASK_KINDS", "Packing", "PackingProbes", "SequenceTree", "build_tree", "check_packing", "max_nodes", "pack_rows",
-           "tree_inputs"]
+           "tree_inputs", "trie_nodes"]
 
 log = logging.getLogger(__name__)
 
@@ -148,6 +149,10 @@ model's positions): packed rows of several samples never hold more nodes than th
 the probe did not see is at least this long, so it never hides a node's ancestor within such a row. (On CPU an
 sdpa probe of 2048 nodes costs a tiny model ~0.2 s; a larger probe would allow longer rows.)"""
 PROBE_NODES_DEFAULT = 2048
+PROBE_NODES_MIN = 256
+"""The shortest probe row (`check_packing` with ``nodes``): a single process probes a module only as far as its
+packed rows need, from this length up, doubling (`PackingProbes`). On CPU the full probe of a 135M model costs
+~11 s; one of 256 nodes ~0.5 s."""
 _FULL_LAYER_TYPES = frozenset({"full_attention", "global", "full", "attention"})
 
 
@@ -163,6 +168,9 @@ class Packing:
     """The most nodes a packed row of several samples may hold: the probe's row length (0 when it does not pack)."""
     kernel: str | None
     """The attention implementation it was probed with (a packing found for one kernel says nothing of another)."""
+    most_nodes: int = 0
+    """The most nodes any probe of this module can prove (its device's `PROBE_NODES`, at most its positions; 0 when
+    it does not pack): a `max_nodes` below it can be raised by probing again with a longer row."""
 
 
 def _windows(config: Any) -> list[str]:
@@ -228,13 +236,33 @@ def _probe(n_nodes: int, vocab: int) -> list[list[int]]:
     return [prefix + long_branch, prefix + short_branch]
 
 
+def trie_nodes(sequences: Sequence[Sequence[int]]) -> int:
+    """The number of nodes of the trie of ``sequences`` (`build_tree`): the most a packed row of them can hold."""
+    ordered = sorted(map(tuple, sequences))
+    return sum(len(seq) - (_common_prefix(prev, seq) if prev is not None else 0)
+               for prev, seq in zip([None, *ordered[:-1]], ordered))
+
+
+def _probe_length(nodes: int | None, most: int) -> int:
+    """The probe row for packed rows of ``nodes`` nodes: the smallest power of 2 from PROBE_NODES_MIN that holds
+    them (the probe proves 6 fewer than its length), at most ``most``; None: ``most``."""
+    if nodes is None:
+        return most
+    n = PROBE_NODES_MIN
+    while n < nodes + 6:
+        n *= 2
+    return min(n, most)
+
+
 @torch.no_grad()
-def check_packing(model: torch.nn.Module) -> Packing:
+def check_packing(model: torch.nn.Module, nodes: int | None = None) -> Packing:
     """Whether ``model``, with its current attention implementation, computes a packed tree exactly as it computes
     the separate sequences. Refused: another attention kernel, an attention window in its config (`_windows`), a
     forward pass that refuses the inputs, and a probe row (`_probe`, `PROBE_NODES` long, at most the model's
     positions) whose packed logits differ from the unpacked ones (a window of row positions the config does not
-    name, a mask or position ids the model ignores). The row length it proves is `Packing.max_nodes`."""
+    name, a mask or position ids the model ignores). The row length it proves is `Packing.max_nodes`. ``nodes``:
+    prove rows of at least that many nodes, with a shorter probe where that suffices (`_probe_length`); None:
+    the longest probe."""
     config = getattr(model, "config", None)
     impl = getattr(config, "_attn_implementation", None)
 
@@ -250,8 +278,9 @@ def check_packing(model: torch.nn.Module) -> Packing:
                        "would move or replace")
     param = next(model.parameters())
     vocab = getattr(config, "vocab_size", None) or 8
-    n_nodes = PROBE_NODES.get(param.device.type, PROBE_NODES_DEFAULT)
-    n_nodes = max(12, min(n_nodes, _max_positions(config) or n_nodes))
+    most = PROBE_NODES.get(param.device.type, PROBE_NODES_DEFAULT)
+    most = max(12, min(most, _max_positions(config) or most))
+    n_nodes = max(12, _probe_length(nodes, most))
     sequences = _probe(n_nodes, vocab)
     tree = build_tree(sequences)
     was_training = model.training
@@ -272,23 +301,31 @@ def check_packing(model: torch.nn.Module) -> Packing:
         return refused(f"its logits on a packed probe of {n_nodes} nodes differ from the unpacked ones by {gap:.3g} "
                        "(an attention window of row positions, or it ignores the 4D attention mask or the position "
                        "ids)")
-    return Packing(mask_kind=MASK_KINDS[impl], reason="", max_nodes=n_nodes - 6, kernel=impl)
+    return Packing(mask_kind=MASK_KINDS[impl], reason="", max_nodes=n_nodes - 6, kernel=impl, most_nodes=most - 6)
 
 
 class PackingProbes:
-    """`check_packing` of each module an updater computes on, probed at its first use and again after its attention
-    kernel changed, so a probe result is only ever used on the module (and kernel) it was found on. The reason a
-    module trains on padded rows is logged once."""
+    """`check_packing` of each module an updater computes on, probed at its first use, again after its attention
+    kernel changed, and again with a longer row when packed rows need more nodes than it proved (``grow``), so a
+    probe result is only ever used on the module (and kernel) it was found on, for rows no longer than its probe.
+    The reason a module trains on padded rows is logged once.
 
-    def __init__(self, name: str) -> None:
+    ``grow`` False (several processes): every module gets the longest probe at once. A forward pass of a
+    ZeRO-3-sharded model is a collective call, so a probe must not depend on one process's samples."""
+
+    def __init__(self, name: str, *, grow: bool = True) -> None:
         self.name = name
+        self.grow = grow
         self._found: weakref.WeakKeyDictionary[torch.nn.Module, Packing] = weakref.WeakKeyDictionary()
 
-    def of(self, module: torch.nn.Module) -> Packing:
+    def of(self, module: torch.nn.Module, nodes: int = 0) -> Packing:
+        """How ``module`` takes packed rows of up to ``nodes`` nodes (as far as its device's probe length allows:
+        `Packing.max_nodes` may be lower; rows are cut to it)."""
         kernel = getattr(getattr(module, "config", None), "_attn_implementation", None)
         found = self._found.get(module)
-        if found is None or found.kernel != kernel:
-            found = self._found[module] = check_packing(module)
+        short = found is not None and found.mask_kind is not None and found.max_nodes < min(nodes, found.most_nodes)
+        if found is None or found.kernel != kernel or short:
+            found = self._found[module] = check_packing(module, nodes if self.grow else None)
             if found.reason:
                 log.warning("model %r: prefix-shared packing is off because %s; training on padded rows "
                             "(update.pack_prefixes: false silences this)", self.name, found.reason)

@@ -32,6 +32,7 @@ import torch
 from drmas_graph.config import check_adapter_name
 from drmas_graph.engine._adapters import is_peft_model, load_adapter_weights
 from drmas_graph.errors import ConfigError
+from drmas_graph.train._engines import _world_size
 from drmas_graph.train._packing import PackingProbes
 
 if TYPE_CHECKING:
@@ -217,7 +218,8 @@ class LoraUpdater:
         self.model, self.name, self.settings = model, name, settings
         self.agent_adapters = {a: agent_adapters[a] for a in agent_settings}
         self.updaters: dict[str, ModelUpdater] = {}
-        probes = PackingProbes(name)  # one probe per module for all adapters (they share the base's attention)
+        # one probe per module for all adapters (they share the base's attention); grown on demand in one process
+        probes = PackingProbes(name, grow=_world_size() == 1)
         for adapter in dict.fromkeys(self.agent_adapters.values()):
             lr = (adapter_lr or {}).get(adapter, settings.lr)
             agents = {a: s for a, s in agent_settings.items() if self.agent_adapters[a] == adapter}

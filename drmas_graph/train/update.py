@@ -69,7 +69,7 @@ import torch
 
 from drmas_graph.train._engines import _ENGINES, _all_reduce, _barrier, _rank, _world_size
 from drmas_graph.train._logprobs import Batch, check_chunked_head, collate, collate_packed, response_token_stats
-from drmas_graph.train._packing import Packing, PackingProbes, max_nodes, pack_rows, sequences_of
+from drmas_graph.train._packing import Packing, PackingProbes, max_nodes, pack_rows, sequences_of, trie_nodes
 from drmas_graph.train._reference import REFERENCES, Reference
 from drmas_graph.train._settings import LossSettings, UpdateSettings
 from drmas_graph.train._update_metrics import AgentUpdateMetrics, UpdateMetrics, _agent_metrics, _Tally, _tally_samples
@@ -174,20 +174,36 @@ class ModelUpdater:
         self._skip_zero_advantage = settings.kl_coef == 0 and settings.entropy_coef == 0
         self._autocast_dtype = _check_autocast(model, settings.autocast)
         self._lm_head = check_chunked_head(model) if settings.logprob_chunk_tokens > 0 else None
-        self._probes = probes or PackingProbes(name)
+        self._probes = probes or PackingProbes(name, grow=_world_size() == 1)
         self._packing_of(model)  # probed now, with the kernel it trains with (the reason is logged at start-up)
         self._engine = _ENGINES[settings.backend](model, settings)
         pad_id = getattr(getattr(model, "config", None), "pad_token_id", None)
         self._pad_id = int(pad_id) if pad_id is not None else 0
         model.eval()
 
-    def _packing_of(self, module: torch.nn.Module) -> Packing | None:
-        """How ``module`` takes packed rows (`PackingProbes`), None with pack_prefixes off."""
-        return self._probes.of(module) if self.settings.pack_prefixes else None
+    def _packing_of(self, module: torch.nn.Module, samples: Sequence[Sample] = ()) -> Packing | None:
+        """How ``module`` takes packed rows of ``samples`` (`PackingProbes`, probed for the longest row
+        `_micro_batches` can make of them), None with pack_prefixes off."""
+        return self._probes.of(module, self._row_nodes(samples)) if self.settings.pack_prefixes else None
+
+    def _row_nodes(self, samples: Sequence[Sample]) -> int:
+        """The most nodes a packed row of ``samples`` can hold: per agent, the row limit of `_micro_batches`
+        (before the probe's cap), at most the trie of all the agent's samples."""
+        by_agent: dict[str, list[Sample]] = {}
+        for s in samples:
+            by_agent.setdefault(s.agent, []).append(s)
+        most = 0
+        for agent, mine in by_agent.items():
+            sequences = sequences_of(mine)
+            longest = max(map(len, sequences))
+            budget = self.settings.max_tokens_per_micro_batch or self.loss_settings(agent).micro_batch_size * longest
+            most = max(most, min(max_nodes(longest, budget), trie_nodes(sequences)))
+        return most
 
     @property
     def _packing(self) -> Packing | None:
-        """How the model takes packed rows (found with its current kernel); None: pack_prefixes is off."""
+        """How the model takes packed rows (found with its current kernel, for the rows probed so far); None:
+        pack_prefixes is off."""
         return self._packing_of(self.model)
 
     @property
@@ -252,7 +268,7 @@ class ModelUpdater:
         micro-batch size."""
         _check_samples(samples)
         module = module if module is not None else self.model
-        return [t.cpu() for t in self._logprobs_of(module, samples, self._packing_of(module))]
+        return [t.cpu() for t in self._logprobs_of(module, samples, self._packing_of(module, samples))]
 
     @torch.no_grad()
     def _logprobs_of(self, module: torch.nn.Module, samples: Sequence[Sample], packing: Packing | None
@@ -274,7 +290,8 @@ class ModelUpdater:
         if self._reference is None or not samples:
             return {}
         with self._reference.on_device() as module:  # a frozen copy of the model (or it, adapters disabled): its probe
-            return {id(s): lp for s, lp in zip(samples, self._logprobs_of(module, samples, self._packing))}
+            packing = self._packing_of(self.model, samples)
+            return {id(s): lp for s, lp in zip(samples, self._logprobs_of(module, samples, packing))}
 
     def full_weights(self) -> contextlib.AbstractContextManager:
         """Inside this block the model's parameters are whole (read them to save or push weights to servers).
@@ -332,7 +349,8 @@ class ModelUpdater:
         """Shuffle (seeded), split into mini-batches, group each into one-agent micro-batches, and agree
         with the other processes on the normalizers and on the number of backward passes."""
         chunks = self._minibatch_rows(len(samples))
-        micro = [self._micro_batches(chunk, samples, packing=self._packing) for chunk in chunks]
+        packing = self._packing_of(self.model, samples)
+        micro = [self._micro_batches(chunk, samples, packing=packing) for chunk in chunks]
         local_norms = [sum(self._norm_count(samples[i]) for i in chunk) for chunk in chunks]
         norms = _all_reduce(local_norms, "SUM", self.device)
         passes = _all_reduce([float(len(m)) for m in micro], "MAX", self.device)
