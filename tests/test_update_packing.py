@@ -16,7 +16,7 @@ from drmas_graph.errors import ConfigError
 from drmas_graph.testing import tiny_model, tiny_tokenizer
 from drmas_graph.train._old_logprobs import with_trainer_logprobs
 from drmas_graph.train._packing import (PROBE_NODES_DEFAULT, PROBE_NODES_MIN, PackingProbes, build_tree, check_packing,
-                                        pack_rows, sequences_of, tree_inputs)
+                                        pack_rows, row_nodes, sequences_of, tree_inputs)
 from drmas_graph.train.advantages import list_estimators, compute_advantages
 from drmas_graph.train.losses import list_loss_aggregations
 from drmas_graph.train.update import LossSettings, ModelUpdater, UpdateSettings
@@ -392,7 +392,7 @@ def test_packed_rows_hold_at_most_the_nodes_the_probe_proved():
 
 
 def test_a_probe_grows_with_the_rows_and_finds_a_window_longer_than_its_first_row(caplog):
-    """One process probes only as long a row as the samples' packed rows can need (`_row_nodes`: at most
+    """One process probes only as long a row as the samples' packed rows can need (`row_nodes`: at most
     max_nodes(L, budget) and the trie of the agent's samples), from 256 nodes, doubling: a window of 300 row
     positions (not named in the config) hides nothing in the first probe (249 positions), and is found by the probe
     of 512 that rows of ~400 nodes need; from then on the model trains on padded rows, with exact logprobs."""
@@ -402,10 +402,10 @@ def test_a_probe_grows_with_the_rows_and_finds_a_window_longer_than_its_first_ro
                                agent_settings={"a": LossSettings(micro_batch_size=8)})
         assert (updater._mask_kind, updater._packing.max_nodes, updater._packing.most_nodes) == ("additive", 250, 1018)
         short = prompt_and_two_responses(100)  # a trie of 8 + 100 + 8 = 116 nodes: the first probe suffices
-        assert updater._row_nodes(short) == 116 and updater._packing_of(model, short).max_nodes == 250
+        assert row_nodes(short, updater._budget) == 116 and updater._packing_of(model, short).max_nodes == 250
         assert not caplog.records
         samples = prompt_and_two_responses(400)  # 8 + 400 + 8 = 416 nodes: a probe of 512
-        assert updater._row_nodes(samples) == 416
+        assert row_nodes(samples, updater._budget) == 416
         found = updater._packing_of(model, samples)
     assert found.mask_kind is None and found.reason.startswith("its logits on a packed probe of 512 nodes differ")
     assert [r.getMessage() for r in caplog.records if "packing is off" in r.getMessage()] == [

@@ -34,7 +34,7 @@ from __future__ import annotations
 import logging
 import math
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,8 +42,8 @@ import torch
 
 from drmas_graph.types import Sample
 
-__all__ = ["MASK_KINDS", "Packing", "PackingProbes", "SequenceTree", "build_tree", "check_packing", "max_nodes", "pack_rows",
-           "tree_inputs", "trie_nodes"]
+__all__ = ["MASK_KINDS", "Packing", "PackingProbes", "SequenceTree", "build_tree", "check_packing", "max_nodes",
+           "pack_by_tokens", "pack_rows", "row_nodes", "tree_inputs", "trie_nodes"]
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +84,19 @@ def pack_rows(rows: Sequence[int], sequences: Sequence[Sequence[int]], limit: in
             size = len(seq)
         previous = seq
     return out
+
+
+def pack_by_tokens(rows: Sequence[int], lengths: Sequence[int], budget: int) -> list[list[int]]:
+    """Padded micro-batches (packing off): rows sorted by length (longest first), cut so that each micro-batch's
+    padded size, rows x longest, stays within ``budget`` tokens; a sample longer than the budget gets its own."""
+    order = sorted(range(len(rows)), key=lambda k: -lengths[k])
+    out: list[list[int]] = []
+    for k in order:
+        if out and (len(out[-1]) + 1) * lengths[out[-1][0]] <= budget:  # out[-1][0] is its longest row
+            out[-1].append(k)
+        else:
+            out.append([k])
+    return [[rows[k] for k in group] for group in out]
 
 
 @dataclass(frozen=True)
@@ -241,6 +254,20 @@ def trie_nodes(sequences: Sequence[Sequence[int]]) -> int:
     ordered = sorted(map(tuple, sequences))
     return sum(len(seq) - (_common_prefix(prev, seq) if prev is not None else 0)
                for prev, seq in zip([None, *ordered[:-1]], ordered))
+
+
+def row_nodes(samples: Sequence[Sample], budget: Callable[[str, int], int]) -> int:
+    """The most nodes a packed row of ``samples`` can hold (what their probe must prove): per agent, `max_nodes` of
+    its longest sample and ``budget(agent, longest)`` tokens, at most the trie of all the agent's samples."""
+    by_agent: dict[str, list[Sample]] = {}
+    for s in samples:
+        by_agent.setdefault(s.agent, []).append(s)
+    most = 0
+    for agent, mine in by_agent.items():
+        sequences = sequences_of(mine)
+        longest = max(map(len, sequences))
+        most = max(most, min(max_nodes(longest, budget(agent, longest)), trie_nodes(sequences)))
+    return most
 
 
 def _probe_length(nodes: int | None, most: int) -> int:

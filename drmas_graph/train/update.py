@@ -69,7 +69,8 @@ import torch
 
 from drmas_graph.train._engines import _ENGINES, _all_reduce, _barrier, _rank, _world_size
 from drmas_graph.train._logprobs import Batch, check_chunked_head, collate, collate_packed, response_token_stats
-from drmas_graph.train._packing import Packing, PackingProbes, max_nodes, pack_rows, sequences_of, trie_nodes
+from drmas_graph.train._packing import (Packing, PackingProbes, max_nodes, pack_by_tokens, pack_rows, row_nodes,
+                                         sequences_of)
 from drmas_graph.train._reference import REFERENCES, Reference
 from drmas_graph.train._settings import LossSettings, UpdateSettings
 from drmas_graph.train._update_metrics import AgentUpdateMetrics, UpdateMetrics, _agent_metrics, _Tally, _tally_samples
@@ -183,27 +184,16 @@ class ModelUpdater:
 
     def _packing_of(self, module: torch.nn.Module, samples: Sequence[Sample] = ()) -> Packing | None:
         """How ``module`` takes packed rows of ``samples`` (`PackingProbes`, probed for the longest row
-        `_micro_batches` can make of them), None with pack_prefixes off."""
-        return self._probes.of(module, self._row_nodes(samples)) if self.settings.pack_prefixes else None
+        `_micro_batches` can make of them: `_packing.row_nodes`), None with pack_prefixes off."""
+        return self._probes.of(module, row_nodes(samples, self._budget)) if self.settings.pack_prefixes else None
 
-    def _row_nodes(self, samples: Sequence[Sample]) -> int:
-        """The most nodes a packed row of ``samples`` can hold: per agent, the row limit of `_micro_batches`
-        (before the probe's cap), at most the trie of all the agent's samples."""
-        by_agent: dict[str, list[Sample]] = {}
-        for s in samples:
-            by_agent.setdefault(s.agent, []).append(s)
-        most = 0
-        for agent, mine in by_agent.items():
-            sequences = sequences_of(mine)
-            longest = max(map(len, sequences))
-            budget = self.settings.max_tokens_per_micro_batch or self.loss_settings(agent).micro_batch_size * longest
-            most = max(most, min(max_nodes(longest, budget), trie_nodes(sequences)))
-        return most
+    def _budget(self, agent: str, longest: int) -> int:
+        """Tokens of one of ``agent``'s micro-batches: max_tokens_per_micro_batch, else micro_batch_size x longest."""
+        return self.settings.max_tokens_per_micro_batch or self.loss_settings(agent).micro_batch_size * longest
 
     @property
     def _packing(self) -> Packing | None:
-        """How the model takes packed rows (found with its current kernel, for the rows probed so far); None:
-        pack_prefixes is off."""
+        """How the model takes packed rows (its current kernel, rows probed so far); None: pack_prefixes is off."""
         return self._packing_of(self.model)
 
     @property
@@ -402,10 +392,10 @@ class ModelUpdater:
             if packing is not None and packing.mask_kind is not None:  # as memory-bounded as the padded rows
                 sequences = sequences_of([samples[i] for i in agent_rows])
                 longest = max(map(len, sequences))
-                limit = min(max_nodes(longest, budget or size * longest), packing.max_nodes)
+                limit = min(max_nodes(longest, self._budget(agent, longest)), packing.max_nodes)
                 out += pack_rows(agent_rows, sequences, limit)
             elif budget is not None:
-                out += _pack_by_tokens(agent_rows, [_length(samples[i]) for i in agent_rows], budget)
+                out += pack_by_tokens(agent_rows, [_length(samples[i]) for i in agent_rows], budget)
             else:
                 out += [agent_rows[k:k + size] for k in range(0, len(agent_rows), size)]
         return out
@@ -601,15 +591,3 @@ def _without_dropout(model: torch.nn.Module) -> Iterator[None]:
 def _length(sample: Sample) -> int:
     return len(sample.prompt_ids) + len(sample.response_ids)
 
-
-def _pack_by_tokens(rows: Sequence[int], lengths: Sequence[int], budget: int) -> list[list[int]]:
-    """Rows sorted by length (longest first), cut so that each micro-batch's padded size, rows x longest,
-    stays within ``budget`` tokens; a sample longer than the budget gets a micro-batch of its own."""
-    order = sorted(range(len(rows)), key=lambda k: -lengths[k])
-    out: list[list[int]] = []
-    for k in order:
-        if out and (len(out[-1]) + 1) * lengths[out[-1][0]] <= budget:  # out[-1][0] is its longest row
-            out[-1].append(k)
-        else:
-            out.append([k])
-    return [[rows[k] for k in group] for group in out]
