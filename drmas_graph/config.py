@@ -252,7 +252,7 @@ class JudgeConfig(_Strict):
     rubric_file: str | None = Field(None, description="A text file holding the rubric (relative to the working directory), instead of `rubric`.")
     mode: Literal["episode", "group", "agent"] = Field("group", description="episode: one call per episode, a score in [0, 1]; group: one call sees a task's whole GRPO group and scores the episodes relative to each other; agent: one call per episode scores each agent from its own turns ({agent: score}).")
     max_retries: int = Field(2, ge=0, description="Retries of a judge call whose reply is unparsable, out of range or failed; then the episode fails (judge_failed_episodes), never a silent 0.")
-    timeout_s: float = Field(120.0, gt=0, description="Longest wait for one judge call (a timeout is a failed call, retried).")
+    timeout_s: float = Field(120.0, gt=0, description="Longest wait for one judge call (a timeout is a failed call, retried); a {base_url, model} judge without its own `timeout` also gets it as its request timeout.")
     max_concurrency: int = Field(4, ge=1, description="Most judge calls in flight at once, over all groups being scored.")
     temperature: float = Field(0.0, ge=0, description="The judge's sampling temperature (0 = greedy, reproducible).")
     seed: int | None = Field(0, description="Seed passed to judge models that take one; null = none.")

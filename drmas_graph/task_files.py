@@ -305,7 +305,7 @@ def build_judge(jc: JudgeConfig, *, run_dir: str | Path | None) -> Any:
     if jc.cache is not None and (run_dir is not None or Path(jc.cache).is_absolute()):
         cache = Path(run_dir or ".") / jc.cache
         cache.parent.mkdir(parents=True, exist_ok=True)
-    model = judge_model(jc.model, run_dir=Path(run_dir) if run_dir is not None else None)
+    model = judge_model(jc.model, run_dir=Path(run_dir) if run_dir is not None else None, timeout_s=jc.timeout_s)
     return Judge(model, rubric, mode=jc.mode, max_retries=jc.max_retries, timeout_s=jc.timeout_s,
                  max_concurrency=jc.max_concurrency, cache=cache, temperature=jc.temperature, seed=jc.seed,
                  max_tokens=jc.max_tokens)

@@ -406,6 +406,10 @@ def test_judge_model_specs():
     served = judge_model({"base_url": "http://127.0.0.1:9/v1", "model": "judge-model", "timeout": 30})
     assert type(served).__name__ == "ChatOpenAI" and served.model_name == "judge-model"
     assert served.openai_api_base == "http://127.0.0.1:9/v1" and served.openai_api_key.get_secret_value() == "EMPTY"
+    assert served.request_timeout == 30
+    # a config-built served judge times its requests out with the judge's timeout_s (its slot then frees)
+    assert judge_model({"base_url": "http://127.0.0.1:9/v1", "model": "m"}, timeout_s=45).request_timeout == 45
+    assert judge_model({"base_url": "http://127.0.0.1:9/v1", "model": "m", "timeout": 30}, timeout_s=45).request_timeout == 30
     judge = Judge(served, RUBRIC, seed=3, max_tokens=100)
     assert judge.structured and (judge.model.temperature, judge.model.seed, judge.model.max_tokens) == (0.0, 3, 100)
     with pytest.raises(ConfigError, match="names no model"):

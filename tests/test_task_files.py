@@ -433,6 +433,19 @@ def test_the_helpdesk_vllm_judge_config_differs_from_train_yaml_only_in_the_judg
     assert """'{"backend": "xgrammar", "disable_any_whitespace": true}'""" in script
 
 
+def test_a_served_judge_from_a_config_times_its_requests_out_with_timeout_s():
+    """An abandoned judge call (past timeout_s) holds its concurrency slot until the request ends: a served judge
+    built from a config gets timeout_s as its request timeout, unless its spec names one."""
+    from drmas_graph.config import JudgeConfig
+    from drmas_graph.task_files import build_judge
+
+    served = {"base_url": "http://127.0.0.1:9/v1", "model": "m"}
+    judge = build_judge(JudgeConfig(model=served, rubric="A right answer scores 1.", timeout_s=7), run_dir=None)
+    assert judge.model.request_timeout == 7 and judge.timeout_s == 7
+    own = JudgeConfig(model={**served, "timeout": 300}, rubric="A right answer scores 1.", timeout_s=7)
+    assert build_judge(own, run_dir=None).model.request_timeout == 300
+
+
 def test_judge_from_config_reads_the_rubric_file_and_caches_in_the_run_folder(tmp_path, monkeypatch):
     from drmas_graph.task_files import judge_from_config
 

@@ -10,7 +10,8 @@ wrong with it), then the unit's episodes get a Judgement with an error: never a 
 
 The calls run outside every instrumented run (`app_models()`), so they are never turns of an episode, at
 most `max_concurrency` at once across threads; a call past `timeout_s` is abandoned (its attempt fails, and
-its slot frees when the call returns: give a served model its own request timeout).
+its slot frees when the call returns: give a served model its own request timeout; `judge_model` gives a
+`base_url` model `timeout_s` as its request timeout unless the spec names one).
 """
 
 from __future__ import annotations

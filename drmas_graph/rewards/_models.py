@@ -21,13 +21,16 @@ _KINDS = ("'provider:model' (an API model, langchain's init_chat_model), {base_u
           "{path: ...} or {tiny: {...}} (an embedded policy, ModelConfig fields)")
 
 
-def judge_model(spec: str | Mapping[str, Any], *, run_dir: Path | None = None) -> BaseChatModel:
+def judge_model(spec: str | Mapping[str, Any], *, run_dir: Path | None = None,
+                timeout_s: float | None = None) -> BaseChatModel:
     """The judge's chat model from a YAML spec.
 
     - `"provider:model"` (e.g. "openai:gpt-4.1-mini"): langchain's `init_chat_model`; a missing integration
       package is a ConfigError naming it.
     - `{"base_url": URL, "model": NAME, ...}`: an OpenAI-compatible server (vLLM, SGLang) through ChatOpenAI,
-      api_key "EMPTY" unless given; other keys are ChatOpenAI fields (e.g. `timeout`).
+      api_key "EMPTY" unless given; other keys are ChatOpenAI fields (e.g. `timeout`). Without `timeout`, the
+      request times out after ``timeout_s`` (the judge's own limit), so an abandoned call frees its
+      concurrency slot then instead of when the server answers.
     - `{"import": "module:attr"}`: a chat model object, or a zero-argument factory returning one.
     - `{"path": "smollm2", ...}` or `{"tiny": {...}}`: an embedded policy built from these `ModelConfig`
       fields, answering greedily (temperature 0) through `PolicyChatModel`.
@@ -42,6 +45,8 @@ def judge_model(spec: str | Mapping[str, Any], *, run_dir: Path | None = None) -
         raise ConfigError(f"judge model spec {spec!r} is a {type(spec).__name__}; give one of {_KINDS}")
     spec = dict(spec)
     if "base_url" in spec:
+        if timeout_s is not None:
+            spec.setdefault("timeout", timeout_s)
         return _served_model(spec)
     if "import" in spec:
         return _imported_model(spec)
