@@ -30,10 +30,12 @@ class Occupancy:
 
 
 def step_thread(slots, occ, key, episodes, seconds):
-    """A step's rollouts as `run_episodes` runs them: its own thread and event loop, opened, then closed."""
+    """A step's rollouts as `run_episodes` runs them: its own thread and event loop, opened, then closed. `seconds`:
+    how long each episode holds its slot (one number for all, or one per episode)."""
+    hold = list(seconds) if isinstance(seconds, (list, tuple)) else [seconds] * episodes
 
     async def main():
-        await asyncio.gather(*(occ.hold(slots, key, f"{key}.{i}", seconds) for i in range(episodes)))
+        await asyncio.gather(*(occ.hold(slots, key, f"{key}.{i}", hold[i]) for i in range(episodes)))
 
     def run():
         slots.open(key, episodes)
@@ -63,7 +65,9 @@ def test_slots_bound_the_episodes_of_every_event_loop_together():
 
 def test_an_announced_step_gets_every_slot_it_needs_before_a_later_step_gets_any():
     """Step 1's thread starts first, yet waits: step 0 was announced before it (as the pipeline does, in step
-    order), so free slots are kept for step 0's episodes until each of them has one."""
+    order), so free slots are kept for step 0's episodes until each of them has one. (Episode 0.1 holds its slot
+    longest: were 0.0 and 0.1 to end in the same loop iteration, 0.2's slot, granted first, could reach its loop
+    after step 1 took the other one, and the order recorded here would race.)"""
     slots, occ = EpisodeSlots(2), Occupancy()
     slots.announce(0)
     slots.announce(1)
@@ -71,7 +75,7 @@ def test_an_announced_step_gets_every_slot_it_needs_before_a_later_step_gets_any
     late.start()
     time.sleep(0.2)
     assert occ.order == [] and slots.free == 2  # held for step 0
-    run_all([step_thread(slots, occ, 0, 3, 0.05)])
+    run_all([step_thread(slots, occ, 0, 3, [0.05, 0.3, 0.05])])
     late.join(timeout=60)
     assert occ.order == ["0.0", "0.1", "0.2", "1.0", "1.1", "1.2"] and occ.most == 2
     assert slots.free == 2 and not slots._calls
