@@ -74,7 +74,7 @@ _EXPORTS: dict[str, str] = {
     "PolicyError": "drmas_graph.errors",
     "RolloutError": "drmas_graph.errors",
     "NoLLMCallError": "drmas_graph.errors",
-    "EpisodeInterruptedError": "drmas_graph.instrumentation._segments",
+    "EpisodeInterruptedError": "drmas_graph.errors",
     "TraceStoreError": "drmas_graph.errors",
 }
 
@@ -126,6 +126,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs
     from drmas_graph.errors import (
         ConfigError,
         DrmasError,
+        EpisodeInterruptedError,
         NoLLMCallError,
         PolicyError,
         RolloutError,
@@ -141,5 +142,4 @@ if TYPE_CHECKING:  # for type checkers and IDEs
     from drmas_graph.train.rescore import rescore
     from drmas_graph.traces.store import TraceStore
     from drmas_graph.engine.transformers_policy import TransformersPolicy
-    from drmas_graph.instrumentation._segments import EpisodeInterruptedError
     from drmas_graph.types import Episode, Generation, SamplingParams, Segment, Turn

@@ -16,6 +16,7 @@ __all__ = [
     "PolicyError",
     "RolloutError",
     "NoLLMCallError",
+    "EpisodeInterruptedError",
     "JudgeError",
 ]
 
@@ -60,6 +61,11 @@ class RolloutError(DrmasError, RuntimeError):
 
 class NoLLMCallError(RolloutError):
     """A rollout finished without a single LLM call, so there is nothing to train on."""
+
+
+class EpisodeInterruptedError(RolloutError):
+    """An episode ended paused at `interrupt()` (or a static breakpoint) that nobody answered: no `resume`
+    hook, the hook returned None, or `max_resumes` was reached."""
 
 
 class JudgeError(DrmasError, RuntimeError):
