@@ -7,7 +7,7 @@ Names are imported lazily (PEP 562), so `drmas-graph traces ...` starts without 
 
 The package is layered; each layer imports only the layers below it (`tests/test_layout.py` checks this):
 
-    types, errors, config, env, policy (+ _chat, _structured)   what every layer shares
+    types, errors, config, env, policy (+ _chat, _structured, _importing)   what every layer shares
     instrumentation/   serve and record the LLM calls of an unmodified LangGraph app
     engine/            the embedded policy backend (transformers, continuous batching)
     served/            policies served by SGLang / vLLM over HTTP

@@ -17,8 +17,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1] / "drmas_graph"
 
-SHARED = {"types", "errors", "config", "env", "policy", "_chat", "_structured", "_moved"}
-"""Top-level modules every layer may import (`_moved` names modules by strings only)."""
+SHARED = {"types", "errors", "config", "env", "policy", "_chat", "_structured", "_moved", "_importing"}
+"""Top-level modules every layer may import (`_moved` names modules by strings only; `_importing` is the one
+`module:attr` importer that the CLI, task files and the judge's models all use)."""
 FACADES = {"", "testing", "ui.__main__"}
 """The package itself, the public name of the tiny test models and `python -m drmas_graph.ui` (the command
 line's entry point): they may import anything."""
