@@ -13,6 +13,7 @@ __all__ = [
     "StrictModeError",
     "UnservedCallWarning",
     "StructuredOutputError",
+    "InvalidReplyError",
     "PolicyError",
     "RolloutError",
     "NoLLMCallError",
@@ -45,6 +46,14 @@ class UnservedCallWarning(UserWarning):
 class StructuredOutputError(DrmasError, ValueError):
     """A call asked for structured output (`with_structured_output`, a forced `tool_choice`) that cannot be
     honoured, or the policy's reply does not satisfy it (the reply's Turn is recorded first)."""
+
+
+class InvalidReplyError(StructuredOutputError):
+    """The policy's reply does not satisfy the structured-output request of its call (not the JSON, not the
+    forced tool call): the policy's own output broke the call, not the app."""
+
+    turn_index: int | None = None
+    """`Turn.index` of the call in its episode, set by the recorder once the reply's turn is recorded."""
 
 
 class PolicyError(DrmasError, RuntimeError):

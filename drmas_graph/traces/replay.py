@@ -62,7 +62,7 @@ from drmas_graph.traces._compare import Request, comparable, diff, interrupts_te
 from drmas_graph.types import Episode, Segment, Turn
 
 __all__ = ["replay", "areplay", "replay_episode", "areplay_episode", "ReplayResult", "Divergence", "render_prompt",
-           "comparable"]
+           "comparable", "AsyncOnlyGraphError"]
 
 
 @dataclass(frozen=True)
