@@ -118,3 +118,34 @@ def test_the_errors_that_stood_outside_drmas_error():
     assert issubclass(EpisodeError, drmas_graph.DrmasError) and issubclass(JudgementError, drmas_graph.DrmasError)
     assert drmas_graph.EpisodeInterruptedError.__module__ == "drmas_graph.errors"
     assert issubclass(drmas_graph.EpisodeInterruptedError, drmas_graph.RolloutError)
+
+
+def test_the_instrumentation_seams_are_its_own_objects():
+    """What replay, the served policies and the judge use of instrumentation (issue 39): public names bound to
+    the very objects the instrumentation runs with, so a replay and an instrumented run share one hook."""
+    from drmas_graph import instrumentation
+    from drmas_graph.instrumentation import _intercept, _outcomes, _recorder, _segments, _threads, replaying
+    from drmas_graph.served._base import current_route_key
+
+    assert replaying.ACTIVE_HANDLER is _intercept.ACTIVE_HANDLER and replaying.install is _intercept.install
+    assert replaying.CallSite is _intercept.CallSite and replaying.note_stop is _outcomes.note_stop
+    assert replaying.EpisodeRecorder is _recorder._EpisodeRecorder and replaying.cut_at_stop is _recorder._cut_at_stop
+    assert replaying.fork_config is _threads.fork_config and replaying.pending_interrupts is _segments.pending_interrupts
+    assert replaying.cut_at_stop("answer</s>tail", ["</s>"]) == "answer"
+
+    class Saver:
+        def get_tuple(self, config): ...
+
+    saver = Saver()
+    assert replaying.checkpointer(type("G", (), {"checkpointer": saver})()) is saver
+    assert replaying.checkpointer(type("G", (), {"checkpointer": True})()) is None
+    assert instrumentation.active_handler() is None and current_route_key() is None
+    with instrumentation.app_models():
+        assert instrumentation.active_handler() is _intercept.APP_MODELS
+    handler = type("H", (), {"episode": type("E", (), {"id": "e7"})()})()
+    token = replaying.ACTIVE_HANDLER.set(handler)
+    try:
+        assert instrumentation.active_handler() is handler and current_route_key() == "e7"
+    finally:
+        replaying.ACTIVE_HANDLER.reset(token)
+    assert instrumentation.active_handler() is None
