@@ -17,7 +17,7 @@ from drmas_graph.train._scoring import samples_with_advantages, step_record
 from drmas_graph.train._update_metrics import _Tally, tally_kl_start
 from drmas_graph.train.update import LossSettings, ModelUpdater
 from tests.test_store import make_episode
-from tests.test_update import fresh_model, reference_grad_norm, rollout, settings, snapshot  # noqa: F401 (fixture)
+from tests.test_update import DEEPSPEED_BACKENDS, fresh_model, reference_grad_norm, rollout, settings, snapshot  # noqa: F401 (fixture)
 
 
 class VerdictEnv:
@@ -141,12 +141,13 @@ def _tokens(samples) -> int:
     return sum(len(s.response_ids) for s in samples)
 
 
-def test_per_agent_grad_norm_is_the_norm_of_its_part_of_the_loss(rollout):  # noqa: F811
+@pytest.mark.parametrize("backend", [("torch", 0), DEEPSPEED_BACKENDS[0]])
+def test_per_agent_grad_norm_is_the_norm_of_its_part_of_the_loss(rollout, backend):  # noqa: F811
     """token-mean over N tokens: agent a's part of the loss is sum_{t in a} l_t / N, so its gradient is
     n_a / N times the gradient of the token-mean over a's samples alone (`reference_grad_norm`)."""
     agents = {"solver": LossSettings(micro_batch_size=2), "verifier": LossSettings(micro_batch_size=2)}
-    metrics = ModelUpdater(fresh_model(), name="m", settings=settings(grad_clip=None), agent_settings=agents
-                           ).update(rollout)
+    metrics = ModelUpdater(fresh_model(), name="m", settings=settings(backend, grad_clip=None),
+                           agent_settings=agents).update(rollout)
     n = _tokens(rollout)
     for agent in ("solver", "verifier"):
         mine = [s for s in rollout if s.agent == agent]
