@@ -145,7 +145,7 @@ class ModelUpdater:
         settings: optimizer, aggregation and backend.
         agent_settings: per-agent `LossSettings`; None gives every agent the defaults. When given, every
             agent whose samples reach `update` must have an entry.
-        reference: the KL reference policy (`drmas_graph.train._reference.Reference`) when ``kl_coef > 0``; None
+        reference: the start policy (`_reference.Reference`) when ``kl_coef > 0`` or ``kl_start_metric``; None
             builds ``settings.kl_reference`` (a frozen copy of the initial weights, offloaded or on device).
         probes: the `drmas_graph.train._packing.PackingProbes` to share (`LoraUpdater`: its adapters share one
             module, probed once); None makes one. With ``settings.pack_prefixes`` each module this updater computes
