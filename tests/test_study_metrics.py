@@ -160,8 +160,9 @@ def test_per_agent_grad_norm_is_the_norm_of_its_part_of_the_loss(rollout, backen
     assert metrics.to_dict()["agent/verifier/grad_norm"] == parts[1] and is_documented("agent/verifier/grad_norm")
 
 
-def test_measuring_per_agent_grad_norms_leaves_the_step_unchanged(rollout, monkeypatch):  # noqa: F811
-    s = settings(n_minibatches=2)
+@pytest.mark.parametrize("backend", [("torch", 0), DEEPSPEED_BACKENDS[0]])  # the CPU demo trains on ZeRO-0
+def test_measuring_per_agent_grad_norms_leaves_the_step_unchanged(rollout, monkeypatch, backend):  # noqa: F811
+    s = settings(backend, n_minibatches=2)
     model_a, model_b = fresh_model(), fresh_model()
     measured = ModelUpdater(model_a, name="m", settings=s).update(rollout)
     monkeypatch.setattr("drmas_graph.train.update.readable_grads", lambda engine: (None, 1.0))
