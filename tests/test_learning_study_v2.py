@@ -103,3 +103,37 @@ def test_v2_runner_tiny_end_to_end(tmp_path):
     assert sum(ln.startswith("hypothesis v2: ") for ln in out.stdout.splitlines()) == 7
     again = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert again.returncode != 0 and "pass --resume" in again.stderr
+
+
+def _fake_run(estimator: str, seed: int, bal: float, solver_sq: list[float], norms: list[tuple[float, float]]) -> dict:
+    steps = [{"team_reward": 0.5, "grad_norm": s + c,
+              "agents": {"solver": {"reward": 0.5, "adv_sq": q, "grad_norm": s, "kl_start": 0.01},
+                         "checker": {"reward": 0.4, "adv_sq": 0.5 if c > 0 else 0.0, "grad_norm": c, "kl_start": 0.02}}}
+             for q, (s, c) in zip(solver_sq, norms)]
+    rates = {"checker_tpr": bal, "checker_tnr": bal, "checker_balanced_accuracy": bal}
+    return {"estimator": estimator, "seed": seed, "steps": steps,
+            "eval": [{"avg@k": 0.2, "pass@k": 0.4, "rates": rates}, {"avg@k": 0.5, "pass@k": 0.6, "rates": rates}]}
+
+
+def test_v2_statistics_on_hand_worked_runs():
+    sys.path.insert(0, str(ROOT / "benchmarks/learning"))
+    import v2
+
+    # solver E[A^2] over the first 4 steps: (2 + 3 + 1 + 2) / 4 = 2.0 (the 5th step is not counted)
+    norms = [(1.0, 2.0), (1.0, 2.0), (4.0, 0.0), (1.0, 0.0), (1.0, 0.5)]
+    run = _fake_run("step_global", 0, 0.5, [2.0, 3.0, 1.0, 2.0, 9.0], norms)
+    assert v2.manipulation(run) == 2.0
+    # solver norms 1, 1, 4, 1, 1: median 1, one spike (4 > 3). Checker: only steps with a gradient (E[A^2] > 0)
+    # count: 2, 2, 0.5, median 2, no spike (counting its two zero steps the median would be 0.5 and both 2s spikes)
+    assert (v2.spikes(run, "solver"), v2.spikes(run, "checker")) == (1, 0)
+    # solver share over steps where both have a gradient: 1/3, 1/3, 1/1.5 -> 4/9
+    assert v2.solver_share(run) == pytest.approx(4 / 9)
+    runs = []
+    for s, d in enumerate([0.10, 0.12, 0.14]):  # balanced accuracy d: mean 0.12, sd 0.02, t(2) 4.303: [0.070, 0.170]
+        runs.append(_fake_run("step_global", s, 0.5, [2.0] * 4, norms[:4]))
+        runs.append(_fake_run("agent", s, 0.5 + d, [0.9] * 4, norms[:4]))
+    lines = v2.hypothesis_lines(runs)
+    assert lines[0] == ("hypothesis v2: P1 checker judges better (final held-out balanced accuracy): "
+                        "d = 0.120 [0.070, 0.170] over 3 pairs: supported")
+    assert lines[1].endswith("d = 0.000 [0.000, 0.000] over 3 pairs: not resolved")
+    assert v2.manipulation_line(runs).endswith("= 2.000 [2.000, 2.000] over 3 runs (threshold 1.5): holds")
