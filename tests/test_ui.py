@@ -271,3 +271,112 @@ def test_both_command_lines_refuse_a_missing_run_folder_in_one_line(command, tmp
     done = subprocess.run([sys.executable, "-m", *command, str(missing), "--port", "0"], capture_output=True,
                           text=True, timeout=60)
     assert done.returncode == 2 and done.stderr.strip() == f"drmas-graph: error: run folder {missing} does not exist"
+
+
+# -- the edges: every bad input a styled 4xx, every fault a styled 5xx ------------------------------------------
+
+
+def styled(body: str) -> bool:
+    return '<link rel="stylesheet" href="/static/ui.css">' in body and "Traceback" not in body
+
+
+@pytest.mark.parametrize("query", ["page=99999999999999999999", "step=99999999999999999999",
+                                   "step=-99999999999999999999", "per_page=99999999999999999999"])
+def test_oversized_numbers_are_a_styled_400(app, query):
+    status, body = get(app, f"/runs/myrun/episodes?{query}")
+    assert status == 400 and styled(body) and "out of range" in body
+
+
+def test_malformed_metrics_lines_are_skipped_and_counted(app, run_dir):
+    with (run_dir / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 5, "agent/solver/reward_mean": 0.9\n')  # cut short
+        f.write("[1, 2]\n")  # JSON but not a record
+        f.write('\xff\xfe not utf-8\n')
+        f.write(json.dumps({"step": 6, "agent/solver/reward_mean": 0.95}) + "\n")
+    status, body = get(app, "/")
+    assert status == 200
+    assert "myrun: 3 lines of metrics.jsonl are not JSON (skipped)." in body
+    assert "myrun / solver: step 6, 0.95</title>" in body  # the lines after the bad ones still count
+
+
+def test_a_corrupt_store_is_a_styled_500_without_traceback(app, run_dir):
+    (run_dir / "traces.db").write_bytes(b"this is not a database" * 200)
+    for path in ("/runs/myrun/episodes", "/runs/myrun/episodes/plain001", "/runs/myrun/group?id=g0"):
+        status, body = get(app, path)
+        assert status == 500 and styled(body) and "is not a readable trace store" in body, path
+
+
+def serving(app: UiApp):
+    server = make_server(app, "127.0.0.1", 0)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+def fetch(server, path: str, host: str | None = None) -> tuple[int, str]:
+    conn = http.client.HTTPConnection("127.0.0.1", server.server_port, timeout=10)
+    conn.request("GET", path, headers={"Host": host} if host else {})
+    response = conn.getresponse()
+    return response.status, response.read().decode()
+
+
+def test_every_fault_over_http_is_a_styled_page(app, run_dir, monkeypatch):
+    server = serving(app)
+    try:
+        status, body = fetch(server, "/runs/myrun/episodes?page=99999999999999999999")
+        assert status == 400 and styled(body)
+        status, body = fetch(server, "/", host="evil.example")
+        assert status == 400 and styled(body) and "Host header" in body
+        status, body = fetch(server, "/no/such/page")
+        assert status == 404 and styled(body)
+        monkeypatch.setattr(type(app.runs["myrun"]), "metrics", lambda self: 1 / 0)  # a bug in the UI itself
+        status, body = fetch(server, "/")
+        assert status == 500 and styled(body) and "ZeroDivisionError" in body
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_unknown_group_is_404_and_ids_match_exactly(app):
+    status, body = get(app, "/runs/myrun/group?id=nonexistent")
+    assert status == 404 and styled(body) and "no group &#39;nonexistent&#39;" in body
+    assert get(app, "/runs/myrun/group?id=g")[0] == 404  # a prefix of g0..g7 matches none of them
+    assert get(app, "/runs/myrun/group")[0] == 400
+    status, body = get(app, "/runs/myrun/group?id=g1")
+    assert status == 200 and body.count('class="card member"') == 4
+    assert get(app, "/runs/myrun/episodes/plain")[0] == 404  # episode ids too
+
+
+def test_port_in_use_is_one_line_with_the_fix(run_dir):
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run([sys.executable, "-m", "drmas_graph.cli", "ui", str(run_dir), "--port", str(port)],
+                              capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert done.stderr.strip() == (f"drmas-graph: error: port {port} on 127.0.0.1 is in use (another drmas-graph "
+                                   "ui?): choose another with --port PORT, or --port 0 for any free port")
+
+
+def test_a_tokenizer_saved_after_the_ui_started_is_picked_up(app, run_dir):
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+
+    assert "⟨7⟩" in get(app, "/runs/myrun/episodes/plain005")[1]  # no checkpoint yet: ids
+    folder = run_dir / "checkpoints" / "step_000001" / "tiny" / "model"
+    folder.mkdir(parents=True)
+    Tokenizer(WordLevel({"seven": 7, "eight": 8}, unk_token="seven")).save(str(folder / "tokenizer.json"))
+    body = get(app, "/runs/myrun/episodes/plain005")[1]
+    assert "⟨7⟩" not in body and '<span class="t t9" title="id 7 · logprob -0.0100">seven</span>' in body
+
+
+def test_every_metric_the_runs_page_asks_for_is_in_the_metric_reference():
+    from drmas_graph.train._metric_reference import is_documented
+    from drmas_graph.ui._pages import FIRST_CHARTS
+
+    unknown = [p for p in FIRST_CHARTS if not is_documented(p.replace("*", "someagent"))]
+    assert unknown == []

@@ -133,9 +133,10 @@ def conditions(*pairs: tuple[str, Any]) -> tuple[list[str], list[Any]]:
 
 def episodes_sql(absent: set[tuple[str, str]], *, step: int | None, agent: str | None, task_id: str | None,
                  min_reward: float | None, max_reward: float | None, failed: bool | None, outcome: str | None,
-                 limit: int | None, group_prefix: str | None = None) -> tuple[str, list[Any]]:
+                 limit: int | None, group_prefix: str | None = None, group_id: str | None = None,
+                 ) -> tuple[str, list[Any]]:
     """(SQL, parameters) selecting the summaries `TraceStore.episodes` documents, in the order written."""
-    where, params = conditions(("e.step = ?", step), ("e.task_id = ?", task_id),
+    where, params = conditions(("e.step = ?", step), ("e.task_id = ?", task_id), ("e.group_id = ?", group_id),
                                ("EXISTS (SELECT 1 FROM turns t WHERE t.agent = ? AND t.episode_id = e.id)", agent))
     if group_prefix is not None:
         where.append("substr(e.group_id, 1, ?) = ?")

@@ -343,16 +343,18 @@ class TraceStore:
         outcome: str | None = None,
         limit: int | None = None,
         group_prefix: str | None = None,
+        group_id: str | None = None,
     ) -> list[EpisodeSummary]:
         """Summaries of the stored episodes, in the order they were written, filtered by: training
         ``step``; ``agent`` (episodes where it made a call); ``task_id``; reward bounds (inclusive; on the
         ``agent``'s own reward when ``agent`` is given, else on the mean reward; episodes without reward
         are left out); ``failed`` (True: only failed runs, False: only the others); ``outcome``
         ('finished', 'truncated', 'model_error' or 'failed', as `Episode.outcome`); ``group_prefix`` (group ids
-        that start with it, e.g. "train:3:" for the groups the trainer rolled out in step 3)."""
+        that start with it, e.g. "train:3:" for the groups the trainer rolled out in step 3); ``group_id`` (exactly)."""
         sql, params = _queries.episodes_sql(self._absent, step=step, agent=agent, task_id=task_id,
                                             min_reward=min_reward, max_reward=max_reward, failed=failed,
-                                            outcome=outcome, limit=limit, group_prefix=group_prefix)
+                                            outcome=outcome, limit=limit, group_prefix=group_prefix,
+                                            group_id=group_id)
         rows = self._read(lambda conn: conn.execute(sql, params).fetchall())
         return [_queries.summary_from_row(row) for row in rows]
 

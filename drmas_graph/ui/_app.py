@@ -8,6 +8,7 @@ script at all: the Content-Security-Policy forbids every script, which also make
 
 from __future__ import annotations
 
+import errno
 import ipaddress
 import mimetypes
 import sys
@@ -86,9 +87,17 @@ class UiApp:
         try:
             return self._route(parts, one, params)
         except (EpisodeNotFoundError, StoreNotFoundError) as e:
-            return self._error(HTTPStatus.NOT_FOUND, str(e))
+            return self.error(HTTPStatus.NOT_FOUND, str(e))
         except ConfigError as e:
-            return self._error(HTTPStatus.BAD_REQUEST, str(e))
+            return self.error(HTTPStatus.BAD_REQUEST, str(e))
+        except DrmasError as e:  # a store that cannot be read (corrupt, a newer schema, ...): the run's fault
+            return self.error(HTTPStatus.INTERNAL_SERVER_ERROR, str(e))
+
+    def fault(self, error: BaseException) -> Response:
+        """The styled 500 page of an unexpected exception: its type and message, never a traceback."""
+        return self.error(HTTPStatus.INTERNAL_SERVER_ERROR,
+                           f"the UI failed on this page ({type(error).__name__}: {error}); the server log has "
+                           "the request")
 
     def _route(self, parts: list[str], one: dict[str, str], params: Mapping[str, Sequence[str]]) -> Response:
         if not parts:
@@ -101,13 +110,13 @@ class UiApp:
             rest = parts[2:]
             if rest == ["episodes"]:
                 return self._episodes_page(run, one)
-            if rest == ["group"] and one.get("id"):
-                return self._page("group.html", run=run, **_pages.group_view(run, one["id"]))
+            if rest == ["group"]:
+                return self._group_page(run, one.get("id", ""))
             if len(rest) == 2 and rest[0] == "episodes":
                 return self._episode_page(run, rest[1])
             if len(rest) == 3 and rest[0] == "episodes" and rest[2] == "replay":
                 return self._replay_page(run, rest[1])
-        return self._error(HTTPStatus.NOT_FOUND, "no such page")
+        return self.error(HTTPStatus.NOT_FOUND, "no such page")
 
     # -- pages -----------------------------------------------------------------------------------------------
 
@@ -119,14 +128,24 @@ class UiApp:
         first, rest = _pages.run_charts(selected)
         evals = {run.name: _pages.eval_rows(run) for run in selected}
         steps = {run.name: sum(1 for r in run.metrics() if "episodes" in r) for run in selected}
+        malformed = {run.name: run.malformed_metrics() for run in selected}
         return self._page("runs.html", selected=[r.name for r in selected], first=first, rest=rest, evals=evals,
-                          steps=steps)
+                          steps=steps, malformed=malformed)
 
     def _episodes_page(self, run: Run, one: dict[str, str]) -> Response:
         query = EpisodeQuery.from_params(one)
         page = run.episode_page(query)
         return self._page("episodes.html", run=run, page=page, query=query, choices=run.choices(),
                           cli=_list_command(run, query))
+
+    def _group_page(self, run: Run, group_id: str) -> Response:
+        if not group_id:
+            raise ConfigError("parameter id: give a group id (the episode list links to each episode's group)")
+        view = _pages.group_view(run, group_id)
+        if not view["episodes"]:
+            return self.error(HTTPStatus.NOT_FOUND, f"run {run.name!r} has no group {group_id!r} (group ids match "
+                                                    "exactly: copy one from the episode list)")
+        return self._page("group.html", run=run, **view)
 
     def _episode_page(self, run: Run, episode_id: str) -> Response:
         store = run.store()
@@ -147,7 +166,8 @@ class UiApp:
         body = self._env.get_template(template).render(**values)
         return Response(200, body.encode())
 
-    def _error(self, status: HTTPStatus, message: str) -> Response:
+    def error(self, status: HTTPStatus, message: str) -> Response:
+        """The styled error page (`status`, its phrase, `message` as text)."""
         body = self._env.get_template("error.html").render(status=int(status), phrase=status.phrase, message=message)
         return Response(int(status), body.encode())
 
@@ -201,14 +221,17 @@ class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
 
     def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+        app = self.server.app
         if self.server.loopback_only and not self._host_ok():
-            self._send(Response(400, b"unexpected Host header (this server answers localhost only)", "text/plain"))
+            self._send(app.error(HTTPStatus.BAD_REQUEST, "unexpected Host header (this server answers localhost "
+                                                         "only): open it as http://127.0.0.1:PORT/"))
             return
-        url = urllib.parse.urlsplit(self.path)
         try:
-            response = self.server.app.handle(url.path, urllib.parse.parse_qs(url.query))
-        except DrmasError as e:
-            response = Response(500, f"error: {e}".encode(), "text/plain; charset=utf-8")
+            url = urllib.parse.urlsplit(self.path)
+            response = app.handle(url.path, urllib.parse.parse_qs(url.query))
+        except Exception as e:  # noqa: BLE001 (any fault: a styled 500, one log line, no traceback to the browser)
+            self.log_message("%s failed: %s: %s", self.path, type(e).__name__, e)
+            response = app.fault(e)
         self._send(response)
 
     def do_HEAD(self) -> None:  # noqa: N802
@@ -249,7 +272,13 @@ def make_server(app: UiApp, host: str = "127.0.0.1", port: int = 8000, *,
         print(f"drmas-graph ui: WARNING: serving on {host}, not only this machine: anyone who can reach "
               f"port {port} can read every prompt and reply of these runs (no authentication)", file=sys.stderr)
     server_class = type("_BoundServer", (_Server,), {"address_family": _family(host)})
-    server = server_class((host, port), _Handler)
+    try:
+        server = server_class((host, port), _Handler)
+    except OSError as e:
+        if e.errno == errno.EADDRINUSE:
+            raise ConfigError(f"port {port} on {host} is in use (another drmas-graph ui?): choose another with "
+                              "--port PORT, or --port 0 for any free port") from None
+        raise ConfigError(f"cannot serve on {host}:{port}: {e.strerror or e}") from None
     server.app = app
     server.loopback_only = is_loopback(host)
     server.log = log

@@ -36,6 +36,9 @@ SORTS = {
 }  # fmt: skip
 """Sort key in a URL -> column of the episode summary (no other text ever reaches the SQL)."""
 
+MAX_INT = 2**63 - 1
+"""The largest integer a URL parameter may hold (SQLite's INTEGER); a larger one is a 400, not an overflow."""
+
 PAGE_SIZES = (25, 50, 100, 500)
 """Page sizes the episode list offers."""
 
@@ -81,6 +84,8 @@ class EpisodeQuery:
                 raise ConfigError(f"parameter {name}={text!r} is not a{'n integer' if kind is int else ' number'}") from None
             if isinstance(value, float) and not math.isfinite(value):
                 raise ConfigError(f"parameter {name}={text!r} is not a finite number")
+            if isinstance(value, int) and not -MAX_INT <= value <= MAX_INT:
+                raise ConfigError(f"parameter {name}={text!r} is out of range (at most {MAX_INT} in size)")
             return value
 
         outcome = params.get("outcome") or None
@@ -134,6 +139,8 @@ class _MetricsLog:
     path: Path
     records: list[dict[str, Any]] = field(default_factory=list)
     offset: int = 0
+    malformed: int = 0
+    """Lines that are not a JSON object (skipped; the Runs page shows how many)."""
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def read(self) -> list[dict[str, Any]]:
@@ -141,16 +148,27 @@ class _MetricsLog:
             if not self.path.is_file():
                 return []
             if self.path.stat().st_size < self.offset:  # rewritten (a new run in the folder): start over
-                self.records, self.offset = [], 0
+                self.records, self.offset, self.malformed = [], 0, 0
             with self.path.open("rb") as f:
                 f.seek(self.offset)
                 data = f.read()
             end = data.rfind(b"\n") + 1  # a line being written is read next time, whole
             for line in data[:end].splitlines():
                 if line.strip():
-                    self.records.append(json.loads(line))
+                    self._add(line)
             self.offset += end
             return list(self.records)
+
+
+    def _add(self, line: bytes) -> None:
+        try:
+            record = json.loads(line)
+        except ValueError:  # JSONDecodeError, or bytes that are not UTF-8
+            record = None
+        if isinstance(record, dict):
+            self.records.append(record)
+        else:
+            self.malformed += 1
 
 
 class Run:
@@ -165,7 +183,7 @@ class Run:
         """Its trace store."""
         self._metrics = _MetricsLog(folder / "metrics.jsonl")
         self._store: TraceStore | None = None
-        self._tokenizers: dict[str, Any] = {}
+        self._tokenizers: dict[Path, Any] = {}
         self._lock = threading.Lock()
 
     # -- trace store ----------------------------------------------------------------------------------
@@ -233,26 +251,33 @@ class Run:
         """Every record of metrics.jsonl so far (training steps and evaluations), in order."""
         return self._metrics.read()
 
+    def malformed_metrics(self) -> int:
+        """Lines of metrics.jsonl read so far that were not a JSON object (skipped)."""
+        return self._metrics.malformed
+
     # -- tokenizers -----------------------------------------------------------------------------------
 
     def tokenizer(self, policy: str | None) -> Any:
         """The tokenizer of `policy` from the run's latest checkpoint (``checkpoints/step_*/POLICY/model/
-        tokenizer.json``), or None when the run saved none: tokens are then shown as ids."""
+        tokenizer.json``), or None when the run saved none (yet): tokens are then shown as ids. Looked up on
+        every call, so a checkpoint saved after the UI started is picked up; each file is loaded once."""
         if not policy:
             return None
+        path = self._tokenizer_path(policy)
+        if path is None:
+            return None
         with self._lock:
-            if policy not in self._tokenizers:
-                self._tokenizers[policy] = self._load_tokenizer(policy)
-            return self._tokenizers[policy]
-
-    def _load_tokenizer(self, policy: str) -> Any:
-        checkpoints = sorted((self.folder / "checkpoints").glob("step_*"), reverse=True)
-        for checkpoint in checkpoints:
-            path = checkpoint / policy / "model" / "tokenizer.json"
-            if path.is_file() and path.resolve().is_relative_to(self.folder.resolve()):
+            if path not in self._tokenizers:
                 from tokenizers import Tokenizer
 
-                return Tokenizer.from_file(str(path))
+                self._tokenizers[path] = Tokenizer.from_file(str(path))
+            return self._tokenizers[path]
+
+    def _tokenizer_path(self, policy: str) -> Path | None:
+        for checkpoint in sorted((self.folder / "checkpoints").glob("step_*"), reverse=True):
+            path = checkpoint / policy / "model" / "tokenizer.json"
+            if path.is_file() and path.resolve().is_relative_to(self.folder.resolve()):
+                return path
         return None
 
     def close(self) -> None:

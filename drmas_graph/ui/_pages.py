@@ -26,7 +26,7 @@ __all__ = ["run_charts", "eval_rows", "episode_view", "judgement_view", "replay_
 FIRST_CHARTS = (
     "reward/team_mean", "agent/*/reward_mean", "model/*/grad_norm", "agent/*/approx_kl", "agent/*/entropy",
     "agent/*/clip_frac", "agent/*/ratio_max", "agent/*/truncated_share", "agent/*/model_error_share",
-    "agent/*/invalid_rate", "agent/*/response_len", "eval/avg@k", "eval/pass@k", "eval/*/reward",
+    "agent/*/invalid_rate", "agent/*/response_length", "eval/avg@k", "eval/pass@k", "eval/*/reward",
     "time/step_s", "time/rollout_s", "time/update_s", "time/sync_s",
 )  # fmt: skip
 """Charts shown first, in this order (``*``: one line per agent or model); every other metric follows."""
@@ -168,8 +168,8 @@ def judgement_view(record: Mapping[str, Any]) -> dict[str, Any]:
 
 def group_view(run: Run, group_id: str) -> dict[str, Any]:
     """Template values of a GRPO group: its episodes side by side, each turn's advantage."""
-    summaries = run.store().episodes(group_prefix=group_id)
-    episodes = [run.store().load_episode(s.id) for s in summaries if s.group_id == group_id]
+    summaries = run.store().episodes(group_id=group_id)
+    episodes = [run.store().load_episode(s.id) for s in summaries]
     agents: dict[str, None] = {}
     for episode in episodes:
         agents.update(dict.fromkeys(episode.agents))
