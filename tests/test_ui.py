@@ -98,15 +98,24 @@ def test_episode_list_filters(app):
     assert listed(get(app, "/runs/myrun/episodes?agent=checker&step=2")[1]) == [f"plain{i:03d}" for i in range(20, 30)]
 
 
+def link(body: str, name: str) -> str | None:
+    found = re.search(rf'id="{name}" href="([^"]+)"', body)
+    return None if found is None else found.group(1).replace("&amp;", "&")
+
+
 def test_episode_list_sorts_and_pages(app):
     body = get(app, "/runs/myrun/episodes?sort=reward&desc=1&per_page=25")[1]
     assert listed(body)[:3] == ["plain029", "plain028", "plain027"]
-    assert "33 episodes · page 1 of 2" in body
-    body = get(app, "/runs/myrun/episodes?sort=reward&desc=1&per_page=25&page=2")[1]
-    assert listed(body) == ["plain004", "plain003", "plain002", "plain001", "plain000", "xss", "paused", "trunc"]  # no reward: last
-    # the next-page link keeps the filters and sort (a shareable URL)
-    first = get(app, "/runs/myrun/episodes?sort=reward&desc=1&per_page=25")[1]
-    assert re.search(r'id="next" href="/runs/myrun/episodes\?sort=reward&amp;desc=1&amp;page=2&amp;per_page=25"', first)
+    assert '<p id="count">33 episodes' in body  # no trainer phases in this store: every episode
+    assert link(body, "prev") is None
+    # keyset pages: the next-page link keeps the filters and sort (a shareable URL) and names the last row: plain005, mean reward (0.05 + 1) / 2, rowid 6
+    assert link(body, "next") == "/runs/myrun/episodes?sort=reward&desc=1&after=%5B0.525%2C6%5D&per_page=25"
+    second = get(app, link(body, "next"))[1]
+    assert listed(second) == ["plain004", "plain003", "plain002", "plain001", "plain000", "xss", "paused", "trunc"]  # no reward: last
+    assert link(second, "next") is None
+    back = get(app, link(second, "prev"))[1]
+    assert listed(back) == listed(body) and link(back, "prev") is None
+    assert get(app, "/runs/myrun/episodes?sort=reward&after=[1,2,3]")[0] == 400  # not a cursor of this sort
 
 
 def test_bad_parameters_are_400_naming_them(app):
@@ -256,7 +265,8 @@ def test_http_headers_forbid_scripts_and_other_hosts(app):
 
 
 def test_query_round_trips_through_its_url():
-    query = EpisodeQuery(step=2, agent="solver", outcome="truncated", min_reward=0.5, sort="reward", desc=True, page=3)
+    query = EpisodeQuery(step=2, agent="solver", outcome="truncated", min_reward=0.5, sort="reward", desc=True,
+                         after="[0.5,3]", phase="eval", reply="the answer")
     assert EpisodeQuery.from_params(query.params()) == query
     assert EpisodeQuery().params() == {}
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import ipaddress
 import mimetypes
+import shlex
 import sys
 import threading
 import urllib.parse
@@ -25,8 +26,8 @@ from typing import Any
 from jinja2 import Environment, PackageLoader, StrictUndefined, select_autoescape
 
 from drmas_graph.errors import ConfigError, DrmasError, EpisodeNotFoundError, StoreNotFoundError
-from drmas_graph.ui import _pages
-from drmas_graph.ui._data import OUTCOMES, PAGE_SIZES, SORTS, EpisodeQuery, Run, open_runs
+from drmas_graph.ui import _exports, _pages
+from drmas_graph.ui._data import OUTCOMES, PAGE_SIZES, PHASES, SORTS, EpisodeQuery, Run, open_runs
 
 __all__ = ["UiApp", "Response", "make_server", "is_loopback"]
 
@@ -53,6 +54,8 @@ class Response:
     """The body."""
     content_type: str = "text/html; charset=utf-8"
     """Its media type."""
+    filename: str | None = None
+    """Sent as an attachment with this name (exports); None: shown."""
 
 
 class UiApp:
@@ -74,7 +77,7 @@ class UiApp:
                                 autoescape=select_autoescape(default=True, default_for_string=True),
                                 undefined=StrictUndefined, trim_blocks=True, lstrip_blocks=True)
         self._env.globals.update(url=_url, fmt=_fmt, outcomes=list(OUTCOMES), sorts=list(SORTS),
-                                 page_sizes=PAGE_SIZES, runs=self.runs, counts=_pages.counts)
+                                 page_sizes=PAGE_SIZES, phases=PHASES, runs=self.runs, counts=_pages.counts)
         self._static = {name: resources.files("drmas_graph.ui").joinpath("static", name).read_bytes()
                         for name in _STATIC}
 
@@ -110,6 +113,8 @@ class UiApp:
             rest = parts[2:]
             if rest == ["episodes"]:
                 return self._episodes_page(run, one)
+            if len(rest) == 2 and rest[0] == "export":
+                return self._export(run, rest[1], one)
             if rest == ["group"]:
                 return self._group_page(run, one.get("id", ""))
             if len(rest) == 2 and rest[0] == "episodes":
@@ -136,7 +141,20 @@ class UiApp:
         query = EpisodeQuery.from_params(one)
         page = run.episode_page(query)
         return self._page("episodes.html", run=run, page=page, query=query, choices=run.choices(),
-                          cli=_list_command(run, query))
+                          cli=_list_command(run, query, page.phase))
+
+    def _export(self, run: Run, name: str, one: dict[str, str]) -> Response:
+        what, _, kind = name.partition(".")
+        if what not in ("metrics", "episodes") or kind not in ("csv", "json"):
+            return self.error(HTTPStatus.NOT_FOUND, f"no export {name!r}: metrics.csv, metrics.json, "
+                                                    "episodes.csv or episodes.json")
+        if what == "metrics":
+            records = run.metrics()
+        else:
+            records = _exports.episode_records(run, EpisodeQuery.from_params(one))
+        body = _exports.to_csv(records) if kind == "csv" else _exports.to_json(records)
+        media = "text/csv; charset=utf-8" if kind == "csv" else "application/json"
+        return Response(200, body, media, filename=f"{run.name}-{name}")
 
     def _group_page(self, run: Run, group_id: str) -> Response:
         if not group_id:
@@ -192,15 +210,17 @@ def _fmt(value: Any, digits: int = 4) -> str:
     return f"{value:.{digits}g}" if isinstance(value, float) else str(value)
 
 
-def _list_command(run: Run, query: EpisodeQuery) -> str:
-    """The `drmas-graph traces list` line closest to this list (it has no group, reward or sort filters)."""
-    line = f"drmas-graph traces list {run.store_path}"
-    for flag, value in (("--step", query.step), ("--agent", query.agent), ("--task", query.task)):
+def _list_command(run: Run, query: EpisodeQuery, phase: str) -> str:
+    """The `drmas-graph traces list` line that prints this list (every episode, not one page)."""
+    line = f"drmas-graph traces list {shlex.quote(str(run.store_path))}"
+    flags = (("--phase", None if phase == "all" else phase), ("--step", query.step), ("--agent", query.agent),
+             ("--task", query.task), ("--group", query.group), ("--outcome", query.outcome),
+             ("--min-reward", query.min_reward), ("--max-reward", query.max_reward), ("--reply", query.reply),
+             ("--sort", None if query.sort == "created" else query.sort))
+    for flag, value in flags:
         if value is not None:
-            line += f" {flag} {value}"
-    line += {"failed": " --failed", "truncated": " --truncated", "model_error": " --model-errors"}.get(
-        query.outcome or "", "")
-    return line
+            line += f" {flag} {shlex.quote(str(value))}"
+    return line + (" --desc" if query.desc else "")
 
 
 # -- serving -------------------------------------------------------------------------------------------------
@@ -245,6 +265,8 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_response(response.status)
         self.send_header("Content-Type", response.content_type)
         self.send_header("Content-Length", str(len(response.body)))
+        if response.filename is not None:
+            self.send_header("Content-Disposition", f'attachment; filename="{response.filename}"')
         for name, value in _SECURITY_HEADERS.items():
             self.send_header(name, value)
         self.end_headers()

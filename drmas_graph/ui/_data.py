@@ -17,30 +17,18 @@ from pathlib import Path
 from typing import Any
 
 from drmas_graph.errors import ConfigError, StoreNotFoundError
-from drmas_graph.traces import _queries
-from drmas_graph.traces._queries import EpisodeSummary
-from drmas_graph.traces.store import TraceStore
+from drmas_graph.traces.store import OUTCOMES, SORTS, EpisodeFilter, EpisodeSummary, TraceStore
 
-__all__ = ["Run", "EpisodeQuery", "EpisodePage", "open_runs", "OUTCOMES", "SORTS", "PAGE_SIZES"]
-
-OUTCOMES = {
-    **_queries.OUTCOMES,
-    # an episode left paused at an interrupt nobody answered: a failure whose error is EpisodeInterruptedError
-    "interrupted": "e.error LIKE 'EpisodeInterruptedError:%'",
-}
-"""Outcome filter -> SQL condition on an episodes row ``e`` (the store's outcomes, plus 'interrupted')."""
-
-SORTS = {
-    "created": "rowid", "step": "step", "reward": "reward", "turns": "n_turns", "tokens": "n_response_tokens",
-    "task": "task_id", "group": "group_id",
-}  # fmt: skip
-"""Sort key in a URL -> column of the episode summary (no other text ever reaches the SQL)."""
+__all__ = ["Run", "EpisodeQuery", "EpisodeList", "open_runs", "OUTCOMES", "SORTS", "PAGE_SIZES", "PHASES"]
 
 MAX_INT = 2**63 - 1
 """The largest integer a URL parameter may hold (SQLite's INTEGER); a larger one is a 400, not an overflow."""
 
 PAGE_SIZES = (25, 50, 100, 500)
 """Page sizes the episode list offers."""
+
+PHASES = ("train", "eval", "all")
+"""The episode list's phase choices; without one it shows training episodes (all, in a store that has none)."""
 
 
 @dataclass(frozen=True)
@@ -49,10 +37,12 @@ class EpisodeQuery:
 
     step: int | None = None
     """Only episodes trained in this step."""
+    phase: str | None = None
+    """'train', 'eval' or 'all'; None: 'train' when the store has training episodes."""
     group: str | None = None
     """Only this GRPO group."""
     agent: str | None = None
-    """Only episodes where this agent made a call (reward bounds then apply to its own reward)."""
+    """Only episodes where this agent made a call (reward bounds, reward sort and reply then apply to it)."""
     task: str | None = None
     """Only this task id."""
     outcome: str | None = None
@@ -61,12 +51,16 @@ class EpisodeQuery:
     """Lowest reward (inclusive)."""
     max_reward: float | None = None
     """Highest reward (inclusive)."""
+    reply: str | None = None
+    """Words of a reply, in order."""
     sort: str = "created"
     """One of `SORTS`."""
     desc: bool = False
     """Descending order."""
-    page: int = 1
-    """1-based page number."""
+    after: str | None = None
+    """Cursor: the page after this episode."""
+    before: str | None = None
+    """Cursor: the page before this episode."""
     per_page: int = 50
     """One of `PAGE_SIZES`."""
 
@@ -88,20 +82,23 @@ class EpisodeQuery:
                 raise ConfigError(f"parameter {name}={text!r} is out of range (at most {MAX_INT} in size)")
             return value
 
-        outcome = params.get("outcome") or None
-        if outcome is not None and outcome not in OUTCOMES:
-            raise ConfigError(f"parameter outcome={outcome!r}: valid outcomes are {', '.join(OUTCOMES)}")
-        sort = params.get("sort") or "created"
-        if sort not in SORTS:
-            raise ConfigError(f"parameter sort={sort!r}: valid sort keys are {', '.join(SORTS)}")
+        def choice(name: str, valid: Any, default: Any = None) -> Any:
+            value = params.get(name) or default
+            if value is not None and value not in valid:
+                raise ConfigError(f"parameter {name}={value!r}: valid values are {', '.join(map(str, valid))}")
+            return value
+
+        number("page", int)  # pages are cursors now; an old link's page number is still checked, then ignored
         per_page = number("per_page", int) or 50
         if per_page not in PAGE_SIZES:
             raise ConfigError(f"parameter per_page={per_page}: valid page sizes are {', '.join(map(str, PAGE_SIZES))}")
         return EpisodeQuery(
-            step=number("step", int), group=params.get("group") or None, agent=params.get("agent") or None,
-            task=params.get("task") or None, outcome=outcome, min_reward=number("min_reward", float),
-            max_reward=number("max_reward", float), sort=sort, desc=params.get("desc") == "1",
-            page=max(1, number("page", int) or 1), per_page=per_page,
+            step=number("step", int), phase=choice("phase", PHASES), group=params.get("group") or None,
+            agent=params.get("agent") or None, task=params.get("task") or None, outcome=choice("outcome", OUTCOMES),
+            min_reward=number("min_reward", float), max_reward=number("max_reward", float),
+            reply=params.get("reply", "").strip() or None, sort=choice("sort", SORTS, "created"),
+            desc=params.get("desc") == "1", after=params.get("after") or None, before=params.get("before") or None,
+            per_page=per_page,
         )
 
     def params(self, **changes: Any) -> dict[str, str]:
@@ -115,21 +112,32 @@ class EpisodeQuery:
             out[name] = "1" if value is True else str(value)
         return out
 
+    def filter(self, phases: Sequence[str]) -> EpisodeFilter:
+        """The store's filter of this query (`phases`: the store's, for the default phase)."""
+        phase = self.phase or ("train" if "train" in phases else "all")
+        return EpisodeFilter(step=self.step, phase=None if phase == "all" else phase, agent=self.agent,
+                             task_id=self.task, group_id=self.group, outcome=self.outcome, min_reward=self.min_reward,
+                             max_reward=self.max_reward, reply=self.reply)
+
 
 @dataclass(frozen=True)
-class EpisodePage:
+class EpisodeList:
     """One page of the episode list."""
 
     rows: list[EpisodeSummary]
     """The page's episodes."""
+    replies: dict[str, dict[str, str]]
+    """Each row's last reply per agent."""
     total: int
     """Episodes matching the filters, over all pages."""
     query: EpisodeQuery
     """What was asked."""
-
-    @property
-    def pages(self) -> int:
-        return max(1, -(-self.total // self.query.per_page))
+    phase: str
+    """The phase shown ('all' for every one)."""
+    next: str | None
+    """Cursor of the next page (None: this is the last)."""
+    previous: str | None
+    """Cursor of the previous page (None: this is the first)."""
 
 
 @dataclass
@@ -197,53 +205,21 @@ class Run:
                 self._store = TraceStore(self.store_path, readonly=True)
             return self._store
 
-    def episode_page(self, query: EpisodeQuery) -> EpisodePage:
-        """The episodes matching `query`, sorted, one page of them, and how many match in all."""
+    def episode_page(self, query: EpisodeQuery) -> EpisodeList:
+        """The episodes matching `query`, sorted, one page of them, how many match in all and their replies."""
         store = self.store()
-        inner, params = _queries.episodes_sql(
-            store._absent, step=query.step, agent=query.agent, task_id=query.task, min_reward=query.min_reward,
-            max_reward=query.max_reward, failed=None, outcome=None, limit=None,
-        )
-        inner = inner.replace(" FROM episodes e", ", e.rowid AS rowid FROM episodes e", 1)
-        where: list[str] = []
-        if query.group is not None:
-            where.append("e.group_id = ?")
-            params.append(query.group)
-        if query.outcome is not None:
-            where.append(f"({self._outcome_sql(store, query.outcome)})")
-        inner = inner.rsplit(" ORDER BY ", 1)[0]  # the page's own ORDER BY sorts; unordered, SQLite flattens it
-        if where:  # the store's query ends with its ` WHERE ...` (or none)
-            inner += (" AND " if " WHERE " in inner else " WHERE ") + " AND ".join(where)
-        column = SORTS[query.sort]
-        direction = "DESC" if query.desc else "ASC"
-        nulls = f"{column} IS NULL, " if column != "rowid" else ""  # episodes without the value come last
-        page_sql = (f"SELECT * FROM ({inner}) ORDER BY {nulls}{column} {direction}, rowid {direction} "
-                    "LIMIT ? OFFSET ?")
-        offset = (query.page - 1) * query.per_page
+        phases = store.facets().phases
+        selected = query.filter(phases)
+        page = store.query(selected, sort=query.sort, descending=query.desc, limit=query.per_page,
+                           after=query.after, before=query.before)
+        replies = store.last_replies([s.id for s in page.rows])
+        return EpisodeList(page.rows, replies, store.count(selected), query, selected.phase or "all", page.next,
+                           page.previous)
 
-        def read(conn: Any) -> tuple[int, list[Any]]:
-            total = conn.execute(f"SELECT count(*) FROM ({inner})", params).fetchone()[0]
-            rows = conn.execute(page_sql, [*params, query.per_page, offset]).fetchall()
-            return total, rows
-
-        total, rows = store._read(read)
-        return EpisodePage([_queries.summary_from_row(row[:-1]) for row in rows], total, query)
-
-    @staticmethod
-    def _outcome_sql(store: TraceStore, outcome: str) -> str:
-        if ("episodes", "truncated") in store._absent and outcome in ("truncated", "model_error"):
-            return "0"  # a store older than truncation has neither
-        return OUTCOMES[outcome]
-
-    def choices(self) -> dict[str, list[Any]]:
-        """Values the filters offer: steps, agents and tasks present in the store."""
-        def read(conn: Any) -> dict[str, list[Any]]:
-            return {
-                "steps": [r[0] for r in conn.execute("SELECT DISTINCT step FROM episodes WHERE step IS NOT NULL "
-                                                      "ORDER BY step")],
-                "agents": [r[0] for r in conn.execute("SELECT DISTINCT agent FROM turns ORDER BY agent")],
-            }
-        return self.store()._read(read)
+    def choices(self) -> dict[str, Any]:
+        """Values the filters offer: steps, agents and phases present in the store."""
+        facets = self.store().facets()
+        return {"steps": facets.steps, "agents": facets.agents, "phases": facets.phases}
 
     # -- metrics --------------------------------------------------------------------------------------
 
