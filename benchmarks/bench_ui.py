@@ -93,6 +93,7 @@ def main() -> None:
              {"reply": ["answer is 12"], "agent": ["solver"]}),
             ("group page (8 episodes)", "/runs/bench-run/group",
              {"id": ["train:42:336" if args.episodes > 2688 else "train:0:0"]}),
+            ("answers view (every reply counted)", "/runs/bench-run/answers", {}),
             ("episode page, 50 turns x 1,000 tokens", "/runs/bench-run/episodes/big", {}),
         ]
         print("| page | time |\n|---|---|")

@@ -390,3 +390,129 @@ def test_every_metric_the_runs_page_asks_for_is_in_the_metric_reference():
 
     unknown = [p for p in FIRST_CHARTS if not is_documented(p.replace("*", "someagent"))]
     assert unknown == []
+
+
+# -- the answers view, charts, exports --------------------------------------------------------------------------
+
+
+def write_answers_run(folder: Path) -> None:
+    """Training step 0: solver replies '4' x3 (reward 1) and ' 5\\n' x1 (reward 0); step 1: '4' x4 (reward 1);
+    evaluation at step 1: '4' x2 (reward 1), '6' x2 (reward 0)."""
+    plan = [("train", 0, "4", 1.0)] * 3 + [("train", 0, " 5\n", 0.0)] + [("train", 1, "4", 1.0)] * 4 \
+        + [("eval", 1, "4", 1.0)] * 2 + [("eval", 1, "6", 0.0)] * 2
+    with TraceStore(folder / "traces.db") as store:
+        for i, (phase, step, text, reward) in enumerate(plan):
+            episode = Episode(id=f"a{i:02d}", task_id="t0", group_id=f"{phase}:{step}:t0",
+                              turns=[make_turn("solver", 0, text=text)],
+                              metadata={"phase": phase, "step": step, "group_index": i % 4})
+            store.write_episode(episode)
+            store.update_training(episode.id, step=step if phase == "train" else None, rewards={"solver": reward})
+
+
+def test_answers_view_counts_replies_per_step_and_phase(tmp_path):
+    write_answers_run(tmp_path)
+    app = UiApp({"r": __import__("drmas_graph.ui._data", fromlist=["Run"]).Run("r", tmp_path)})
+    rows = re.compile(r'<td class="reply-text">([^<]*)</td><td class="count">(\d+)</td>\s*<td>(\d+)%</td>'
+                      r'<td class="reward">([^<]*)</td>')
+    status, body = get(app, "/runs/r/answers")  # default: training, its latest step
+    assert status == 200 and rows.findall(body) == [("4", "4", "100", "1")]
+    assert 'data-agent="solver"' in body and "train · step 1 · 4 calls" in body
+    body = get(app, "/runs/r/answers?step=0")[1]
+    assert rows.findall(body) == [("4", "3", "75", "1"), ("5", "1", "25", "0")]  # ' 5\n' normalized
+    assert 'href="/runs/r/episodes?phase=train&amp;agent=solver&amp;reply=5&amp;step=0"' in body
+    body = get(app, "/runs/r/answers?phase=eval")[1]
+    assert rows.findall(body) == [("4", "2", "50", "1"), ("6", "2", "50", "0")]
+    # over steps: distinct replies 2 then 1 (a collapse), entropy H(3/4, 1/4) = 0.8113 bits then 0
+    assert "train / solver: step 0, 2</title>" in body and "train / solver: step 1, 1</title>" in body
+    assert "train / solver: step 0, 0.81128</title>" in body and "train / solver: step 1, 0</title>" in body
+    assert "eval / solver: step 1, 1</title>" in body  # entropy of two equal replies: 1 bit
+    assert get(app, "/runs/r/answers?step=7")[0] == 400 and get(app, "/runs/r/answers?phase=x")[0] == 400
+    # the link finds those episodes
+    listed_ids = re.findall(r'class="ep" href="/runs/r/episodes/([^"]+)"',
+                            get(app, "/runs/r/episodes?phase=train&agent=solver&reply=5&step=0")[1])
+    assert listed_ids == ["a03"]
+    app.close()
+
+
+def test_episode_list_defaults_to_training_and_searches_replies(tmp_path, app):
+    write_answers_run(tmp_path)
+    answers = UiApp([tmp_path])
+    name = tmp_path.name
+    body = get(answers, f"/runs/{name}/episodes")[1]
+    assert f'<p id="count">8 train episodes' in body and "a08" not in body  # evaluation episodes: phase=eval or all
+    assert '<option value="train" selected>' in body
+    assert "12 episodes" in get(answers, f"/runs/{name}/episodes?phase=all")[1]
+    assert "--phase train" in body  # the terminal line lists the same
+    answers.close()
+    assert listed(get(app, "/runs/myrun/episodes?reply=alert img")[1]) == ["xss"]
+    assert 'class="who">solver</span> 4</div>' in get(app, "/runs/myrun/episodes?step=0")[1]  # the reply column
+
+
+def chart(body: str, title: str) -> str:
+    return body.split(f"<figcaption>{title}</figcaption>")[1].split("</figure>")[0]
+
+
+def test_charts_colour_runs_style_agents_and_smooth(tmp_path):
+    for name in ("a/seed", "b/seed"):
+        (tmp_path / name).mkdir(parents=True)
+        write_run(tmp_path / name, n_plain=2)
+        with (tmp_path / name / "metrics.jsonl").open("a") as f:
+            f.write(json.dumps({"step": 3, "agent/checker/reward_mean": 0.1}) + "\n")
+    app = UiApp([tmp_path / "a/seed", tmp_path / "b/seed"])
+    body = get(app, "/?run=seed-2&run=seed")[1]
+    drawn = chart(body, "reward_mean per agent")
+    lines = re.findall(r'<polyline class="line" points="[^"]+" fill="none" stroke="(#\w+)"( stroke-dasharray="[^"]+")?',
+                       drawn)
+    # a run keeps its colour whatever the order asked (seed: blue, seed-2: red); checker solid, solver dashed
+    assert sorted(lines) == sorted([("#1f77b4", ' stroke-dasharray="6 3"'), ("#1f77b4", ""),
+                                    ("#d62728", ' stroke-dasharray="6 3"'), ("#d62728", "")])
+    assert drawn.count('class="grid"') >= 6  # gridlines at the ticks of both axes
+    assert re.findall(r'class="tick x" text-anchor="middle">([^<]+)<', drawn) == ["0", "1", "2", "3"]
+    # smoothing: TensorBoard's debiased EMA; solver's 0, 0.2, 0.4 at weight 0.6 -> 0, 0.08 / 0.64 = 0.125, (0.6 * 0.08 + 0.16) / (1 - 0.6 ** 3) = 0.26531
+    body = get(app, "/?run=seed&smooth=0.6")[1]
+    assert "seed / solver: step 1, 0.2 (smoothed 0.125)</title>" in body
+    assert "seed / solver: step 2, 0.4 (smoothed 0.26531)</title>" in body
+    assert 'class="raw"' in body
+    # a step range, then the enlarged chart keeps it
+    body = get(app, "/?run=seed&from_step=1&to_step=1")[1]
+    assert "seed / solver: step 1, 0.2</title>" in body and "seed / solver: step 0" not in body
+    href = re.search(r'<a class="enlarge" href="([^"]+)"', chart(body, "reward_mean per agent")).group(1)
+    assert href == "/chart?metric=agent%2F%2A%2Freward_mean&amp;run=seed&amp;from_step=1&amp;to_step=1"
+    status, big = get(app, href.replace("&amp;", "&"))
+    assert status == 200 and 'class="chart large"' in big and "seed / solver: step 1, 0.2</title>" in big
+    assert get(app, "/chart?metric=nope")[0] == 404 and get(app, "/?smooth=1.5")[0] == 400
+    app.close()
+
+
+def test_exports_of_metrics_and_of_the_episode_list(app, run_dir):
+    response = app.handle("/runs/myrun/export/metrics.json", {})
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert response.status == 200 and json.loads(response.body) == records
+    assert response.filename == "myrun-metrics.json"
+    lines = app.handle("/runs/myrun/export/metrics.csv", {}).body.decode().splitlines()
+    assert lines[0] == "step,reward/team_mean,agent/solver/reward_mean,model/tiny/grad_norm,eval/avg@k,eval/pass@k,eval/solver/reward"
+    assert lines[2] == "1,0.1,0.2,0.5,,,"
+    # the episode list's export: the same filters and sort, every page
+    episodes = json.loads(app.handle("/runs/myrun/export/episodes.json", {"step": ["1"], "sort": ["reward"],
+                                                                            "desc": ["1"]}).body)
+    assert [e["id"] for e in episodes] == [f"plain{i:03d}" for i in range(19, 9, -1)]
+    assert episodes[0]["replies"] == {"solver": "4", "checker": "4"} and episodes[0]["outcome"] == "finished"
+    rows = app.handle("/runs/myrun/export/episodes.csv", {"task": ["t1"], "step": ["0"]}).body.decode().splitlines()
+    assert [r.split(",")[0] for r in rows] == ["id", "plain001", "plain004", "plain007"]
+    body = get(app, "/runs/myrun/episodes?task=t1&step=0")[1]
+    assert 'id="export-csv" href="/runs/myrun/export/episodes.csv?step=0&amp;task=t1"' in body
+    assert get(app, "/runs/myrun/export/traces.db")[0] == 404
+
+
+def test_runs_page_shows_top_replies_as_a_table_and_links_tensorboard(app, run_dir):
+    top = [{"reply": "4", "count": 3, "reward": 1.0}, {"reply": "<b>5</b>", "count": 1, "reward": 0.0}]
+    with (run_dir / "metrics.jsonl").open("a") as f:
+        f.write(json.dumps({"step": 3, "eval/avg@k": 0.5, "eval/solver/top_replies": top}) + "\n")
+    (run_dir / "tensorboard").mkdir()
+    body = get(app, "/")[1]
+    assert "[{" not in body and "top_replies</th>" not in body  # no raw list, no column for it
+    table = body.split('data-step="3" data-agent="solver">')[1].split("</table>")[0]
+    assert re.findall(r'<td class="reply-text">([^<]*)</td><td>(\d+)</td><td>([^<]*)</td>', table) == \
+        [("4", "3", "1"), ("&lt;b&gt;5&lt;/b&gt;", "1", "0")]
+    assert f'<a class="tensorboard" href="{(run_dir / "tensorboard").as_uri()}">' in body
+    assert f"tensorboard --logdir {run_dir / 'tensorboard'}" in body

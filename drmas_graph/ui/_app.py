@@ -26,7 +26,8 @@ from typing import Any
 from jinja2 import Environment, PackageLoader, StrictUndefined, select_autoescape
 
 from drmas_graph.errors import ConfigError, DrmasError, EpisodeNotFoundError, StoreNotFoundError
-from drmas_graph.ui import _exports, _pages
+from drmas_graph.ui import _answers, _exports, _pages
+from drmas_graph.ui._charts import line_chart
 from drmas_graph.ui._data import OUTCOMES, PAGE_SIZES, PHASES, SORTS, EpisodeQuery, Run, open_runs
 
 __all__ = ["UiApp", "Response", "make_server", "is_loopback"]
@@ -78,6 +79,7 @@ class UiApp:
                                 undefined=StrictUndefined, trim_blocks=True, lstrip_blocks=True)
         self._env.globals.update(url=_url, fmt=_fmt, outcomes=list(OUTCOMES), sorts=list(SORTS),
                                  page_sizes=PAGE_SIZES, phases=PHASES, runs=self.runs, counts=_pages.counts)
+        self._colours = {name: i for i, name in enumerate(self.runs)}  # a run's colour, the same in every chart
         self._static = {name: resources.files("drmas_graph.ui").joinpath("static", name).read_bytes()
                         for name in _STATIC}
 
@@ -104,7 +106,9 @@ class UiApp:
 
     def _route(self, parts: list[str], one: dict[str, str], params: Mapping[str, Sequence[str]]) -> Response:
         if not parts:
-            return self._runs_page(list(params.get("run", [])))
+            return self._runs_page(list(params.get("run", [])), one)
+        if parts == ["chart"]:
+            return self._chart_page(list(params.get("run", [])), one)
         if parts[0] == "static" and len(parts) == 2 and parts[1] in self._static:
             kind = mimetypes.guess_type(parts[1])[0] or "application/octet-stream"
             return Response(200, self._static[parts[1]], kind)
@@ -113,6 +117,8 @@ class UiApp:
             rest = parts[2:]
             if rest == ["episodes"]:
                 return self._episodes_page(run, one)
+            if rest == ["answers"]:
+                return self._page("answers.html", run=run, **_answers.answers_view(run, one))
             if len(rest) == 2 and rest[0] == "export":
                 return self._export(run, rest[1], one)
             if rest == ["group"]:
@@ -125,17 +131,41 @@ class UiApp:
 
     # -- pages -----------------------------------------------------------------------------------------------
 
-    def _runs_page(self, chosen: list[str]) -> Response:
+    def _selected(self, chosen: list[str]) -> list[Run]:
         unknown = [name for name in chosen if name not in self.runs]
         if unknown:
             raise ConfigError(f"unknown run {unknown[0]!r}; runs: {', '.join(self.runs)}")
-        selected = [self.runs[name] for name in chosen] or list(self.runs.values())
-        first, rest = _pages.run_charts(selected)
+        return [self.runs[name] for name in chosen] or list(self.runs.values())
+
+    def _runs_page(self, chosen: list[str], one: dict[str, str]) -> Response:
+        selected = self._selected(chosen)
+        options = _pages.ChartOptions.from_params(one)
+
+        def link(pattern: str) -> str:
+            return _url("/chart", [("metric", pattern), *(("run", name) for name in chosen),
+                                   *options.params().items()])
+
+        first, rest = _pages.run_charts(selected, self._colours, options, link)
         evals = {run.name: _pages.eval_rows(run) for run in selected}
         steps = {run.name: sum(1 for r in run.metrics() if "episodes" in r) for run in selected}
         malformed = {run.name: run.malformed_metrics() for run in selected}
-        return self._page("runs.html", selected=[r.name for r in selected], first=first, rest=rest, evals=evals,
-                          steps=steps, malformed=malformed)
+        return self._page("runs.html", selected=[r.name for r in selected], chosen=chosen, colours=self._colours,
+                          first=first, rest=rest,
+                          evals=evals, steps=steps, malformed=malformed, options=options,
+                          tensorboard={r.name: r.folder / "tensorboard" for r in selected
+                                       if (r.folder / "tensorboard").is_dir()})
+
+    def _chart_page(self, chosen: list[str], one: dict[str, str]) -> Response:
+        selected = self._selected(chosen)
+        options = _pages.ChartOptions.from_params(one)
+        pattern = one.get("metric", "")
+        series = _pages.chart_series(selected, self._colours, options).get(pattern)
+        if not series:
+            return self.error(HTTPStatus.NOT_FOUND, f"no metric {pattern!r} in run(s) "
+                                                    f"{', '.join(r.name for r in selected)}")
+        chart = line_chart(_pages.chart_title(pattern), series, smooth=options.smooth, size="large")
+        return self._page("chart.html", chart=chart, pattern=pattern, chosen=chosen, options=options,
+                          back=_url("/", [*(("run", name) for name in chosen), *options.params().items()]))
 
     def _episodes_page(self, run: Run, one: dict[str, str]) -> Response:
         query = EpisodeQuery.from_params(one)
@@ -197,9 +227,10 @@ class UiApp:
 # -- template helpers ----------------------------------------------------------------------------------------
 
 
-def _url(path: str, params: Mapping[str, Any] | None = None) -> str:
+def _url(path: str, params: Mapping[str, Any] | Sequence[tuple[str, Any]] | None = None) -> str:
     """A link: path segments are percent-encoded by the caller with `quote` (ids are hex), parameters here."""
-    query = urllib.parse.urlencode({k: v for k, v in (params or {}).items() if v is not None})
+    pairs = params.items() if isinstance(params, Mapping) else params or ()
+    query = urllib.parse.urlencode([(k, v) for k, v in pairs if v is not None])
     return path + ("?" + query if query else "")
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import math
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,7 +19,7 @@ from typing import Any
 from drmas_graph.errors import ConfigError, StoreNotFoundError
 from drmas_graph.traces.store import OUTCOMES, SORTS, EpisodeFilter, EpisodeSummary, TraceStore
 
-__all__ = ["Run", "EpisodeQuery", "EpisodeList", "open_runs", "OUTCOMES", "SORTS", "PAGE_SIZES", "PHASES"]
+__all__ = ["Run", "EpisodeQuery", "EpisodeList", "number_param", "open_runs", "OUTCOMES", "SORTS", "PAGE_SIZES", "PHASES"]
 
 MAX_INT = 2**63 - 1
 """The largest integer a URL parameter may hold (SQLite's INTEGER); a larger one is a 400, not an overflow."""
@@ -29,6 +29,23 @@ PAGE_SIZES = (25, 50, 100, 500)
 
 PHASES = ("train", "eval", "all")
 """The episode list's phase choices; without one it shows training episodes (all, in a store that has none)."""
+
+
+def number_param(params: Mapping[str, str], name: str, kind: type) -> Any:
+    """URL parameter `name` as an int or a finite float (None when absent); ConfigError (a 400) naming it when it
+    is not one, or an int beyond SQLite's range."""
+    text = params.get(name, "").strip()
+    if not text:
+        return None
+    try:
+        value = kind(text)
+    except ValueError:
+        raise ConfigError(f"parameter {name}={text!r} is not a{'n integer' if kind is int else ' number'}") from None
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"parameter {name}={text!r} is not a finite number")
+    if isinstance(value, int) and not -MAX_INT <= value <= MAX_INT:
+        raise ConfigError(f"parameter {name}={text!r} is out of range (at most {MAX_INT} in size)")
+    return value
 
 
 @dataclass(frozen=True)
@@ -69,18 +86,7 @@ class EpisodeQuery:
         """Parse URL parameters; a bad value raises ConfigError naming the parameter."""
 
         def number(name: str, kind: type) -> Any:
-            text = params.get(name, "").strip()
-            if not text:
-                return None
-            try:
-                value = kind(text)
-            except ValueError:
-                raise ConfigError(f"parameter {name}={text!r} is not a{'n integer' if kind is int else ' number'}") from None
-            if isinstance(value, float) and not math.isfinite(value):
-                raise ConfigError(f"parameter {name}={text!r} is not a finite number")
-            if isinstance(value, int) and not -MAX_INT <= value <= MAX_INT:
-                raise ConfigError(f"parameter {name}={text!r} is out of range (at most {MAX_INT} in size)")
-            return value
+            return number_param(params, name, kind)
 
         def choice(name: str, valid: Any, default: Any = None) -> Any:
             value = params.get(name) or default

@@ -17,11 +17,12 @@ from typing import Any
 
 from markupsafe import Markup, escape
 
+from drmas_graph.errors import ConfigError
 from drmas_graph.types import Episode, Turn
 from drmas_graph.ui._charts import Series, line_chart, points
-from drmas_graph.ui._data import Run
+from drmas_graph.ui._data import Run, number_param
 
-__all__ = ["run_charts", "eval_rows", "episode_view", "judgement_view", "replay_view", "diff_lines", "token_html"]
+__all__ = ["ChartOptions", "chart_series", "chart_title", "run_charts", "eval_rows", "episode_view", "judgement_view", "replay_view", "diff_lines", "token_html"]
 
 FIRST_CHARTS = (
     "reward/team_mean", "agent/*/reward_mean", "model/*/grad_norm", "agent/*/approx_kl", "agent/*/entropy",
@@ -31,8 +32,9 @@ FIRST_CHARTS = (
 )  # fmt: skip
 """Charts shown first, in this order (``*``: one line per agent or model); every other metric follows."""
 
-_TITLES = {"agent/*/ratio_max": "importance weight (max ratio) per agent", "model/*/grad_norm": "gradient norm",
-           "agent/*/approx_kl": "KL (approx) per agent", "agent/*/clip_frac": "clip fraction per agent"}
+_TITLES = {"agent/*/ratio_max": "importance weight (max ratio) per agent", "model/*/grad_norm": "gradient norm per model",
+           "agent/*/approx_kl": "KL (approx) per agent", "agent/*/clip_frac": "clip fraction per agent",
+           "eval/*/reward": "evaluation reward per agent"}
 
 
 def _chart_key(key: str) -> tuple[str, str]:
@@ -43,9 +45,36 @@ def _chart_key(key: str) -> tuple[str, str]:
     return key, ""
 
 
-def run_charts(runs: Sequence[Run]) -> tuple[list[Markup], list[Markup]]:
-    """(the first charts, every other chart) over `runs`, one line per run (and agent or model)."""
+@dataclass(frozen=True)
+class ChartOptions:
+    """How the Runs page draws its charts, as the URL says: smoothing and a step range."""
+
+    smooth: float = 0.0
+    """TensorBoard's smoothing weight, 0 (none) to 0.99."""
+    from_step: int | None = None
+    """First step shown (inclusive); None: the first."""
+    to_step: int | None = None
+    """Last step shown (inclusive); None: the last."""
+
+    @staticmethod
+    def from_params(params: Mapping[str, str]) -> ChartOptions:
+        """Parse ``smooth``, ``from_step`` and ``to_step``; a bad value raises ConfigError naming it."""
+        smooth = number_param(params, "smooth", float) or 0.0
+        if not 0 <= smooth < 1:
+            raise ConfigError(f"parameter smooth={smooth}: give a weight from 0 (no smoothing) to 0.99")
+        return ChartOptions(smooth, number_param(params, "from_step", int), number_param(params, "to_step", int))
+
+    def params(self) -> dict[str, str]:
+        """The URL parameters of these options (defaults left out)."""
+        values = {"smooth": self.smooth or None, "from_step": self.from_step, "to_step": self.to_step}
+        return {k: str(v) for k, v in values.items() if v is not None}
+
+
+def chart_series(runs: Sequence[Run], colours: Mapping[str, int], options: ChartOptions) -> dict[str, list[Series]]:
+    """Chart pattern -> its series over `runs`: colour by run (`colours`), line style by agent or model name."""
     charts: dict[str, list[Series]] = {}
+    parts: set[str] = set()
+    found: list[tuple[str, Run, str, list[dict[str, Any]], str]] = []
     for run in runs:
         records = run.metrics()
         keys: dict[str, None] = {}
@@ -56,21 +85,51 @@ def run_charts(runs: Sequence[Run]) -> tuple[list[Markup], list[Markup]]:
             if key in ("time", "step") or key.endswith(("/split", "/k", "/tasks")):
                 continue
             pattern, part = _chart_key(key)
-            label = f"{run.name} / {part}" if part else run.name
-            charts.setdefault(pattern, []).append(Series(label, points(records, key)))
-    first = [line_chart(_TITLES.get(p, p.replace("/*/", " per series: ")), charts.pop(p)) for p in FIRST_CHARTS
-             if p in charts]
-    rest = [line_chart(p, charts[p]) for p in sorted(charts)]
+            parts.add(part)
+            found.append((pattern, run, part, records, key))
+    dashes = {part: i for i, part in enumerate(sorted(parts - {""}))} | {"": 0}  # by name: the same in each chart
+    for pattern, run, part, records, key in found:
+        label = f"{run.name} / {part}" if part else run.name
+        charts.setdefault(pattern, []).append(Series(
+            label, points(records, key, (options.from_step, options.to_step)), colours.get(run.name, 0), dashes[part]))
+    return charts
+
+
+def chart_title(pattern: str) -> str:
+    """A chart's caption: 'agent/*/reward_mean' -> 'reward_mean per agent'."""
+    if pattern in _TITLES:
+        return _TITLES[pattern]
+    head, _, tail = pattern.partition("/*/")
+    return f"{tail} per {head}" if tail else pattern
+
+
+def run_charts(runs: Sequence[Run], colours: Mapping[str, int], options: ChartOptions,
+               link: Any) -> tuple[list[Markup], list[Markup]]:
+    """(the first charts, every other chart) over `runs`; `link(pattern)` is the enlarged chart's URL."""
+    charts = chart_series(runs, colours, options)
+
+    def draw(pattern: str) -> Markup:
+        return line_chart(chart_title(pattern), charts[pattern], smooth=options.smooth, href=link(pattern))
+
+    first = [draw(p) for p in FIRST_CHARTS if p in charts]
+    rest = [draw(p) for p in sorted(charts) if p not in FIRST_CHARTS]
     return [c for c in first if c], [c for c in rest if c]
 
 
-def eval_rows(run: Run) -> tuple[list[str], list[dict[str, Any]]]:
-    """(columns, rows) of the run's evaluations: one row per evaluation record."""
+def eval_rows(run: Run) -> tuple[list[str], list[dict[str, Any]], list[tuple[Any, str, list[Mapping[str, Any]]]]]:
+    """(columns, rows, most frequent replies) of the run's evaluations: one row per evaluation record, a column per
+    scalar; each record's ``<agent>/top_replies`` as (step, agent, [{reply, count, reward}])."""
     rows = [r for r in run.metrics() if any(k.startswith("eval/") for k in r)]
     columns: dict[str, None] = {}
+    tops = []
     for row in rows:
-        columns.update(dict.fromkeys(k for k in row if k.startswith("eval/")))
-    return list(columns), rows
+        for key, value in row.items():
+            if key.endswith("/top_replies") and isinstance(value, list):
+                tops.append((row.get("step"), key[5:-len("/top_replies")],
+                             [r for r in value if isinstance(r, Mapping)]))
+            elif key.startswith("eval/") and not isinstance(value, (list, dict)):
+                columns[key] = None
+    return list(columns), rows, tops
 
 
 # -- the episode page ----------------------------------------------------------------------------------------
