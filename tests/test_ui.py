@@ -516,3 +516,32 @@ def test_runs_page_shows_top_replies_as_a_table_and_links_tensorboard(app, run_d
         [("4", "3", "1"), ("&lt;b&gt;5&lt;/b&gt;", "1", "0")]
     assert f'<a class="tensorboard" href="{(run_dir / "tensorboard").as_uri()}">' in body
     assert f"tensorboard --logdir {run_dir / 'tensorboard'}" in body
+
+
+def test_group_page_shows_rewards_stats_and_the_judges_attempts_in_its_order(app, run_dir):
+    """Written out of order (group_index 2, 0, 3, 1), judged in group mode: the page lists them as the judge saw
+    them, with attempt_N and the reason, each turn's reward, and each agent's mean and std."""
+    solver_rewards = {2: 1.0, 0: 0.0, 3: 1.0, 1: 0.0}
+    with TraceStore(run_dir / "traces.db") as store:
+        for place, reward in solver_rewards.items():
+            episode = Episode(id=f"j{place}", task_id="t9", group_id="train:5:t9",
+                              turns=[make_turn("solver", 0), make_turn("solver", 1), make_turn("checker", 2)],
+                              metadata={"phase": "train", "step": 5, "group_index": place},
+                              judgement={"mode": "group", "index": place, "group_size": 4, "scores": reward,
+                                         "reasons": f"reason <{place}>", "replies": [], "prompt": []})
+            store.write_episode(episode)
+            penalty = 0.5 if place == 0 else 0.0  # episode 0's first solver call was invalid
+            store.update_training(episode.id, step=5, rewards={"solver": reward, "checker": 1.0},
+                                  turn_rewards=[reward - penalty, reward, 1.0], advantages=[0.1, 0.2, 0.0])
+    status, body = get(app, "/runs/myrun/group?id=train:5:t9")
+    assert status == 200
+    assert re.findall(r'class="card member" data-id="(\w+)"', body) == ["j0", "j1", "j2", "j3"]
+    assert re.findall(r'class="badge attempt">([^<]+)<', body) == ["attempt_1", "attempt_2", "attempt_3", "attempt_4"]
+    assert re.findall(r'class="reason">([^<]+)<', body)[:2] == ["reason &lt;0&gt;", "reason &lt;1&gt;"]
+    assert re.findall(r'class="turn-reward">([^<]+)<', body)[:6] == ["-0.5", "0", "1", "0", "0", "1"]
+    stats = dict(re.findall(r'<tr data-agent="(\w+)">(.*?)</tr>', body, re.S))
+    cells = lambda agent: re.findall(r"<td[^>]*>([^<]*)</td>", stats[agent])  # noqa: E731
+    # solver: episode rewards 0, 0, 1, 1 -> mean 0.5, std sqrt(4 * 0.25 / 3) = 0.5774; its 8 calls' turn rewards
+    # -0.5, 0, 0, 0, 1, 1, 1, 1 -> mean 0.4375, std 0.6232
+    assert cells("solver") == ["solver", "4", "0.5", "0.5774", "8", "0.4375", "0.6232"]
+    assert cells("checker") == ["checker", "4", "1", "0", "4", "1", "0"]

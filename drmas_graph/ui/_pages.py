@@ -22,7 +22,7 @@ from drmas_graph.types import Episode, Turn
 from drmas_graph.ui._charts import Series, line_chart, points
 from drmas_graph.ui._data import Run, number_param
 
-__all__ = ["ChartOptions", "chart_series", "chart_title", "run_charts", "eval_rows", "episode_view", "judgement_view", "replay_view", "diff_lines", "token_html"]
+__all__ = ["AgentStats", "group_stats", "judge_attempt", "group_view", "ChartOptions", "chart_series", "chart_title", "run_charts", "eval_rows", "episode_view", "judgement_view", "replay_view", "diff_lines", "token_html"]
 
 FIRST_CHARTS = (
     "reward/team_mean", "agent/*/reward_mean", "model/*/grad_norm", "agent/*/approx_kl", "agent/*/entropy",
@@ -225,15 +225,81 @@ def judgement_view(record: Mapping[str, Any]) -> dict[str, Any]:
     return {"record": record, "rows": rows, "prompt": prompt, "replies": [str(r) for r in record.get("replies") or ()]}
 
 
+@dataclass(frozen=True)
+class AgentStats:
+    """One agent's rewards over a GRPO group, as the group page shows them."""
+
+    agent: str
+    episodes: int
+    """Episodes with a reward for the agent."""
+    reward_mean: float | None
+    """Mean of its episode rewards."""
+    reward_std: float | None
+    """Their unbiased (N-1) std; None below two."""
+    calls: int
+    """Its calls with a turn reward (the samples of the `agent` estimator's pool)."""
+    turn_mean: float | None
+    """Mean turn reward R_i of those calls (episode reward less invalid-call penalties): the pool's mu."""
+    turn_std: float | None
+    """Their unbiased (N-1) std: the pool's sigma; None below two."""
+
+
+def _mean_std(values: list[float]) -> tuple[float | None, float | None]:
+    if not values:
+        return None, None
+    mean = math.fsum(values) / len(values)
+    std = math.sqrt(math.fsum((v - mean) ** 2 for v in values) / (len(values) - 1)) if len(values) > 1 else None
+    return mean, std
+
+
+def group_stats(episodes: Sequence[Episode]) -> list[AgentStats]:
+    """Per agent (in order of first call): its episode rewards' and turn rewards' mean and unbiased std."""
+    agents: dict[str, None] = {}
+    for episode in episodes:
+        agents.update(dict.fromkeys(episode.agents))
+    out = []
+    for agent in agents:
+        rewards = [e.rewards[agent] for e in episodes if agent in e.rewards]
+        turns = [r for e in episodes if e.turn_rewards is not None
+                 for t, r in zip(e.turns, e.turn_rewards, strict=True) if t.agent == agent]
+        out.append(AgentStats(agent, len(rewards), *_mean_std(rewards), len(turns), *_mean_std(turns)))
+    return out
+
+
+def judge_attempt(episode: Episode) -> dict[str, Any] | None:
+    """What the judge said of this episode: its attempt number as the judge saw it ('attempt_3': the episode's
+    place in the group's prompt), and (who, score, reason) rows; None when no judge scored it."""
+    if episode.judgement is None:
+        return None
+    record = episode.judgement
+    index = record.get("index")
+    view = judgement_view(record)
+    return {"attempt": f"attempt_{index + 1}" if isinstance(index, int) else None, "rows": view["rows"],
+            "error": record.get("error"), "mode": record.get("mode")}
+
+
+def _group_order(episode: Episode, written: int) -> tuple[int, int]:
+    """Episodes in the order the judge saw them: the trainer's group_index, else the judge's index."""
+    for value in (episode.metadata.get("group_index"), (episode.judgement or {}).get("index")):
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value, written
+    return written, written
+
+
 def group_view(run: Run, group_id: str) -> dict[str, Any]:
-    """Template values of a GRPO group: its episodes side by side, each turn's advantage."""
-    summaries = run.store().episodes(group_id=group_id)
-    episodes = [run.store().load_episode(s.id) for s in summaries]
+    """Template values of a GRPO group: its episodes side by side in the order the judge saw them, each one's and
+    each turn's reward and advantage, the judge's attempt number and reason, and each agent's mean and std."""
+    store = run.store()
+    summaries = store.episodes(group_id=group_id)
+    loaded = [store.load_episode(s.id) for s in summaries]
+    episodes = [e for _, e in sorted(((_group_order(e, i), e) for i, e in enumerate(loaded)), key=lambda p: p[0])]
     agents: dict[str, None] = {}
     for episode in episodes:
         agents.update(dict.fromkeys(episode.agents))
     return {"group_id": group_id, "episodes": episodes, "agents": list(agents),
-            "steps": {s.id: s.step for s in summaries}}
+            "steps": {s.id: s.step for s in summaries}, "stats": group_stats(episodes),
+            "judged": {e.id: judge_attempt(e) for e in episodes},
+            "positions": {e.id: e.metadata.get("group_index") for e in episodes}}
 
 
 # -- replay --------------------------------------------------------------------------------------------------
