@@ -730,6 +730,9 @@ def test_query_filters(tmp_path):
         assert ids(reply="_") == ids() and ids(reply="%sure") == []
         assert ids(agent="solver", min_reward=1.0) == ["e04", "e09", "e19"]  # (i % 5) / 4 == 1, e14 has none (14 % 7)
         assert ids(outcome="finished", step=1) == ["e06", "e08", "e09", "e10", "e11"]  # e07 has no step (no reward)
+        assert store.count(EpisodeFilter(phase="train")) == 18
+        assert store.count(EpisodeFilter(phase="train"), at_most=5) == 5  # counting stops there
+        assert store.count(EpisodeFilter(phase="eval"), at_most=50) == 6
 
 
 def test_query_refuses_what_sqlite_cannot_hold(tmp_path):
@@ -766,12 +769,19 @@ def test_the_list_queries_use_indexes(tmp_path):
 
     with query_store(tmp_path) as store:
         conn = sqlite3.connect(store.path)
-        for where, sort in ((EpisodeFilter(), "reward"), (EpisodeFilter(agent="solver", min_reward=0.5), "reward"),
-                            (EpisodeFilter(phase="train"), "created"), (EpisodeFilter(group_id="g1"), "created")):
+        cases = {  # (filter, sort) -> the index its first page reads
+            (EpisodeFilter(), "reward"): "episodes_by_reward",
+            (EpisodeFilter(phase="train"), "reward"): "episodes_by_reward",  # not the phase's index, then a sort
+            (EpisodeFilter(agent="solver", min_reward=0.5), "reward"): "rewards_by_agent",
+            (EpisodeFilter(phase="train"), "created"): "episodes_by_phase ",
+            (EpisodeFilter(group_id="g1"), "created"): "episodes_by_group",
+            (EpisodeFilter(phase="train"), "turns"): "episodes_by_turns",
+            (EpisodeFilter(), "tokens"): "episodes_by_tokens",
+            (EpisodeFilter(reply="x 1", agent="solver"), "created"): "COVERING INDEX turns_replies",
+        }
+        for (where, sort), index in cases.items():
             segment = _queries._segments(where, store._absent, sort)[0]
-            sql, params = segment.sql("e.id", None, True, 5)
+            sql, params = segment.sql("e.id", [0.5, 3] if sort != "created" else [3], True, 5)
             plan = " ".join(r[-1] for r in conn.execute("EXPLAIN QUERY PLAN " + sql, params))
-            index = {"reward": "episodes_by_reward" if where.agent is None else "rewards_by_agent"}.get(
-                sort, "episodes_by_phase" if where.phase else "episodes_by_group")
-            assert index in plan, (where, sort, plan)
+            assert index in plan and ("TEMP B-TREE" not in plan or where.reply), (where, sort, plan)  # replies: sorts the matches
         conn.close()

@@ -150,8 +150,13 @@ PHASE_SQL = "json_extract(e.metadata, '$.phase')"
 INDEXES = (
     "CREATE INDEX IF NOT EXISTS episodes_by_reward ON episodes (reward)",
     "CREATE INDEX IF NOT EXISTS episodes_by_group ON episodes (group_id)",
-    "CREATE INDEX IF NOT EXISTS episodes_by_phase ON episodes (json_extract(metadata, '$.phase'))",
+    "CREATE INDEX IF NOT EXISTS episodes_by_phase ON episodes (json_extract(metadata, '$.phase'))",  # rowid order
+    "CREATE INDEX IF NOT EXISTS episodes_by_phase_step ON episodes (json_extract(metadata, '$.phase'), "
+    "json_extract(metadata, '$.step'))",
     "CREATE INDEX IF NOT EXISTS rewards_by_agent ON rewards (agent, reward)",
+    "CREATE INDEX IF NOT EXISTS episodes_by_turns ON episodes (n_turns)",
+    "CREATE INDEX IF NOT EXISTS episodes_by_tokens ON episodes (n_response_tokens)",
+    "CREATE INDEX IF NOT EXISTS turns_replies ON turns (agent, response_text, episode_id)",
 )
 """Indexes the queries use beyond the layout's own; a store opened to write gains those it lacks (a store
 opened read-only is queried without them: the same answers, slower on big stores)."""
@@ -201,12 +206,16 @@ class EpisodeFilter:
         if self.outcome is not None and self.outcome not in OUTCOMES:
             raise ConfigError(f"unknown episode outcome {self.outcome!r}; valid: {', '.join(OUTCOMES)}")
 
-    def sql(self, absent: set[tuple[str, str]], reward: str) -> tuple[list[str], list[Any]]:
+    def sql(self, absent: set[tuple[str, str]], reward: str, *, sorted_by_index: bool = False
+            ) -> tuple[list[str], list[Any]]:
         """(conditions on the episodes row `e`, their parameters); `reward` is the SQL of the reward the bounds
-        apply to (with its own parameters: the agent's name when it is a subquery)."""
+        apply to (with its own parameters: the agent's name when it is a subquery). `sorted_by_index`: the order
+        has an index of its own, which a page reads from its start (so the phase, true of most episodes, is
+        checked per row rather than read from its index and sorted)."""
         agent_turn = "EXISTS (SELECT 1 FROM turns t WHERE t.agent = ? AND t.episode_id = e.id)"
+        phase = f"+{PHASE_SQL} = ?" if sorted_by_index else f"{PHASE_SQL} = ?"  # '+': not from the index
         where, params = conditions(("e.step = ?", self.step), ("e.task_id = ?", self.task_id),
-                                   ("e.group_id = ?", self.group_id), (f"{PHASE_SQL} = ?", self.phase),
+                                   ("e.group_id = ?", self.group_id), (phase, self.phase),
                                    (agent_turn, self.agent))
         if self.group_prefix is not None:
             where.append("substr(e.group_id, 1, ?) = ?")
@@ -219,10 +228,10 @@ class EpisodeFilter:
             if bound is not None:
                 where.append(f"{reward} {op} ?")
                 params.extend([self.agent, bound] if "?" in reward else [bound])
-        if self.reply:
-            by_agent = " AND t.agent = ?" if self.agent is not None else ""
-            where.append(f"EXISTS (SELECT 1 FROM turns t WHERE t.episode_id = e.id{by_agent} "
-                         "AND t.response_text LIKE ? ESCAPE '\\')")
+        if self.reply:  # read from the turns_replies index (agent, text, episode), not from the turns
+            by_agent = "t.agent = ? AND " if self.agent is not None else ""
+            where.append(f"e.id IN (SELECT t.episode_id FROM turns t WHERE {by_agent}"
+                         "t.response_text LIKE ? ESCAPE '\\')")
             params.extend([self.agent, like_words(self.reply)] if by_agent else [like_words(self.reply)])
         return where, params
 
@@ -265,6 +274,7 @@ class _Segment:
 
     nulls: bool
     key: str  # SQL of the sort value ('e.rowid' for the 'created' order)
+    tie: str  # SQL of the tie-break: the rowid of the row the order's index points to
     source: str  # FROM ...
     source_params: list[Any]
     where: list[str]
@@ -276,13 +286,13 @@ class _Segment:
         by_rowid = self.nulls or self.key == "e.rowid"
         if cursor is not None:
             if by_rowid:
-                where.append(f"e.rowid {op} ?")
+                where.append(f"{self.tie} {op} ?")
                 params.append(cursor[-1])
-            else:  # the first condition lets an index on the value start at the cursor
-                where.append(f"{self.key} {op}= ? AND ({self.key} {op} ? OR e.rowid {op} ?)")
-                params.extend([cursor[0], cursor[0], cursor[1]])
-        order = f"e.rowid {direction}" if by_rowid else f"{self.key} {direction}, e.rowid {direction}"
-        sql = f"SELECT {select}, e.rowid, {'NULL' if self.nulls else self.key} FROM {self.source}"
+            else:  # a row value: the index of (value, rowid) seeks straight to the cursor
+                where.append(f"({self.key}, {self.tie}) {op} (?, ?)")
+                params.extend(cursor)
+        order = f"{self.tie} {direction}" if by_rowid else f"{self.key} {direction}, {self.tie} {direction}"
+        sql = f"SELECT {select}, {self.tie}, {'NULL' if self.nulls else self.key} FROM {self.source}"
         sql += (" WHERE " + " AND ".join(where) if where else "") + f" ORDER BY {order}"
         if limit is not None:
             sql += " LIMIT ?"
@@ -291,7 +301,9 @@ class _Segment:
 
 
 def _segments(f: EpisodeFilter, absent: set[tuple[str, str]], sort: str) -> list[_Segment]:
-    """The parts of the order of `sort` over the episodes `f` selects."""
+    """The parts of the order of `sort` over the episodes `f` selects. Each is read along an index: the sort
+    column's (its entries end with the episode's rowid, the tie-break), or with an agent's reward the rewards
+    table's (agent, reward) index, whose ties fall to the rewards row's rowid (the order rewards were recorded)."""
     if sort not in SORTS:
         raise ConfigError(f"unknown sort key {sort!r}; valid: {', '.join(SORTS)}")
     bounded = f.min_reward is not None or f.max_reward is not None
@@ -299,16 +311,18 @@ def _segments(f: EpisodeFilter, absent: set[tuple[str, str]], sort: str) -> list
     source, source_params = "episodes e", []
     if join:  # the agent's own reward, from the rewards table (its index serves the bounds and the sort)
         source, source_params = "episodes e JOIN rewards r ON r.episode_id = e.id AND r.agent = ?", [f.agent]
-    where, params = f.sql(absent, _reward_sql(f.agent, join))
+    if sort == "created":
+        where, params = f.sql(absent, _reward_sql(f.agent, join))
+        return [_Segment(False, "e.rowid", "e.rowid", source, source_params, where, params)]
+    where, params = f.sql(absent, _reward_sql(f.agent, join), sorted_by_index=True)
     key = _reward_sql(f.agent, join) if sort == "reward" else SORTS[sort]
-    if key == "e.rowid":
-        return [_Segment(False, key, source, source_params, where, params)]
-    segments = [_Segment(False, key, source, source_params, [*where, f"{key} IS NOT NULL"], params)]
+    tie = "r.rowid" if sort == "reward" and join else "e.rowid"
+    segments = [_Segment(False, key, tie, source, source_params, [*where, f"{key} IS NOT NULL"], params)]
     if not (sort == "reward" and bounded):  # bounds leave out the episodes without a reward
         null_key = _reward_sql(f.agent, False) if sort == "reward" else key
         null_params = [f.agent] if "?" in null_key else []
         where, params = f.sql(absent, _reward_sql(f.agent, False))
-        segments.append(_Segment(True, null_key, "episodes e", [], [*where, f"{null_key} IS NULL"],
+        segments.append(_Segment(True, null_key, "e.rowid", "episodes e", [], [*where, f"{null_key} IS NULL"],
                                  [*params, *null_params]))
     return segments
 
@@ -370,13 +384,17 @@ def query_page(conn: Any, absent: set[tuple[str, str]], f: EpisodeFilter, *, sor
     return EpisodePage(summaries, next=last if more else None, previous=first if cursor is not None else None)
 
 
-def count_sql(absent: set[tuple[str, str]], f: EpisodeFilter) -> tuple[str, list[Any]]:
-    """(SQL, parameters) counting the episodes `f` selects."""
+def count_sql(absent: set[tuple[str, str]], f: EpisodeFilter, at_most: int | None = None) -> tuple[str, list[Any]]:
+    """(SQL, parameters) counting the episodes `f` selects (stopping at `at_most`, when given)."""
     join = f.agent is not None and (f.min_reward is not None or f.max_reward is not None)
     source = "episodes e JOIN rewards r ON r.episode_id = e.id AND r.agent = ?" if join else "episodes e"
     where, params = f.sql(absent, _reward_sql(f.agent, join))
-    sql = f"SELECT count(*) FROM {source}" + (" WHERE " + " AND ".join(where) if where else "")
-    return sql, ([f.agent] if join else []) + params
+    params = ([f.agent] if join else []) + params
+    rows = f"SELECT 1 FROM {source}" + (" WHERE " + " AND ".join(where) if where else "")
+    if at_most is None:
+        return f"SELECT count(*) FROM ({rows})", params
+    _check_int("at_most", at_most)
+    return f"SELECT count(*) FROM ({rows} LIMIT ?)", [*params, at_most]
 
 
 @dataclass(frozen=True)
@@ -399,14 +417,20 @@ class ReplyCount:
     """How many of those calls' episodes have a reward for the agent."""
 
 
-def reply_counts(conn: Any, phase: str | None, step: int | None, agent: str | None) -> list[ReplyCount]:
-    """Every (phase, step, agent, reply) with its count and reward sum, filtered when the arguments are given."""
+def reply_counts(conn: Any, phase: str | None, step: int | None, agent: str | None,
+                 rewards: bool = True) -> list[ReplyCount]:
+    """Every (phase, step, agent, reply) with its count and reward sum (0 without `rewards`), filtered when the
+    arguments are given."""
     _check_int("step", step)
+    if step is not None and phase is None:
+        raise ConfigError("reply_counts: give the phase with the step (a step's training and evaluation rollouts "
+                          "are different episodes)")
     where, params = conditions((f"{PHASE_SQL} = ?", phase), ("json_extract(e.metadata, '$.step') = ?", step),
                                ("t.agent = ?", agent))
+    reward = "total(r.reward), count(r.reward)" if rewards else "0.0, 0"
+    join = " LEFT JOIN rewards r ON r.episode_id = t.episode_id AND r.agent = t.agent" if rewards else ""
     sql = (f"SELECT {PHASE_SQL}, json_extract(e.metadata, '$.step'), t.agent, t.response_text, count(*), "
-           "total(r.reward), count(r.reward) FROM turns t JOIN episodes e ON e.id = t.episode_id "
-           "LEFT JOIN rewards r ON r.episode_id = t.episode_id AND r.agent = t.agent"
+           f"{reward} FROM episodes e JOIN turns t ON t.episode_id = e.id{join}"
            + (" WHERE " + " AND ".join(where) if where else "") + " GROUP BY 1, 2, 3, 4")
     out = []
     for ph, st, ag, text, n, total, rewarded in conn.execute(sql, params):
@@ -439,14 +463,20 @@ class Facets:
     """Phases of the trainer's rollouts ('eval', 'train'), by name."""
 
 
+def _distinct(conn: Any, column: str, table: str) -> list[Any]:
+    """The distinct non-null values of an indexed `column`, one index seek each (a loose index scan): as fast on
+    a big store as on a small one, where SELECT DISTINCT reads every index entry."""
+    sql = (f"WITH RECURSIVE v(x) AS (SELECT min({column}) FROM {table} UNION ALL "
+           f"SELECT (SELECT min({column}) FROM {table} WHERE {column} > x) FROM v WHERE x IS NOT NULL) "
+           "SELECT x FROM v WHERE x IS NOT NULL")
+    return [row[0] for row in conn.execute(sql)]
+
+
 def read_facets(conn: Any) -> Facets:
     """`Facets` of the store open on `conn`."""
-    steps = [r[0] for r in conn.execute("SELECT DISTINCT step FROM episodes WHERE step IS NOT NULL ORDER BY step")]
-    agents = [r[0] for r in conn.execute("SELECT DISTINCT agent FROM turns ORDER BY agent")]
-    phases = [r[0] for r in conn.execute(f"SELECT DISTINCT {PHASE_SQL} FROM episodes e ORDER BY 1")
-              if isinstance(r[0], str)]
-    return Facets(tuple(steps), tuple(agents), tuple(phases))
-
+    phases = [p for p in _distinct(conn, "json_extract(metadata, '$.phase')", "episodes") if isinstance(p, str)]
+    return Facets(tuple(_distinct(conn, "step", "episodes")), tuple(_distinct(conn, "agent", "turns")),
+                  tuple(phases))
 
 def read_stats(conn: Any, absent: set[tuple[str, str]]) -> StoreStats:
     """`StoreStats` of the store open on `conn`."""

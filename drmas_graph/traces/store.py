@@ -386,9 +386,10 @@ class TraceStore:
                                                            descending=descending, limit=limit, after=after,
                                                            before=before))
 
-    def count(self, where: EpisodeFilter | None = None) -> int:
-        """How many episodes `where` selects (all without a filter)."""
-        sql, params = _queries.count_sql(self._absent, where or EpisodeFilter())
+    def count(self, where: EpisodeFilter | None = None, *, at_most: int | None = None) -> int:
+        """How many episodes `where` selects (all without a filter); with `at_most`, counting stops there (what a
+        page shows as "N+" when a filter matches many episodes on a big store)."""
+        sql, params = _queries.count_sql(self._absent, where or EpisodeFilter(), at_most)
         return self._read(lambda conn: conn.execute(sql, params).fetchone()[0])
 
     def facets(self) -> Facets:
@@ -399,11 +400,12 @@ class TraceStore:
         """{episode id: {agent: the text of the agent's last call}} of the episodes given."""
         return self._read(lambda conn: _queries.last_replies(conn, episode_ids))
 
-    def reply_counts(self, *, phase: str | None = None, step: int | None = None,
-                     agent: str | None = None) -> list[ReplyCount]:
+    def reply_counts(self, *, phase: str | None = None, step: int | None = None, agent: str | None = None,
+                     rewards: bool = True) -> list[ReplyCount]:
         """How often each agent gave each reply (exact text), per phase and rollout step, with the agent's reward
-        summed over them: what the answers view and a collapse check read. Arguments given filter."""
-        return self._read(lambda conn: _queries.reply_counts(conn, phase, step, agent))
+        summed over them (`rewards=False`: not read, faster): what the answers view and a collapse check read.
+        Arguments given filter (a step with its phase)."""
+        return self._read(lambda conn: _queries.reply_counts(conn, phase, step, agent, rewards))
 
     def trained_episodes(self, *, step: int | None = None) -> list[str]:
         """Ids of the episodes the run's training used, in the order written: those with a training step

@@ -70,18 +70,15 @@ def _merge(counts: list[ReplyCount]) -> dict[tuple[str | None, int | None, str],
 def answers_view(run: Run, params: Mapping[str, str]) -> dict[str, Any]:
     """Template values of the answers page: the phase and step chosen (default: training, its latest step), the top
     replies per agent there, and the distinct-replies and entropy charts over every step."""
-    merged = _merge(run.store().reply_counts())
-    choices = sorted({p for (p, _, _) in merged if p is not None}) + ["all"]
+    history, charts = run.replies_memo(_history)
+    choices = sorted({p for (p, _, _) in history if p is not None}) + ["all"]
     phase = params.get("phase") or ("train" if "train" in choices else "all")
     if phase not in choices:
         raise ConfigError(f"parameter phase={phase!r}: valid values are {', '.join(choices)}")
     top = number_param(params, "top", int) or 10
     if top not in TOPS:
         raise ConfigError(f"parameter top={top}: valid values are {', '.join(map(str, TOPS))}")
-    charts = _charts(merged)
-    if phase != "all":
-        merged = {k: v for k, v in merged.items() if k[0] == phase}
-    steps = sorted({s for (_, s, _) in merged if s is not None})
+    steps = sorted({s for (p, s, _) in history if s is not None and phase in (p, "all")})
     step = number_param(params, "step", int)
     if step is None and steps:
         step = steps[-1]
@@ -89,6 +86,11 @@ def answers_view(run: Run, params: Mapping[str, str]) -> dict[str, Any]:
         raise ConfigError(f"parameter step={step}: the {phase} replies have steps {', '.join(map(str, steps))}")
     tables: dict[str, list[ReplyRow]] = {}
     totals: dict[str, int] = {}
+    merged: dict[Any, dict[str, list[float]]] = {}
+    if step is None:  # episodes without the trainer's phase and step (rollouts of your own): all together
+        merged = {k: v for k, v in _merge(run.store().reply_counts()).items() if k[1] is None}
+    for p in ([phase] if phase != "all" else choices[:-1]) if step is not None else []:
+        merged.update(_merge(run.store().reply_counts(phase=p, step=step)))  # the step's replies, with rewards
     chosen: dict[str, dict[str, list[float]]] = defaultdict(dict)
     for (_, s, agent), replies in merged.items():  # phase 'all': the phases' replies of the step together
         if s == step:
@@ -103,6 +105,12 @@ def answers_view(run: Run, params: Mapping[str, str]) -> dict[str, Any]:
                          for key, (c, total, rewarded) in rows]
     return {"phase": phase, "phases": choices, "step": step, "steps": steps, "top": top, "tops": TOPS,
             "tables": tables, "totals": totals, "charts": charts}
+
+
+def _history(counts: list[ReplyCount]) -> tuple[dict[Any, dict[str, list[float]]], list[Any]]:
+    """Every step's replies merged by `reply_key`, and the charts drawn from them."""
+    merged = _merge(counts)
+    return merged, _charts(merged)
 
 
 def _charts(merged: Mapping[tuple[str | None, int | None, str], dict[str, list[float]]]) -> list[Any]:

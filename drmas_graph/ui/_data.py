@@ -11,13 +11,13 @@ from __future__ import annotations
 import json
 import math
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from drmas_graph.errors import ConfigError, StoreNotFoundError
-from drmas_graph.traces.store import OUTCOMES, SORTS, EpisodeFilter, EpisodeSummary, TraceStore
+from drmas_graph.traces.store import OUTCOMES, SORTS, EpisodeFilter, EpisodeSummary, ReplyCount, TraceStore
 
 __all__ = ["Run", "EpisodeQuery", "EpisodeList", "number_param", "open_runs", "OUTCOMES", "SORTS", "PAGE_SIZES", "PHASES"]
 
@@ -26,6 +26,10 @@ MAX_INT = 2**63 - 1
 
 PAGE_SIZES = (25, 50, 100, 500)
 """Page sizes the episode list offers."""
+
+COUNT_AT_MOST = 5_000
+"""The episode list counts matches up to this many ("5000+ episodes"): counting every match of a filter that
+reads each episode's row costs about a second per 100,000 episodes."""
 
 PHASES = ("train", "eval", "all")
 """The episode list's phase choices; without one it shows training episodes (all, in a store that has none)."""
@@ -135,7 +139,9 @@ class EpisodeList:
     replies: dict[str, dict[str, str]]
     """Each row's last reply per agent."""
     total: int
-    """Episodes matching the filters, over all pages."""
+    """Episodes matching the filters, over all pages (counted up to `COUNT_AT_MOST`)."""
+    more: bool
+    """Whether the count stopped at `COUNT_AT_MOST` (the page says "N+")."""
     query: EpisodeQuery
     """What was asked."""
     phase: str
@@ -198,6 +204,7 @@ class Run:
         self._metrics = _MetricsLog(folder / "metrics.jsonl")
         self._store: TraceStore | None = None
         self._tokenizers: dict[Path, Any] = {}
+        self._replies: tuple[int, list[Any]] | None = None
         self._lock = threading.Lock()
 
     # -- trace store ----------------------------------------------------------------------------------
@@ -219,8 +226,19 @@ class Run:
         page = store.query(selected, sort=query.sort, descending=query.desc, limit=query.per_page,
                            after=query.after, before=query.before)
         replies = store.last_replies([s.id for s in page.rows])
-        return EpisodeList(page.rows, replies, store.count(selected), query, selected.phase or "all", page.next,
-                           page.previous)
+        total = store.count(selected, at_most=COUNT_AT_MOST)
+        return EpisodeList(page.rows, replies, total, total >= COUNT_AT_MOST, query, selected.phase or "all",
+                           page.next, page.previous)
+
+    def replies_memo(self, compute: Callable[[list[ReplyCount]], Any]) -> Any:
+        """`compute` of `TraceStore.reply_counts` over every phase and step without rewards, kept until the store
+        holds more episodes (replies never change once written): what the answers view's charts draw."""
+        store = self.store()
+        version = store.count()
+        with self._lock:
+            if self._replies is None or self._replies[0] != version:
+                self._replies = (version, compute(store.reply_counts(rewards=False)))
+            return self._replies[1]
 
     def choices(self) -> dict[str, Any]:
         """Values the filters offer: steps, agents and phases present in the store."""
