@@ -103,7 +103,7 @@ def answers_view(run: Run, params: Mapping[str, str]) -> dict[str, Any]:
         rows = sorted(replies.items(), key=lambda kv: (-kv[1][0], kv[0]))[:top]
         tables[agent] = [ReplyRow(key, int(c), c / n, total / rewarded if rewarded else None)
                          for key, (c, total, rewarded) in rows]
-    return {"phase": phase, "phases": choices, "step": step, "steps": steps, "top": top, "tops": TOPS,
+    return {"phase": phase, "phases": choices, "step": step, "step_given": "step" in params and bool(params["step"]), "steps": steps, "top": top, "tops": TOPS,
             "tables": tables, "totals": totals, "charts": charts}
 
 
