@@ -338,6 +338,10 @@ def test_every_fault_over_http_is_a_styled_page(app, run_dir, monkeypatch):
         assert status == 400 and styled(body) and "Host header" in body
         status, body = fetch(server, "/no/such/page")
         assert status == 404 and styled(body)
+        conn = http.client.HTTPConnection("127.0.0.1", server.server_port, timeout=10)
+        conn.request("POST", "/runs/myrun/episodes", body=b"x=1")
+        response = conn.getresponse()
+        assert response.status == 405 and styled(response.read().decode())
         monkeypatch.setattr(type(app.runs["myrun"]), "metrics", lambda self: 1 / 0)  # a bug in the UI itself
         status, body = fetch(server, "/")
         assert status == 500 and styled(body) and "ZeroDivisionError" in body

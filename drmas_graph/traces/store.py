@@ -22,8 +22,11 @@ int32 bytes, logprobs as float64 bytes, see `drmas_graph.traces._serde`). Nothin
 Columns added since version 1 (`_serde.ADDED_COLUMNS`, all nullable) keep the version: opening an older
 store to write adds them, opening it read-only reads them as NULL.
 
-Every episode is stored whatever its outcome (`Episode.outcome`: finished, truncated, model error, failed);
-summaries and store-wide counts are queried in `drmas_graph.traces._queries`.
+Every episode is stored whatever its outcome (`Episode.outcome`: finished, truncated, model error, failed).
+`TraceStore.query` selects summaries by an `EpisodeFilter`, sorted, in keyset pages (what `drmas-graph ui` and
+`drmas-graph traces list` show); `count`, `facets` and `reply_counts` answer the rest; the SQL lives in
+`drmas_graph.traces._queries`, with the indexes it reads (`_queries.INDEXES`, added when a store is opened to
+write).
 
 Two "steps" appear: an episode's ``step`` is the *training* step it was used in (None until it is), a
 turn's ``step`` is the LangGraph superstep of the node that made the call (`Turn.step`).

@@ -1,9 +1,11 @@
 """The web app: a router over a few GET pages, and the stdlib HTTP server that serves it.
 
-Why no web framework: the app is local, read-only and for one user, with six GET routes and no forms that
-write; Python's ``http.server`` (threaded) serves that with nothing to install, and Jinja2 (autoescaping on for
-every template) renders the pages. Charts are SVG drawn on the server (`_charts`), so the pages need no
-script at all: the Content-Security-Policy forbids every script, which also makes an escaping mistake inert.
+Why no web framework: the app is local, read-only and for one user, with a handful of GET routes and no forms
+that write; Python's ``http.server`` (threaded) serves that with nothing to install, and Jinja2 (autoescaping on for
+every template) renders the pages. Charts are SVG drawn on the server (`_charts`; smoothing, step ranges and
+enlarging are query parameters and links), so the pages need no script at all: the Content-Security-Policy
+forbids every script, which also makes an escaping mistake inert. Every bad input is a styled 4xx page, every
+fault a styled 500 page without a traceback.
 """
 
 from __future__ import annotations
@@ -287,6 +289,13 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_HEAD(self) -> None:  # noqa: N802
         self.do_GET()
+
+    def _read_only(self) -> None:
+        self.close_connection = True  # its body is never read
+        self._send(self.server.app.error(HTTPStatus.METHOD_NOT_ALLOWED, f"{self.command}: the UI is read-only "
+                                                                         "(GET pages only)"))
+
+    do_POST = do_PUT = do_PATCH = do_DELETE = _read_only  # noqa: N815 (http.server's names)
 
     def _host_ok(self) -> bool:
         host = (self.headers.get("Host") or "").rsplit(":", 1)[0].strip("[]")
