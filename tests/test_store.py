@@ -778,10 +778,16 @@ def test_the_list_queries_use_indexes(tmp_path):
             (EpisodeFilter(phase="train"), "turns"): "episodes_by_turns",
             (EpisodeFilter(), "tokens"): "episodes_by_tokens",
             (EpisodeFilter(reply="x 1", agent="solver"), "created"): "COVERING INDEX turns_replies",
+            # a step, task or group picks few episodes: read them by its index and sort them, not the whole order
+            (EpisodeFilter(step=1, min_reward=0.5), "reward"): "episodes_by_step",
+            (EpisodeFilter(task_id="t1", phase="train"), "turns"): "episodes_by_task",
+            (EpisodeFilter(group_id="g1", agent="solver", min_reward=0.1), "reward"): "episodes_by_group",
         }
+        selective = ("step", "task", "group")
         for (where, sort), index in cases.items():
             segment = _queries._segments(where, store._absent, sort)[0]
             sql, params = segment.sql("e.id", [0.5, 3] if sort != "created" else [3], True, 5)
             plan = " ".join(r[-1] for r in conn.execute("EXPLAIN QUERY PLAN " + sql, params))
-            assert index in plan and ("TEMP B-TREE" not in plan or where.reply), (where, sort, plan)  # replies: sorts the matches
+            sorts = where.reply or any(name in index for name in selective)  # these sort the few matches
+            assert index in plan and ("TEMP B-TREE" not in plan or sorts), (where, sort, plan)
         conn.close()

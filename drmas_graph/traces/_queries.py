@@ -209,9 +209,9 @@ class EpisodeFilter:
     def sql(self, absent: set[tuple[str, str]], reward: str, *, sorted_by_index: bool = False
             ) -> tuple[list[str], list[Any]]:
         """(conditions on the episodes row `e`, their parameters); `reward` is the SQL of the reward the bounds
-        apply to (with its own parameters: the agent's name when it is a subquery). `sorted_by_index`: the order
-        has an index of its own, which a page reads from its start (so the phase, true of most episodes, is
-        checked per row rather than read from its index and sorted)."""
+        apply to (with its own parameters: the agent's name when it is a subquery). `sorted_by_index`: another
+        index serves the page (the order's, or a step's, task's or group's), so the phase, true of most
+        episodes, is checked per row rather than read from its index."""
         agent_turn = "EXISTS (SELECT 1 FROM turns t WHERE t.agent = ? AND t.episode_id = e.id)"
         phase = f"+{PHASE_SQL} = ?" if sorted_by_index else f"{PHASE_SQL} = ?"  # '+': not from the index
         where, params = conditions(("e.step = ?", self.step), ("e.task_id = ?", self.task_id),
@@ -308,14 +308,20 @@ def _segments(f: EpisodeFilter, absent: set[tuple[str, str]], sort: str) -> list
         raise ConfigError(f"unknown sort key {sort!r}; valid: {', '.join(SORTS)}")
     bounded = f.min_reward is not None or f.max_reward is not None
     join = f.agent is not None and (bounded or sort == "reward")
+    # a step, task or group selects few episodes: read them along its index and sort them ('+' keeps SQLite off
+    # the order's index and the reward's, CROSS JOIN makes the episodes the outer loop)
+    selective = f.step is not None or f.task_id is not None or f.group_id is not None
+    plus = "+" if selective else ""
     source, source_params = "episodes e", []
     if join:  # the agent's own reward, from the rewards table (its index serves the bounds and the sort)
-        source, source_params = "episodes e JOIN rewards r ON r.episode_id = e.id AND r.agent = ?", [f.agent]
+        source = f"episodes e {'CROSS ' if selective else ''}JOIN rewards r ON r.episode_id = e.id AND r.agent = ?"
+        source_params = [f.agent]
+    reward = plus + _reward_sql(f.agent, join) if join or f.agent is None else _reward_sql(f.agent, join)
     if sort == "created":
-        where, params = f.sql(absent, _reward_sql(f.agent, join))
+        where, params = f.sql(absent, reward, sorted_by_index=selective)
         return [_Segment(False, "e.rowid", "e.rowid", source, source_params, where, params)]
-    where, params = f.sql(absent, _reward_sql(f.agent, join), sorted_by_index=True)
-    key = _reward_sql(f.agent, join) if sort == "reward" else SORTS[sort]
+    where, params = f.sql(absent, reward, sorted_by_index=True)
+    key = plus + (_reward_sql(f.agent, join) if sort == "reward" else SORTS[sort])
     tie = "r.rowid" if sort == "reward" and join else "e.rowid"
     segments = [_Segment(False, key, tie, source, source_params, [*where, f"{key} IS NOT NULL"], params)]
     if not (sort == "reward" and bounded):  # bounds leave out the episodes without a reward
@@ -387,7 +393,9 @@ def query_page(conn: Any, absent: set[tuple[str, str]], f: EpisodeFilter, *, sor
 def count_sql(absent: set[tuple[str, str]], f: EpisodeFilter, at_most: int | None = None) -> tuple[str, list[Any]]:
     """(SQL, parameters) counting the episodes `f` selects (stopping at `at_most`, when given)."""
     join = f.agent is not None and (f.min_reward is not None or f.max_reward is not None)
-    source = "episodes e JOIN rewards r ON r.episode_id = e.id AND r.agent = ?" if join else "episodes e"
+    selective = f.step is not None or f.task_id is not None or f.group_id is not None  # then episodes lead
+    source = (f"episodes e {'CROSS ' if selective else ''}JOIN rewards r ON r.episode_id = e.id AND r.agent = ?"
+              if join else "episodes e")
     where, params = f.sql(absent, _reward_sql(f.agent, join))
     params = ([f.agent] if join else []) + params
     rows = f"SELECT 1 FROM {source}" + (" WHERE " + " AND ".join(where) if where else "")
