@@ -136,6 +136,8 @@ def test_group_and_episode_pages_show_the_stored_values(app):
     assert 'title="id 7 · logprob -0.0100"' in body and 'title="id 8 · logprob -5.0000"' in body
     assert '<span class="t t9"' in body and '<span class="t t2"' in body  # coloured by logprob
     assert "⟨7⟩" in body  # no tokenizer in this run: ids shown
+    legend = re.findall(r'<span class="t t(\d)">([^<]+)</span>', body.split('id="token-legend"')[1].split("</p>")[0])
+    assert legend[0] == ("0", "&lt; -8") and legend[2] == ("2", "-6 … -4") and legend[-1] == ("9", "-0.05 … 0")
     assert "drmas-graph traces show" in body and "plain005" in body
 
 

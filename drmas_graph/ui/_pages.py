@@ -139,6 +139,12 @@ _LOGPROB_STEPS = (-8.0, -6.0, -4.0, -3.0, -2.0, -1.0, -0.5, -0.2, -0.05)
 """Colour class k of a token: the number of these its logprob reaches (0: below -8, 9: above -0.05, p > 0.95)."""
 
 
+def token_legend() -> list[tuple[int, str]]:
+    """(colour class, the logprob range it stands for) of every token colour, least likely first."""
+    edges = [-math.inf, *_LOGPROB_STEPS, 0.0]
+    return [(k, f"{edges[k]:g} … {edges[k + 1]:g}" if k else f"< {edges[1]:g}") for k in range(len(edges) - 1)]
+
+
 def _bucket(logprob: float) -> int:
     """0 (least likely) .. 9 (almost certain): the colour class of a token."""
     return bisect.bisect_right(_LOGPROB_STEPS, logprob) if math.isfinite(logprob) else 0
@@ -206,7 +212,7 @@ def episode_view(run: Run, episode: Episode) -> dict[str, Any]:
     has_tokenizer = any(run.tokenizer(t.policy) is not None for t in episode.turns if t.trainable)
     return {"episode": episode, "turns": turns, "tree": tree, "segments": segments,
             "final_state": _json(episode.final_state), "input": _json(episode.input),
-            "has_tokenizer": has_tokenizer, "open_all": len(turns) <= 12,
+            "has_tokenizer": has_tokenizer, "open_all": len(turns) <= 12, "legend": token_legend(),
             "judgement": None if episode.judgement is None else judgement_view(episode.judgement)}
 
 
