@@ -180,7 +180,7 @@ def test_episode_page_shows_the_judges_verdict_escaped(app, run_dir):
     assert "the judge's prompt (2 messages)" in section and "<td>812 / 64</td>" in section
     section = get(app, "/runs/myrun/episodes/misjudged")[1].split('id="judgement"')[1].split("</section>")[0]
     assert '<p class="error" id="judge-error">JudgeError: no usable &lt;score&gt; after 3 attempts</p>' in section
-    assert "episode 3 of 4 judged together" in section and '<pre id="judge-reply">–</pre>' in section
+    assert "attempt_3 of the 4 judged together" in section and "<th>judge calls</th><td>3</td>" in section and '<pre id="judge-reply">–</pre>' in section
     assert 'id="judgement"' not in get(app, "/runs/myrun/episodes/plain005")[1]  # no judge, no section
 
 
