@@ -279,7 +279,6 @@ PRIVATE_IMPORTS_PENDING = {  # TEMPORARY: removed when the structure/ui branches
     "train._rollouts: instrumentation._segments.continuation_from_env",
     "train.lora: engine._adapters.is_peft_model", "train.lora: engine._adapters.load_adapter_weights",
     "train.losses: engine._sampling.entropy_from_logits", "train.losses: engine._sampling.token_logprobs",
-    "ui._data: traces._queries", "ui._data: traces._queries.EpisodeSummary",
 }
 
 TRAINER_ANY_PENDING = {  # TEMPORARY: removed when the structure branch merges (an explicit run state)
