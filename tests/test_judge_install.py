@@ -67,7 +67,7 @@ def test_a_missing_judge_package_is_one_line_with_exit_2(tmp_path, model, missin
     assert done.returncode == 2, done.stderr[-2000:]
     assert len(lines) == 1 and lines[0].startswith("drmas-graph: error: judge model") and lines[0].endswith(says), \
         done.stderr
-    assert done.stdout == ""
+    assert done.stdout == "" and not (tmp_path / "run" / "check" / "base-g1").exists()  # no empty folder left
 
 
 def test_the_judge_extra_holds_the_packages_the_documented_forms_import():

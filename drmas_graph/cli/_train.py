@@ -164,15 +164,16 @@ def _cmd_eval(args: argparse.Namespace, console: Console) -> int:
 
 
 def _cmd_check(args: argparse.Namespace, console: Console) -> int:
-    from drmas_graph.train._check import NO_SIGNAL_EXIT, preflight
+    from drmas_graph.train._check import NO_SIGNAL_EXIT, preflight, removed_on_failure
     from drmas_graph.train.trainer import Trainer
 
     if args.groups < 1:
         raise ConfigError(f"--groups must be at least 1 (got {args.groups})")
     cfg = load_config(args.config, args.set)
     cfg.run_dir = str(numbered_dir(Path(cfg.run_dir) / "check", f"base-g{args.groups}"))
-    graph, env = build_graph_and_env(cfg)
-    trainer = Trainer(graph, env, cfg, train=False)
+    with removed_on_failure(Path(cfg.run_dir)):  # a failed set-up leaves no empty base-gN behind
+        graph, env = build_graph_and_env(cfg)
+        trainer = Trainer(graph, env, cfg, train=False)
     try:
         report = preflight(trainer, args.groups)
     finally:

@@ -1,0 +1,48 @@
+"""A judged run through the command line: `check` set-up failures leave no folder behind, `eval` of a checkpoint
+reads the run's judge cache (no judge call paid twice), and the summary's evaluation columns."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import yaml
+
+from drmas_graph.cli import main
+
+ROWS = [{"id": "a1", "question": "What is 2 + 3?", "answer": "5"},
+        {"id": "a2", "question": "What is 4 + 4?", "answer": "8"}]
+RANKING = {"import": "tests._judge_models:ranking_judge"}
+
+
+def write_config(tmp_path: Path, judge_model: dict, **top) -> Path:
+    (tmp_path / "t.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    cfg = {
+        "name": "judged", "run_dir": str(tmp_path / "run"), "graph": "tests._graphs:solver_verifier",
+        "env": {"tasks": str(tmp_path / "t.jsonl"), "input": {"question": "{question}"}, "answer": "answer",
+                "id": "id", "reward": {"judge": {"model": judge_model, "mode": "group",
+                                                 "rubric": "The verifier must agree with the reference answer."}}},
+        "models": {"tiny": {"tiny": {"seed": 0}}},
+        "agents": {"solver": {"model": "tiny", "sampling": {"max_new_tokens": 4}},
+                   "verifier": {"model": "tiny", "sampling": {"max_new_tokens": 4}}},
+        "update": {"lr": 1e-3, "backend": "torch"}, "steps": 1, "tasks_per_step": 2, "group_size": 2,
+        "eval": {"k": 2, "n_tasks": 2, "before_training": False},
+        "logging": {"progress": False, "tensorboard": False}, **top,
+    }
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def test_a_check_that_fails_while_setting_up_leaves_no_folder(tmp_path, capsys):
+    """The judge's cache folder is made before its model is built: a model that cannot be built used to leave
+    run/check/base-g1 empty, and the next check wrote base-g1-2."""
+    bad = write_config(tmp_path, {"import": "tests._judge_models:nothing"})
+    for _ in range(2):
+        assert main(["check", str(bad), "--groups", "1"]) == 2
+        assert "judge model import 'tests._judge_models:nothing'" in capsys.readouterr().err
+        assert sorted(p.name for p in (tmp_path / "run" / "check").iterdir()) == []
+    good = write_config(tmp_path, RANKING)
+    assert main(["check", str(good), "--groups", "1"]) in (0, 3)
+    assert sorted(p.name for p in (tmp_path / "run" / "check").iterdir()) == ["base-g1"]
+    assert (tmp_path / "run" / "check" / "base-g1" / "traces.db").is_file()
