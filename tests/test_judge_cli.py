@@ -46,3 +46,27 @@ def test_a_check_that_fails_while_setting_up_leaves_no_folder(tmp_path, capsys):
     assert main(["check", str(good), "--groups", "1"]) in (0, 3)
     assert sorted(p.name for p in (tmp_path / "run" / "check").iterdir()) == ["base-g1"]
     assert (tmp_path / "run" / "check" / "base-g1" / "traces.db").is_file()
+
+
+def test_the_summary_has_one_column_when_evaluation_ran_once(tmp_path):
+    from drmas_graph import TrainResult
+
+    ev = {"step": 2, "split": "test", "k": 2, "solver/reward": 0.5, "avg@k": 0.25, "pass@k": 0.5}
+    once = TrainResult(run_dir=tmp_path, evals=[ev], history=[{"step": 0, "reward/team_mean": 0.375}])
+    assert once.summary().splitlines() == [
+        "evaluation on test                step 2",
+        "  reward solver                    0.500",
+        "  avg@2                            0.250",
+        "  pass@2                           0.500",
+        "training reward (team)            step 0",
+        "                                   0.375",
+        f"run folder: {tmp_path}"]
+    twice = TrainResult(run_dir=tmp_path, evals=[{**ev, "step": 0, "avg@k": 0.125}, ev],
+                        history=[{"step": 0, "reward/team_mean": 0.375}, {"step": 1, "reward/team_mean": 1}])
+    assert twice.summary().splitlines()[:6] == [
+        "evaluation on test                step 0      step 2",
+        "  reward solver                    0.500       0.500",
+        "  avg@2                            0.125       0.250",
+        "  pass@2                           0.500       0.500",
+        "training reward (team)            step 0      step 1",
+        "                                   0.375       1.000"]
