@@ -70,3 +70,24 @@ def test_the_summary_has_one_column_when_evaluation_ran_once(tmp_path):
         "  pass@2                           0.500       0.500",
         "training reward (team)            step 0      step 1",
         "                                   0.375       1.000"]
+
+
+def test_eval_of_a_judged_checkpoint_reads_the_runs_judge_cache(tmp_path, capsys):
+    """The run judged its final evaluation; `drmas-graph eval --checkpoint` of that step rolls out the same
+    episodes (the step's evaluation seeds) and must find every group in run_dir/judge_cache.db: 0 judge calls
+    (it used to open a new cache in its eval folder and pay again)."""
+    from drmas_graph.traces.store import TraceStore
+
+    cfg = write_config(tmp_path, RANKING)
+    assert main(["train", str(cfg)]) == 0
+    run = tmp_path / "run"
+    final = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if '"eval/avg@k"' in x][-1]
+    assert final["step"] == 1 and final["eval/judge/calls"] >= 2 and final["eval/judge/cache_hits"] == 0
+    assert main(["eval", str(cfg), "--checkpoint", str(run / "checkpoints" / "step_000001")]) == 0
+    folder = run / "eval" / "step_000001-test-k2"
+    record = json.loads((folder / "eval.json").read_text())
+    assert (record["judge/calls"], record["judge/cache_hits"]) == (0, 2)  # 2 tasks: 2 groups, both cached
+    assert record["solver/reward"] == final["eval/solver/reward"] == 0.375 and not (folder / "judge_cache.db").exists()
+    with TraceStore(folder / "traces.db", readonly=True) as store:
+        judged = [store.load_episode(s.id).judgement for s in store.episodes()]
+    assert len(judged) == 4 and all(j["cached"] and j["error"] is None for j in judged)

@@ -127,8 +127,8 @@ def _cmd_eval(args: argparse.Namespace, console: Console) -> int:
         overrides.append(f"eval.n_tasks={args.n_tasks}")
     cfg = load_config(args.config, overrides)
     from_checkpoint = point_at_checkpoint(cfg, args.checkpoint) if args.checkpoint is not None else []
+    graph, env = build_graph_and_env(cfg)  # in the run's folder: a judge reads (and adds to) the run's cache
     cfg.run_dir = str(eval_dir(Path(cfg.run_dir), args.checkpoint, args.split or cfg.eval.split, cfg.eval.k))
-    graph, env = build_graph_and_env(cfg)
     trainer = Trainer(graph, env, cfg, train=False)
     try:
         if args.checkpoint is not None:
