@@ -7,9 +7,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+from drmas_graph.errors import DrmasError
 from drmas_graph.types import Episode, Turn
 
-__all__ = ["Env", "Task", "score_episode", "EpisodeScore", "fixed_reward"]
+__all__ = ["Env", "Task", "score_episode", "EpisodeScore", "fixed_reward", "BadRewardError"]
 
 
 @dataclass(frozen=True)
@@ -101,7 +102,7 @@ ENV_REWARD: Any = _EnvReward()
 """`score_episode(reward=...)`'s default: ask `env.reward` (no reward given in advance)."""
 
 
-class BadRewardError(ValueError):
+class BadRewardError(DrmasError, ValueError):
     """The environment returned a reward that cannot be trained on (None, NaN, missing agent), or its `reward`
     or `turn_is_valid` raised (the exception is the `__cause__`)."""
 

@@ -39,7 +39,9 @@ def config_page() -> str:
 Every field of a training config (`TrainConfig`, `drmas_graph/config.py`): the YAML file of
 `drmas-graph train` and the keyword arguments of `train_graph(...)` (nested sections as dicts). Unknown keys
 are errors. `drmas-graph config-doc` prints the same table; `graphs/math/demo.yaml` is a complete config.
-`models.<name>.*` and `agents.<name>.*` repeat for every entry of those maps.
+`models.<name>.*` and `agents.<name>.*` repeat for every entry of those maps. A `'module:attr'` value (`graph`,
+`env`, `env.reward.python`, a judge model's `import`, and `--graph`/`--reward`/`--judge` on the command line)
+names an object of an importable module; the current folder is importable, as under `python -m`.
 
 {config_table()}
 """

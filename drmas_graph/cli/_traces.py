@@ -12,7 +12,8 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from drmas_graph.cli._imports import build_graph, import_object
+from drmas_graph._importing import import_spec
+from drmas_graph.cli._imports import build_graph
 from drmas_graph.errors import ConfigError
 from drmas_graph.traces.store import TraceStore
 from drmas_graph.types import Episode, Turn
@@ -121,7 +122,7 @@ def _cmd_rescore(args: argparse.Namespace, console: Console) -> int:
         judge, tasks, source = _judge_and_tasks(args.judge, args.split)
     elif args.split:
         raise ConfigError("--split applies to --judge (the splits of the judge's tasks)")
-    result = rescore(args.path, None if judge else import_object(args.reward), judge=judge, tasks=tasks,
+    result = rescore(args.path, None if judge else import_spec(args.reward, setting="--reward"), judge=judge, tasks=tasks,
                      estimator=args.estimator, norm_by_std=args.norm_by_std, step=args.step, episodes=args.episodes,
                      out=args.out)
     totals: dict[str, list[float]] = {}
@@ -150,7 +151,7 @@ def _judge_and_tasks(spec: str, splits: list[str] | None) -> tuple[Any, list[Any
             raise ConfigError("--split applies to --judge MODULE:ATTR; a config's judge sees every task of its "
                               "`env.tasks` and `env.test` files")
         return judge_from_config(spec), tasks_from_config(spec), f"; judge and tasks of {spec}"
-    judge = import_object(spec)
+    judge = import_spec(spec, setting="--judge")
     if isinstance(judge, type) or (callable(judge) and not hasattr(judge, "reward_group")):  # a factory
         judge = judge()
     if not callable(getattr(judge, "reward_group", None)):

@@ -12,3 +12,10 @@ advantages for a stored run).
 
 May import: every layer below it (shared modules, instrumentation, engine, served, traces).
 """
+
+
+def __getattr__(name: str):  # TEMPORARY (helper seams): the structure branch exports build_policy; drop this then
+    if name == "build_policy":
+        from drmas_graph.train._build import build_policy
+        return build_policy
+    raise AttributeError(f"module 'drmas_graph.train' has no attribute {name!r}")

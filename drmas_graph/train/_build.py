@@ -208,3 +208,6 @@ def agent_sampling(agent: AgentConfig) -> SamplingParams:
     s = agent.sampling
     return SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_new_tokens=s.max_new_tokens,
                           adapter=agent.adapter)
+
+
+build_policy = _build_policy  # TEMPORARY (helper seams): the structure branch makes this the public name
