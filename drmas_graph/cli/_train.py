@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -165,7 +168,7 @@ def _cmd_eval(args: argparse.Namespace, console: Console) -> int:
 
 
 def _cmd_check(args: argparse.Namespace, console: Console) -> int:
-    from drmas_graph.train._check import NO_SIGNAL_EXIT, preflight, removed_on_failure
+    from drmas_graph.train._check import NO_SIGNAL_EXIT, preflight
     from drmas_graph.train.trainer import Trainer
 
     if args.groups < 1:
@@ -209,6 +212,19 @@ def eval_dir(run_dir: Path, checkpoint: Path | None, split: str, k: int) -> Path
     """A new folder per `drmas-graph eval`: run_dir/eval/<checkpoint|base>-<split>-k<k>[-2, -3, ...] (each with its
     own traces.db and config.yaml, so evaluations with other settings never collide)."""
     return numbered_dir(run_dir / "eval", f"{checkpoint.name if checkpoint is not None else 'base'}-{split}-k{k}")
+
+
+@contextmanager
+def removed_on_failure(folder: Path) -> Iterator[Path]:
+    """Set up a run in the new `folder`: when the block raises, the folder (made by the set-up, holding no
+    episode yet) is removed, so the next command takes its name instead of a `-2` one."""
+    existed = folder.exists()
+    try:
+        yield folder
+    except BaseException:
+        if not existed:
+            shutil.rmtree(folder, ignore_errors=True)
+        raise
 
 
 def numbered_dir(root: Path, label: str) -> Path:

@@ -12,18 +12,14 @@ when most groups teach nothing. Nothing is trained; the episodes go to their own
 
 from __future__ import annotations
 
-import shutil
 from collections import defaultdict
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from drmas_graph.train import _scoring
 from drmas_graph.train.metrics import mean_std
 
-__all__ = ["AgentCheck", "CheckReport", "preflight", "removed_on_failure", "NO_SIGNAL_EXIT"]
+__all__ = ["AgentCheck", "CheckReport", "preflight", "NO_SIGNAL_EXIT"]
 
 NO_SIGNAL_EXIT = 3
 """`drmas-graph check`'s exit status when no group has any learning signal (0 otherwise, 2 for errors)."""
@@ -151,19 +147,6 @@ class CheckReport:
             rows.append("scoring (the environment's reward_metrics): " + ", ".join(scoring))
         rows += [f"warning: {w}" for w in self.warnings()]
         return rows
-
-
-@contextmanager
-def removed_on_failure(folder: Path) -> Iterator[Path]:
-    """Set up a check in the new `folder`: when the block raises, the folder (made by the set-up, holding no
-    episode yet) is removed, so the next check takes its name instead of a `-2` one."""
-    existed = folder.exists()
-    try:
-        yield folder
-    except BaseException:
-        if not existed:
-            shutil.rmtree(folder, ignore_errors=True)
-        raise
 
 
 def preflight(trainer: Any, n_groups: int) -> CheckReport:
