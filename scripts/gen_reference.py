@@ -9,7 +9,7 @@
 - docs/reference/metrics.md: every metric a run logs, with its meaning, from
   `drmas_graph.train._metric_reference` (`metrics_reference()`);
 - docs/reference/api.md: one mkdocstrings entry per public name (`drmas_graph.__all__`, grouped by the module
-  that defines it) and the test helpers of `drmas_graph.testing`.
+  that defines it), the test helpers of `drmas_graph.testing` and the judge of `drmas_graph.rewards`.
 """
 
 from __future__ import annotations
@@ -136,6 +136,8 @@ def api_page() -> str:
         parts += [f"::: {module}.{name}\n" for name in names]
     parts.append("## `drmas_graph.testing`\n")
     parts += [f"::: drmas_graph.engine.tiny.{name}\n" for name in ("tiny_policy", "scripted_policy")]
+    parts.append("## `drmas_graph.rewards`\n")  # the judge; JudgementRecord: the fields of Episode.judgement
+    parts += [f"::: drmas_graph.rewards.{name}\n" for name in ("JudgementRecord", "Judge", "judge_model")]
     return "\n".join(parts)
 
 

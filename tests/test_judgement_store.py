@@ -171,7 +171,7 @@ def test_traces_show_prints_the_judges_scores_reasons_reply_and_folded_prompt(tm
     out = capsys.readouterr().out
     assert panel_lines(out, "judge") == [
         "judge  mode group  episode 2 of 2 judged together",
-        "model scripted-judge   rubric 3f2a9c0d1e4b   attempts 2   tokens in 812 / out 64   cached no   seconds 1.25",
+        "model scripted-judge   rubric 3f2a9c0d1e4b   judge calls 2   tokens in 812 / out 64   cached no   seconds 1.25",
         "scores 0.8",
         "reason   right, [bold]4[/bold]",  # user text, not rich markup
         "error    -",
@@ -209,7 +209,7 @@ def test_traces_show_prints_per_agent_scores_and_a_judge_failure(tmp_path, capsy
     assert main(["traces", "show", str(tmp_path / "run.db"), agent.id]) == 0
     assert panel_lines(capsys.readouterr().out, "judge") == [
         "judge  mode agent",
-        "model scripted-judge   rubric 0b1c2d3e4f5a   attempts 1   tokens in 40 / out 30   cached yes   seconds 0.00",
+        "model scripted-judge   rubric 0b1c2d3e4f5a   judge calls 1   tokens in 40 / out 30   cached yes   seconds 0.00",
         "scores solver=1, verifier=0.25",
         "reason   solver: right",
         "reason   verifier: lax",
@@ -220,7 +220,7 @@ def test_traces_show_prints_per_agent_scores_and_a_judge_failure(tmp_path, capsy
     assert main(["traces", "show", str(tmp_path / "run.db"), broken.id]) == 0
     assert panel_lines(capsys.readouterr().out, "judge") == [
         "judge  mode agent",
-        "model scripted-judge   rubric -   attempts 3   tokens in - / out -   cached no   seconds -",
+        "model scripted-judge   rubric -   judge calls 3   tokens in - / out -   cached no   seconds -",
         "scores -",
         "reason   -",
         "error    JudgeError: the judge timed out after 120.0 s (3 attempts)",

@@ -355,7 +355,7 @@ def _judgement_block(record: dict[str, Any], *, full: bool = False) -> Panel:
     cached = {True: "yes", False: "no"}.get(record.get("cached"), "-")
     lines = [
         f"model {_or_dash(record.get('model'))}   rubric {_or_dash(record.get('rubric_sha'))}   "
-        f"attempts {_or_dash(record.get('attempts'))}   tokens in {_or_dash(record.get('input_tokens'))} / out "
+        f"judge calls {_or_dash(record.get('attempts'))}   tokens in {_or_dash(record.get('input_tokens'))} / out "
         f"{_or_dash(record.get('output_tokens'))}   cached {cached}   "
         f"seconds {'-' if seconds is None else f'{seconds:.2f}'}",
         f"scores {_scores(record.get('scores'))}",

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -128,8 +131,8 @@ def _cmd_eval(args: argparse.Namespace, console: Console) -> int:
         overrides.append(f"eval.n_tasks={args.n_tasks}")
     cfg = load_config(args.config, overrides)
     from_checkpoint = point_at_checkpoint(cfg, args.checkpoint) if args.checkpoint is not None else []
+    graph, env = build_graph_and_env(cfg)  # in the run's folder: a judge reads (and adds to) the run's cache
     cfg.run_dir = str(eval_dir(Path(cfg.run_dir), args.checkpoint, args.split or cfg.eval.split, cfg.eval.k))
-    graph, env = build_graph_and_env(cfg)
     trainer = Trainer(graph, env, cfg, train=False)
     try:
         if args.checkpoint is not None:
@@ -172,8 +175,9 @@ def _cmd_check(args: argparse.Namespace, console: Console) -> int:
         raise ConfigError(f"--groups must be at least 1 (got {args.groups})")
     cfg = load_config(args.config, args.set)
     cfg.run_dir = str(numbered_dir(Path(cfg.run_dir) / "check", f"base-g{args.groups}"))
-    graph, env = build_graph_and_env(cfg)
-    trainer = Trainer(graph, env, cfg, train=False)
+    with removed_on_failure(Path(cfg.run_dir)):  # a failed set-up leaves no empty base-gN behind
+        graph, env = build_graph_and_env(cfg)
+        trainer = Trainer(graph, env, cfg, train=False)
     try:
         report = preflight(trainer, args.groups)
     finally:
@@ -208,6 +212,19 @@ def eval_dir(run_dir: Path, checkpoint: Path | None, split: str, k: int) -> Path
     """A new folder per `drmas-graph eval`: run_dir/eval/<checkpoint|base>-<split>-k<k>[-2, -3, ...] (each with its
     own traces.db and config.yaml, so evaluations with other settings never collide)."""
     return numbered_dir(run_dir / "eval", f"{checkpoint.name if checkpoint is not None else 'base'}-{split}-k{k}")
+
+
+@contextmanager
+def removed_on_failure(folder: Path) -> Iterator[Path]:
+    """Set up a run in the new `folder`: when the block raises, the folder (made by the set-up, holding no
+    episode yet) is removed, so the next command takes its name instead of a `-2` one."""
+    existed = folder.exists()
+    try:
+        yield folder
+    except BaseException:
+        if not existed:
+            shutil.rmtree(folder, ignore_errors=True)
+        raise
 
 
 def numbered_dir(root: Path, label: str) -> Path:
