@@ -84,7 +84,7 @@ def demo_samples(model: str, tasks: int, group: int) -> list[Any]:
     trainer = Trainer(graph, env, cfg, train=False)
     try:
         runs, counts = trainer.rollouts(trainer.batch_tasks(0), 0, cfg.group_size, phase="train")
-        scored, _ = trainer._score_runs(runs, counts)
+        scored, _ = trainer.state.score(runs, counts)
         samples, _ = _scoring.samples_with_advantages(scored, cfg, list(trainer.agent_policies))
     finally:
         trainer.close()

@@ -114,8 +114,7 @@ def _saved(cfg: TrainConfig, config: Path) -> str:
 
 
 def _cmd_eval(args: argparse.Namespace, console: Console) -> int:
-    from drmas_graph.train._checkpoints import checkpoint_step
-    from drmas_graph.train.lora import load_checkpoint_adapters
+    from drmas_graph.train._checkpoints import checkpoint_step, load_checkpoint_adapters
     from drmas_graph.train import _distributed
     from drmas_graph.train.evaluate import reply_lines
     from drmas_graph.train.trainer import Trainer, evaluate

@@ -4,8 +4,10 @@ Every task is rolled out k times with `eval.temperature` / `eval.top_p` (never t
 sampling is fine on every backend); an episode succeeds when its team reward reaches `success_threshold`
 (or `env.is_success` says so; truncated and model-error episodes get their configured rewards, as in
 training; an environment with `reward_group` scores each task's k episodes in one call, as a training group);
-failed episodes, and those without a usable reward (counted: `bad_reward_episodes`, `judge_failed_episodes`),
-count as failures. The environment's `reward_metrics()` join the record. The record also holds, per agent, its most frequent replies
+failed episodes, and those without a usable reward (`bad_reward_episodes`), count as failures; an episode the
+judge gave no score (`judge_failed_episodes`) is left out of avg@k and pass@k (as training leaves it out of the
+update), counted in `unjudged_episodes` and logged, and a task none of whose episodes was judged is left out of
+both (scoring is `_scoring.score_episodes`, training's). The environment's `reward_metrics()` join the record. The record also holds, per agent, its most frequent replies
 (`top_replies`: whitespace-normalized, cut to 80 characters, with their count and mean turn reward), and
 every scored episode's rewards go to the trace store (`traces list` shows them). Under a launcher each process evaluates its share of the tasks
 and the counts are merged; the rollouts a caller asks for (rank 0's Weave export) come from every process.
@@ -17,9 +19,11 @@ import logging
 from collections import Counter, defaultdict
 from typing import Any
 
-from drmas_graph.env import ENV_REWARD, BadRewardError, is_success, score_episode
+from drmas_graph.env import BadRewardError, is_success
 from drmas_graph.traces.weave_export import evaluation_episode
 from drmas_graph.train import _distributed, _scoring
+from drmas_graph.train._state import HasRunState, RunState, run_state
+from drmas_graph.types import Episode
 
 __all__ = ["evaluate", "top_replies", "reply_lines"]
 
@@ -31,49 +35,96 @@ REPLY_CHARS = 80
 """Replies are cut to this many characters (after whitespace normalization) before counting."""
 
 
-def evaluate(trainer: Any, *, step: int, split: str | None = None,
+def evaluate(run: RunState | HasRunState, *, step: int, split: str | None = None,
              rollouts: list[Any] | None = None) -> dict[str, Any]:
-    """avg@k and pass@k of the current policies on a split, with evaluation sampling. `rollouts`, when given,
-    receives (task, episode, score or None, success) for every finished rollout of every process, in rank
-    order; the episodes of other processes arrive as `evaluation_episode` keeps them (the Weave export's part)."""
-    ec = trainer.cfg.eval
+    """avg@k and pass@k of the current policies on a split, with evaluation sampling; `run` is a `RunState` or a
+    `Trainer`. `rollouts`, when given, receives (task, episode, score or None, success) for every finished rollout
+    of every process, in rank order; the episodes of other processes arrive as `evaluation_episode` keeps them
+    (the Weave export's part)."""
+    state = run_state(run)
+    ec = state.cfg.eval
     split = split or ec.split
-    tasks = list(trainer.env.tasks(split))[: ec.n_tasks]
-    saved = dict(trainer.app.sampling)
-    trainer.app.sampling.update({
+    tasks = list(state.env.tasks(split))[: ec.n_tasks]
+    saved = dict(state.app.sampling)
+    state.app.sampling.update({
         a: saved.get(a, policy.sampling).replace(temperature=ec.temperature, top_p=ec.top_p, top_k=0,
                                                  train_logprobs=False)  # never trained on: truncation is fine
-        for a, policy in trainer.agent_policies.items()})
+        for a, policy in state.agent_policies.items()})
     try:
-        runs, counts = trainer.rollouts(tasks, step, ec.k, phase="eval")
+        batch = state.roll_out(tasks, step, ec.k, phase="eval")
+        runs, counts = batch.runs, batch.counts
     finally:
-        trainer.app.sampling.clear()
-        trainer.app.sampling.update(saved)
+        state.app.sampling.clear()
+        state.app.sampling.update(saved)
     # every rank takes part in sending rollouts when any rank wants them (under a launcher: rank 0's exporter)
     local: list[Any] | None = [] if any(_distributed.gather(rollouts is not None)) else None
-    successes: dict[str, list[bool]] = {t.id: [] for t in tasks}
+    successes, per_agent, replies, teams = _score(state, tasks, runs, counts, local, step)
+    successes, per_agent, counts, n_scored = _distributed.merge_eval(successes, per_agent, counts, len(teams))
+    if local is not None:
+        merged = _distributed.merge_rollouts(local, tasks, evaluation_episode)
+        if rollouts is not None:
+            rollouts.extend(merged)
+    # per task: the share of its judged episodes that succeeded (failed episodes count as failures, unjudged
+    # ones are left out); a task none of whose episodes was judged is left out of avg@k and pass@k
+    judged = {t: ec.k - s.count(None) for t, s in successes.items()}
+    per_task = [sum(x is True for x in s) / judged[t] for t, s in successes.items() if judged[t] > 0]
+    record = {"step": step, "split": split, "k": ec.k, "tasks": len(tasks),
+              "avg@k": sum(per_task) / len(per_task) if per_task else 0.0,
+              "pass@k": sum(any(x is True for x in s) for s in successes.values()) / len(per_task) if per_task else 0.0,
+              "failed_episodes": counts["failed_episodes"] + counts["no_llm_call_episodes"],
+              "bad_reward_episodes": counts["bad_reward_episodes"],
+              "judge_failed_episodes": counts["judge_failed_episodes"],
+              "unjudged_episodes": sum(s.count(None) for s in successes.values())}
+    for agent, stats in sorted(per_agent.items()):
+        n = len(stats["reward"])
+        record[f"{agent}/reward"] = sum(stats["reward"]) / n
+        record[f"{agent}/invalid_rate"] = sum(stats["invalid"]) / n
+        record[f"{agent}/calls_per_episode"] = n / max(n_scored, 1)  # over the scored episodes
+        record[f"{agent}/response_length"] = sum(stats["len"]) / n
+    for key, value in counts.items():  # the environment's reward_metrics (summed over processes)
+        if "/" in key and not key.startswith(_scoring.TRAINER_PREFIXES):
+            if key in record:
+                raise ValueError(f"env {type(state.env).__name__}.reward_metrics() returned the key {key!r}, "
+                                 "which the evaluation record has for an agent; rename it")
+            record[key] = value
+    for agent, top in top_replies([r for part in _distributed.gather(replies) for r in part]).items():
+        record[f"{agent}/top_replies"] = top
+    _check_threshold(state, [t for part in _distributed.gather(teams) for t in part], record)
+    return record
+
+
+def _score(state: RunState, tasks: list[Any], runs: list[tuple[Any, Episode]], counts: dict[str, int],
+           local: list[Any] | None, step: int
+           ) -> tuple[dict[str, list[bool | None]], dict[str, dict[str, list[float]]], list[tuple[str, str, float]],
+                      list[float]]:
+    """Score the evaluation's runs (`_scoring.score_episodes`, as training does) and store their rewards: per task
+    its episodes' successes (None: the judge gave no score, left out), per agent its turns' rewards, invalid flags
+    and lengths, every scored turn's (agent, reply, reward), every scored episode's team reward. Every failure
+    is logged and counted (`bad_reward_episodes`, `judge_failed_episodes`) and stored with its error."""
+    successes: dict[str, list[bool | None]] = {t.id: [] for t in tasks}
     per_agent: dict[str, dict[str, list[float]]] = {}
-    replies: list[tuple[str, str, float]] = []  # (agent, reply, turn reward) of every scored turn
-    teams: list[float] = []  # team reward of every scored episode
-    given = _scoring.group_rewards(trainer.env, runs, **trainer.unfinished_rewards)
+    replies: list[tuple[str, str, float]] = []
+    teams: list[float] = []
     counts.update(bad_reward_episodes=0, judge_failed_episodes=0)
-    for task, episode in runs:
-        try:
-            score = score_episode(trainer.env, task, episode, invalid_penalty=trainer.invalid_penalty,
-                                  **trainer.unfinished_rewards, reward=given.get(episode.id, ENV_REWARD))
-        except BadRewardError as exc:
-            counts[_scoring.failure_metric(exc)] += 1
-            episode.error = f"BadRewardError: {exc}"
-            if episode.judgement is not None:
-                trainer.store.update_training(episode.id, step=None, judgement=episode.judgement)
-            successes[task.id].append(False)
+    results = _scoring.score_episodes(state.env, runs, invalid_penalty=state.invalid_penalty,
+                                      **state.unfinished_rewards)
+    for (task, episode), score in zip(runs, results):
+        if isinstance(score, BadRewardError):
+            metric = _scoring.failure_metric(score)
+            counts[metric] += 1
+            unjudged = metric == "judge_failed_episodes"
+            log.warning("evaluation at step %d: episode %s of task %r %s: %s", step, episode.id, task.id,
+                        "left out of avg@k and pass@k (the judge gave no score)" if unjudged
+                        else "counts as a failure (no usable reward)", score)
+            state.store.update_training(episode.id, step=None, judgement=episode.judgement, error=episode.error)
+            successes[task.id].append(None if unjudged else False)
             if local is not None:
                 local.append((task, episode, None, False))
             continue
-        trainer.store.update_training(episode.id, step=None, rewards=score.rewards, turn_rewards=score.turn_rewards,
-                                      judgement=episode.judgement)
+        state.store.update_training(episode.id, step=None, rewards=score.rewards, turn_rewards=score.turn_rewards,
+                                    judgement=episode.judgement)
         teams.append(score.team)
-        successes[task.id].append(is_success(trainer.env, task, episode, score, trainer.cfg.success_threshold))
+        successes[task.id].append(is_success(state.env, task, episode, score, state.cfg.success_threshold))
         if local is not None:
             local.append((task, episode, score, successes[task.id][-1]))
         for turn, r, bad in zip(episode.turns, score.turn_rewards, score.invalid):
@@ -82,45 +133,18 @@ def evaluate(trainer: Any, *, step: int, split: str | None = None,
             stats["invalid"].append(float(bad))
             stats["len"].append(float(len(turn.response_ids)))
             replies.append((turn.agent, turn.response_text, r))
-    counts.update(_scoring.reward_metrics(trainer.env))
-    successes, per_agent, counts, n_runs = _distributed.merge_eval(successes, per_agent, counts, len(runs))
-    if local is not None:
-        merged = _distributed.merge_rollouts(local, tasks, evaluation_episode)
-        if rollouts is not None:
-            rollouts.extend(merged)
-    per_task = [sum(s) / ec.k for s in successes.values()]  # failed episodes count as failures
-    record = {"step": step, "split": split, "k": ec.k, "tasks": len(tasks),
-              "avg@k": sum(per_task) / len(per_task) if per_task else 0.0,
-              "pass@k": sum(any(s) for s in successes.values()) / len(tasks) if tasks else 0.0,
-              "failed_episodes": counts["failed_episodes"] + counts["no_llm_call_episodes"],
-              "bad_reward_episodes": counts["bad_reward_episodes"],
-              "judge_failed_episodes": counts["judge_failed_episodes"]}
-    for agent, stats in sorted(per_agent.items()):
-        n = len(stats["reward"])
-        record[f"{agent}/reward"] = sum(stats["reward"]) / n
-        record[f"{agent}/invalid_rate"] = sum(stats["invalid"]) / n
-        record[f"{agent}/calls_per_episode"] = n / max(n_runs, 1)
-        record[f"{agent}/response_length"] = sum(stats["len"]) / n
-    for key, value in counts.items():  # the environment's reward_metrics (summed over processes)
-        if "/" in key and not key.startswith(_scoring.TRAINER_PREFIXES):
-            if key in record:
-                raise ValueError(f"env {type(trainer.env).__name__}.reward_metrics() returned the key {key!r}, "
-                                 "which the evaluation record has for an agent; rename it")
-            record[key] = value
-    for agent, top in top_replies([r for part in _distributed.gather(replies) for r in part]).items():
-        record[f"{agent}/top_replies"] = top
-    _check_threshold(trainer, [t for part in _distributed.gather(teams) for t in part], record)
-    return record
+    counts.update(_scoring.reward_metrics(state.env))
+    return successes, per_agent, replies, teams
 
 
-def _check_threshold(trainer: Any, teams: list[float], record: dict[str, Any]) -> None:
+def _check_threshold(state: RunState, teams: list[float], record: dict[str, Any]) -> None:
     """Warn once per trainer when `success_threshold` is above every team reward of an evaluation (without
     `env.is_success`, avg@k and pass@k then stay 0 whatever the policies learn)."""
-    threshold = trainer.cfg.success_threshold
-    if (not teams or max(teams) >= threshold or getattr(trainer.env, "is_success", None) is not None
-            or getattr(trainer, "threshold_warned", False) or not _distributed.is_main()):
+    threshold = state.cfg.success_threshold
+    if (not teams or max(teams) >= threshold or getattr(state.env, "is_success", None) is not None
+            or state.notes.threshold_warned or not _distributed.is_main()):
         return
-    trainer.threshold_warned = True
+    state.notes.threshold_warned = True
     log.warning("success_threshold %g is above every team reward of the evaluation at step %d (%d episodes, "
                 "highest %g, lowest %g; a per-agent reward dict counts as the mean of the agents' rewards): "
                 "avg@k and pass@k stay 0. Set success_threshold to the team reward of a success, or give the "

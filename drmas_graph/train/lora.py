@@ -42,7 +42,7 @@ if TYPE_CHECKING:
     from drmas_graph.train._update_metrics import UpdateMetrics
 
 __all__ = ["attach_adapters", "base_forward", "build_updater", "LoraUpdater", "LoraUpdateMetrics",
-           "load_checkpoint_adapters", "merged_state_dict", "save_for_sync", "save_merged"]
+           "load_adapters", "merged_state_dict", "save_for_sync", "save_merged"]
 
 
 def _import_peft() -> Any:
@@ -120,15 +120,14 @@ class base_forward:  # noqa: N801 - used like a function: base_forward(model)(**
 # --- saving and loading -----------------------------------------------------------------------------------
 
 
-def load_checkpoint_adapters(trainer: Any, checkpoint: str | os.PathLike) -> None:
-    """Load the adapters of every LoRA model from a training checkpoint (``<checkpoint>/<model>/model``) into
-    a trainer's models, and push them to the servers of served ones."""
-    for name, model in trainer.train_models.items():
-        if is_peft_model(model):
-            load_adapter_weights(model, Path(checkpoint) / name / "model")
-            policy = trainer.model_policies.get(name)
-            if policy is not None and callable(getattr(policy, "sync_weights", None)):
-                trainer.sync_weights(name, version=policy.version)
+def load_adapters(train_models: Mapping[str, Any], checkpoint: Path) -> list[str]:
+    """Load the adapters of every LoRA model of `train_models` from a training checkpoint
+    (``<checkpoint>/<model>/model``); return their names (`_checkpoints.load_checkpoint_adapters` also pushes them
+    to the servers of served ones)."""
+    names = [name for name, model in train_models.items() if is_peft_model(model)]
+    for name in names:
+        load_adapter_weights(train_models[name], checkpoint / name / "model")
+    return names
 
 
 def merged_state_dict(model: Any, adapter: str) -> dict[str, torch.Tensor]:
