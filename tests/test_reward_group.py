@@ -15,8 +15,8 @@ from drmas_graph.env import BadRewardError, score_episode
 from drmas_graph.instrumentation._seeds import episode_seed
 from drmas_graph.testing import tiny_policy
 from drmas_graph.traces.store import TraceStore
-from drmas_graph.train import _scoring
-from drmas_graph.train._metric_reference import is_documented
+from drmas_graph.train.loop import _scoring
+from drmas_graph.train.loop._metric_reference import is_documented
 from drmas_graph.train.trainer import Trainer, train_graph
 from tests._envs import RankingEnv, solver_chars
 from tests.test_cli_train import write_config

@@ -11,3 +11,24 @@ form LangChain expects) -> a `Turn` on the `Episode`; a run that raised is trunc
 May import: the shared modules only (types, errors, config, env, policy, _chat, _structured). Public names
 are exported by `drmas_graph` itself.
 """
+
+from typing import Any as _Any
+
+_SEAM = {  # public name -> the module that defines it; loaded on first use
+    "LIMITS": "drmas_graph.instrumentation._limits",
+    "Backstop": "drmas_graph.instrumentation._limits",
+    "StuckEpisodeError": "drmas_graph.instrumentation._limits",
+    "limit_metadata": "drmas_graph.instrumentation._limits",
+    "episode_seed": "drmas_graph.instrumentation._seeds",
+    "EpisodeInterruptedError": "drmas_graph.instrumentation._segments",
+    "continuation_from_env": "drmas_graph.instrumentation._segments",
+}
+"""The names train/'s rollouts use: an episode's limits and their backstop, its sampling seed, interrupts."""
+
+
+def __getattr__(name: str) -> _Any:
+    if name not in _SEAM:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(_SEAM[name]), name)

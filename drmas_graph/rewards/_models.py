@@ -109,14 +109,14 @@ def _imported_model(spec: dict[str, Any]) -> BaseChatModel:
 def _embedded_model(spec: dict[str, Any]) -> BaseChatModel:
     from drmas_graph.config import ModelConfig
     from drmas_graph.instrumentation.chat_model import PolicyChatModel
-    from drmas_graph.train._build import _build_policy
+    from drmas_graph.train import build_policy
 
     try:
         mc = ModelConfig(**spec)
     except ValueError as exc:
         raise ConfigError(f"judge model {spec!r} is not a valid embedded model (ModelConfig fields): {exc}") from exc
     source = mc.path or "tiny" + json.dumps(mc.tiny, sort_keys=True)
-    policy = _build_policy(f"judge:{source}", mc, seed=0)  # the name keys the judge's cache
+    policy = build_policy(f"judge:{source}", mc, seed=0)  # the name keys the judge's cache
     return PolicyChatModel(policy=policy, temperature=0.0)
 
 

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
-from drmas_graph.train import _scoring
-from drmas_graph.train._state import HasRunState, RunState, run_state
-from drmas_graph.train.metrics import mean_std
+from drmas_graph.train.loop import _scoring
+from drmas_graph.train.loop._state import HasRunState, RunState, run_state
+from drmas_graph.train.loop.metrics import mean_std
 
 __all__ = ["AgentCheck", "CheckReport", "preflight", "NO_SIGNAL_EXIT"]
 

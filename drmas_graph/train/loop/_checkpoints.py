@@ -20,10 +20,10 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from drmas_graph.errors import ConfigError
-from drmas_graph.train import _distributed
-from drmas_graph.train._build import is_served
-from drmas_graph.train._state import HasRunState, RunState, run_state
-from drmas_graph.train.lora import load_adapters, save_for_sync
+from drmas_graph.train.engines import _distributed
+from drmas_graph.train.loop._build import is_served
+from drmas_graph.train.loop._state import HasRunState, RunState, run_state
+from drmas_graph.train.optim.lora import load_adapters, save_for_sync
 
 __all__ = ["save_checkpoint", "resume", "checkpoint_step", "push_weights", "sync_weights", "load_into_servers",
            "sync_dir", "load_checkpoint_adapters", "RolloutWeights"]

@@ -12,10 +12,10 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 
-from drmas_graph.train._build import is_served
-from drmas_graph.train._checkpoints import sync_weights
-from drmas_graph.train._old_logprobs import with_trainer_logprobs
-from drmas_graph.train._state import RunState
+from drmas_graph.train.loop._build import is_served
+from drmas_graph.train.loop._checkpoints import sync_weights
+from drmas_graph.train.optim._old_logprobs import with_trainer_logprobs
+from drmas_graph.train.loop._state import RunState
 from drmas_graph.types import Sample
 
 __all__ = ["update_models", "old_logprobs"]

@@ -80,15 +80,16 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from drmas_graph.errors import ConfigError, DrmasError, PolicyError
-from drmas_graph.train import _build, _checkpoints, _distributed
-from drmas_graph.train._rollouts import StepBatch, slots_key
-from drmas_graph.train.offpolicy import CorrectionStats, OffPolicyCorrection
-from drmas_graph.train.update import ModelUpdater, _set_attn_implementation
+from drmas_graph.train.engines import _distributed
+from drmas_graph.train.loop import _build, _checkpoints
+from drmas_graph.train.loop._rollouts import StepBatch, slots_key
+from drmas_graph.train.optim.offpolicy import CorrectionStats, OffPolicyCorrection
+from drmas_graph.train.optim.update import ModelUpdater, _set_attn_implementation
 
 if TYPE_CHECKING:
     from drmas_graph.config import AgentConfig, TrainConfig
     from drmas_graph.policy import Policy
-    from drmas_graph.train._state import RunState
+    from drmas_graph.train.loop._state import RunState
 
 __all__ = ["AsyncTimeoutError", "FreeRunning", "OneStepOff", "drop_stale", "pipeline", "trainer_copies"]
 
@@ -139,7 +140,7 @@ def _frozen_base(module: Any, zero_stage: int) -> dict[int, torch.Tensor]:
     """A LoRA model's base tensors (every parameter and buffer outside its adapters), as a `copy.deepcopy`
     memo: the trainer's copy shares them with the policy's module (nobody trains them) and copies only the
     adapters. Empty for other models, and under ZeRO-3 (which partitions every parameter of the trained module)."""
-    from drmas_graph.engine._adapters import is_peft_model
+    from drmas_graph.engine import is_peft_model
 
     if not is_peft_model(module) or zero_stage == 3:
         return {}
@@ -236,7 +237,7 @@ class _Served:
 
 def _model_updaters(name: str, updater: Any) -> list[ModelUpdater]:
     """The `ModelUpdater`s that train model `name`: itself, or a `LoraUpdater`'s one per adapter."""
-    from drmas_graph.train.lora import LoraUpdater
+    from drmas_graph.train.optim.lora import LoraUpdater
 
     if isinstance(updater, ModelUpdater):
         return [updater]

@@ -35,8 +35,8 @@ from drmas_graph.env import (
     trainable_agent_turns,
 )
 from drmas_graph.errors import JudgeError, RolloutError
-from drmas_graph.train.advantages import compute_advantages
-from drmas_graph.train.metrics import mean_std
+from drmas_graph.train.optim.advantages import compute_advantages
+from drmas_graph.train.loop.metrics import mean_std
 from drmas_graph.types import Episode, Sample
 
 __all__ = ["score_runs", "score_episodes", "group_rewards", "reward_metrics", "failure_metric", "masked", "samples_with_advantages",

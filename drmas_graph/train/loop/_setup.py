@@ -11,9 +11,10 @@ from drmas_graph.errors import ConfigError
 from drmas_graph.instrumentation.instrumented import InstrumentedGraph
 from drmas_graph.policy import Policy
 from drmas_graph.traces.store import TraceStore
-from drmas_graph.train import _build, _distributed, _pipeline
-from drmas_graph.train._rollouts import EpisodeSlots, episode_config
-from drmas_graph.train._state import RunNotes, RunState, abandon, on_model_thread
+from drmas_graph.train.engines import _distributed
+from drmas_graph.train.loop import _build, _pipeline
+from drmas_graph.train.loop._rollouts import EpisodeSlots, episode_config
+from drmas_graph.train.loop._state import RunNotes, RunState, abandon, on_model_thread
 
 __all__ = ["build_run", "RunDirInUseError", "free_run_dir"]
 

@@ -22,9 +22,10 @@ from drmas_graph.errors import RolloutError
 from drmas_graph.instrumentation.instrumented import InstrumentedGraph
 from drmas_graph.policy import Policy
 from drmas_graph.traces.store import TraceStore
-from drmas_graph.train import _distributed, _scoring
-from drmas_graph.train._rollouts import EpisodeJob, EpisodeSlots, RolloutBatch, group_ids, run_episodes
-from drmas_graph.train._updater import Updater
+from drmas_graph.train.engines import _distributed
+from drmas_graph.train.loop import _scoring
+from drmas_graph.train.loop._rollouts import EpisodeJob, EpisodeSlots, RolloutBatch, group_ids, run_episodes
+from drmas_graph.train.optim._updater import Updater
 from drmas_graph.types import Episode
 
 __all__ = ["RunState", "RunNotes", "HasRunState", "run_state", "on_model_thread", "abandon"]

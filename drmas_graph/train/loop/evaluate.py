@@ -21,8 +21,9 @@ from typing import Any
 
 from drmas_graph.env import BadRewardError, is_success
 from drmas_graph.traces.weave_export import evaluation_episode
-from drmas_graph.train import _distributed, _scoring
-from drmas_graph.train._state import HasRunState, RunState, run_state
+from drmas_graph.train.engines import _distributed
+from drmas_graph.train.loop import _scoring
+from drmas_graph.train.loop._state import HasRunState, RunState, run_state
 from drmas_graph.types import Episode
 
 __all__ = ["evaluate", "top_replies", "reply_lines"]

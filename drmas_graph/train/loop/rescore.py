@@ -12,7 +12,7 @@ from typing import Any
 from drmas_graph.env import BadRewardError, EpisodeScore, Task
 from drmas_graph.errors import ConfigError
 from drmas_graph.traces.store import TraceStore
-from drmas_graph.train._scoring import score_episodes
+from drmas_graph.train.loop._scoring import score_episodes
 from drmas_graph.types import Episode
 
 __all__ = ["Rescored", "RescoreResult", "rescore", "POOLS", "pooled_episode_ids"]
@@ -207,7 +207,7 @@ def _rescored(episodes: list[Episode], scores: Mapping[str, EpisodeScore], *, es
               norm_by_std: bool, eps: float) -> dict[str, Rescored]:
     """The new rewards, per-turn rewards and advantages of `episodes` (pooled by `_group_of`), with the
     judgement each episode now holds."""
-    from drmas_graph.train.advantages import compute_advantages
+    from drmas_graph.train.optim.advantages import compute_advantages
 
     rewards_N: list[float] = []
     group_ids: list[str] = []

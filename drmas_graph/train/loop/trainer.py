@@ -41,12 +41,13 @@ from drmas_graph.config import TrainConfig, merge_overrides
 from drmas_graph.errors import RolloutError
 from drmas_graph.policy import Policy
 from drmas_graph.traces.weave_export import WeaveExporter, start_exporter
-from drmas_graph.train import _checkpoints, _distributed, _pipeline, _scoring
-from drmas_graph.train._learn import update_models
-from drmas_graph.train._rollouts import StepBatch
-from drmas_graph.train._setup import RunDirInUseError, build_run, free_run_dir
-from drmas_graph.train.evaluate import evaluate, reply_lines
-from drmas_graph.train.metrics import RunLogger
+from drmas_graph.train.engines import _distributed
+from drmas_graph.train.loop import _checkpoints, _pipeline, _scoring
+from drmas_graph.train.loop._learn import update_models
+from drmas_graph.train.loop._rollouts import StepBatch
+from drmas_graph.train.loop._setup import RunDirInUseError, build_run, free_run_dir
+from drmas_graph.train.loop.evaluate import evaluate, reply_lines
+from drmas_graph.train.loop.metrics import RunLogger
 from drmas_graph.types import Episode
 
 __all__ = ["train_graph", "TrainResult", "Trainer", "evaluate", "RunDirInUseError"]

@@ -30,16 +30,16 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from drmas_graph.config import check_adapter_name
-from drmas_graph.engine._adapters import is_peft_model, load_adapter_weights
+from drmas_graph.engine import is_peft_model, load_adapter_weights
 from drmas_graph.errors import ConfigError
-from drmas_graph.train._engines import _world_size
-from drmas_graph.train._packing import PackingProbes
+from drmas_graph.train.engines._engines import _world_size
+from drmas_graph.train.optim._packing import PackingProbes
 
 if TYPE_CHECKING:
     from drmas_graph.config import AgentConfig, LoraConfig
     from drmas_graph.types import Sample
-    from drmas_graph.train._settings import LossSettings, UpdateSettings
-    from drmas_graph.train._update_metrics import UpdateMetrics
+    from drmas_graph.train.engines._settings import LossSettings, UpdateSettings
+    from drmas_graph.train.optim._update_metrics import UpdateMetrics
 
 __all__ = ["attach_adapters", "base_forward", "build_updater", "LoraUpdater", "LoraUpdateMetrics",
            "load_adapters", "merged_state_dict", "save_for_sync", "save_merged"]
@@ -102,7 +102,7 @@ class base_forward:  # noqa: N801 - used like a function: base_forward(model)(**
 
     @contextlib.contextmanager
     def on_device(self) -> Iterator[base_forward]:
-        """`drmas_graph.train._reference.Reference`: the base already sits on the model's device (no copy, no move)."""
+        """`drmas_graph.train.optim._reference.Reference`: the base already sits on the model's device (no copy, no move)."""
         yield self
 
     def get_output_embeddings(self) -> Any:
@@ -204,11 +204,11 @@ class LoraUpdater:
     def __init__(self, model: Any, *, name: str, settings: UpdateSettings,
                  agent_settings: Mapping[str, LossSettings], agent_adapters: Mapping[str, str],
                  adapter_lr: Mapping[str, float] | None = None) -> None:
-        from drmas_graph.train.update import ModelUpdater
+        from drmas_graph.train.optim.update import ModelUpdater
 
         if not is_peft_model(model):
             raise ConfigError(f"LoraUpdater {name!r}: the model is a {type(model).__name__}, not a peft PeftModel; "
-                              "wrap it with drmas_graph.train.lora.attach_adapters")
+                              "wrap it with drmas_graph.train.optim.lora.attach_adapters")
         missing = sorted(set(agent_settings) - set(agent_adapters))
         unknown = sorted({a for a in agent_adapters.values() if a not in model.peft_config})
         if missing or unknown:
@@ -282,7 +282,7 @@ class LoraUpdater:
     def save(self, directory: str | os.PathLike) -> None:
         """``directory/model/<adapter>/``: every adapter once, in peft format; ``directory/adapters/<adapter>/``:
         each updater's optimizer and RNG state (`ModelUpdater.save_state`). Collective, like `ModelUpdater.save`."""
-        from drmas_graph.train._engines import _barrier, _rank
+        from drmas_graph.train.engines._engines import _barrier, _rank
 
         directory = Path(directory)
         with self.full_weights():
@@ -310,7 +310,7 @@ def build_updater(model: Any, *, name: str, settings: UpdateSettings, agent_sett
     Per-agent learning rates (`AgentConfig.lr`) apply per adapter (agents sharing one must agree), or to the
     whole model when no other agent shares it.
     """
-    from drmas_graph.train.update import ModelUpdater
+    from drmas_graph.train.optim.update import ModelUpdater
 
     agents = list(agent_settings)
     if is_peft_model(model):
