@@ -261,3 +261,21 @@ def test_an_old_module_path_that_names_an_exported_function_is_both(tmp_path):
         del replay_module.replay_episode_probe
     with pytest.raises(AttributeError, match="no_such_name"):
         old.no_such_name
+
+
+def test_public_train_module_paths_are_the_grouped_modules_without_a_warning():
+    """`drmas_graph.train.update` (and the other public module paths of train/) is the module in its group, so
+    monkeypatching through either path patches the one module; importing it warns about nothing."""
+    import importlib
+
+    from drmas_graph import _moved
+
+    assert set(_moved.STABLE) == {f"drmas_graph.train.{m}" for m in (
+        "trainer", "update", "losses", "advantages", "offpolicy", "lora", "evaluate", "rescore", "metrics")}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        for public, real in _moved.STABLE.items():
+            assert importlib.import_module(public) is importlib.import_module(real), public
+        from drmas_graph.train import build_policy, distributed, preflight  # the package's public seam
+    assert distributed is importlib.import_module("drmas_graph.train.engines._distributed")
+    assert build_policy.__module__ == "drmas_graph.train.loop._build" and preflight.__name__ == "preflight"

@@ -152,25 +152,25 @@ def rescore(
         {e.id: e.error for e in episodes if e.id in failed})
 
     if out is not None:
-        config = {
-            "rescored_from": str(source_path),
-            "estimator": estimator,
-            "norm_by_std": norm_by_std,
-            "eps": eps,
+        _write(out, episodes, steps, result, {
+            "rescored_from": str(source_path), "estimator": estimator, "norm_by_std": norm_by_std, "eps": eps,
             "invalid_penalty": invalid_penalty,
             "reward_fn": None if reward_fn is None else getattr(reward_fn, "__qualname__", repr(reward_fn)),
             "judge": None if judge is None else _judge_name(judge),
-            "env": None if env is None else type(env).__qualname__,
-            "source_config": source_config,
-        }
-        with TraceStore(out, config=config) as target:
-            for episode in episodes:
-                new = result.get(episode.id)
-                changes = (dict(rewards=new.rewards, turn_rewards=new.turn_rewards, advantages=new.advantages)
-                           if new is not None else
-                           dict(rewards={}, turn_rewards=None, advantages=None, error=result.failed[episode.id]))
-                target.write_episode(dataclasses.replace(episode, **changes), step=steps[episode.id])
+            "env": None if env is None else type(env).__qualname__, "source_config": source_config})
     return result
+
+
+def _write(out: str | Path, episodes: list[Episode], steps: Mapping[str, int | None], result: RescoreResult,
+           config: dict[str, Any]) -> None:
+    """A new store at `out` holding `episodes` with their new rewards and advantages (or their error)."""
+    with TraceStore(out, config=config) as target:
+        for episode in episodes:
+            new = result.get(episode.id)
+            changes = (dict(rewards=new.rewards, turn_rewards=new.turn_rewards, advantages=new.advantages)
+                       if new is not None else
+                       dict(rewards={}, turn_rewards=None, advantages=None, error=result.failed[episode.id]))
+            target.write_episode(dataclasses.replace(episode, **changes), step=steps[episode.id])
 
 
 def _reward_source(reward_fn: Callable[[Episode], Any] | None, judge: Any, env: Any,

@@ -16,10 +16,12 @@ With `async.max_staleness` >= 1 the steps are pipelined (`_pipeline`): later ste
 trainer updates on this one, the trainer trains a copy of an embedded model, and the new weights reach the
 rollouts at the step boundary (`async.schedule: one_step_off`) or right after each update (`free`).
 
-The parts live next to this module: `_build` (policies and updaters from the config), `_rollouts` (G
-concurrent episodes per task), `_scoring` (rewards, advantages, the step's metrics), `update` (the optimizer
-step), `_checkpoints` (checkpoints, resume, weight sync), `evaluate` (avg@k, pass@k), `_pipeline`
-(asynchronous training), `offpolicy` (its off-policy correction).
+The run's pieces are built once from the config (`_setup.build_run`) into a frozen `_state.RunState` (policies,
+updaters, store, app, env, run folder, ...) that every part takes; `Trainer` holds it and the loop. The parts live
+next to this module: `_build` (policies and updaters from the config), `_rollouts` (G concurrent episodes per task),
+`_scoring` (rewards, advantages, the step's metrics), `_learn` (every trained model's update, `optim.update`),
+`_checkpoints` (checkpoints, resume, weight sync), `evaluate` (avg@k, pass@k), `_pipeline` (asynchronous training),
+`optim.offpolicy` (its off-policy correction).
 
 Departures from the reference code (langfengQ/DrMAS): no duplicate padding of per-model batches before
 advantage estimation (it biases the statistics); failed episodes, bad rewards and episodes without LLM
