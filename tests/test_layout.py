@@ -278,4 +278,7 @@ def test_public_train_module_paths_are_the_grouped_modules_without_a_warning():
             assert importlib.import_module(public) is importlib.import_module(real), public
         from drmas_graph.train import build_policy, distributed, preflight  # the package's public seam
     assert distributed is importlib.import_module("drmas_graph.train.engines._distributed")
+    import drmas_graph.train as train  # a public name that is also a module path would be the module once imported
+
+    assert not set(train.__all__) & {public.rpartition(".")[2] for public in _moved.STABLE}
     assert build_policy.__module__ == "drmas_graph.train.loop._build" and preflight.__name__ == "preflight"

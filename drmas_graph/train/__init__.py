@@ -17,7 +17,8 @@ Three groups, each a job (each group's docstring says what it may import; tests/
 
 The public module paths `drmas_graph.train.trainer`, `.update`, `.losses`, `.advantages`, `.offpolicy`, `.lora`,
 `.evaluate`, `.rescore` and `.metrics` are the modules themselves (aliases of their place in a group, `_moved`).
-The names below are this package's public seam for the command line and the judge; they load lazily.
+The names below are this package's public seam for the command line and the judge; they load lazily
+(`evaluate` is `drmas_graph.train.evaluate.evaluate`: the name `drmas_graph.train.evaluate` is the module).
 
 May import: every layer below it (shared modules, instrumentation, engine, served, traces).
 """
@@ -31,7 +32,6 @@ _EXPORTS: dict[str, tuple[str, str | None]] = {
     "train_graph": ("drmas_graph.train.loop.trainer", "train_graph"),
     "TrainResult": ("drmas_graph.train.loop.trainer", "TrainResult"),
     "Trainer": ("drmas_graph.train.loop.trainer", "Trainer"),
-    "evaluate": ("drmas_graph.train.loop.evaluate", "evaluate"),
     "reply_lines": ("drmas_graph.train.loop.evaluate", "reply_lines"),
     "RunDirInUseError": ("drmas_graph.train.loop._setup", "RunDirInUseError"),
     "free_run_dir": ("drmas_graph.train.loop._setup", "free_run_dir"),
