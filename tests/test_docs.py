@@ -54,7 +54,7 @@ def test_mkdocs_build_strict(tmp_path):
     )
     assert build.returncode == 0, build.stdout + build.stderr
     api = (tmp_path / "site" / "reference" / "api" / "index.html").read_text()
-    assert "drmas_graph.train.trainer.train_graph" in api and "Train the policies behind" in api
+    assert "drmas_graph.train.loop.trainer.train_graph" in api and "Train the policies behind" in api
 
 
 def test_readme_is_a_front_page_that_links_into_the_guide():
