@@ -7,7 +7,7 @@ Names are imported lazily (PEP 562), so `drmas-graph traces ...` starts without 
 
 The package is layered; each layer imports only the layers below it (`tests/test_layout.py` checks this):
 
-    types, errors, config, env, policy (+ _chat, _structured)   what every layer shares
+    types, errors, config, env, policy (+ _chat, _structured, _importing)   what every layer shares
     instrumentation/   serve and record the LLM calls of an unmodified LangGraph app
     engine/            the embedded policy backend (transformers, continuous batching)
     served/            policies served by SGLang / vLLM over HTTP
@@ -70,11 +70,12 @@ _EXPORTS: dict[str, str] = {
     "UnknownAgentError": "drmas_graph.errors",
     "StrictModeError": "drmas_graph.errors",
     "StructuredOutputError": "drmas_graph.errors",
+    "InvalidReplyError": "drmas_graph.errors",
     "UnservedCallWarning": "drmas_graph.errors",
     "PolicyError": "drmas_graph.errors",
     "RolloutError": "drmas_graph.errors",
     "NoLLMCallError": "drmas_graph.errors",
-    "EpisodeInterruptedError": "drmas_graph.instrumentation._segments",
+    "EpisodeInterruptedError": "drmas_graph.errors",
     "TraceStoreError": "drmas_graph.errors",
 }
 
@@ -126,6 +127,8 @@ if TYPE_CHECKING:  # for type checkers and IDEs
     from drmas_graph.errors import (
         ConfigError,
         DrmasError,
+        EpisodeInterruptedError,
+        InvalidReplyError,
         NoLLMCallError,
         PolicyError,
         RolloutError,
@@ -141,5 +144,4 @@ if TYPE_CHECKING:  # for type checkers and IDEs
     from drmas_graph.train.loop.rescore import rescore
     from drmas_graph.traces.store import TraceStore
     from drmas_graph.engine.transformers_policy import TransformersPolicy
-    from drmas_graph.instrumentation._segments import EpisodeInterruptedError
     from drmas_graph.types import Episode, Generation, SamplingParams, Segment, Turn

@@ -39,7 +39,9 @@ def config_page() -> str:
 Every field of a training config (`TrainConfig`, `drmas_graph/config.py`): the YAML file of
 `drmas-graph train` and the keyword arguments of `train_graph(...)` (nested sections as dicts). Unknown keys
 are errors. `drmas-graph config-doc` prints the same table; `graphs/math/demo.yaml` is a complete config.
-`models.<name>.*` and `agents.<name>.*` repeat for every entry of those maps.
+`models.<name>.*` and `agents.<name>.*` repeat for every entry of those maps. A `'module:attr'` value (`graph`,
+`env`, `env.reward.python`, a judge model's `import`, and `--graph`/`--reward`/`--judge` on the command line)
+names an object of an importable module; the current folder is importable, as under `python -m`.
 
 {config_table()}
 """
@@ -107,7 +109,7 @@ def metrics_page() -> str:
     from drmas_graph.train.loop._metric_reference import metrics_reference
 
     parts = [f"# Metrics\n\n{GENERATED}\n\nEvery metric a training run writes to `run_dir/metrics.jsonl` (one JSON line "
-             "per step and per evaluation), TensorBoard and W&B, from `drmas_graph/train/_metric_reference.py`. "
+             "per step and per evaluation), TensorBoard and W&B, from `drmas_graph/train/loop/_metric_reference.py`. "
              "`<agent>`, `<model>` and `<limit>` stand for names. A test checks that every key a run logs is listed "
              "here.\n"]
     sections: dict[str, list[str]] = {}

@@ -17,8 +17,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1] / "drmas_graph"
 
-SHARED = {"types", "errors", "config", "env", "policy", "_chat", "_structured", "_moved"}
-"""Top-level modules every layer may import (`_moved` names modules by strings only)."""
+SHARED = {"types", "errors", "config", "env", "policy", "_chat", "_structured", "_moved", "_importing"}
+"""Top-level modules every layer may import (`_moved` names modules by strings only; `_importing` is the one
+`module:attr` importer that the CLI, task files and the judge's models all use)."""
 FACADES = {"", "testing", "ui.__main__"}
 """The package itself, the public name of the tiny test models and `python -m drmas_graph.ui` (the command
 line's entry point): they may import anything."""
@@ -77,7 +78,9 @@ def _imports(module: str, path: Path, modules: dict[str, Path]) -> set[str]:
                 parts = package.split(".") if package else []
                 base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
                 base = f"drmas_graph.{base}" if base else "drmas_graph"
-            names = [f"{base}.{a.name}" for a in node.names] + [base]
+            subs = [f"{base}.{a.name}" for a in node.names]
+            # `from pkg import sub` depends on the submodule only; `from pkg import name` on pkg
+            names = subs + ([base] if any(n.removeprefix("drmas_graph.") not in modules for n in subs) else [])
         else:
             continue
         for name in names:
@@ -282,3 +285,109 @@ def test_public_train_module_paths_are_the_grouped_modules_without_a_warning():
 
     assert not set(train.__all__) & {public.rpartition(".")[2] for public in _moved.STABLE}
     assert build_policy.__module__ == "drmas_graph.train.loop._build" and preflight.__name__ == "preflight"
+
+
+# ---- public seams: no private module or name of another sub-package; no `trainer: Any` ---------------------
+
+PRIVATE_IMPORTS_ALLOWED: dict[str, str] = {}
+"""`importer: imported` -> why this private import across sub-packages is needed (none: each sub-package offers
+the others a public seam)."""
+
+PRIVATE_IMPORTS_PENDING: set[str] = set()
+"""Private imports waiting for a branch to merge (none)."""
+
+TRAINER_ANY_PENDING: set[str] = set()
+"""Functions taking `trainer: Any` waiting for a branch to merge (none)."""
+
+
+def _owner(module: str) -> str:
+    """The sub-package a module belongs to ('' for the package itself, a top-level module's own name)."""
+    return module.split(".")[0]
+
+
+def _private_imports(module: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """`module: imported` for each private module or private name of another sub-package that `module`
+    imports (the shared top-level modules, `_chat` and the like, are everyone's)."""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets = [(a.name, None) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".") if package else []
+                base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
+                base = f"drmas_graph.{base}" if base else "drmas_graph"
+            targets = [(base, a.name) for a in node.names]
+        else:
+            continue
+        for base, name in targets:
+            if not base.startswith("drmas_graph."):
+                if base != "drmas_graph" or name is None:
+                    continue
+                base, name = f"drmas_graph.{name}", None  # `from drmas_graph import sub`
+            rel = base.removeprefix("drmas_graph.")
+            if name is not None and f"{rel}.{name}" in modules:  # `from pkg import sub`: the module sub
+                rel, name = f"{rel}.{name}", None
+            if _owner(rel) in (_owner(module), *SHARED):
+                continue
+            if any(part.startswith("_") for part in rel.split(".")) or (name or "").startswith("_"):
+                found.add(f"{module or 'drmas_graph'}: {rel}" + (f".{name}" if name else ""))
+    return found
+
+
+def test_no_private_import_across_sub_packages():
+    """Sub-packages talk through public seams (STYLE 14): a private module (`instrumentation._intercept`) or
+    a private name (`_build_policy`) is used only inside its own sub-package."""
+    modules = _modules()
+    found = set().union(*(_private_imports(m, p, modules) for m, p in modules.items()))
+    unexpected = found - PRIVATE_IMPORTS_ALLOWED.keys() - PRIVATE_IMPORTS_PENDING
+    assert not unexpected, ("private imports across sub-packages (offer a public name in the imported "
+                            "sub-package instead):\n" + "\n".join(sorted(unexpected)))
+    stale = (PRIVATE_IMPORTS_ALLOWED.keys() | PRIVATE_IMPORTS_PENDING) - found
+    assert not stale, "allowed private imports that no longer happen: drop them:\n" + "\n".join(sorted(stale))
+
+
+def test_the_private_import_check_finds_one(tmp_path):
+    (tmp_path / "served").mkdir()
+    path = tmp_path / "served" / "_base.py"
+    path.write_text("from drmas_graph.instrumentation._intercept import ACTIVE_HANDLER\n"
+                    "from drmas_graph.instrumentation import _threads, active_handler\n"
+                    "from drmas_graph.train._build import build_policy\nfrom drmas_graph.train import _build_policy\n"
+                    "from drmas_graph.served._errors import ServerError\nfrom drmas_graph._chat import parse_hermes\n"
+                    "from drmas_graph.instrumentation.instrumented import _cut_at_stop, instrument\n")
+    modules = {"served._base": path, "instrumentation._threads": path, "instrumentation": path,
+               "instrumentation._intercept": path, "instrumentation.instrumented": path, "train._build": path,
+               "train": path, "served._errors": path}
+    assert _private_imports("served._base", path, modules) == {
+        "served._base: instrumentation._intercept.ACTIVE_HANDLER", "served._base: instrumentation._threads",
+        "served._base: train._build.build_policy", "served._base: train._build_policy",
+        "served._base: instrumentation.instrumented._cut_at_stop"}
+
+
+def _trainer_any(tree: ast.AST) -> list[str]:
+    """Functions with a parameter `trainer` annotated `Any` (a bag of another object's attributes, STYLE 13)."""
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            args = node.args.posonlyargs + node.args.args + node.args.kwonlyargs
+            for a in args:
+                note = a.annotation
+                text = ast.unparse(note) if note is not None else ""
+                if a.arg == "trainer" and text.strip("'\"") in ("Any", "typing.Any"):
+                    out.append(node.name)
+    return out
+
+
+def test_no_function_takes_trainer_any():
+    """Each function takes the typed run state, or only the fields it needs, never `trainer: Any`."""
+    found = {f"{m}.{name}" for m, p in _modules().items() for name in _trainer_any(ast.parse(p.read_text()))}
+    assert found - TRAINER_ANY_PENDING == set(), f"functions taking `trainer: Any`: {sorted(found - TRAINER_ANY_PENDING)}"
+    assert TRAINER_ANY_PENDING - found == set(), f"no longer taking `trainer: Any`: {sorted(TRAINER_ANY_PENDING - found)}"
+
+
+def test_the_trainer_any_check_finds_one():
+    tree = ast.parse("def a(trainer: Any): ...\ndef b(trainer: 'Any', n: int): ...\nasync def c(*, trainer: typing.Any): ...\n"
+                     "def d(trainer: RunState): ...\ndef e(state: Any): ...\nclass X:\n    def __init__(self, trainer: Any): ...\n")
+    assert _trainer_any(tree) == ["a", "b", "c", "__init__"]

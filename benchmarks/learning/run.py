@@ -6,6 +6,7 @@ pre-registration).
     python benchmarks/learning/run.py --quick          # 2 seeds, few steps, both apps (<= 10 min on 2 cores)
     python benchmarks/learning/run.py --tiny --out DIR # tiny random models (seconds): the test's wiring check
     python benchmarks/learning/run.py --tune           # base-model evaluation of the frozen task settings
+    python benchmarks/learning/run.py --v2 [--quick | --tiny | --resume | --report]   # study v2 (PREREG_v2.md)
 
 Apps (ordinary LangGraph apps in graphs/, none imports drmas_graph):
 - ``verified_math``: `graphs.verified_math` (solver + verifier; the verifier is paid for its verdicts, a rejected
@@ -412,6 +413,12 @@ def tune(apps: list[str], k: int, n_tasks: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--v2" in argv:  # study v2 (PREREG_v2.md): its own app, arms, plan and results_v2.json
+        sys.path.insert(0, str(HERE))
+        import v2
+
+        return v2.main([a for a in argv if a != "--v2"])
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--quick", action="store_true", help="2 seeds, 2 steps, both apps (<= 10 min on 2 cores)")

@@ -17,7 +17,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from drmas_graph.cli._imports import StandInChatModel, build_graph, import_object
+from drmas_graph._importing import import_spec
+from drmas_graph.cli._imports import StandInChatModel, build_graph
 from drmas_graph.config import TaskFilesConfig, TrainConfig, config_reference, load_config
 from drmas_graph.errors import ConfigError
 
@@ -32,12 +33,12 @@ def build_graph_and_env(cfg: TrainConfig) -> tuple[Any, Any]:
     if not cfg.graph or not cfg.env:
         raise ConfigError("the config must name `graph` as 'module:attr' and `env` as 'module:attr' or a mapping of "
                           "task files (tasks, input, reward) for the CLI")
-    graph = build_graph(cfg.graph, cfg.graph_kwargs)
+    graph = build_graph(cfg.graph, cfg.graph_kwargs, setting="graph")
     if isinstance(cfg.env, TaskFilesConfig):
         from drmas_graph.task_files import env_from_config
 
         return graph, env_from_config(cfg.env, run_dir=cfg.run_dir)
-    env_factory = import_object(cfg.env)
+    env_factory = import_spec(cfg.env, setting="env")
     env = env_factory(**cfg.env_kwargs) if callable(env_factory) else env_factory
     return graph, env
 

@@ -30,7 +30,7 @@ from typing import Any
 
 from langgraph.types import Command
 
-from drmas_graph.errors import ConfigError, RolloutError
+from drmas_graph.errors import ConfigError, EpisodeInterruptedError
 from drmas_graph.instrumentation import _threads
 from drmas_graph.instrumentation._intercept import app_models, interrupt_node
 from drmas_graph.instrumentation._limits import truncate
@@ -41,11 +41,6 @@ __all__ = ["EpisodeInterruptedError", "Continuation", "SegmentRunner", "continua
 
 DEFAULT_MAX_RESUMES = 16
 """Runs allowed after an episode's first one when the caller sets no bound (`rollout.max_resumes`)."""
-
-
-class EpisodeInterruptedError(RolloutError):
-    """An episode ended paused at `interrupt()` (or a static breakpoint) that nobody answered: no `resume`
-    hook, the hook returned None, or `max_resumes` was reached."""
 
 
 @dataclass(frozen=True)

@@ -28,8 +28,8 @@ from typing import Any, Literal
 from langchain_core.language_models.chat_models import BaseChatModel
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
 
-from drmas_graph.errors import ConfigError, JudgeError
-from drmas_graph.instrumentation._intercept import app_models
+from drmas_graph.errors import ConfigError, DrmasError, JudgeError
+from drmas_graph.instrumentation import app_models
 from drmas_graph.rewards._cache import JudgeCache, cache_key
 from drmas_graph.rewards._models import model_name
 from drmas_graph.rewards._render import MODES, build_prompt
@@ -65,7 +65,7 @@ class Judgement:
     modes. A cache hit has the original call's replies, tokens and seconds, and cached true."""
 
 
-class _CallFailed(Exception):
+class _CallFailed(DrmasError):
     """A judge call that raised or timed out (the message says which)."""
 
 

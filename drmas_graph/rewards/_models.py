@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import importlib
 import json
-import os
-import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from langchain_core.language_models.chat_models import BaseChatModel
 
+from drmas_graph._importing import import_spec
 from drmas_graph.errors import ConfigError
 
 __all__ = ["judge_model", "model_name"]
@@ -87,17 +85,7 @@ def _imported_model(spec: dict[str, Any]) -> BaseChatModel:
     target, extra = spec.pop("import"), sorted(spec)
     if extra:
         raise ConfigError(f"judge model {{import: {target!r}}} takes no other keys, got {extra}")
-    module_name, _, attr_path = str(target).partition(":")
-    if not module_name or not attr_path:
-        raise ConfigError(f"judge model import {target!r} must look like 'package.module:attribute'")
-    if os.getcwd() not in sys.path:  # like `python -m`: modules of the current project
-        sys.path.insert(0, os.getcwd())
-    try:
-        obj: Any = importlib.import_module(module_name)
-        for attr in attr_path.split("."):
-            obj = getattr(obj, attr)
-    except (ImportError, AttributeError) as exc:
-        raise ConfigError(f"judge model import {target!r}: {exc}") from exc
+    obj: Any = import_spec(target, setting="judge model import")
     if not isinstance(obj, BaseChatModel) and callable(obj):
         obj = obj()
     if not isinstance(obj, BaseChatModel):

@@ -52,19 +52,17 @@ from langgraph.types import Command
 from drmas_graph._chat import ParsedResponse, parse_hermes
 from drmas_graph._structured import InvalidReplyError
 from drmas_graph.errors import ConfigError, DrmasError
-from drmas_graph.instrumentation import _segments, _threads
-from drmas_graph.instrumentation._intercept import ACTIVE_HANDLER, CallSite, install
-from drmas_graph.instrumentation._outcomes import note_stop
-from drmas_graph.instrumentation._recorder import RAW_BRANCH_TAG
-from drmas_graph.instrumentation.instrumented import InstrumentedGraph, _cut_at_stop, _EpisodeRecorder, served_message
-from drmas_graph.instrumentation.instrumented import structured_parts
+from drmas_graph.instrumentation import replaying
+from drmas_graph.instrumentation.instrumented import InstrumentedGraph, served_message, structured_parts
+from drmas_graph.instrumentation.replaying import (ACTIVE_HANDLER, RAW_BRANCH_TAG, CallSite, EpisodeRecorder,
+                                                   cut_at_stop, install, note_stop)
 from drmas_graph.policy import Policy
 from drmas_graph.traces import _serde
 from drmas_graph.traces._compare import Request, comparable, diff, interrupts_text, render_prompt, state_text
 from drmas_graph.types import Episode, Segment, Turn
 
 __all__ = ["replay", "areplay", "replay_episode", "areplay_episode", "ReplayResult", "Divergence", "render_prompt",
-           "comparable"]
+           "comparable", "AsyncOnlyGraphError"]
 
 
 @dataclass(frozen=True)
@@ -148,7 +146,7 @@ class AsyncOnlyGraphError(ConfigError):
 class _ReplayHandler:
     """CallHandler that answers each call from the recording while the calls' requests agree."""
 
-    def __init__(self, recorded: Episode, live: _EpisodeRecorder | None, continue_live: bool,
+    def __init__(self, recorded: Episode, live: EpisodeRecorder | None, continue_live: bool,
                  agent_of: Callable[[CallSite], str]) -> None:
         self.by_key = {(t.call_key, t.node_call_index): t for t in recorded.turns}
         self.requests = {key: Request.of_turn(t) for key, t in self.by_key.items()}
@@ -266,7 +264,7 @@ def _no_original(site: CallSite) -> Callable[[], Any]:
 def _recorded_answer(turn: Turn, site: CallSite) -> ChatResult:
     """Rebuild the AIMessage the node received when the episode was recorded (Hermes tool-call markup); for
     structured output the same answer, or the same error, again (`_recorder._served`)."""
-    text = _cut_at_stop(turn.response_text, turn.sampling.stop if turn.sampling else ())
+    text = cut_at_stop(turn.response_text, turn.sampling.stop if turn.sampling else ())
     content, invalid = turn.response_text, []
     if turn.trainable:
         parsed = parse_hermes(text)
@@ -294,7 +292,7 @@ class _Run:
 
     app: InstrumentedGraph
     handler: _ReplayHandler
-    live: _EpisodeRecorder
+    live: EpisodeRecorder
     live_episode: Episode
     config: dict | None
     unreproducible: str | None = None
@@ -310,7 +308,7 @@ def _prepare(graph: Any, episode: Episode, policies: Mapping[str, Policy] | None
     app = InstrumentedGraph(graph, policies or {}, agents=agents)
     install()
     live_episode = Episode(task_id=episode.task_id, group_id=episode.group_id, input=episode.input)
-    live = _EpisodeRecorder(app, live_episode)
+    live = EpisodeRecorder(app, live_episode)
     handler = _ReplayHandler(episode, live, on_divergence == "continue", app.agent_of)
     return _Run(app, handler, live, live_episode, dict(config or {}), _unstorable_input(episode))
 
@@ -323,7 +321,7 @@ def _own_thread(run: _Run) -> bool:
 def _thread_config(run: _Run, forked: dict | None, reason: str | None) -> None:
     """Run on the copy of the recorded thread start, else on a fresh thread (never the recorded one)."""
     run.unreproducible = run.unreproducible or reason
-    if _threads._checkpointer(run.app.graph) is not None and not _own_thread(run):
+    if replaying.checkpointer(run.app.graph) is not None and not _own_thread(run):
         configurable = run.config.setdefault("configurable", {})
         configurable.update(forked or {"thread_id": f"replay-{uuid.uuid4().hex}"})
         configurable.pop("checkpoint_id", None)
@@ -418,7 +416,7 @@ class _Runs:
 
     def __init__(self, run: _Run, episode: Episode) -> None:
         self.run, self.segments, self.k = run, episode.segments or [Segment("start")], 0
-        if len(self.segments) > 1 and _threads._checkpointer(run.app.graph) is None:
+        if len(self.segments) > 1 and replaying.checkpointer(run.app.graph) is None:
             raise ConfigError(f"episode {episode.id} is {len(self.segments)} runs of one thread (interrupts answered "
                               "or a conversation continued); replaying it needs the graph compiled with a "
                               "checkpointer (e.g. compile(checkpointer=InMemorySaver()))")
@@ -460,11 +458,11 @@ def replay_episode(graph: Any, episode: Episode, *, policies: Mapping[str, Polic
     run = _prepare(graph, episode, policies, agents, on_divergence, config)
     runs = _Runs(run, episode)
     start = None if _own_thread(run) else episode.metadata.get("thread_start")
-    _thread_config(run, *_threads.fork_config(run.app.graph, start))
+    _thread_config(run, *replaying.fork_config(run.app.graph, start))
     with _serving(run) as outcome:
         outcome.final_state = run.app.graph.invoke(episode.input, run.config or None)
         while True:
-            nxt = runs.after(_segments.pending_interrupts(run.app.graph, run.config, outcome.final_state))
+            nxt = runs.after(replaying.pending_interrupts(run.app.graph, run.config, outcome.final_state))
             if nxt is _END:
                 break
             outcome.final_state = run.app.graph.invoke(nxt, run.config)
@@ -479,11 +477,11 @@ async def areplay_episode(graph: Any, episode: Episode, *, policies: Mapping[str
     run = _prepare(graph, episode, policies, agents, on_divergence, config)
     runs = _Runs(run, episode)
     start = None if _own_thread(run) else episode.metadata.get("thread_start")
-    _thread_config(run, *await _threads.afork_config(run.app.graph, start))
+    _thread_config(run, *await replaying.afork_config(run.app.graph, start))
     with _serving(run) as outcome:
         outcome.final_state = await run.app.graph.ainvoke(episode.input, run.config or None)
         while True:
-            nxt = runs.after(await _segments.apending_interrupts(run.app.graph, run.config, outcome.final_state))
+            nxt = runs.after(await replaying.apending_interrupts(run.app.graph, run.config, outcome.final_state))
             if nxt is _END:
                 break
             outcome.final_state = await run.app.graph.ainvoke(nxt, run.config)

@@ -36,6 +36,7 @@ _EXPORTS: dict[str, tuple[str, str | None]] = {
     "RunDirInUseError": ("drmas_graph.train.loop._setup", "RunDirInUseError"),
     "free_run_dir": ("drmas_graph.train.loop._setup", "free_run_dir"),
     "RunState": ("drmas_graph.train.loop._state", "RunState"),
+    "AsyncTimeoutError": ("drmas_graph.train.loop._pipeline", "AsyncTimeoutError"),
     "build_policy": ("drmas_graph.train.loop._build", "build_policy"),
     "checkpoint_step": ("drmas_graph.train.loop._checkpoints", "checkpoint_step"),
     "load_checkpoint_adapters": ("drmas_graph.train.loop._checkpoints", "load_checkpoint_adapters"),

@@ -210,3 +210,5 @@ def agent_sampling(agent: AgentConfig) -> SamplingParams:
     s = agent.sampling
     return SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_new_tokens=s.max_new_tokens,
                           adapter=agent.adapter)
+
+

@@ -47,6 +47,11 @@ STEP = [
     ("agent/<agent>/advantage_mean", "Mean advantage of the agent's samples (its policy-served turns), trained or "
                                      "frozen."),
     ("agent/<agent>/advantage_std", "Population std (over n) of the advantages of the agent's samples."),
+    ("agent/<agent>/advantage_sq_mean", "E[A^2]: mean squared advantage over the agent's samples of the step (trained "
+                                        "or frozen; 0 with none). Dr. MAS's argument: the agent's squared gradient "
+                                        "norm scales with it, (sigma_k^2 + (mu_k - mu)^2) / sigma^2 when its rewards "
+                                        "are normalized with pooled statistics (mu, sigma); under `agent` a pool of "
+                                        "n samples has (n-1)/n by construction."),
     ("agent/<agent>/response_length", "Mean response length in tokens of the agent's samples."),
     ("agent/<agent>/calls", "LLM calls of the agent in the scored episodes."),
     ("agent/<agent>/invalid_rate", "Share of the agent's turns that were invalid (each costs invalid_penalty)."),

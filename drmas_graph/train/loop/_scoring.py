@@ -251,6 +251,8 @@ def step_record(step: int, agents: Sequence[str], scored: Scored, counts: dict[s
         record[f"agent/{agent}/reward_mean"], record[f"agent/{agent}/reward_std"] = mean_std(rewards)
         record[f"agent/{agent}/advantage_mean"], record[f"agent/{agent}/advantage_std"] = mean_std(
             [adv for _, adv in served], ddof=0)
+        record[f"agent/{agent}/advantage_sq_mean"] = (
+            sum(adv * adv for _, adv in served) / len(served) if served else 0.0)  # E[A^2] (Dr. MAS's argument)
         record[f"agent/{agent}/calls"] = len(turns)
         record[f"agent/{agent}/invalid_rate"] = sum(invalid) / len(invalid) if invalid else 0.0
         record[f"agent/{agent}/response_length"] = (

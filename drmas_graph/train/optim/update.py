@@ -73,7 +73,9 @@ from drmas_graph.train.optim._packing import (Packing, PackingProbes, max_nodes,
                                          sequences_of)
 from drmas_graph.train.optim._reference import REFERENCES, Reference
 from drmas_graph.train.engines._settings import LossSettings, UpdateSettings
-from drmas_graph.train.optim._update_metrics import AgentUpdateMetrics, UpdateMetrics, _agent_metrics, _Tally, _tally_samples
+from drmas_graph.train.optim._update_metrics import (AgentGrads, AgentUpdateMetrics, UpdateMetrics, _agent_metrics,
+                                                     _Tally, _tally_samples, agent_grad_norms, readable_grads,
+                                                     tally_kl_start)
 from drmas_graph.errors import ConfigError
 from drmas_graph.train.optim.losses import agg_loss, kl_penalty, policy_loss
 from drmas_graph.types import Sample
@@ -144,7 +146,7 @@ class ModelUpdater:
         settings: optimizer, aggregation and backend.
         agent_settings: per-agent `LossSettings`; None gives every agent the defaults. When given, every
             agent whose samples reach `update` must have an entry.
-        reference: the KL reference policy (`drmas_graph.train.optim._reference.Reference`) when ``kl_coef > 0``; None
+        reference: the start policy (`_reference.Reference`) when ``kl_coef > 0`` or ``kl_start_metric``; None
             builds ``settings.kl_reference`` (a frozen copy of the initial weights, offloaded or on device).
         probes: the `drmas_graph.train.optim._packing.PackingProbes` to share (`LoraUpdater`: its adapters share one
             module, probed once); None makes one. With ``settings.pack_prefixes`` each module this updater computes
@@ -168,7 +170,9 @@ class ModelUpdater:
         self.correction: Any = None
         """Off-policy correction of stale samples (`offpolicy.OffPolicyCorrection`, asynchronous training); None = off."""
         _prepare_model(model, settings)
-        self._reference = (reference or REFERENCES[settings.kl_reference](model)) if settings.kl_coef > 0 else None
+        start = (reference or REFERENCES[settings.kl_reference](model)
+                 ) if settings.kl_coef > 0 or settings.kl_start_metric else None
+        self._reference, self._start = (start if settings.kl_coef > 0 else None), start  # KL loss's; kl_start's
         self._ref_logprobs: dict[int, torch.Tensor] = {}
         """id(sample) -> its reference logprobs, computed at the start of each `update`."""
         self._by_tokens = settings.loss_agg == "token-mean"
@@ -243,6 +247,7 @@ class ModelUpdater:
         _tally_samples(tally, samples)
         grad_norms: list[float] = []
         self._ref_logprobs = self._reference_logprobs(samples)
+        tally_kl_start(tally, samples, self._ref_logprobs)
         with self._training_mode():
             for i, minibatch in enumerate(self._plan(samples)):
                 grad_norms.append(self._train_minibatch(minibatch, tally, first=i == 0,
@@ -277,9 +282,9 @@ class ModelUpdater:
     def _reference_logprobs(self, samples: Sequence[Sample]) -> dict[int, torch.Tensor]:
         """id(sample) -> logprobs under the KL reference, for every sample, in one pass (one transfer of an
         offloaded reference per update)."""
-        if self._reference is None or not samples:
+        if self._start is None or not samples:
             return {}
-        with self._reference.on_device() as module:  # a frozen copy of the model (or it, adapters disabled): its probe
+        with self._start.on_device() as module:  # a frozen copy of the model (or it, adapters disabled): its probe
             packing = self._packing_of(self.model, samples)
             return {id(s): lp for s, lp in zip(samples, self._logprobs_of(module, samples, packing))}
 
@@ -419,9 +424,11 @@ class ModelUpdater:
     def _train_minibatch(self, minibatch: _MiniBatch, tally: _Tally, *, first: bool, current: bool) -> float:
         """Accumulate gradients over the micro-batches, then one optimizer step; returns the grad norm."""
         world = _world_size()
+        agent_grads = AgentGrads(*readable_grads(self._engine))  # per-agent norms (world 1): reads, changes nothing
         for k in range(minibatch.n_passes):
             is_last = k == minibatch.n_passes - 1
             if k < len(minibatch.micro):
+                agent_grads.begin(minibatch.micro[k][0].agent)
                 loss = self._micro_batch_loss(minibatch.micro[k], minibatch.norm, tally, first=first, is_last=is_last,
                                               current=current)
             else:  # this process has fewer micro-batches than another: a zero loss keeps the collectives aligned
@@ -429,7 +436,7 @@ class ModelUpdater:
                                             device=self.device), use_cache=False).logits.sum() * 0.0
             tally.count(("model", "loss"), loss.item())
             self._engine.backward(loss * world)
-        return self._engine.step()
+        return agent_grads.step(self._engine.step, tally)
 
     def _micro_batch_loss(self, samples: list[Sample], norm: float, tally: _Tally, *, first: bool, is_last: bool,
                           current: bool) -> torch.Tensor:
@@ -511,7 +518,7 @@ class ModelUpdater:
             n_tokens=int(tally.sums[("model", "n_tokens")]), n_minibatches=n_steps,
             forward_tokens=int(tally.sums[("model", "forward_tokens")]), packed=self._mask_kind is not None,
             agents={a: _agent_metrics(tally, a, self._reference is not None, self.settings.entropy_coef > 0,
-                                      rollout_gap) for a in agents},
+                                      rollout_gap, agent_grad_norms(tally, agents, grad_norms)[a]) for a in agents},
         )
 
 
