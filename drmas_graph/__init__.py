@@ -45,21 +45,21 @@ _EXPORTS: dict[str, str] = {
     "SamplingParams": "drmas_graph.types",
     # traces and replay
     "TraceStore": "drmas_graph.traces.store",
-    "rescore": "drmas_graph.train.rescore",
+    "rescore": "drmas_graph.train.loop.rescore",
     "replay": "drmas_graph.traces.replay",
     "areplay": "drmas_graph.traces.replay",
     "ReplayResult": "drmas_graph.traces.replay",
     "Divergence": "drmas_graph.traces.replay",
     # training
-    "train_graph": "drmas_graph.train.trainer",
-    "TrainResult": "drmas_graph.train.trainer",
+    "train_graph": "drmas_graph.train.loop.trainer",
+    "TrainResult": "drmas_graph.train.loop.trainer",
     "TrainConfig": "drmas_graph.config",
     "Env": "drmas_graph.env",
     "Task": "drmas_graph.env",
-    "compute_advantages": "drmas_graph.train.advantages",
-    "ModelUpdater": "drmas_graph.train.update",
-    "UpdateSettings": "drmas_graph.train.update",
-    "LossSettings": "drmas_graph.train.update",
+    "compute_advantages": "drmas_graph.train.optim.advantages",
+    "ModelUpdater": "drmas_graph.train.optim.update",
+    "UpdateSettings": "drmas_graph.train.optim.update",
+    "LossSettings": "drmas_graph.train.optim.update",
     # serving
     "SGLangPolicy": "drmas_graph.served",
     "VLLMPolicy": "drmas_graph.served",
@@ -117,13 +117,13 @@ _moved.install()
 
 
 if TYPE_CHECKING:  # for type checkers and IDEs
-    from drmas_graph.train.advantages import compute_advantages
+    from drmas_graph.train.optim.advantages import compute_advantages
     from drmas_graph.instrumentation.chat_model import PolicyChatModel
     from drmas_graph.config import TrainConfig
     from drmas_graph.env import Env, Task
     from drmas_graph.served import SGLangPolicy, VLLMPolicy
-    from drmas_graph.train.trainer import TrainResult, train_graph
-    from drmas_graph.train.update import LossSettings, ModelUpdater, UpdateSettings
+    from drmas_graph.train.loop.trainer import TrainResult, train_graph
+    from drmas_graph.train.optim.update import LossSettings, ModelUpdater, UpdateSettings
     from drmas_graph.errors import (
         ConfigError,
         DrmasError,
@@ -141,7 +141,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs
     from drmas_graph.instrumentation.instrumented import InstrumentedGraph, app_models, instrument
     from drmas_graph.policy import Policy
     from drmas_graph.traces.replay import Divergence, ReplayResult, areplay, replay
-    from drmas_graph.train.rescore import rescore
+    from drmas_graph.train.loop.rescore import rescore
     from drmas_graph.traces.store import TraceStore
     from drmas_graph.engine.transformers_policy import TransformersPolicy
     from drmas_graph.types import Episode, Generation, SamplingParams, Segment, Turn

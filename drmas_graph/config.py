@@ -231,7 +231,7 @@ class LoggingConfig(_Strict):
 
 
 class AsyncConfig(_Strict):
-    """Asynchronous training (`drmas_graph.train._pipeline`): the next step's rollouts run during this step's update."""
+    """Asynchronous training (`drmas_graph.train.loop._pipeline`): the next step's rollouts run during this step's update."""
 
     max_staleness: int = Field(0, ge=0, description="Most updates the weights that sampled a trained group may lag the trainer's; 0 = synchronous (rollout, update, next rollout); >= 1 = asynchronous, on `schedule`.")
     schedule: Literal["one_step_off", "free"] = Field("one_step_off", description="one_step_off: step s+1 rolls out on the weights before update s while update s trains (every group exactly 1 update stale, step 0's 0; reproducible to the last digit); free: step s starts once the rollout weights are at most max_staleness versions behind it and each update's weights reach the rollouts at once, with other steps' episodes in flight (their next LLM call uses them): staleness 0..max_staleness, not reproducible to the last digit.")

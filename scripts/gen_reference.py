@@ -7,7 +7,7 @@
 - docs/reference/cli.md: every `drmas-graph` command and argument, from the argparse parser
   (`drmas_graph.cli.build_parser()`);
 - docs/reference/metrics.md: every metric a run logs, with its meaning, from
-  `drmas_graph.train._metric_reference` (`metrics_reference()`);
+  `drmas_graph.train.loop._metric_reference` (`metrics_reference()`);
 - docs/reference/api.md: one mkdocstrings entry per public name (`drmas_graph.__all__`, grouped by the module
   that defines it), the test helpers of `drmas_graph.testing` and the judge of `drmas_graph.rewards`.
 """
@@ -106,10 +106,10 @@ def cli_page() -> str:
 
 
 def metrics_page() -> str:
-    from drmas_graph.train._metric_reference import metrics_reference
+    from drmas_graph.train.loop._metric_reference import metrics_reference
 
     parts = [f"# Metrics\n\n{GENERATED}\n\nEvery metric a training run writes to `run_dir/metrics.jsonl` (one JSON line "
-             "per step and per evaluation), TensorBoard and W&B, from `drmas_graph/train/_metric_reference.py`. "
+             "per step and per evaluation), TensorBoard and W&B, from `drmas_graph/train/loop/_metric_reference.py`. "
              "`<agent>`, `<model>` and `<limit>` stand for names. A test checks that every key a run logs is listed "
              "here.\n"]
     sections: dict[str, list[str]] = {}

@@ -56,7 +56,7 @@ def test_mkdocs_build_strict(tmp_path):
     )
     assert build.returncode == 0, build.stdout + build.stderr
     api = (tmp_path / "site" / "reference" / "api" / "index.html").read_text()
-    assert "drmas_graph.train.trainer.train_graph" in api and "Train the policies behind" in api
+    assert "drmas_graph.train.loop.trainer.train_graph" in api and "Train the policies behind" in api
 
 
 def test_readme_is_a_front_page_that_links_into_the_guide():
@@ -125,6 +125,7 @@ def test_the_code_map_names_every_sub_package_and_what_it_may_import():
     says what LAYERS says."""
     from tests.test_layout import LAYERS
 
+    LAYERS = {k: v for k, v in LAYERS.items() if "." not in k}  # train's groups are on the page's train/ map
     page = (ROOT / "docs" / "explanation" / "design.md").read_text()
     row = re.compile(r"^\| `(?P<name>\w+)(?:/|\.py)` \| [^|]+ \| (?P<imports>[^|]+) \|", flags=re.M)
     rows = {m["name"]: m["imports"].strip() for m in row.finditer(page)}

@@ -60,9 +60,7 @@ _NOT_PUBLIC = {  # private control flow: raised and caught inside one module, ne
     "drmas_graph.traces.replay._StopReplay": "replay's own stop at a divergence, caught by `_serving`",
     "drmas_graph.rewards._judge._CallFailed": "a judge model call that raised or timed out, retried by the judge",
 }
-_NOT_PUBLIC_PENDING = {  # TEMPORARY: removed when the structure branch merges (train/ exports it publicly)
-    "drmas_graph.train._pipeline.AsyncTimeoutError",
-}
+_NOT_PUBLIC_PENDING: set[str] = set()  # drmas_graph.train exports AsyncTimeoutError
 _REPLACES_EXCEPTION = {  # they stand for any exception, so no narrower stdlib type
     "drmas_graph.errors.DrmasError": "the base class",
     "drmas_graph.traces.weave_export.EpisodeError": "an episode's recorded failure, whatever raised it, on its Weave call",

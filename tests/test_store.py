@@ -28,6 +28,7 @@ from drmas_graph.errors import (
     StoreNotFoundError,
     TraceStoreError,
 )
+from drmas_graph.env import BadRewardError
 from drmas_graph.train.rescore import rescore
 from drmas_graph.traces.store import SCHEMA_VERSION, TraceStore, TraceStoreWarning
 from drmas_graph.types import Episode, SamplingParams, Turn
@@ -644,7 +645,9 @@ def test_rescore_needs_a_reward_for_every_agent(tmp_path: Path):
     with TraceStore(path) as s:
         episode = make_episode()
         s.write_episode(episode, step=0)
-    with pytest.raises(ConfigError, match=rf"no reward to agent\(s\) 'verifier' of episode {episode.id}"):
+    # the one scoring rule (`_scoring.score_episodes`): the episode has no usable reward, so nothing is left
+    with pytest.raises(BadRewardError, match=rf"none of the 1 pooled episodes got a usable reward; the first failure "
+                                             rf"\(episode {episode.id}\): reward dict for task .* lacks agents \['verifier'\]"):
         rescore(path, lambda e: {"solver": 1.0})
 
 

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from drmas_graph.env import BadRewardError, score_episode
-from drmas_graph.train._metric_reference import is_documented
-from drmas_graph.train._scoring import samples_with_advantages, step_record
-from drmas_graph.train._update_metrics import _Tally, tally_kl_start
+from drmas_graph.train.loop._metric_reference import is_documented
+from drmas_graph.train.loop._scoring import samples_with_advantages, step_record
+from drmas_graph.train.optim._update_metrics import _Tally, tally_kl_start
 from drmas_graph.train.update import LossSettings, ModelUpdater
 from tests.test_store import make_episode
 from tests.test_update import DEEPSPEED_BACKENDS, fresh_model, reference_grad_norm, rollout, settings, snapshot  # noqa: F401 (fixture)

@@ -391,7 +391,7 @@ def test_a_tokenizer_saved_after_the_ui_started_is_picked_up(app, run_dir):
 
 
 def test_every_metric_the_runs_page_asks_for_is_in_the_metric_reference():
-    from drmas_graph.train._metric_reference import is_documented
+    from drmas_graph.train.loop._metric_reference import is_documented
     from drmas_graph.ui._pages import FIRST_CHARTS
 
     unknown = [p for p in FIRST_CHARTS if not is_documented(p.replace("*", "someagent"))]

@@ -75,8 +75,8 @@ def add_train_commands(groups: Any) -> None:
 
 
 def _cmd_train(args: argparse.Namespace, console: Console) -> int:
-    from drmas_graph.train import _distributed
-    from drmas_graph.train.trainer import RunDirInUseError, free_run_dir, train_graph
+    from drmas_graph.train import RunDirInUseError, free_run_dir, train_graph
+    from drmas_graph.train import distributed as _distributed
 
     cfg = load_config(args.config, args.set + (["resume=true"] if args.resume else []))
     graph, env = build_graph_and_env(cfg)
@@ -104,8 +104,7 @@ def _cmd_train(args: argparse.Namespace, console: Console) -> int:
 
 def _saved(cfg: TrainConfig, config: Path) -> str:
     """What an interrupted run saved, and the command that continues it."""
-    from drmas_graph.train._checkpoints import checkpoint_step
-    from drmas_graph.train.trainer import free_run_dir
+    from drmas_graph.train import checkpoint_step, free_run_dir
 
     ckpts = sorted((Path(cfg.run_dir) / "checkpoints").glob("step_*"))
     if not ckpts:
@@ -118,11 +117,9 @@ def _saved(cfg: TrainConfig, config: Path) -> str:
 
 
 def _cmd_eval(args: argparse.Namespace, console: Console) -> int:
-    from drmas_graph.train._checkpoints import checkpoint_step
-    from drmas_graph.train.lora import load_checkpoint_adapters
-    from drmas_graph.train import _distributed
-    from drmas_graph.train.evaluate import reply_lines
-    from drmas_graph.train.trainer import Trainer, evaluate
+    from drmas_graph.train import Trainer, checkpoint_step, load_checkpoint_adapters, reply_lines
+    from drmas_graph.train.evaluate import evaluate
+    from drmas_graph.train import distributed as _distributed
 
     overrides = list(args.set)
     if args.k:
@@ -168,8 +165,7 @@ def _cmd_eval(args: argparse.Namespace, console: Console) -> int:
 
 
 def _cmd_check(args: argparse.Namespace, console: Console) -> int:
-    from drmas_graph.train._check import NO_SIGNAL_EXIT, preflight
-    from drmas_graph.train.trainer import Trainer
+    from drmas_graph.train import NO_SIGNAL_EXIT, Trainer, preflight
 
     if args.groups < 1:
         raise ConfigError(f"--groups must be at least 1 (got {args.groups})")

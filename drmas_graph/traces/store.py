@@ -285,16 +285,22 @@ class TraceStore:
         turn_rewards: Sequence[float] | None = None,
         advantages: Sequence[float] | None = None,
         judgement: Mapping[str, Any] | None = None,
+        error: str | None = None,
     ) -> None:
         """Record what training made of a stored episode: its training step, its rewards per agent, per-turn
-        rewards and advantages (aligned with its turns), and the judge's record when a judge gave the rewards
-        (`Episode.judgement`; episodes are written when their run ends, before they are judged). Arguments left
-        None keep their value."""
+        rewards and advantages (aligned with its turns), the judge's record when a judge gave the rewards
+        (`Episode.judgement`; episodes are written when their run ends, before they are judged), and the error of
+        an episode left out for its reward (a bad reward, a judge failure: `traces list --failed` finds it).
+        Arguments left None keep their value."""
         judgement_json = _serde.judgement_to_json(judgement)  # encode outside the lock
+
+        def body(conn: sqlite3.Connection) -> None:
+            self._update(conn, episode_id, step, rewards, turn_rewards, advantages, judgement_json)
+            if error is not None:
+                conn.execute("UPDATE episodes SET error = ? WHERE id = ?", (error, episode_id))
+
         with self._errors("write to"):
-            self._transaction(
-                lambda conn: self._update(conn, episode_id, step, rewards, turn_rewards, advantages, judgement_json)
-            )
+            self._transaction(body)
 
     def record_training(self, step: int, episodes: Iterable[Episode]) -> None:
         """`update_training` for many stored episodes at once (one transaction), taking ``rewards``,

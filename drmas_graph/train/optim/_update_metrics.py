@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from drmas_graph.train._engines import _world_size
+from drmas_graph.train.engines._engines import _world_size
 from drmas_graph.types import Sample
 
 __all__ = ["AgentUpdateMetrics", "UpdateMetrics"]

@@ -73,17 +73,23 @@ import logging
 import shutil
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from drmas_graph.errors import ConfigError, DrmasError, PolicyError
-from drmas_graph.train import _build, _checkpoints, _distributed
-from drmas_graph.train._rollouts import StepBatch, slots_key
-from drmas_graph.train.offpolicy import CorrectionStats, OffPolicyCorrection
-from drmas_graph.train.update import ModelUpdater, _set_attn_implementation
+from drmas_graph.train.engines import _distributed
+from drmas_graph.train.loop import _build, _checkpoints
+from drmas_graph.train.loop._rollouts import StepBatch, slots_key
+from drmas_graph.train.optim.offpolicy import CorrectionStats, OffPolicyCorrection
+from drmas_graph.train.optim.update import ModelUpdater, _set_attn_implementation
+
+if TYPE_CHECKING:
+    from drmas_graph.config import AgentConfig, TrainConfig
+    from drmas_graph.policy import Policy
+    from drmas_graph.train.loop._state import RunState
 
 __all__ = ["AsyncTimeoutError", "FreeRunning", "OneStepOff", "drop_stale", "pipeline", "trainer_copies"]
 
@@ -101,19 +107,22 @@ class AsyncTimeoutError(DrmasError, TimeoutError):
 # --- the trainer's copies of embedded models ----------------------------------------------------------------
 
 
-def trainer_copies(trainer: Any) -> tuple[dict[str, Any], str | None]:
-    """A copy of every trained embedded model for the trainer to train (put in `trainer.train_models`; its policy
-    keeps decoding with the original); or ({}, why) when a copy does not fit in its device's free memory.
+def trainer_copies(cfg: TrainConfig, model_policies: Mapping[str, Policy], agent_policies: Mapping[str, Policy],
+                   agent_cfgs: Mapping[str, AgentConfig], train_models: dict[str, Any]
+                   ) -> tuple[dict[str, Any], str | None]:
+    """A copy of every trained embedded model for the trainer to train (put in `train_models`; its policy keeps
+    decoding with the original); or ({}, why) when a copy does not fit in its device's free memory.
 
     The policy's module first gets the configured attention kernel (`update.attn_implementation`: embedded policies
     generate with it too), so that the copy and the module that samples (and recomputes the behaviour logprobs of
     the one-step-off schedule) compute alike."""
-    names = [n for n, p in trainer.model_policies.items() if _trained(trainer, n) and not _build.is_served(p)]
+    names = [n for n, p in model_policies.items()
+             if _trained(cfg, n, p, agent_policies, agent_cfgs, train_models) and not _build.is_served(p)]
     for name in names:
-        _set_attn_implementation(trainer.train_models[name], _build.model_update(trainer.cfg, name).attn_implementation)
-    shared = {name: _frozen_base(trainer, name) for name in names}
+        _set_attn_implementation(train_models[name], _build.model_update(cfg, name).attn_implementation)
+    shared = {name: _frozen_base(train_models[name], _build.model_update(cfg, name).zero()) for name in names}
     for name in names:
-        module = trainer.train_models[name]
+        module = train_models[name]
         need = sum(t.numel() * t.element_size() for _, t in [*module.named_parameters(), *module.named_buffers()]
                    if id(t) not in shared[name])
         free, device = _free_bytes(module), next(module.parameters()).device
@@ -122,31 +131,30 @@ def trainer_copies(trainer: Any) -> tuple[dict[str, Any], str | None]:
                       f"MB) and {device} has {free / 2**20:.0f} MB free; training synchronously")
             log.warning(reason)
             return {}, reason
-    copies = {name: copy.deepcopy(trainer.train_models[name], shared[name]) for name in names}
-    trainer.train_models.update(copies)
+    copies = {name: copy.deepcopy(train_models[name], shared[name]) for name in names}
+    train_models.update(copies)
     return copies, None
 
 
-def _frozen_base(trainer: Any, name: str) -> dict[int, torch.Tensor]:
-    """LoRA model `name`'s base tensors (every parameter and buffer outside its adapters), as a `copy.deepcopy`
+def _frozen_base(module: Any, zero_stage: int) -> dict[int, torch.Tensor]:
+    """A LoRA model's base tensors (every parameter and buffer outside its adapters), as a `copy.deepcopy`
     memo: the trainer's copy shares them with the policy's module (nobody trains them) and copies only the
     adapters. Empty for other models, and under ZeRO-3 (which partitions every parameter of the trained module)."""
-    from drmas_graph.engine._adapters import is_peft_model
+    from drmas_graph.engine import is_peft_model
 
-    module = trainer.train_models[name]
-    if not is_peft_model(module) or _build.model_update(trainer.cfg, name).zero() == 3:
+    if not is_peft_model(module) or zero_stage == 3:
         return {}
     adapters = set(module.peft_config)
     return {id(t): t for name, t in [*module.named_parameters(), *module.named_buffers()]
             if not adapters & set(name.split("."))}
 
 
-def _trained(trainer: Any, name: str) -> bool:
+def _trained(cfg: TrainConfig, name: str, policy: Policy, agent_policies: Mapping[str, Policy],
+             agent_cfgs: Mapping[str, AgentConfig], train_models: Mapping[str, Any]) -> bool:
     """Whether model `name` gets an updater (`_build.build_updaters`): trainable, with an agent that is not frozen."""
-    mc = trainer.cfg.models.get(name)
-    policy = trainer.model_policies[name]
-    return ((mc is None or mc.trainable) and name in trainer.train_models
-            and any(p is policy and not trainer.agent_cfgs[a].frozen for a, p in trainer.agent_policies.items()))
+    mc = cfg.models.get(name)
+    return ((mc is None or mc.trainable) and name in train_models
+            and any(p is policy and not agent_cfgs[a].frozen for a, p in agent_policies.items()))
 
 
 def _free_bytes(module: torch.nn.Module) -> int | None:
@@ -167,9 +175,9 @@ def _free_bytes(module: torch.nn.Module) -> int | None:
 class _Embedded:
     """An embedded policy that decodes with its own module while the trainer trains a copy."""
 
-    def __init__(self, trainer: Any, name: str) -> None:
-        self.policy, self.updater = trainer.model_policies[name], trainer.updaters[name]
-        self.source = trainer.train_models[name]
+    def __init__(self, run: RunState, name: str) -> None:
+        self.policy, self.updater = run.model_policies[name], run.updaters[name]
+        self.source = run.train_models[name]
         serving = self.policy.model.state_dict()
         self.keys = [k for k, t in self.source.state_dict().items() if t.data_ptr() != serving[k].data_ptr()]
         """The tensors install copies: all of them, or a LoRA model's adapters (the base is shared)."""
@@ -207,30 +215,29 @@ class _Embedded:
 class _Served:
     """A served policy: the trainer trains a local copy and pushes it to the servers."""
 
-    def __init__(self, trainer: Any, name: str, timeout_s: float) -> None:
-        self.trainer, self.name, self.timeout_s = trainer, name, timeout_s
-        self.policy = trainer.model_policies[name]
+    def __init__(self, run: RunState, name: str, timeout_s: float) -> None:
+        self.run_dir, self.name, self.timeout_s = run.run_dir, name, timeout_s
+        self.policy, self.model, self.updater = run.model_policies[name], run.train_models[name], run.updaters[name]
 
     def install(self, version: int) -> None:
-        t = self.trainer
-        _checkpoints.push_weights(t.run_dir, self.name, t.train_models[self.name], self.policy,
-                                  t.updaters[self.name], version=version, timeout_s=self.timeout_s)
+        _checkpoints.push_weights(self.run_dir, self.name, self.model, self.policy, self.updater, version=version,
+                                  timeout_s=self.timeout_s)
 
     def behaviour_logprobs(self, samples: list[Any]) -> list[tuple[float, ...]]:
         """The servers' logprobs, as recorded (the weights that sampled them are on the servers only)."""
         return [s.old_logprobs for s in samples]
 
     def save(self, directory: Path) -> None:
-        shutil.copytree(_checkpoints.sync_dir(self.trainer.run_dir, self.name), directory)
+        shutil.copytree(_checkpoints.sync_dir(self.run_dir, self.name), directory)
 
     def restore(self, directory: Path, version: int) -> None:
-        _checkpoints.load_into_servers(self.trainer.run_dir, self.name, self.policy, directory, version=version,
+        _checkpoints.load_into_servers(self.run_dir, self.name, self.policy, directory, version=version,
                                        timeout_s=self.timeout_s)
 
 
 def _model_updaters(name: str, updater: Any) -> list[ModelUpdater]:
     """The `ModelUpdater`s that train model `name`: itself, or a `LoraUpdater`'s one per adapter."""
-    from drmas_graph.train.lora import LoraUpdater
+    from drmas_graph.train.optim.lora import LoraUpdater
 
     if isinstance(updater, ModelUpdater):
         return [updater]
@@ -264,20 +271,33 @@ def _sample_versions(batch: StepBatch) -> dict[tuple[str, int], int]:
 # --- the loop -----------------------------------------------------------------------------------------------
 
 
+class StepLoop(Protocol):
+    """The synchronous loop's parts the pipeline drives (`Trainer`)."""
+
+    def collect(self, step: int) -> StepBatch:
+        """Step `step`'s rollouts, scored, with advantages and samples."""
+
+    def learn(self, batch: StepBatch, *, publish: bool = True) -> dict[str, Any]:
+        """The update on a batch; the step's metrics record."""
+
+    def publish(self, step: int, trained: Any = ()) -> None:
+        """Merge every process's traces, export step `step`."""
+
+
 class OneStepOff:
     """The pipelined loop (module docstring): `steps` yields what `Trainer.steps` does."""
 
-    def __init__(self, trainer: Any) -> None:
-        acfg = trainer.cfg.async_
-        self.trainer = trainer
+    def __init__(self, run: RunState, loop: StepLoop) -> None:
+        acfg = run.cfg.async_
+        self.run, self.loop = run, loop
         self.timeout_s = acfg.timeout_s
         self.max_staleness = acfg.max_staleness
-        for name, updater in trainer.updaters.items():
+        for name, updater in run.updaters.items():
             for one in _model_updaters(name, updater):
                 one.correction = OffPolicyCorrection(acfg.correction, acfg.is_cap)
         self.servings: dict[str, _Embedded | _Served] = {
-            name: _Embedded(trainer, name) if name in trainer._copies else _Served(trainer, name, acfg.timeout_s)
-            for name in trainer.updaters}
+            name: _Embedded(run, name) if name in run.copies else _Served(run, name, acfg.timeout_s)
+            for name in run.updaters}
         self.trained_version = 0
         """Updates the trainer applied."""
         self.serving_version = 0
@@ -290,7 +310,7 @@ class OneStepOff:
 
     # ---- the steps --------------------------------------------------------------------------------------
     def steps(self, start: int) -> Iterator[tuple[int, dict[str, Any]]]:
-        steps = self.trainer.cfg.steps
+        steps = self.run.cfg.steps
         for u in range(start, steps):
             t0 = time.perf_counter()
             batch = self._result(u)
@@ -324,7 +344,7 @@ class OneStepOff:
                 slots.close(key)
 
         # its place among the steps rolling out: its episodes get their slots before later steps'
-        slots, key = self.trainer.episode_slots, slots_key("train", step)
+        slots, key = self.run.episode_slots, slots_key("train", step)
         slots.announce(key)
         self._pending[step] = future
         threading.Thread(target=work, name=f"rollouts-step-{step}", daemon=True).start()
@@ -343,11 +363,11 @@ class OneStepOff:
 
     def _produce(self, step: int) -> StepBatch:
         """`Trainer.collect(step)`, with the behaviour logprobs of the stale samples (sampled before v(step))."""
-        batch = self.trainer.collect(step)
+        batch = self.loop.collect(step)
         version = _sample_versions(batch)
         for name, serving in self.servings.items():
-            policy = self.trainer.model_policies[name]
-            rows = [i for i, s in enumerate(batch.samples) if self.trainer.agent_policies[s.agent] is policy
+            policy = self.run.model_policies[name]
+            rows = [i for i, s in enumerate(batch.samples) if self.run.agent_policies[s.agent] is policy
                     and s.advantage != 0.0 and version[(s.episode_id, s.turn_index)] < step]  # A = 0: no gradient
             if not rows:
                 continue
@@ -377,7 +397,7 @@ class OneStepOff:
 
     def _publish(self) -> None:
         if self._unpublished is not None:
-            self.trainer.publish(self._unpublished.step, self._unpublished.trained)
+            self.loop.publish(self._unpublished.step, self._unpublished.trained)
             self._unpublished = None
 
     def _install(self, version: int) -> float:
@@ -397,7 +417,7 @@ class OneStepOff:
 
     def _learn(self, u: int, batch: StepBatch) -> dict[str, Any]:
         batch, dropped_groups, dropped_samples = drop_stale(batch, u, self.max_staleness)
-        record = self.trainer.learn(batch, publish=False)
+        record = self.loop.learn(batch, publish=False)
         self._unpublished = batch
         self.trained_version = u + 1
         record.update(self._metrics(u, batch, dropped_groups, dropped_samples))
@@ -410,7 +430,7 @@ class OneStepOff:
         for s in batch.samples:
             staleness.setdefault(s.agent, []).append(u - version[(s.episode_id, s.turn_index)])
         weights: dict[str, CorrectionStats] = {}
-        for name, updater in self.trainer.updaters.items():
+        for name, updater in self.run.updaters.items():
             for one in _model_updaters(name, updater):
                 for agent, stats in one.correction.pop_stats().items():
                     weights[agent] = weights.get(agent, CorrectionStats()).merge(stats)
@@ -460,13 +480,13 @@ class FreeRunning(OneStepOff):
     `max_staleness` versions behind it, and every update's weights reach the rollouts at once, while other steps'
     episodes are in flight. Metric `async/steps_in_flight`: steps rolling out during the update."""
 
-    def __init__(self, trainer: Any) -> None:
-        super().__init__(trainer)
+    def __init__(self, run: RunState, loop: StepLoop) -> None:
+        super().__init__(run, loop)
         self._next = 0
         """The first step not started yet."""
 
     def steps(self, start: int) -> Iterator[tuple[int, dict[str, Any]]]:
-        steps = self.trainer.cfg.steps
+        steps = self.run.cfg.steps
         self._next = start
         self._launch()
         for u in range(start, steps):
@@ -487,7 +507,7 @@ class FreeRunning(OneStepOff):
 
     def _launch(self) -> None:
         """Start every step whose groups may sample with the rollout weights: s <= serving_version + max_staleness."""
-        last = min(self.trainer.cfg.steps, self.serving_version + self.max_staleness + 1)
+        last = min(self.run.cfg.steps, self.serving_version + self.max_staleness + 1)
         while self._next < last:
             if self._next not in self._pending:
                 self._start(self._next)
@@ -498,6 +518,6 @@ class FreeRunning(OneStepOff):
         return [s.old_logprobs for s in samples]
 
 
-def pipeline(trainer: Any) -> OneStepOff:
-    """The loop of `async.schedule`: `OneStepOff` (one_step_off) or `FreeRunning` (free)."""
-    return FreeRunning(trainer) if trainer.cfg.async_.schedule == "free" else OneStepOff(trainer)
+def pipeline(run: RunState, loop: StepLoop) -> OneStepOff:
+    """The loop of `async.schedule`: `OneStepOff` (one_step_off) or `FreeRunning` (free), driving `loop`."""
+    return FreeRunning(run, loop) if run.cfg.async_.schedule == "free" else OneStepOff(run, loop)

@@ -51,9 +51,15 @@ from typing import Any, TypeVar
 
 from drmas_graph.config import RolloutConfig
 from drmas_graph.errors import ConfigError, NoLLMCallError, RolloutError
-from drmas_graph.instrumentation._limits import LIMITS, Backstop, StuckEpisodeError, limit_metadata
-from drmas_graph.instrumentation._seeds import episode_seed
-from drmas_graph.instrumentation._segments import EpisodeInterruptedError, continuation_from_env
+from drmas_graph.instrumentation import (
+    LIMITS,
+    Backstop,
+    EpisodeInterruptedError,
+    StuckEpisodeError,
+    continuation_from_env,
+    episode_seed,
+    limit_metadata,
+)
 from drmas_graph.types import Episode, new_id
 
 __all__ = ["EpisodeJob", "EpisodeSlots", "RolloutBatch", "StepBatch", "episode_config", "group_ids", "run_episodes",

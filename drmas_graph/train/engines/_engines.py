@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from drmas_graph.errors import ConfigError
-from drmas_graph.train._world import rank as _rank, world_size as _world_size  # the package's one answer
+from drmas_graph.train.engines._world import rank as _rank, world_size as _world_size  # the package's one answer
 
 if TYPE_CHECKING:
-    from drmas_graph.train._settings import UpdateSettings
+    from drmas_graph.train.engines._settings import UpdateSettings
 
 # --- distributed helpers -----------------------------------------------------------------------------------
 
@@ -212,7 +212,7 @@ class _TorchEngine:
 
 def _load_hf_weights(model: torch.nn.Module, path: Path) -> None:
     """Copy weights saved with ``save_pretrained`` into ``model``'s own parameters (in place)."""
-    from drmas_graph.engine._adapters import is_peft_model, load_adapter_weights
+    from drmas_graph.engine import is_peft_model, load_adapter_weights
 
     if is_peft_model(model):  # save_pretrained wrote the LoRA adapters only
         return load_adapter_weights(model, path)

@@ -44,7 +44,7 @@ from typing import Any, TypeVar
 import torch
 
 from drmas_graph.errors import ConfigError, TraceStoreError
-from drmas_graph.train._world import group_initialized, local_rank, rank, world_size
+from drmas_graph.train.engines._world import group_initialized, local_rank, rank, world_size
 
 __all__ = [
     "NullLogger", "barrier", "check_divisible", "check_no_launch", "check_resume_world", "gather", "init_process_group",
@@ -98,11 +98,11 @@ def init_process_group(use_deepspeed: bool) -> None:
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank())
     if use_deepspeed:
-        from drmas_graph.train._engines import _import_deepspeed, _init_process_group
+        from drmas_graph.train.engines._engines import _import_deepspeed, _init_process_group
 
         _init_process_group(_import_deepspeed())
     else:
-        from drmas_graph.train._engines import destroy_gloo_group_at_exit
+        from drmas_graph.train.engines._engines import destroy_gloo_group_at_exit
 
         torch.distributed.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo")
         destroy_gloo_group_at_exit()

@@ -10,7 +10,7 @@ import ast
 import inspect
 import re
 
-from drmas_graph.train._update_metrics import AgentUpdateMetrics, UpdateMetrics
+from drmas_graph.train.optim._update_metrics import AgentUpdateMetrics, UpdateMetrics
 
 __all__ = ["metrics_reference", "is_documented"]
 
@@ -95,15 +95,18 @@ EVAL = [
     ("eval/split", "The evaluation's task split."),
     ("eval/k", "Samples per task."),
     ("eval/tasks", "Tasks evaluated."),
-    ("eval/avg@k", "Mean over tasks of the share of its k episodes that succeeded (team reward >= "
-                   "success_threshold, or env.is_success)."),
-    ("eval/pass@k", "Share of tasks with at least one success among k."),
+    ("eval/avg@k", "Mean over tasks of the share of its judged episodes that succeeded (team reward >= "
+                   "success_threshold, or env.is_success); episodes the judge gave no score are left out, and so "
+                   "are tasks without any judged episode."),
+    ("eval/pass@k", "Share of tasks (with a judged episode) with at least one success among k."),
     ("eval/failed_episodes", "Episodes that failed or made no LLM call (they count as failures)."),
     ("eval/bad_reward_episodes", "Episodes whose reward was unusable (they count as failures)."),
-    ("eval/judge_failed_episodes", "Episodes the judge gave no score (they count as failures)."),
+    ("eval/judge_failed_episodes", "Episodes the judge gave no score (left out of avg@k and pass@k; each is "
+                                   "logged and stored with its error)."),
+    ("eval/unjudged_episodes", "Episodes left out of avg@k and pass@k because the judge gave them no score."),
     ("eval/<agent>/reward", "Mean turn reward of the agent (invalid-turn penalties included)."),
     ("eval/<agent>/invalid_rate", "Share of the agent's turns that were invalid."),
-    ("eval/<agent>/calls_per_episode", "The agent's calls per episode."),
+    ("eval/<agent>/calls_per_episode", "The agent's calls per scored episode."),
     ("eval/<agent>/response_length", "Mean response length in tokens of the agent's replies."),
     ("eval/<agent>/top_replies", "The agent's 5 most frequent replies (whitespace-normalized, cut to 80 "
                                  "characters): a list of {reply, count, reward (mean)}; not a scalar."),

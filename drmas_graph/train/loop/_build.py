@@ -16,10 +16,10 @@ from typing import Any
 from drmas_graph.config import AgentConfig, ModelConfig, TrainConfig, model_adapters
 from drmas_graph.errors import ConfigError
 from drmas_graph.policy import Policy
-from drmas_graph.train import _distributed
+from drmas_graph.train.engines import _distributed
 from drmas_graph.types import SamplingParams
 
-__all__ = ["is_served", "build_policies", "build_updaters", "agent_sampling", "check_sampling", "load_tasks",
+__all__ = ["is_served", "build_policy", "build_policies", "build_updaters", "agent_sampling", "check_sampling", "load_tasks",
            "uses_deepspeed"]
 
 
@@ -71,11 +71,11 @@ def _build_model(name: str, mc: ModelConfig, seed: int, adapters: Sequence[str] 
     are loaded locally from `path` (trained, never generating) and a served policy with the same tokenizer
     rolls out through the servers (launched here from `path`, or attached to `serve.urls`).
     """
-    policy = _build_policy(name, mc, seed)
+    policy = build_policy(name, mc, seed)
     if mc.serve is None:
         return policy, policy.model
     from drmas_graph.served import SGLangPolicy, VLLMPolicy, launch_sglang, launch_vllm
-    from drmas_graph.served._lora import vllm_launch_kwargs
+    from drmas_graph.served import vllm_launch_kwargs
 
     sc = mc.serve
     policy_cls, launch = {"sglang": (SGLangPolicy, launch_sglang), "vllm": (VLLMPolicy, launch_vllm)}[sc.engine]
@@ -104,8 +104,8 @@ def _check_policy_names(given: Mapping[str, Policy]) -> None:
 def _attach_adapters(policy: Policy, model: Any, name: str, cfg: TrainConfig) -> Any:
     """Wrap model `name` in one LoRA adapter per agent adapter; an embedded policy generates with it, a served
     one is told how its servers get the adapters (`served._lora.serve_adapters`)."""
-    from drmas_graph.served._lora import serve_adapters
-    from drmas_graph.train.lora import attach_adapters
+    from drmas_graph.served import serve_adapters
+    from drmas_graph.train.optim.lora import attach_adapters
 
     mc, adapters = cfg.models[name], model_adapters(name, cfg.agents)
     peft_model = attach_adapters(model, mc.lora, adapters, seed=cfg.seed)
@@ -124,7 +124,9 @@ def _resolve_path(path: str) -> str:
     return path
 
 
-def _build_policy(name: str, mc: ModelConfig, seed: int) -> Policy:
+def build_policy(name: str, mc: ModelConfig, seed: int) -> Policy:
+    """The embedded policy of model config `mc` (a `TransformersPolicy`, or a tiny random one for `tiny`), named
+    `name`, sampling with `seed`; what training rolls out with and a judge built from a model config runs on."""
     from drmas_graph.engine.transformers_policy import TransformersPolicy
 
     if mc.tiny is not None:
@@ -152,8 +154,8 @@ def build_updaters(cfg: TrainConfig, agent_policies: Mapping[str, Policy], model
                    agent_cfgs: Mapping[str, AgentConfig], train_models: Mapping[str, Any],
                    on_model_thread: Callable[[str, Callable[[], Any]], Any]) -> dict[str, Any]:
     """One updater per trainable model with at least one trained agent, built on the model's own thread."""
-    from drmas_graph.train._settings import LossSettings, UpdateSettings
-    from drmas_graph.train.lora import build_updater
+    from drmas_graph.train.engines._settings import LossSettings, UpdateSettings
+    from drmas_graph.train.optim.lora import build_updater
 
     updaters = {}
     for name, policy in model_policies.items():
@@ -210,4 +212,3 @@ def agent_sampling(agent: AgentConfig) -> SamplingParams:
                           adapter=agent.adapter)
 
 
-build_policy = _build_policy  # TEMPORARY (helper seams): the structure branch makes this the public name

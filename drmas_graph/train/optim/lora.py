@@ -30,19 +30,19 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from drmas_graph.config import check_adapter_name
-from drmas_graph.engine._adapters import is_peft_model, load_adapter_weights
+from drmas_graph.engine import is_peft_model, load_adapter_weights
 from drmas_graph.errors import ConfigError
-from drmas_graph.train._engines import _world_size
-from drmas_graph.train._packing import PackingProbes
+from drmas_graph.train.engines._engines import _world_size
+from drmas_graph.train.optim._packing import PackingProbes
 
 if TYPE_CHECKING:
     from drmas_graph.config import AgentConfig, LoraConfig
     from drmas_graph.types import Sample
-    from drmas_graph.train._settings import LossSettings, UpdateSettings
-    from drmas_graph.train._update_metrics import UpdateMetrics
+    from drmas_graph.train.engines._settings import LossSettings, UpdateSettings
+    from drmas_graph.train.optim._update_metrics import UpdateMetrics
 
 __all__ = ["attach_adapters", "base_forward", "build_updater", "LoraUpdater", "LoraUpdateMetrics",
-           "load_checkpoint_adapters", "merged_state_dict", "save_for_sync", "save_merged"]
+           "load_adapters", "merged_state_dict", "save_for_sync", "save_merged"]
 
 
 def _import_peft() -> Any:
@@ -102,7 +102,7 @@ class base_forward:  # noqa: N801 - used like a function: base_forward(model)(**
 
     @contextlib.contextmanager
     def on_device(self) -> Iterator[base_forward]:
-        """`drmas_graph.train._reference.Reference`: the base already sits on the model's device (no copy, no move)."""
+        """`drmas_graph.train.optim._reference.Reference`: the base already sits on the model's device (no copy, no move)."""
         yield self
 
     def get_output_embeddings(self) -> Any:
@@ -120,15 +120,14 @@ class base_forward:  # noqa: N801 - used like a function: base_forward(model)(**
 # --- saving and loading -----------------------------------------------------------------------------------
 
 
-def load_checkpoint_adapters(trainer: Any, checkpoint: str | os.PathLike) -> None:
-    """Load the adapters of every LoRA model from a training checkpoint (``<checkpoint>/<model>/model``) into
-    a trainer's models, and push them to the servers of served ones."""
-    for name, model in trainer.train_models.items():
-        if is_peft_model(model):
-            load_adapter_weights(model, Path(checkpoint) / name / "model")
-            policy = trainer.model_policies.get(name)
-            if policy is not None and callable(getattr(policy, "sync_weights", None)):
-                trainer.sync_weights(name, version=policy.version)
+def load_adapters(train_models: Mapping[str, Any], checkpoint: Path) -> list[str]:
+    """Load the adapters of every LoRA model of `train_models` from a training checkpoint
+    (``<checkpoint>/<model>/model``); return their names (`_checkpoints.load_checkpoint_adapters` also pushes them
+    to the servers of served ones)."""
+    names = [name for name, model in train_models.items() if is_peft_model(model)]
+    for name in names:
+        load_adapter_weights(train_models[name], checkpoint / name / "model")
+    return names
 
 
 def merged_state_dict(model: Any, adapter: str) -> dict[str, torch.Tensor]:
@@ -205,11 +204,11 @@ class LoraUpdater:
     def __init__(self, model: Any, *, name: str, settings: UpdateSettings,
                  agent_settings: Mapping[str, LossSettings], agent_adapters: Mapping[str, str],
                  adapter_lr: Mapping[str, float] | None = None) -> None:
-        from drmas_graph.train.update import ModelUpdater
+        from drmas_graph.train.optim.update import ModelUpdater
 
         if not is_peft_model(model):
             raise ConfigError(f"LoraUpdater {name!r}: the model is a {type(model).__name__}, not a peft PeftModel; "
-                              "wrap it with drmas_graph.train.lora.attach_adapters")
+                              "wrap it with drmas_graph.train.optim.lora.attach_adapters")
         missing = sorted(set(agent_settings) - set(agent_adapters))
         unknown = sorted({a for a in agent_adapters.values() if a not in model.peft_config})
         if missing or unknown:
@@ -283,7 +282,7 @@ class LoraUpdater:
     def save(self, directory: str | os.PathLike) -> None:
         """``directory/model/<adapter>/``: every adapter once, in peft format; ``directory/adapters/<adapter>/``:
         each updater's optimizer and RNG state (`ModelUpdater.save_state`). Collective, like `ModelUpdater.save`."""
-        from drmas_graph.train._engines import _barrier, _rank
+        from drmas_graph.train.engines._engines import _barrier, _rank
 
         directory = Path(directory)
         with self.full_weights():
@@ -311,7 +310,7 @@ def build_updater(model: Any, *, name: str, settings: UpdateSettings, agent_sett
     Per-agent learning rates (`AgentConfig.lr`) apply per adapter (agents sharing one must agree), or to the
     whole model when no other agent shares it.
     """
-    from drmas_graph.train.update import ModelUpdater
+    from drmas_graph.train.optim.update import ModelUpdater
 
     agents = list(agent_settings)
     if is_peft_model(model):

@@ -4,16 +4,15 @@ estimator, no policy model."""
 from __future__ import annotations
 
 import dataclasses
-import numbers
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from drmas_graph.env import BadRewardError, Task
+from drmas_graph.env import BadRewardError, EpisodeScore, Task
 from drmas_graph.errors import ConfigError
 from drmas_graph.traces.store import TraceStore
+from drmas_graph.train.loop._scoring import score_episodes
 from drmas_graph.types import Episode
 
 __all__ = ["Rescored", "RescoreResult", "rescore", "POOLS", "pooled_episode_ids"]
@@ -47,8 +46,9 @@ class RescoreResult(dict[str, Rescored]):
     def __init__(self, rescored: Mapping[str, Rescored], failed: Mapping[str, str]):
         super().__init__(rescored)
         self.failed: dict[str, str] = dict(failed)
-        """{episode id: 'ErrorType: why'} of the pooled episodes the judge gave no usable reward (left out of the
-        advantages; in ``out`` with that error and no rewards). Always empty with a reward function."""
+        """{episode id: 'BadRewardError: why'} of the pooled episodes without a usable reward (the judge gave no
+        score, a reward that is not a finite number): left out of the advantages; in ``out`` with that error and no
+        rewards."""
 
 
 def rescore(
@@ -56,7 +56,9 @@ def rescore(
     reward_fn: Callable[[Episode], float | Mapping[str, float]] | None = None,
     *,
     judge: Any = None,
+    env: Any = None,
     tasks: Iterable[Any] | Mapping[str, Any] | None = None,
+    invalid_penalty: float | None = None,
     estimator: str = "agent",
     norm_by_std: bool = True,
     eps: float = 1e-6,
@@ -65,10 +67,10 @@ def rescore(
     out: str | Path | None = None,
     max_workers: int = 8,
 ) -> RescoreResult:
-    """Recompute the rewards and advantages of a stored run with another reward function, a judge model or
-    another estimator, without any policy model. Returns {episode id: Rescored} (a `RescoreResult`); with
-    ``out``, also writes a new store holding the episodes with their new rewards, advantages and judgements
-    (the source store is never modified).
+    """Recompute the rewards and advantages of a stored run with another reward function, a judge model, the
+    environment or another estimator, without any policy model. Returns {episode id: Rescored} (a
+    `RescoreResult`); with ``out``, also writes a new store holding the episodes with their new rewards,
+    advantages and judgements (the source store is never modified).
 
     Which episodes are pooled (advantages are normalised over them, group by group): ``episodes=
     "trained"`` (default) takes the episodes training used in the latest run: those with a training step
@@ -78,33 +80,34 @@ def rescore(
     episode; or pass the episode ids. ``step`` keeps only that training step.
 
     The rewards come from exactly one of: ``reward_fn(episode)``, which returns one team reward (given to every
-    agent) or a reward per agent (it must name every agent of the episode); or ``judge``, any object with the
+    agent) or a reward per agent (it must name every agent of the episode); ``judge``, any object with the
     environment's group hook ``reward_group(task, episodes)`` (a `drmas_graph.rewards.Judge` or `JudgedEnv`),
-    called once per group of pooled episodes (episodes grouped by group_id, else task_id, in pool order; at most
-    ``max_workers`` groups at once), which returns one reward (float or {agent: float}) or exception per episode
-    and sets each episode's `judgement`. The judge sees the task: looked up by the episodes' task_id in
-    ``tasks`` (the env's tasks, so the rubric sees reference answers; a task_id missing from them is a
-    ConfigError), or without ``tasks`` rebuilt as ``Task(id=task_id, input=<the stored input>)`` (no reference
-    answer). An exception item (e.g. a JudgeError after the judge's retries) leaves that episode out of the
-    advantages: it is listed in the result's ``failed`` and written to ``out`` with the error and no rewards; if
-    the judge scored none of the pooled episodes, rescore raises BadRewardError naming the first failure. A
-    ``reward_group`` that raises stops the rescore (the error names the group); a list of the wrong length is a
-    ConfigError. The stored judgements of the source are never carried over: ``out`` holds the new judge's, or
-    none with a reward function.
+    called once per group of pooled episodes (episodes grouped by group_id, else task_id, in the order training
+    scored them; at most ``max_workers`` groups at once), which returns one reward (float or {agent: float}) or
+    exception per episode and sets each episode's `judgement`; or ``env``, an environment (its ``reward_group``,
+    else ``reward(task, episode)``, and its ``turn_is_valid``). The judge or env sees the task: looked up by the
+    episodes' task_id in ``tasks`` (the env's tasks, so the rubric sees reference answers; a task_id missing from
+    them is a ConfigError), or without ``tasks`` rebuilt as ``Task(id=task_id, input=<the stored input>)`` (no
+    reference answer).
 
-    Samples are the trainable turns: sample i gets R_i = reward of its agent, group = the episode's group_id
-    (else its task_id), turn id = how many calls its agent made before it in the episode;
-    ``compute_advantages`` does the rest. No invalid-turn penalty is applied.
+    Every episode is scored as training scores it (`_scoring.score_episodes`, one path for training, evaluation,
+    check and rescore): the reward is checked (a finite number for every agent), a turn that is invalid
+    (``turn_is_valid`` says so, its reply broke its format, it caused the model error) loses ``invalid_penalty``
+    (None: the run's, as training took it: the stored config's ``invalid_penalty``, else the judge's or env's
+    ``invalid_penalty`` attribute, else 0), and truncated / model-error episodes get the stored config's
+    ``rollout.truncated_reward`` / ``model_error_reward`` when set. So rescoring a run with the reward it trained
+    with reproduces its rewards exactly. An episode without a usable reward (the judge gave no score, the
+    reward_group call raised or returned the wrong number of items, a reward that is not a finite number) is
+    left out of the advantages: it is listed in the result's ``failed`` with its error and written to ``out`` with
+    that error and no rewards; if none of the pooled episodes got a reward, rescore raises BadRewardError naming
+    the first failure. The stored judgements of the source are never carried over: ``out`` holds the new
+    judge's, or none with a reward function.
+
+    Samples are the trainable turns: sample i gets R_i = its turn reward (its agent's reward, less the penalty
+    of an invalid turn), group = the episode's group_id (else its task_id), turn id = how many calls its agent made
+    before it in the episode; ``compute_advantages`` does the rest.
     """
-    if (reward_fn is None) == (judge is None):
-        raise ConfigError("rescore: give exactly one of reward_fn (episode -> reward) and judge (an object with "
-                          "reward_group(task, episodes), e.g. drmas_graph.rewards.Judge)")
-    if judge is not None and (isinstance(judge, type) or not callable(getattr(judge, "reward_group", None))):
-        raise ConfigError(f"rescore judge={judge!r}: not an object with a reward_group(task, episodes) method; "
-                          "pass a drmas_graph.rewards.Judge, a JudgedEnv or an env with that method (an instance)")
-    if tasks is not None and judge is None:
-        raise ConfigError("rescore tasks=... is for a judge (it shows the judge each task); reward_fn sees only "
-                          "the episode")
+    source_of_rewards = _reward_source(reward_fn, judge, env, tasks)
     source = store if isinstance(store, TraceStore) else TraceStore(store, readonly=True)
     try:
         ids = pooled_episode_ids(source, episodes, step=step)
@@ -126,45 +129,85 @@ def rescore(
     for members in groups.values():  # a group in the order training scored it (the store holds finishing order)
         if all(isinstance(e.metadata.get("group_index"), int) for e in members):
             members.sort(key=lambda e: e.metadata["group_index"])
-
-    failed: dict[str, BaseException] = {}
-    if judge is not None:
-        rewards_by_episode, failed = _judge_groups(judge, groups, tasks, max_workers)
-    else:
-        rewards_by_episode = {e.id: _agent_rewards(e, reward_fn(e), "reward_fn") for e in episodes}
+    by_id = None if tasks is None else _tasks_by_id(tasks)
+    runs = [(_task_of(group_id, members, by_id), e) for group_id, members in groups.items() for e in members]
+    run_config = source_config or {}
+    rollout = run_config.get("rollout") or {}
+    if invalid_penalty is None:
+        invalid_penalty = run_config.get("invalid_penalty")
+    if invalid_penalty is None:
+        invalid_penalty = float(getattr(source_of_rewards, "invalid_penalty", 0.0))
+    results = score_episodes(source_of_rewards, runs, invalid_penalty=invalid_penalty,
+                             truncated_reward=rollout.get("truncated_reward"),
+                             model_error_reward=rollout.get("model_error_reward"), max_workers=max_workers)
+    scores = {e.id: score for (_, e), score in zip(runs, results) if isinstance(score, EpisodeScore)}
+    failed = {e.id: score for (_, e), score in zip(runs, results) if not isinstance(score, EpisodeScore)}
     if episodes and len(failed) == len(episodes):
         first_id, first = next(iter(failed.items()))
-        raise BadRewardError(f"rescore: the judge scored none of the {len(episodes)} pooled episodes; the first "
-                             f"failure (episode {first_id}): {type(first).__name__}: {first}") from first
-    scored = [e for e in episodes if e.id not in failed]
-    result = RescoreResult(_rescored(scored, rewards_by_episode, estimator=estimator, norm_by_std=norm_by_std, eps=eps),
-                           {i: f"{type(e).__name__}: {e}" for i, e in failed.items()})
+        raise BadRewardError(f"rescore: none of the {len(episodes)} pooled episodes got a usable reward; the first "
+                             f"failure (episode {first_id}): {first}") from first
+    result = RescoreResult(
+        _rescored([e for e in episodes if e.id in scores], scores, estimator=estimator, norm_by_std=norm_by_std,
+                  eps=eps),
+        {e.id: e.error for e in episodes if e.id in failed})
 
     if out is not None:
-        config = {
-            "rescored_from": str(source_path),
-            "estimator": estimator,
-            "norm_by_std": norm_by_std,
-            "eps": eps,
+        _write(out, episodes, steps, result, {
+            "rescored_from": str(source_path), "estimator": estimator, "norm_by_std": norm_by_std, "eps": eps,
+            "invalid_penalty": invalid_penalty,
             "reward_fn": None if reward_fn is None else getattr(reward_fn, "__qualname__", repr(reward_fn)),
             "judge": None if judge is None else _judge_name(judge),
-            "source_config": source_config,
-        }
-        with TraceStore(out, config=config) as target:
-            for episode in episodes:
-                new = result.get(episode.id)
-                changes = (dict(rewards=new.rewards, turn_rewards=new.turn_rewards, advantages=new.advantages)
-                           if new is not None else
-                           dict(rewards={}, turn_rewards=None, advantages=None, error=result.failed[episode.id]))
-                target.write_episode(dataclasses.replace(episode, **changes), step=steps[episode.id])
+            "env": None if env is None else type(env).__qualname__, "source_config": source_config})
     return result
 
 
-def _rescored(episodes: list[Episode], rewards_by_episode: Mapping[str, dict[str, float]], *, estimator: str,
+def _write(out: str | Path, episodes: list[Episode], steps: Mapping[str, int | None], result: RescoreResult,
+           config: dict[str, Any]) -> None:
+    """A new store at `out` holding `episodes` with their new rewards and advantages (or their error)."""
+    with TraceStore(out, config=config) as target:
+        for episode in episodes:
+            new = result.get(episode.id)
+            changes = (dict(rewards=new.rewards, turn_rewards=new.turn_rewards, advantages=new.advantages)
+                       if new is not None else
+                       dict(rewards={}, turn_rewards=None, advantages=None, error=result.failed[episode.id]))
+            target.write_episode(dataclasses.replace(episode, **changes), step=steps[episode.id])
+
+
+def _reward_source(reward_fn: Callable[[Episode], Any] | None, judge: Any, env: Any,
+                   tasks: Iterable[Any] | Mapping[str, Any] | None) -> Any:
+    """The object `score_episodes` scores with: the judge, the env, or the reward function as an environment."""
+    if sum(x is not None for x in (reward_fn, judge, env)) != 1:
+        raise ConfigError("rescore: give exactly one of reward_fn (episode -> reward), judge (an object with "
+                          "reward_group(task, episodes), e.g. drmas_graph.rewards.Judge) and env (an environment)")
+    if judge is not None and (isinstance(judge, type) or not callable(getattr(judge, "reward_group", None))):
+        raise ConfigError(f"rescore judge={judge!r}: not an object with a reward_group(task, episodes) method; "
+                          "pass a drmas_graph.rewards.Judge, a JudgedEnv or an env with that method (an instance)")
+    if env is not None and (isinstance(env, type) or not (callable(getattr(env, "reward_group", None))
+                                                          or callable(getattr(env, "reward", None)))):
+        raise ConfigError(f"rescore env={env!r}: not an environment (an instance with reward(task, episode) or "
+                          "reward_group(task, episodes))")
+    if tasks is not None and reward_fn is not None:
+        raise ConfigError("rescore tasks=... is for a judge or an env (it shows them each task); reward_fn sees only "
+                          "the episode")
+    return judge if judge is not None else env if env is not None else _RewardFn(reward_fn)
+
+
+class _RewardFn:
+    """`rescore`'s ``reward_fn(episode)`` as an environment's ``reward(task, episode)``."""
+
+    def __init__(self, fn: Callable[[Episode], Any]) -> None:
+        def reward(task: Any, episode: Episode) -> Any:
+            return fn(episode)
+
+        reward.__qualname__ = getattr(fn, "__qualname__", repr(fn))  # errors name the user's function
+        self.reward = reward
+
+
+def _rescored(episodes: list[Episode], scores: Mapping[str, EpisodeScore], *, estimator: str,
               norm_by_std: bool, eps: float) -> dict[str, Rescored]:
     """The new rewards, per-turn rewards and advantages of `episodes` (pooled by `_group_of`), with the
     judgement each episode now holds."""
-    from drmas_graph.train.advantages import compute_advantages
+    from drmas_graph.train.optim.advantages import compute_advantages
 
     rewards_N: list[float] = []
     group_ids: list[str] = []
@@ -172,13 +215,13 @@ def _rescored(episodes: list[Episode], rewards_by_episode: Mapping[str, dict[str
     episode_ids: list[str] = []
     turn_ids: list[int] = []
     for episode in episodes:
-        rewards = rewards_by_episode[episode.id]
+        turn_rewards = scores[episode.id].turn_rewards
         calls_so_far: dict[str, int] = {}
-        for turn in episode.turns:
+        for turn, reward in zip(episode.turns, turn_rewards):
             k = calls_so_far.get(turn.agent, 0)
             calls_so_far[turn.agent] = k + 1
             if turn.trainable:
-                rewards_N.append(rewards[turn.agent])
+                rewards_N.append(reward)
                 group_ids.append(_group_of(episode))
                 agent_ids.append(turn.agent)
                 episode_ids.append(episode.id)
@@ -195,8 +238,8 @@ def _rescored(episodes: list[Episode], rewards_by_episode: Mapping[str, dict[str
     next_advantage = iter(advantages_N)
     return {
         episode.id: Rescored(
-            rewards=rewards_by_episode[episode.id],
-            turn_rewards=[rewards_by_episode[episode.id][t.agent] for t in episode.turns],
+            rewards=scores[episode.id].rewards,
+            turn_rewards=list(scores[episode.id].turn_rewards),
             advantages=[next(next_advantage) if t.trainable else 0.0 for t in episode.turns],
             judgement=episode.judgement,
         )
@@ -214,40 +257,6 @@ def _group_of(episode: Episode) -> str:
 
 def _judge_name(judge: Any) -> str:
     return getattr(judge, "name", None) or type(judge).__qualname__
-
-
-def _judge_groups(judge: Any, groups: Mapping[str, list[Episode]], tasks: Iterable[Any] | Mapping[str, Any] | None,
-                  max_workers: int) -> tuple[dict[str, dict[str, float]], dict[str, BaseException]]:
-    """One ``judge.reward_group(task, episodes)`` call per group (at most `max_workers` at once): the rewards
-    of the episodes it scored, and the exception item of each one it could not."""
-    by_id = None if tasks is None else _tasks_by_id(tasks)
-    where = f"{type(judge).__name__}.reward_group"
-    jobs = [(group_id, _task_of(group_id, members, by_id), members) for group_id, members in groups.items()]
-
-    def call(job: tuple[str, Any, list[Episode]]) -> Any:
-        group_id, task, members = job
-        try:
-            return judge.reward_group(task, members)
-        except Exception as exc:
-            exc.add_note(f"rescore: {where} raised for group {group_id!r} "
-                         f"({len(members)} episodes)")
-            raise
-
-    with ThreadPoolExecutor(max_workers=max(1, min(max_workers, len(jobs)))) as pool:
-        answers = list(pool.map(call, jobs))
-    rewards: dict[str, dict[str, float]] = {}
-    failed: dict[str, BaseException] = {}
-    for (group_id, _, members), answer in zip(jobs, answers, strict=True):
-        if not isinstance(answer, Sequence) or isinstance(answer, str | bytes) or len(answer) != len(members):
-            got = f"{len(answer)} items" if isinstance(answer, Sequence) else type(answer).__name__
-            raise ConfigError(f"{where} returned {got} for the {len(members)} episodes of "
-                              f"group {group_id!r}; return one reward (or exception) per episode, in order")
-        for episode, item in zip(members, answer, strict=True):
-            if isinstance(item, BaseException):
-                failed[episode.id] = item
-            else:
-                rewards[episode.id] = _agent_rewards(episode, item, where)
-    return rewards, failed
 
 
 def _tasks_by_id(tasks: Iterable[Any] | Mapping[str, Any]) -> dict[str, Any]:
@@ -284,22 +293,3 @@ def pooled_episode_ids(store: TraceStore, episodes: str | Iterable[str], *, step
             return store.trained_episodes(step=step)
         return [s.id for s in store.episodes(step=step, failed=False if episodes == "ok" else None)]
     return list(dict.fromkeys(episodes))
-
-
-def _agent_rewards(episode: Episode, reward: float | Mapping[str, float], source: str) -> dict[str, float]:
-    """A reward function's or judge's answer (`source` names it) as {agent: reward} covering every agent of the
-    episode."""
-    if isinstance(reward, numbers.Real):
-        return {agent: float(reward) for agent in episode.agents}
-    if not isinstance(reward, Mapping):
-        raise ConfigError(
-            f"{source} returned {type(reward).__name__} for episode {episode.id}; "
-            "return a float or a dict {agent: float}"
-        )
-    missing = [agent for agent in episode.agents if agent not in reward]
-    if missing:
-        raise ConfigError(
-            f"{source} gave no reward to agent(s) {', '.join(map(repr, missing))} of episode {episode.id}; "
-            "return a reward for every agent that made a call"
-        )
-    return {agent: float(r) for agent, r in reward.items()}

@@ -24,8 +24,8 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from drmas_graph.errors import ConfigError
-from drmas_graph.train._packing import build_tree, sequences_of, tree_inputs
-from drmas_graph.train.losses import entropy_from_logits, token_logprobs
+from drmas_graph.train.optim._packing import build_tree, sequences_of, tree_inputs
+from drmas_graph.train.optim.losses import entropy_from_logits, token_logprobs
 from drmas_graph.types import Sample
 
 __all__ = ["Batch", "check_chunked_head", "collate", "collate_packed", "response_token_stats"]
@@ -36,7 +36,7 @@ class Batch:
     """A micro-batch of one agent: the model's forward inputs and, per sample b, its response tokens.
 
     The inputs are right-padded rows (row b = prompt + response of sample b, `collate`) or one packed row
-    holding the trie of all the samples (`collate_packed`, `drmas_graph.train._packing`).
+    holding the trie of all the samples (`collate_packed`, `drmas_graph.train.optim._packing`).
     """
 
     agent: str
@@ -98,7 +98,7 @@ def collate(samples: Sequence[Sample], *, pad_id: int, device: torch.device) -> 
 
 def collate_packed(samples: Sequence[Sample], *, pad_id: int, device: torch.device, mask_kind: str,
                    dtype: torch.dtype) -> Batch:
-    """One packed row: the trie of the samples' prompt + response sequences (`drmas_graph.train._packing`)."""
+    """One packed row: the trie of the samples' prompt + response sequences (`drmas_graph.train.optim._packing`)."""
     tree = build_tree(sequences_of(samples))
     T = max(1, max(len(s.response_ids) for s in samples))
     logit_index_BT = torch.zeros((len(samples), T), dtype=torch.long)

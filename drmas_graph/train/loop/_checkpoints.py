@@ -12,23 +12,40 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import os
 import re
 import shutil
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from drmas_graph.errors import ConfigError
-from drmas_graph.train import _distributed
-from drmas_graph.train._build import is_served
-from drmas_graph.train.lora import save_for_sync
+from drmas_graph.train.engines import _distributed
+from drmas_graph.train.loop._build import is_served
+from drmas_graph.train.loop._state import HasRunState, RunState, run_state
+from drmas_graph.train.optim.lora import load_adapters, save_for_sync
 
-__all__ = ["save_checkpoint", "resume", "checkpoint_step", "push_weights", "load_into_servers", "sync_dir"]
+__all__ = ["save_checkpoint", "resume", "checkpoint_step", "push_weights", "sync_weights", "load_into_servers",
+           "sync_dir", "load_checkpoint_adapters", "RolloutWeights"]
 
 
-def save_checkpoint(trainer: Any, step: int) -> Path:
-    """Write checkpoint `step` of every updater (collective: every rank saves its part, rank 0 the rest)."""
-    root = trainer.run_dir / "checkpoints"
+class RolloutWeights(Protocol):
+    """Asynchronous training's rollout weights (`_pipeline.OneStepOff`), which a checkpoint also holds."""
+
+    trained_version: int
+    """Updates the trainer applied."""
+
+    def save_serving(self, directory: Path) -> int:
+        """Write the rollout weights into a checkpoint folder when they are not the trainer's; their version."""
+
+    def restore(self, directory: Path, trained: int, serving: int | None) -> None:
+        """Install the rollout weights a checkpoint holds (or the trainer's)."""
+
+
+def save_checkpoint(run: RunState, step: int, pipeline: RolloutWeights | None = None) -> Path:
+    """Write checkpoint `step` of every updater (collective: every rank saves its part, rank 0 the rest);
+    `pipeline`: asynchronous training's, whose rollout weights the checkpoint also holds."""
+    root = run.run_dir / "checkpoints"
     final = root / f"step_{step:06d}"
     tmp = root / f".tmp_step_{step:06d}"
     main = _distributed.is_main()  # every rank saves its part (DeepSpeed); rank 0 writes the rest
@@ -36,44 +53,45 @@ def save_checkpoint(trainer: Any, step: int) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     _distributed.barrier()
-    for name, updater in trainer.updaters.items():
-        trainer.on_model_thread(name, functools.partial(updater.save, tmp / name))
+    for name, updater in run.updaters.items():
+        run.on_model_thread(name, functools.partial(updater.save, tmp / name))
         if main:
-            trainer.model_policies[name].tokenizer.save_pretrained(tmp / name / "model")
-    versions = {n: p.version for n, p in trainer.model_policies.items()}
+            run.model_policies[name].tokenizer.save_pretrained(tmp / name / "model")
+    versions = {n: p.version for n, p in run.model_policies.items()}
     state = {"step": step, "policy_versions": versions, "world_size": _distributed.world_size()}
-    if trainer.pipeline is not None:  # the trained weights' version, and those the next step rolls out on
-        versions.update({n: trainer.pipeline.trained_version for n in trainer.updaters})
-        state["serving_version"] = trainer.pipeline.save_serving(tmp)
+    if pipeline is not None:  # the trained weights' version, and those the next step rolls out on
+        versions.update({n: pipeline.trained_version for n in run.updaters})
+        state["serving_version"] = pipeline.save_serving(tmp)
     if main:
         (tmp / "trainer_state.json").write_text(json.dumps(state))
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)  # a checkpoint is complete or absent
-        for old in sorted(root.glob("step_*"))[: -trainer.cfg.keep_checkpoints]:
+        for old in sorted(root.glob("step_*"))[: -run.cfg.keep_checkpoints]:
             shutil.rmtree(old, ignore_errors=True)
     _distributed.barrier()
     return final
 
 
-def resume(trainer: Any) -> int:
-    """Load the latest checkpoint into every updater (and its servers); return the step to continue at."""
-    ckpts = sorted((trainer.run_dir / "checkpoints").glob("step_*"))
+def resume(run: RunState, pipeline: RolloutWeights | None = None) -> int:
+    """Load the latest checkpoint into every updater (and its servers, or `pipeline`'s rollouts); return the step
+    to continue at."""
+    ckpts = sorted((run.run_dir / "checkpoints").glob("step_*"))
     if not ckpts:
         return 0
     latest = ckpts[-1]
     state = json.loads((latest / "trainer_state.json").read_text())
     _distributed.check_resume_world(state.get("world_size"), _distributed.world_size(), {
-        n: u.settings.zero_stage for n, u in trainer.updaters.items() if u.settings.backend == "deepspeed"})
-    for name, updater in trainer.updaters.items():
-        trainer.on_model_thread(name, functools.partial(updater.load, latest / name))
-        if trainer.pipeline is not None:  # the rollouts get their weights below
+        n: u.settings.zero_stage for n, u in run.updaters.items() if u.settings.backend == "deepspeed"})
+    for name, updater in run.updaters.items():
+        run.on_model_thread(name, functools.partial(updater.load, latest / name))
+        if pipeline is not None:  # the rollouts get their weights below
             continue
         version = state["policy_versions"].get(name, 0)
-        if is_served(trainer.model_policies[name]):
-            trainer.sync_weights(name, version=version)  # the servers still hold whatever they served last
-        trainer.model_policies[name].version = version
-    if trainer.pipeline is not None:
-        trainer.pipeline.restore(latest, int(state["step"]), state.get("serving_version"))
+        if is_served(run.model_policies[name]):
+            sync_weights(run, name, version=version)  # the servers still hold whatever they served last
+        run.model_policies[name].version = version
+    if pipeline is not None:
+        pipeline.restore(latest, int(state["step"]), state.get("serving_version"))
     return int(state["step"])
 
 
@@ -88,6 +106,16 @@ def checkpoint_step(checkpoint: Path) -> int:
         raise ConfigError(f"{str(checkpoint)!r} is not a training checkpoint (no trainer_state.json, and its name is "
                           "not step_N); pass a run_dir/checkpoints/step_N folder")
     return int(named.group(1))
+
+
+def load_checkpoint_adapters(run: RunState | HasRunState, checkpoint: str | os.PathLike) -> None:
+    """Load the adapters of every LoRA model from a training checkpoint (``<checkpoint>/<model>/model``) into
+    a run's models (`lora.load_adapters`), and push them to the servers of served ones."""
+    state = run_state(run)
+    for name in load_adapters(state.train_models, Path(checkpoint)):
+        policy = state.model_policies.get(name)
+        if policy is not None and is_served(policy):
+            sync_weights(state, name, version=policy.version)
 
 
 def sync_dir(run_dir: Path, name: str) -> Path:
@@ -117,6 +145,12 @@ def push_weights(run_dir: Path, name: str, model: Any, policy: Any, updater: Any
             tmp.rename(final)
     _load(final, policy, version, timeout_s)
     return time.perf_counter() - start
+
+
+def sync_weights(run: RunState, name: str, *, version: int) -> float:
+    """Push model `name`'s trained weights to its servers (`push_weights`); return the seconds."""
+    return push_weights(run.run_dir, name, run.train_models[name], run.model_policies[name], run.updaters.get(name),
+                        version=version)
 
 
 def load_into_servers(run_dir: Path, name: str, policy: Any, source: Path, *, version: int,

@@ -1,5 +1,7 @@
 """From finished episodes to training samples: rewards, advantages, and the step's metrics record.
 
+- `score_episodes`: the one scoring path (training, evaluation, check, rescore): a reward per episode, checked,
+  minus the invalid-turn penalty, or a `BadRewardError` (the episode gets its `error`, the caller leaves it out).
 - `score_runs`: the reward of every kept episode (minus the invalid-turn penalty): the environment's for a
   finished one, `rollout.truncated_reward` / `rollout.model_error_reward` for one that did not finish
   (`score_episode`); a truncated episode `rollout.mask_truncated` names is dropped and counted, so is one
@@ -33,11 +35,11 @@ from drmas_graph.env import (
     trainable_agent_turns,
 )
 from drmas_graph.errors import JudgeError, RolloutError
-from drmas_graph.train.advantages import compute_advantages
-from drmas_graph.train.metrics import mean_std
+from drmas_graph.train.optim.advantages import compute_advantages
+from drmas_graph.train.loop.metrics import mean_std
 from drmas_graph.types import Episode, Sample
 
-__all__ = ["score_runs", "group_rewards", "reward_metrics", "failure_metric", "masked", "samples_with_advantages",
+__all__ = ["score_runs", "score_episodes", "group_rewards", "reward_metrics", "failure_metric", "masked", "samples_with_advantages",
            "step_record", "unfinished_metrics", "unfinished_warning", "nothing_to_train", "ZeroSignalWatch"]
 
 log = logging.getLogger(__name__)
@@ -52,11 +54,10 @@ GROUP_THREADS = 16
 
 def score_runs(env: Any, runs: list[tuple[Any, Episode]], counts: dict[str, Any], *, invalid_penalty: float,
                rollout: RolloutConfig, on_error: Callable[[BadRewardError], None]) -> tuple[Scored, list[BadRewardError]]:
-    """Score every run (through `env.reward_group` when the environment has it, see `group_rewards`); bad-reward
-    and judge-failed episodes get their `error`, are counted in `counts` (`bad_reward_episodes`,
-    `judge_failed_episodes`) and reported to `on_error`, and are left out of the returned list; so are
-    (counted, not reported) truncated episodes that `rollout.mask_truncated` drops. Then the environment's
-    `reward_metrics()` go into `counts`."""
+    """Score a training step's runs (`score_episodes`); bad-reward and judge-failed episodes (they got their
+    `error`) are counted in `counts` (`bad_reward_episodes`, `judge_failed_episodes`), reported to `on_error` and
+    left out of the returned list; so are (counted, not reported) truncated episodes that `rollout.mask_truncated`
+    drops. Then the environment's `reward_metrics()` go into `counts`."""
     scored, errors = [], []
     counts.update(bad_reward_episodes=0, judge_failed_episodes=0, masked_truncated_episodes=0)
     kept = []
@@ -65,24 +66,45 @@ def score_runs(env: Any, runs: list[tuple[Any, Episode]], counts: dict[str, Any]
             counts["masked_truncated_episodes"] += 1
         else:
             kept.append((task, episode))
-    given = group_rewards(env, kept, truncated_reward=rollout.truncated_reward,
-                          model_error_reward=rollout.model_error_reward)
-    for task, episode in kept:
-        try:
-            score = score_episode(env, task, episode, invalid_penalty=invalid_penalty,
-                                  truncated_reward=rollout.truncated_reward,
-                                  model_error_reward=rollout.model_error_reward,
-                                  reward=given.get(episode.id, ENV_REWARD))
-        except BadRewardError as exc:
-            counts[failure_metric(exc)] += 1
-            episode.error = f"BadRewardError: {exc}"
-            errors.append(exc)
-            on_error(exc)
+    results = score_episodes(env, kept, invalid_penalty=invalid_penalty, truncated_reward=rollout.truncated_reward,
+                             model_error_reward=rollout.model_error_reward)
+    for (task, episode), score in zip(kept, results):
+        if isinstance(score, BadRewardError):
+            counts[failure_metric(score)] += 1
+            errors.append(score)
+            on_error(score)
             continue
         episode.rewards, episode.turn_rewards = score.rewards, score.turn_rewards
         scored.append((task, episode, score))
     counts.update(reward_metrics(env))
     return scored, errors
+
+
+def score_episodes(env: Any, runs: Sequence[tuple[Any, Episode]], *, invalid_penalty: float,
+                   truncated_reward: float | None = None, model_error_reward: float | None = None,
+                   max_workers: int | None = None) -> list[EpisodeScore | BadRewardError]:
+    """The one scoring path of training, evaluation, `drmas-graph check` and `rescore`: a score or the error of
+    each (task, episode) run, in order.
+
+    The raw rewards come from `env.reward_group` when the environment has it (one call per group, `group_rewards`),
+    else from `env.reward`; truncated and model-error episodes get `truncated_reward` / `model_error_reward` when
+    set. Each is checked (a finite number, or one for every agent) and every invalid turn loses `invalid_penalty`
+    (`env.score_episode`). The failure rule: an episode without a usable reward (the env raised, the judge gave no
+    score, a reward that is not a finite number) gets a `BadRewardError` and its `error` ("BadRewardError: why",
+    which the store keeps: `traces list --failed`), and the caller leaves it out (never trained on, never
+    counted as a wrong answer)."""
+    given = group_rewards(env, runs, truncated_reward=truncated_reward, model_error_reward=model_error_reward,
+                          max_workers=max_workers)
+    results: list[EpisodeScore | BadRewardError] = []
+    for task, episode in runs:
+        try:
+            results.append(score_episode(env, task, episode, invalid_penalty=invalid_penalty,
+                                         truncated_reward=truncated_reward, model_error_reward=model_error_reward,
+                                         reward=given.get(episode.id, ENV_REWARD)))
+        except BadRewardError as exc:
+            episode.error = f"BadRewardError: {exc}"
+            results.append(exc)
+    return results
 
 
 def failure_metric(exc: BadRewardError) -> str:
@@ -92,13 +114,13 @@ def failure_metric(exc: BadRewardError) -> str:
 
 
 def group_rewards(env: Any, runs: Sequence[tuple[Any, Episode]], *, truncated_reward: float | None,
-                  model_error_reward: float | None) -> dict[str, Any]:
+                  model_error_reward: float | None, max_workers: int | None = None) -> dict[str, Any]:
     """The raw rewards `env.reward_group` gives, by episode id: {} when the environment has no `reward_group`.
 
     The runs that need the environment's reward (not the truncated / model-error ones `truncated_reward` /
     `model_error_reward` score) are grouped by `group_id` (a training group, or one task's k evaluation
     episodes), keeping their order; each group is one `reward_group(task, episodes)` call, the groups run
-    concurrently on up to `GROUP_THREADS` threads. An item is a reward (float or {agent: float}, checked
+    concurrently on up to `max_workers` threads (default `GROUP_THREADS`). An item is a reward (float or {agent: float}, checked
     later by `score_episode`) or a `BadRewardError` (the item was an exception, caused by it; or the group's
     call raised or returned the wrong number of items: then every episode of the group gets one)."""
     call = getattr(env, "reward_group", None)
@@ -110,7 +132,8 @@ def group_rewards(env: Any, runs: Sequence[tuple[Any, Episode]], *, truncated_re
             groups.setdefault(episode.group_id or str(task.id), (task, []))[1].append(episode)
     if not groups:
         return {}
-    with ThreadPoolExecutor(max_workers=min(len(groups), GROUP_THREADS), thread_name_prefix="reward-group") as pool:
+    threads = min(len(groups), max_workers or GROUP_THREADS)
+    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="reward-group") as pool:
         futures = [(episodes, pool.submit(_reward_group, env, call, group_id, task, episodes))
                    for group_id, (task, episodes) in groups.items()]
         return {ep.id: item for episodes, future in futures for ep, item in zip(episodes, future.result())}

@@ -21,7 +21,7 @@ from typing import Protocol
 
 import torch
 
-from drmas_graph.engine._sampling import entropy_from_logits, token_logprobs
+from drmas_graph.engine import entropy_from_logits, token_logprobs
 from drmas_graph.errors import ConfigError
 
 __all__ = [
@@ -202,7 +202,7 @@ def policy_loss(
     are treated as constants (detached). ``agg`` and ``norm_len`` go to `agg_loss`.
 
     ``token_weights(old_logprobs_BT)``, when given, returns constant weights w_BT >= 0 that multiply l per token:
-    the off-policy correction of asynchronous training, w = f(pi_old / pi_behav) (`drmas_graph.train.offpolicy`).
+    the off-policy correction of asynchronous training, w = f(pi_old / pi_behav) (`drmas_graph.train.optim.offpolicy`).
     """
     _check_policy_loss_args(
         logprobs_BT, old_logprobs_BT, advantages_B, mask_BT, clip_low, clip_high, dual_clip

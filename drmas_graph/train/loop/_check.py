@@ -14,10 +14,9 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any
-
-from drmas_graph.train import _scoring
-from drmas_graph.train.metrics import mean_std
+from drmas_graph.train.loop import _scoring
+from drmas_graph.train.loop._state import HasRunState, RunState, run_state
+from drmas_graph.train.loop.metrics import mean_std
 
 __all__ = ["AgentCheck", "CheckReport", "preflight", "NO_SIGNAL_EXIT"]
 
@@ -149,17 +148,20 @@ class CheckReport:
         return rows
 
 
-def preflight(trainer: Any, n_groups: int) -> CheckReport:
-    """Roll out the first `n_groups` tasks of the training order (`trainer.task_order`) as training step 0 would,
-    score them like training does, and report per agent (see `CheckReport`)."""
-    cfg = trainer.cfg
-    tasks = trainer.task_order(0, n_groups)
-    runs, counts = trainer.rollouts(tasks, 0, cfg.group_size, phase="train")
-    scored, _ = trainer._score_runs(runs, counts)
+def preflight(run: RunState | HasRunState, n_groups: int) -> CheckReport:
+    """Roll out the first `n_groups` tasks of the training order (`RunState.task_order`) as training step 0 would,
+    score them like training does (`RunState.score`), and report per agent (see `CheckReport`); `run` is a
+    `RunState` or a `Trainer`."""
+    state = run_state(run)
+    cfg = state.cfg
+    tasks = state.task_order(0, n_groups)
+    batch = state.roll_out(tasks, 0, cfg.group_size, phase="train")
+    counts = batch.counts
+    scored, _ = state.score(batch.runs, counts)
     _, stats = _scoring.samples_with_advantages(scored, cfg, ())
     pools = getattr(stats, "n_pools", 0)
     signal = pools - getattr(stats, "n_zero_variance_pools", 0) - getattr(stats, "n_singleton_pools", 0)
-    agents = {a: _agent_check(a, scored) for a in trainer.agent_policies}
+    agents = {a: _agent_check(a, scored) for a in state.agent_policies}
     return CheckReport(groups=len(tasks), group_size=cfg.group_size, episodes=len(scored), counts=dict(counts),
                        pools=pools, signal_pools=signal, agents={a: c for a, c in agents.items() if c is not None},
                        silent=tuple(a for a, c in agents.items() if c is None))

@@ -4,7 +4,7 @@ One *sample* is one LLM call (prompt -> response). Every sample carries a scalar
 ``R_i = R_episode - c * 1[call i was invalid]`` and four keys: its group (the G rollouts of one task), its
 agent, its episode and, optionally, its turn. An estimator splits the samples into *pools* and normalises
 each reward against its pool's statistics; the scalar advantage is later broadcast over the sample's
-response tokens (see `drmas_graph.train.losses`).
+response tokens (see `drmas_graph.train.optim.losses`).
 
 Estimators (chosen by name from `ADVANTAGE_ESTIMATORS`):
 

@@ -8,7 +8,7 @@ each agent's clip range, loss weight and micro-batch size (`LossSettings`) apply
     mini-batch --group by agent--> micro-batches (forward + backward each, gradients accumulate)
 
 Loss of one mini-batch M, with l_bt the per-token loss (PPO clipped surrogate with dual clip, see
-`drmas_graph.train.losses.policy_loss`), w_a the agent's loss weight and m = micro-batch:
+`drmas_graph.train.optim.losses.policy_loss`), w_a the agent's loss weight and m = micro-batch:
 
     l_bt  = pg_bt + kl_coef * k3(logp_bt, logp_ref_bt) - entropy_coef * H_bt
     L_M   = sum_m  w_a(m) * agg(l over m) * n(m) / n(M)
@@ -43,9 +43,9 @@ ratio carries no dropout noise: exactly 1 at the first mini-batch (with dropout 
 dropout masks). ``dropout: true`` runs the model's dropout (and LoRA's ``lora.dropout``) in the update.
 
 Memory: logprobs (and entropy, only when entropy_coef > 0) come from the LM head applied to the response
-tokens only, in checkpointed chunks (`drmas_graph.train._logprobs`); activation checkpointing, the attention
+tokens only, in checkpointed chunks (`drmas_graph.train.optim._logprobs`); activation checkpointing, the attention
 kernel and token-sized micro-batches are settings; the KL reference is offloaded to CPU memory between
-updates (`drmas_graph.train._reference`).
+updates (`drmas_graph.train.optim._reference`).
 
 Departures from verl (the reference implementation of Dr. MAS):
 - Loss weights per agent and micro-batches of one agent each (verl mixes agents of one model).
@@ -67,16 +67,17 @@ from typing import Any
 
 import torch
 
-from drmas_graph.train._engines import _ENGINES, _all_reduce, _barrier, _rank, _world_size
-from drmas_graph.train._logprobs import Batch, check_chunked_head, collate, collate_packed, response_token_stats
-from drmas_graph.train._packing import (Packing, PackingProbes, max_nodes, pack_by_tokens, pack_rows, row_nodes,
+from drmas_graph.train.engines._engines import _ENGINES, _all_reduce, _barrier, _rank, _world_size
+from drmas_graph.train.optim._logprobs import Batch, check_chunked_head, collate, collate_packed, response_token_stats
+from drmas_graph.train.optim._packing import (Packing, PackingProbes, max_nodes, pack_by_tokens, pack_rows, row_nodes,
                                          sequences_of)
-from drmas_graph.train._reference import REFERENCES, Reference
-from drmas_graph.train._settings import LossSettings, UpdateSettings
-from drmas_graph.train._update_metrics import (AgentGrads, AgentUpdateMetrics, UpdateMetrics, _agent_metrics, _Tally,
-                                                _tally_samples, agent_grad_norms, readable_grads, tally_kl_start)
+from drmas_graph.train.optim._reference import REFERENCES, Reference
+from drmas_graph.train.engines._settings import LossSettings, UpdateSettings
+from drmas_graph.train.optim._update_metrics import (AgentGrads, AgentUpdateMetrics, UpdateMetrics, _agent_metrics,
+                                                     _Tally, _tally_samples, agent_grad_norms, readable_grads,
+                                                     tally_kl_start)
 from drmas_graph.errors import ConfigError
-from drmas_graph.train.losses import agg_loss, kl_penalty, policy_loss
+from drmas_graph.train.optim.losses import agg_loss, kl_penalty, policy_loss
 from drmas_graph.types import Sample
 
 __all__ = [
@@ -147,7 +148,7 @@ class ModelUpdater:
             agent whose samples reach `update` must have an entry.
         reference: the start policy (`_reference.Reference`) when ``kl_coef > 0`` or ``kl_start_metric``; None
             builds ``settings.kl_reference`` (a frozen copy of the initial weights, offloaded or on device).
-        probes: the `drmas_graph.train._packing.PackingProbes` to share (`LoraUpdater`: its adapters share one
+        probes: the `drmas_graph.train.optim._packing.PackingProbes` to share (`LoraUpdater`: its adapters share one
             module, probed once); None makes one. With ``settings.pack_prefixes`` each module this updater computes
             on (the model, or a ``module=`` of `compute_logprobs`) is probed with the attention kernel it has,
             after ``settings.attn_implementation`` is applied, and the reason it cannot be packed is logged.
