@@ -72,27 +72,30 @@ class TrainResult:
 
     def summary(self) -> str:
         """A short table: per-agent reward (turn reward incl. invalid-turn penalties) and avg@k / pass@k,
-        at the first and the last evaluation; the training reward of the first and last step."""
+        at the first and the last evaluation; the training reward of the first and last step. One column
+        where there was only one (one evaluation, one step)."""
+
+        def row(label: str, *cells: Any) -> str:
+            return f"{label:<28}" + "".join(f"{c:>12}" if isinstance(c, (str, int)) else f"{c:>12.3f}" for c in cells)
+
         lines = []
         if self.evals:
-            first, last = self.evals[0], self.evals[-1]
+            ends = self.evals[:1] if len(self.evals) == 1 else [self.evals[0], self.evals[-1]]
+            last = ends[-1]
             k, split = last["k"], last["split"]
-            lines.append(f"{'evaluation on ' + split:<28}{'step ' + str(first['step']):>12}{'step ' + str(last['step']):>12}")
+            lines.append(row("evaluation on " + split, *(f"step {e['step']}" for e in ends)))
             agents = sorted({key.split("/")[0] for key in last if key.endswith("/reward")})
             for a in agents:
-                key = f"{a}/reward"
-                lines.append(f"{'  reward ' + a:<28}{first.get(key, float('nan')):>12.3f}{last.get(key, float('nan')):>12.3f}")
+                lines.append(row("  reward " + a, *(float(e.get(f"{a}/reward", float("nan"))) for e in ends)))
             for metric in ("avg@k", "pass@k"):
-                name = metric.replace("k", str(k))
-                lines.append(f"{'  ' + name:<28}{first[metric]:>12.3f}{last[metric]:>12.3f}")
-            if first.get("unjudged_episodes") or last.get("unjudged_episodes"):  # left out of avg@k and pass@k
-                lines.append(f"{'  unjudged episodes':<28}{first.get('unjudged_episodes', 0):>12}"
-                             f"{last.get('unjudged_episodes', 0):>12}")
+                lines.append(row("  " + metric.replace("k", str(k)), *(float(e[metric]) for e in ends)))
+            if any(e.get("unjudged_episodes") for e in ends):  # left out of avg@k and pass@k
+                lines.append(row("  unjudged episodes", *(int(e.get("unjudged_episodes", 0)) for e in ends)))
             lines += reply_lines(last)
         if self.history:
-            first, last = self.history[0], self.history[-1]
-            lines.append(f"{'training reward (team)':<28}{'step ' + str(first['step']):>12}{'step ' + str(last['step']):>12}")
-            lines.append(f"{'':<28}{first['reward/team_mean']:>12.3f}{last['reward/team_mean']:>12.3f}")
+            ends = self.history[:1] if len(self.history) == 1 else [self.history[0], self.history[-1]]
+            lines.append(row("training reward (team)", *(f"step {h['step']}" for h in ends)))
+            lines.append(row("", *(float(h["reward/team_mean"]) for h in ends)))
         lines.append(f"run folder: {self.run_dir}")
         return "\n".join(lines)
 
