@@ -434,8 +434,9 @@ def merge_overrides(config: TrainConfig | None, overrides: dict[str, Any]) -> Tr
     """A config with keyword overrides applied (`steps=3`, `eval={'k': 2}`, dotted keys as `eval__k=2`)."""
     data = (config or TrainConfig()).model_dump()
     for key, value in overrides.items():
-        parts = key.split("__")
         node = data
+        # a Python keyword field is written with a trailing underscore (`async_=`) but dumped by its alias (`async`)
+        parts = [p[:-1] if p.endswith("_") and p[:-1] in _aliases() else p for p in key.split("__")]
         for part in parts[:-1]:
             node = node.setdefault(part, {})
         if isinstance(value, dict) and isinstance(node.get(parts[-1]), dict):
@@ -443,6 +444,22 @@ def merge_overrides(config: TrainConfig | None, overrides: dict[str, Any]) -> Tr
         else:
             node[parts[-1]] = value
     return _validate(data, "train_graph() arguments")
+
+
+def _aliases() -> set[str]:
+    """The aliases of the config's fields (`async` for `async_`), over every section."""
+    out: set[str] = set()
+
+    def walk(model: type[BaseModel]) -> None:
+        for field in model.model_fields.values():
+            if field.alias:
+                out.add(field.alias)
+            for sub in (a for a in (*_union_members(field.annotation), *getattr(field.annotation, "__args__", ()))
+                        if _is_model(a)):
+                walk(sub)
+
+    walk(TrainConfig)
+    return out
 
 
 def config_reference() -> list[tuple[str, str, str]]:
