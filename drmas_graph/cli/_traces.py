@@ -95,7 +95,7 @@ def _add_rescore_command(commands: Any) -> None:
     p = commands.add_parser(
         "rescore", help="new rewards and advantages for a stored run from another reward function or a judge, "
                         "no policy model",
-        description="Recompute rewards and advantages of the pooled episodes (advantages are normalised over "
+        description="Score the pooled episodes again through training's scoring (the run's own reward reproduces its rewards): rewards and advantages (advantages are normalised over "
                     "them, group by group). Pools: " + "; ".join(f"{k}: {v}" for k, v in POOLS.items()) + ".")
     p.add_argument("path", help="trace store of a run (run_dir/traces.db)")
     source = p.add_mutually_exclusive_group(required=True)
