@@ -70,8 +70,8 @@ def rescore(
     """Score a stored run again, without any policy model: with another reward function, a judge model, the
     environment or another estimator, through training's own scoring (`_scoring.score_episodes`: the same
     validation, invalid-turn penalty and failure rule), so the run's own reward reproduces training's rewards.
-    Returns {episode id: Rescored} (a `RescoreResult`); with ``out``, also writes a new store holding the episodes with their new rewards,
-    advantages and judgements (the source store is never modified).
+    Returns {episode id: Rescored} (a `RescoreResult`); with ``out``, also writes a new store holding the
+    episodes with their new rewards, advantages and judgements (the source store is never modified).
 
     Which episodes are pooled (advantages are normalised over them, group by group): ``episodes=
     "trained"`` (default) takes the episodes training used in the latest run: those with a training step
