@@ -40,7 +40,7 @@ class _EpisodeRecorder:
         self._lock = threading.Lock()
         self._next_index = 0
         self._per_key: dict[str, int] = {}
-        self._per_prompt: dict[tuple[str, str], int] = {}  # (call_key, prompt digest) -> calls so far (seeds)
+        self._per_prompt: dict[tuple[str, str, str], int] = {}  # (call_key, agent, prompt digest) -> calls (seeds)
         self._turns: list[Turn] = []
         self._starts: dict[int, float] = {}  # call index -> unix start time
         self.segment = 0
@@ -87,17 +87,19 @@ class _EpisodeRecorder:
         spec, model_class = output_spec(site.kwargs, site.tools, where)
         with policy.announce():
             prompt_ids = policy.render(site.messages, site.tools, spec)
+            own = self.app.agent_for_node(site.node) == agent  # the node's own agent: seeds without the agent
             params = seeded(self.app._sampling_for(agent, policy, site.stop), self.episode.metadata, site.call_key,
-                            *self._prompt_occurrence(site.call_key, prompt_ids))
+                            *self._prompt_occurrence(site.call_key, agent, prompt_ids), None if own else agent)
         return prompt_ids, params, (spec, model_class, where)
 
-    def _prompt_occurrence(self, call_key: str, prompt_ids: list[int]) -> tuple[int, str]:
-        """(earlier calls of node instance `call_key` with this prompt, the prompt's digest): what a call's
-        seed is derived from besides its key, the same whatever order concurrent calls arrive in (`_seeds`)."""
+    def _prompt_occurrence(self, call_key: str, agent: str, prompt_ids: list[int]) -> tuple[int, str]:
+        """(earlier calls of node instance `call_key` by `agent` with this prompt, the prompt's digest): what a
+        call's seed is derived from besides its key, the same whatever order concurrent calls arrive in
+        (`_seeds`)."""
         digest = prompt_digest(prompt_ids)
         with self._lock:
-            k = self._per_prompt.get((call_key, digest), 0)
-            self._per_prompt[(call_key, digest)] = k + 1
+            k = self._per_prompt.get((call_key, agent, digest), 0)
+            self._per_prompt[(call_key, agent, digest)] = k + 1
         return k, digest
 
     def handle(self, site: CallSite, original: Callable[[], ChatResult]) -> ChatResult:

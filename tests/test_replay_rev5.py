@@ -1,0 +1,83 @@
+"""Round 5 of attribution and replay (issue 40): across processes (set order), across rollouts of one thread
+(resumed and time-travel starts, sub-agent memory), for every run method (streams), with the run's config and
+context, with a node cache, with agents that share one prompt, and with an instrumented app nested in another."""
+
+import asyncio
+import operator
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Annotated, TypedDict
+
+from langchain_core.language_models.fake_chat_models import FakeListChatModel
+from langchain_core.messages import HumanMessage
+from langgraph.graph import END, START, StateGraph
+
+from drmas_graph import instrument
+from drmas_graph.instrumentation._seeds import call_seed, prompt_digest
+from drmas_graph.testing import scripted_policy
+
+ROOT = Path(__file__).resolve().parents[1]
+llm = FakeListChatModel(responses=["the app's own model"])
+
+
+class State(TypedDict, total=False):
+    question: str
+    log: Annotated[list, operator.add]
+    votes: Annotated[list, operator.add]
+    tags: set
+
+
+def _one_node(fn, name="node", **compile_kwargs):
+    b = StateGraph(State)
+    b.add_node(name, fn)
+    b.add_edge(START, name)
+    b.add_edge(name, END)
+    return b.compile(**compile_kwargs)
+
+
+# ---- rev5_e: a set is stored in one order in every process --------------------------------------------------
+def test_a_set_is_stored_in_the_same_order_whatever_the_hash_seed():
+    code = ("from drmas_graph.traces._serde import to_json; "
+            "print(to_json({'tags': {'billing', 'refund', 'urgent', 'escalate', 'policy'}}, 'state'))")
+    outs = set()
+    for seed in (1, 2, 3, 4):
+        env = {**os.environ, "PYTHONHASHSEED": str(seed), "PYTHONPATH": str(ROOT)}
+        outs.add(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                                check=True).stdout.strip())
+    assert outs == {'{"tags":["billing","escalate","policy","refund","urgent"]}'}
+
+
+# ---- rev5_d: agents called at once with one prompt keep their own seeds ------------------------------------
+def _voters(delays):
+    async def vote(state):
+        async def one(agent):
+            await asyncio.sleep(delays[agent])
+            reply = await llm.ainvoke([HumanMessage(state["question"])], config={"metadata": {"drmas_agent": agent}})
+            return reply.content
+        return {"votes": list(await asyncio.gather(one("voter_a"), one("voter_b")))}
+    return _one_node(vote, "vote")
+
+
+def test_same_prompt_calls_of_two_agents_keep_their_seeds_whatever_the_arrival_order():
+    policy = scripted_policy(["yes"])
+    seeds = []
+    for delays in ({"voter_a": 0.0, "voter_b": 0.05}, {"voter_a": 0.05, "voter_b": 0.0}):
+        app = instrument(_voters(delays), {"voter_a": policy, "voter_b": policy})
+        episode = asyncio.run(app.arollout({"question": "Is 17 prime?"}, metadata={"seed": 7}))
+        seeds.append({t.agent: t.sampling.seed for t in episode.turns})
+    assert seeds[0] == seeds[1]
+    assert seeds[0]["voter_a"] != seeds[0]["voter_b"]
+
+
+def test_the_node_own_agent_keeps_the_seed_without_the_agent():
+    """Calls routed by node path (every call of the CPU demo) keep the seed formula of earlier releases, so the
+    demo's numbers do not move: H(episode seed, call_key, k, prompt digest)."""
+    def ask(state):
+        return {"log": [llm.invoke([HumanMessage(state["question"])]).content for _ in range(2)]}
+
+    episode = instrument(_one_node(ask, "ask"), {"ask": scripted_policy(["a", "b"])}).rollout(
+        {"question": "2+2?"}, metadata={"seed": 11})
+    digest = prompt_digest(episode.turns[0].prompt_ids)
+    assert [t.sampling.seed for t in episode.turns] == [call_seed(11, "ask", 0, digest), call_seed(11, "ask", 1, digest)]
