@@ -81,3 +81,71 @@ def test_the_node_own_agent_keeps_the_seed_without_the_agent():
         {"question": "2+2?"}, metadata={"seed": 11})
     digest = prompt_digest(episode.turns[0].prompt_ids)
     assert [t.sampling.seed for t in episode.turns] == [call_seed(11, "ask", 0, digest), call_seed(11, "ask", 1, digest)]
+
+
+# ---- rev5_h: a streamed run stores what invoke would have returned -------------------------------------------
+def _solver():
+    def solve(state):
+        return {"log": [llm.invoke([HumanMessage(state["question"])]).content]}
+    return _one_node(solve, "solve")
+
+
+def _shape(chunk):
+    """A chunk's form without the values that differ between the app's model and a policy."""
+    if isinstance(chunk, tuple):
+        return tuple(_shape(c) if isinstance(c, tuple) else type(c).__name__ if not isinstance(c, str) else c
+                     for c in chunk)
+    if isinstance(chunk, dict):
+        return sorted(chunk) if "type" in chunk else sorted(chunk)
+    return type(chunk).__name__
+
+
+def test_streamed_runs_store_their_final_state_and_give_the_caller_its_own_chunks(tmp_path):
+    from drmas_graph import TraceStore, replay
+
+    graph = _solver()
+    store = TraceStore(tmp_path / "traces.db")
+    app = instrument(graph, {"solve": scripted_policy(["4"] * 10)}, store=store)
+    variants = [{"stream_mode": "updates"}, {"stream_mode": ["updates", "custom"]}, {"stream_mode": "values"},
+                {"stream_mode": "custom"}, {"stream_mode": "updates", "subgraphs": True},
+                {"stream_mode": ["values"], "version": "v2"}, {}]
+    for kwargs in variants:
+        mine = list(app.stream({"question": "2+2?"}, **kwargs))
+        plain = list(graph.stream({"question": "2+2?"}, **kwargs))
+        assert [_shape(c) for c in mine] == [_shape(c) for c in plain], kwargs
+
+    async def astreamed():
+        async for _ in app.astream({"question": "2+2?"}, stream_mode="updates"):
+            pass
+        async for _ in app.astream_events({"question": "2+2?"}, version="v2"):
+            pass
+    asyncio.run(astreamed())
+    episodes = [store.load_episode(s.id) for s in store.episodes()]
+    assert len(episodes) == len(variants) + 2
+    for episode in episodes:
+        assert episode.final_state == {"question": "2+2?", "log": ["4"], "votes": []}  # invoke returns []
+        assert replay(graph, store, episode.id).state_matches
+    store.close()
+
+
+
+
+def test_a_streamed_run_that_paused_stores_the_interrupt_as_invoke_returns_it(tmp_path):
+    from langgraph.checkpoint.memory import InMemorySaver
+    from langgraph.types import interrupt
+
+    from drmas_graph import TraceStore
+    from drmas_graph.traces._compare import comparable
+
+    def ask(state):
+        return {"log": [llm.invoke([HumanMessage(state["question"])]).content, interrupt("why?")]}
+
+    graph = _one_node(ask, "ask", checkpointer=InMemorySaver())
+    with TraceStore(tmp_path / "traces.db") as store:
+        app = instrument(graph, {"ask": scripted_policy(["-"])}, store=store)
+        list(app.stream({"question": "q"}, {"configurable": {"thread_id": "t"}}, stream_mode="updates"))
+        (summary,) = store.episodes()
+        stored = store.load_episode(summary.id).final_state
+    want = graph.invoke({"question": "q"}, {"configurable": {"thread_id": "u"}})
+    assert "__interrupt__" in stored
+    assert comparable(stored) == comparable(want)

@@ -32,6 +32,7 @@ from drmas_graph.instrumentation._intercept import ACTIVE_HANDLER, CallSite, app
 from drmas_graph.instrumentation._limits import Backstop
 from drmas_graph.instrumentation._outcomes import note_stop
 from drmas_graph.instrumentation._routing import AgentRouter, under_node
+from drmas_graph.instrumentation._streams import StreamFold
 from drmas_graph.instrumentation._segments import (
     DEFAULT_MAX_RESUMES,
     Continuation,
@@ -413,20 +414,24 @@ class InstrumentedGraph(Runnable):
             self._write(episode)
 
     def stream(self, input: Any, config: Any = None, **kwargs: Any) -> Iterator[Any]:
-        """The graph's `stream`, recorded as one episode. Each step runs in the episode's own context.
-        Closing the stream early (a `break`) cancels the run; no episode is stored for it."""
+        """The graph's `stream`, recorded as one episode. Each step runs in the episode's own context; the
+        episode's final_state is what `invoke` would have returned (`_streams`). Closing the stream early (a
+        `break`) cancels the run; no episode is stored for it."""
         episode, recorder, ctx = self._episode_context(input, config)
+        fold = StreamFold(self.graph, kwargs)  # the run's output, as invoke returns it (the episode's final_state)
         cancelled = False
         try:
-            chunks = ctx.run(self.graph.stream, input, config, **kwargs)
+            chunks = ctx.run(self.graph.stream, input, config, **fold.kwargs)
             try:
                 while True:
                     try:
-                        chunk = ctx.run(next, chunks)
+                        chunk = fold.feed(ctx.run(next, chunks))
                     except StopIteration:
                         break
-                    yield chunk
+                    if not fold.skipped(chunk):
+                        yield chunk
                 _raise_swallowed_refusal(recorder)
+                episode.final_state = fold.output
             finally:
                 ctx.run(chunks.close)
         except GeneratorExit:
@@ -442,7 +447,8 @@ class InstrumentedGraph(Runnable):
         """The graph's `astream`, recorded as one episode. Each step runs as a task in the episode's context.
         Closing the stream early cancels the run; no episode is stored for it."""
         episode, recorder, ctx = self._episode_context(input, config)
-        chunks = self.graph.astream(input, config, **kwargs)
+        fold = StreamFold(self.graph, kwargs)  # the run's output, as invoke returns it (the episode's final_state)
+        chunks = self.graph.astream(input, config, **fold.kwargs)
         cancelled = False
 
         async def step() -> Any:
@@ -452,11 +458,13 @@ class InstrumentedGraph(Runnable):
             try:
                 while True:
                     try:
-                        chunk = await asyncio.get_running_loop().create_task(step(), context=ctx)
+                        chunk = fold.feed(await asyncio.get_running_loop().create_task(step(), context=ctx))
                     except StopAsyncIteration:
                         break
-                    yield chunk
+                    if not fold.skipped(chunk):
+                        yield chunk
                 _raise_swallowed_refusal(recorder)
+                episode.final_state = fold.output
             finally:
                 await chunks.aclose()
         except (GeneratorExit, asyncio.CancelledError):
