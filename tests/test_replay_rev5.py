@@ -149,3 +149,42 @@ def test_a_streamed_run_that_paused_stores_the_interrupt_as_invoke_returns_it(tm
     want = graph.invoke({"question": "q"}, {"configurable": {"thread_id": "u"}})
     assert "__interrupt__" in stored
     assert comparable(stored) == comparable(want)
+
+
+# ---- rev5_a: the run's configurable values and context= are recorded and replayed --------------------------
+def test_replay_runs_with_the_recorded_configurable_values_and_context(tmp_path):
+    import dataclasses
+
+    from langgraph.runtime import Runtime
+
+    from drmas_graph import TraceStore, replay
+
+    @dataclasses.dataclass
+    class Ctx:
+        user: str = "anonymous"
+
+    def answer(state, config, runtime: Runtime[Ctx]):
+        persona = config["configurable"].get("persona")
+        return {"log": [llm.invoke([HumanMessage(f"{persona} greets {runtime.context.user}")]).content]}
+
+    b = StateGraph(State, context_schema=Ctx)
+    b.add_node("answer", answer)
+    b.add_edge(START, "answer")
+    b.add_edge("answer", END)
+    graph = b.compile()
+    client = object()  # a configurable value with no JSON form: named, not stored
+    with TraceStore(tmp_path / "traces.db") as store:
+        app = instrument(graph, {"answer": scripted_policy(["hi"] * 3)}, store=store)
+        config = {"configurable": {"persona": "a pirate", "client": client}, "recursion_limit": 7}
+        episode = app.rollout({"question": "?"}, config, context=Ctx(user="bob"))
+        assert episode.turns[0].messages[0].content == "a pirate greets bob"
+        app.invoke({"question": "?"}, config, context=Ctx(user="ann"))
+        for summary in store.episodes():
+            stored = store.load_episode(summary.id)
+            assert stored.metadata["run_config"] == {"configurable": {"persona": "a pirate"}, "recursion_limit": 7,
+                                                     "omitted": ["client"]}
+            assert stored.metadata["context"]["user"] in ("bob", "ann")
+            result = replay(graph, store, summary.id)
+            assert result.divergences == [] and result.state_matches, [str(d) for d in result.divergences]
+        overridden = replay(graph, store, episode.id, config={"configurable": {"persona": "a parrot"}})
+        assert [d.kind for d in overridden.divergences] == ["prompt_changed"]  # the caller's config wins

@@ -179,9 +179,12 @@ class SegmentRunner:
         if continuation.max_resumes < 0:
             raise ConfigError(f"max_resumes must be >= 0, got {continuation.max_resumes}")
 
-    def __init__(self, graph: Any, episode: Episode, recorder: Any, config: Any, continuation: Continuation) -> None:
+    def __init__(self, graph: Any, episode: Episode, recorder: Any, config: Any, continuation: Continuation,
+                 context: Any = None) -> None:
         self.graph, self.episode, self.recorder, self.cont = graph, episode, recorder, continuation
         self.config = config
+        self.kwargs = {} if context is None else {"context": context}
+        """Keyword arguments of every run (LangGraph's `context=`)."""
         self.thread = _thread(config)
         self.kind, self.input = "start", None
         """The run in progress: how it was started and on what (None for the episode's input)."""
@@ -191,7 +194,7 @@ class SegmentRunner:
 
     def run(self, input: Any) -> Any:
         with self._recorded_if_it_raises():
-            output = self.graph.invoke(input, self.config)
+            output = self.graph.invoke(input, self.config, **self.kwargs)
         while True:
             ask = self._ended(output, pending_interrupts(self.graph, self.thread, output))
             if ask is None:
@@ -201,11 +204,11 @@ class SegmentRunner:
             if nxt is _DONE:
                 return output
             with self._recorded_if_it_raises():
-                output = self.graph.invoke(nxt, self.thread)
+                output = self.graph.invoke(nxt, self.thread, **self.kwargs)
 
     async def arun(self, input: Any) -> Any:
         with self._recorded_if_it_raises():
-            output = await self.graph.ainvoke(input, self.config)
+            output = await self.graph.ainvoke(input, self.config, **self.kwargs)
         while True:
             ask = self._ended(output, await apending_interrupts(self.graph, self.thread, output))
             if ask is None:
@@ -215,7 +218,7 @@ class SegmentRunner:
             if nxt is _DONE:
                 return output
             with self._recorded_if_it_raises():
-                output = await self.graph.ainvoke(nxt, self.thread)
+                output = await self.graph.ainvoke(nxt, self.thread, **self.kwargs)
 
     @contextlib.contextmanager
     def _recorded_if_it_raises(self) -> Iterator[None]:

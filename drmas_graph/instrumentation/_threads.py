@@ -10,12 +10,14 @@ is returned so replay can say that the episode cannot be reproduced.
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections import defaultdict
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["thread_start", "athread_start", "fork_config", "afork_config", "LOOK_UP"]
+__all__ = ["thread_start", "athread_start", "fork_config", "afork_config", "LOOK_UP", "recorded_config",
+           "replay_config"]
 
 LOOK_UP = object()
 """Marker: the thread start is still to be looked up (with the sync API)."""
@@ -153,3 +155,51 @@ async def afork_config(graph: Any, start: Mapping[str, Any] | None) -> tuple[dic
 def _run_config(target: Mapping[str, Any]) -> dict[str, Any]:
     """The new thread without a checkpoint id: the run continues from its latest (the copied) checkpoint."""
     return {k: v for k, v in target["configurable"].items() if k != "checkpoint_id"}
+
+
+_THREAD_KEYS = frozenset({"thread_id", "checkpoint_ns", "checkpoint_id", "checkpoint_map"})
+"""Configurable keys that say where the run's thread is: `thread_start` records that, and replay forks it."""
+
+
+def _json_value(value: Any) -> bool:
+    try:
+        json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+def recorded_config(config: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """What of a run config an episode records so that replay runs with it (`Episode.metadata['run_config']`):
+    the `configurable` entries that are JSON values (other than the thread's place and LangGraph's private
+    `__...` keys), under `configurable`; `recursion_limit`; under `omitted`, the names of configurable entries
+    with no JSON form (a client object), which replay cannot pass. None when there is nothing to record."""
+    config = dict(config or {})
+    kept, omitted = {}, []
+    for key, value in (config.get("configurable") or {}).items():
+        if key in _THREAD_KEYS or str(key).startswith("__"):
+            continue
+        if _json_value(value):
+            kept[str(key)] = value
+        else:
+            omitted.append(str(key))
+    recorded: dict[str, Any] = {"configurable": kept} if kept else {}
+    if "recursion_limit" in config:
+        recorded["recursion_limit"] = config["recursion_limit"]
+    if omitted:
+        recorded["omitted"] = sorted(omitted)
+    return recorded or None
+
+
+def replay_config(recorded: Mapping[str, Any] | None, config: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The config replay runs with: the recorded run config (`recorded_config`) under the caller's `config`
+    (the caller's entries win)."""
+    config = dict(config or {})
+    if not recorded:
+        return config
+    configurable = {**(recorded.get("configurable") or {}), **(config.get("configurable") or {})}
+    if configurable:
+        config["configurable"] = configurable
+    if "recursion_limit" in recorded:
+        config.setdefault("recursion_limit", recorded["recursion_limit"])
+    return config

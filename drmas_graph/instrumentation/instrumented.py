@@ -304,11 +304,17 @@ class InstrumentedGraph(Runnable):
         self._check_unbound(episode)
 
     def _new_episode(self, input: Any, config: Any, task_id: str | None, group_id: str | None,
-                     metadata: dict[str, Any] | None = None, *, start: Any = _threads.LOOK_UP) -> Episode:
+                     metadata: dict[str, Any] | None = None, *, start: Any = _threads.LOOK_UP,
+                     context: Any = None) -> Episode:
         thread_id = ((config or {}).get("configurable") or {}).get("thread_id")
         metadata = dict(metadata or {})
         if thread_id is not None:
             metadata["thread_id"] = thread_id
+        run_config = _threads.recorded_config(config)  # configurable values replay runs with again
+        if run_config is not None:
+            metadata["run_config"] = run_config
+        if context is not None:  # LangGraph's `context=` (Runtime.context), stored in its JSON form
+            metadata["context"] = context
         if start is _threads.LOOK_UP:  # the thread checkpoint replay starts from (async runs pass it)
             start = _threads.thread_start(self.graph, config)
         if start is not None:
@@ -319,7 +325,7 @@ class InstrumentedGraph(Runnable):
                 group_id: str | None = None, metadata: dict[str, Any] | None = None,
                 resume: Callable[[Episode, list[Any]], Any] | None = None,
                 next_input: Callable[[Episode], Any] | None = None,
-                max_resumes: int = DEFAULT_MAX_RESUMES) -> Episode:
+                max_resumes: int = DEFAULT_MAX_RESUMES, context: Any = None) -> Episode:
         """Run the graph once and return the run as an Episode (final_state = what invoke returns).
 
         A graph that stops at `interrupt()` is resumed on the same thread with `Command(resume=...)` while
@@ -330,14 +336,15 @@ class InstrumentedGraph(Runnable):
         Raises `RolloutError` (with `.episode`, also written to the store) if the graph raises (or refused a
         call in strict mode, even if the app caught that error), `EpisodeInterruptedError` (a RolloutError)
         if it is left paused at an interrupt, and `NoLLMCallError` if the run made no LLM call. `metadata` is
-        stored with the episode.
+        stored with the episode; so are the config's `configurable` values and `context` (LangGraph's
+        `Runtime.context`, passed to every run of the thread), which replay runs with again.
         """
         continuation = Continuation(resume, next_input, max_resumes)
         SegmentRunner.check(self.graph, config, continuation)
-        episode = self._new_episode(input, config, task_id, group_id, metadata)
+        episode = self._new_episode(input, config, task_id, group_id, metadata, context=context)
         try:
             with self._recording(episode) as recorder:
-                output = SegmentRunner(self.graph, episode, recorder, config, continuation).run(input)
+                output = SegmentRunner(self.graph, episode, recorder, config, continuation, context).run(input)
         except Exception as exc:
             raise self._failed(episode, exc) from exc
         return self._finish(episode, output, require_calls=True)
@@ -346,17 +353,17 @@ class InstrumentedGraph(Runnable):
                        group_id: str | None = None, metadata: dict[str, Any] | None = None,
                        resume: Callable[[Episode, list[Any]], Any] | None = None,
                        next_input: Callable[[Episode], Any] | None = None,
-                       max_resumes: int = DEFAULT_MAX_RESUMES) -> Episode:
+                       max_resumes: int = DEFAULT_MAX_RESUMES, context: Any = None) -> Episode:
         """Async `rollout`: many can run concurrently in one event loop without cross-talk. The hooks may be
         `async def`; sync ones run in worker threads."""
         continuation = Continuation(resume, next_input, max_resumes)
         SegmentRunner.check(self.graph, config, continuation)
         episode = self._new_episode(input, config, task_id, group_id, metadata,
-                                    start=await _threads.athread_start(self.graph, config))
+                                    start=await _threads.athread_start(self.graph, config), context=context)
         recorder = None
         try:
             with self._recording(episode) as recorder:
-                output = await SegmentRunner(self.graph, episode, recorder, config, continuation).arun(input)
+                output = await SegmentRunner(self.graph, episode, recorder, config, continuation, context).arun(input)
         except Exception as exc:
             raise self._failed(episode, exc) from exc
         except asyncio.CancelledError as exc:  # stored with its turns so far and the reason
@@ -371,7 +378,7 @@ class InstrumentedGraph(Runnable):
         return self._finish(episode, output, require_calls=True)
 
     def invoke(self, input: Any, config: Any = None, **kwargs: Any) -> Any:
-        episode = self._new_episode(input, config, None, None)
+        episode = self._new_episode(input, config, None, None, context=kwargs.get("context"))
         try:
             with self._recording(episode):
                 output = self.graph.invoke(input, config, **kwargs)
@@ -383,7 +390,8 @@ class InstrumentedGraph(Runnable):
         return output
 
     async def ainvoke(self, input: Any, config: Any = None, **kwargs: Any) -> Any:
-        episode = self._new_episode(input, config, None, None, start=await _threads.athread_start(self.graph, config))
+        episode = self._new_episode(input, config, None, None, start=await _threads.athread_start(self.graph, config),
+                                    context=kwargs.get("context"))
         try:
             with self._recording(episode):
                 output = await self.graph.ainvoke(input, config, **kwargs)
@@ -394,9 +402,10 @@ class InstrumentedGraph(Runnable):
         self._finish(episode, output, require_calls=False)
         return output
 
-    def _episode_context(self, input: Any, config: Any) -> tuple[Episode, _EpisodeRecorder, contextvars.Context]:
+    def _episode_context(self, input: Any, config: Any, context: Any) -> tuple[Episode, _EpisodeRecorder,
+                                                                               contextvars.Context]:
         """A new episode, its recorder, and a context in which the recorder is the active handler."""
-        episode = self._new_episode(input, config, None, None)
+        episode = self._new_episode(input, config, None, None, context=context)
         recorder = _EpisodeRecorder(self, episode)
         ctx = contextvars.copy_context()
         ctx.run(ACTIVE_HANDLER.set, recorder)
@@ -417,7 +426,7 @@ class InstrumentedGraph(Runnable):
         """The graph's `stream`, recorded as one episode. Each step runs in the episode's own context; the
         episode's final_state is what `invoke` would have returned (`_streams`). Closing the stream early (a
         `break`) cancels the run; no episode is stored for it."""
-        episode, recorder, ctx = self._episode_context(input, config)
+        episode, recorder, ctx = self._episode_context(input, config, kwargs.get("context"))
         fold = StreamFold(self.graph, kwargs)  # the run's output, as invoke returns it (the episode's final_state)
         cancelled = False
         try:
@@ -446,7 +455,7 @@ class InstrumentedGraph(Runnable):
     async def astream(self, input: Any, config: Any = None, **kwargs: Any) -> AsyncIterator[Any]:
         """The graph's `astream`, recorded as one episode. Each step runs as a task in the episode's context.
         Closing the stream early cancels the run; no episode is stored for it."""
-        episode, recorder, ctx = self._episode_context(input, config)
+        episode, recorder, ctx = self._episode_context(input, config, kwargs.get("context"))
         fold = StreamFold(self.graph, kwargs)  # the run's output, as invoke returns it (the episode's final_state)
         chunks = self.graph.astream(input, config, **fold.kwargs)
         cancelled = False

@@ -299,6 +299,8 @@ class _Run:
     config: dict | None
     unreproducible: str | None = None
     start: float = 0.0
+    kwargs: dict = field(default_factory=dict)
+    """Keyword arguments of every run: the recorded `context=`."""
 
 
 def _prepare(graph: Any, episode: Episode, policies: Mapping[str, Policy] | None, agents: Mapping[str, str] | None,
@@ -312,7 +314,9 @@ def _prepare(graph: Any, episode: Episode, policies: Mapping[str, Policy] | None
     live_episode = Episode(task_id=episode.task_id, group_id=episode.group_id, input=episode.input)
     live = _EpisodeRecorder(app, live_episode)
     handler = _ReplayHandler(episode, live, on_divergence == "continue", app.agent_of)
-    return _Run(app, handler, live, live_episode, dict(config or {}), _unstorable_input(episode))
+    config = _threads.replay_config(episode.metadata.get("run_config"), config)  # the recorded configurable values
+    kwargs = {"context": episode.metadata["context"]} if episode.metadata.get("context") is not None else {}
+    return _Run(app, handler, live, live_episode, config, _unstorable_input(episode), kwargs=kwargs)
 
 
 def _own_thread(run: _Run) -> bool:
@@ -462,12 +466,12 @@ def replay_episode(graph: Any, episode: Episode, *, policies: Mapping[str, Polic
     start = None if _own_thread(run) else episode.metadata.get("thread_start")
     _thread_config(run, *_threads.fork_config(run.app.graph, start))
     with _serving(run) as outcome:
-        outcome.final_state = run.app.graph.invoke(episode.input, run.config or None)
+        outcome.final_state = run.app.graph.invoke(episode.input, run.config or None, **run.kwargs)
         while True:
             nxt = runs.after(_segments.pending_interrupts(run.app.graph, run.config, outcome.final_state))
             if nxt is _END:
                 break
-            outcome.final_state = run.app.graph.invoke(nxt, run.config)
+            outcome.final_state = run.app.graph.invoke(nxt, run.config, **run.kwargs)
     return _finish(run, episode, outcome, runs.k)
 
 
@@ -481,12 +485,12 @@ async def areplay_episode(graph: Any, episode: Episode, *, policies: Mapping[str
     start = None if _own_thread(run) else episode.metadata.get("thread_start")
     _thread_config(run, *await _threads.afork_config(run.app.graph, start))
     with _serving(run) as outcome:
-        outcome.final_state = await run.app.graph.ainvoke(episode.input, run.config or None)
+        outcome.final_state = await run.app.graph.ainvoke(episode.input, run.config or None, **run.kwargs)
         while True:
             nxt = runs.after(await _segments.apending_interrupts(run.app.graph, run.config, outcome.final_state))
             if nxt is _END:
                 break
-            outcome.final_state = await run.app.graph.ainvoke(nxt, run.config)
+            outcome.final_state = await run.app.graph.ainvoke(nxt, run.config, **run.kwargs)
     return _finish(run, episode, outcome, runs.k)
 
 
@@ -513,7 +517,9 @@ def replay(graph: Any, store_or_path: Any, episode_id: str, *, policies: Mapping
         agents: node-path glob -> agent, as for `instrument`.
         on_divergence: 'stop' (default) returns at the first divergence (no later call is answered or
             reaches a model); 'continue' goes on live.
-        config: the run config (e.g. `recursion_limit`). A graph with a checkpointer runs on a new thread
+        config: the run config (e.g. `recursion_limit`), over the one the episode recorded (its
+            `configurable` values and `recursion_limit`; the recorded `context=` is passed again too). A graph
+            with a checkpointer runs on a new thread
             (a copy of the thread checkpoint the recording started from, if it continued a thread) unless
             `configurable.thread_id` names one.
 
