@@ -188,3 +188,116 @@ def test_replay_runs_with_the_recorded_configurable_values_and_context(tmp_path)
             assert result.divergences == [] and result.state_matches, [str(d) for d in result.divergences]
         overridden = replay(graph, store, episode.id, config={"configurable": {"persona": "a parrot"}})
         assert [d.kind for d in overridden.divergences] == ["prompt_changed"]  # the caller's config wins
+
+
+# ---- rev5_b / rev5_g: the replay fork is the thread as the run found it -------------------------------------
+def _review_graph(final_prompt, saver):
+    from langgraph.graph import MessagesState
+    from langgraph.types import interrupt
+
+    def draft(state):
+        return {"messages": [llm.invoke(state["messages"] + [HumanMessage("Draft a haiku.")])]}
+
+    def review(state):
+        note = interrupt({"draft": state["messages"][-1].content})
+        return {"messages": [llm.invoke(state["messages"] + [HumanMessage(f"{final_prompt} {note}")])]}
+
+    b = StateGraph(MessagesState)
+    b.add_node("draft", draft)
+    b.add_node("review", review)
+    b.add_edge(START, "draft")
+    b.add_edge("draft", "review")
+    b.add_edge("review", END)
+    return b.compile(checkpointer=saver)
+
+
+def test_a_rollout_that_resumed_a_paused_thread_or_time_travelled_replays_its_resumed_node(tmp_path):
+    from langgraph.checkpoint.memory import InMemorySaver
+    from langgraph.types import Command
+
+    from drmas_graph import EpisodeInterruptedError, TraceStore, replay
+
+    saver = InMemorySaver()
+    graph = _review_graph("Revise it. Reviewer says:", saver)
+    with TraceStore(tmp_path / "traces.db") as store:
+        app = instrument(graph, {"draft": scripted_policy(["A long draft."]),
+                                 "review": scripted_policy(["Short.", "Fine."], seed=1)}, store=store)
+        thread = {"configurable": {"thread_id": "chat-1"}}
+        try:
+            app.rollout({"messages": [HumanMessage("Write a haiku.")]}, thread)
+        except EpisodeInterruptedError:
+            pass
+        resumed = app.rollout(Command(resume="shorter please"), thread)
+        assert resumed.metadata["thread_start"]["writes"] == [[resumed.metadata["thread_start"]["writes"][0][0],
+                                                               "__interrupt__"]]
+        same = replay(graph, store, resumed.id)
+        assert same.divergences == [] and same.state_matches, [str(d) for d in same.divergences]
+        edited = replay(_review_graph("Rewrite it completely. Reviewer says:", saver), store, resumed.id)
+        assert [d.kind for d in edited.divergences] == ["prompt_changed"]
+        assert "Rewrite it completely" in edited.divergences[0].diff
+
+        before_review = next(s for s in app.get_state_history(thread) if s.next == ("review",))
+        forked = app.rollout(Command(resume="fine"), before_review.config)
+        assert forked.metadata["thread_start"]["superseded"] is True
+        assert [t.agent for t in forked.turns] == ["review"]
+        again = replay(graph, store, forked.id)
+        assert again.divergences == [] and again.state_matches, [str(d) for d in again.divergences]
+
+
+def test_the_replay_fork_carries_a_stateful_sub_agent_memory(tmp_path):
+    from langgraph.checkpoint.memory import InMemorySaver
+    from langgraph.graph import MessagesState
+
+    from drmas_graph import TraceStore, replay
+
+    def assistant(state):
+        return {"messages": [llm.invoke(state["messages"])]}
+
+    sub = StateGraph(MessagesState)
+    sub.add_node("assistant", assistant)
+    sub.add_edge(START, "assistant")
+    sub.add_edge("assistant", END)
+    expert = sub.compile(checkpointer=True)
+
+    def consult(state):
+        return {"messages": [expert.invoke({"messages": [state["messages"][-1]]})["messages"][-1]]}
+
+    b = StateGraph(MessagesState)
+    b.add_node("consult", consult)
+    b.add_edge(START, "consult")
+    b.add_edge("consult", END)
+    graph = b.compile(checkpointer=InMemorySaver())
+    with TraceStore(tmp_path / "traces.db") as store:
+        app = instrument(graph, {"consult/assistant": scripted_policy(["Hello!", "Still here.", "Yes."])}, store=store)
+        thread = {"configurable": {"thread_id": "user-1"}}
+        app.rollout({"messages": [HumanMessage("Hi, I am Ann.")]}, thread)
+        second = app.rollout({"messages": [HumanMessage("What is my name?")]}, thread)
+        assert len(second.turns[0].messages) == 3  # the sub-agent remembers the first exchange
+        assert list(second.metadata["thread_start"]["namespaces"]) == ["consult"]
+        result = replay(graph, store, second.id)
+        assert result.divergences == [] and result.state_matches, [str(d) for d in result.divergences]
+
+
+# ---- rev5_f: a node's CachePolicy never serves an instrumented run -----------------------------------------
+def test_a_cached_node_is_sampled_in_every_episode_and_replays(tmp_path):
+    from langgraph.cache.memory import InMemoryCache
+    from langgraph.types import CachePolicy
+
+    from drmas_graph import TraceStore, replay
+
+    def research(state):
+        return {"log": [llm.invoke([HumanMessage(f"Research: {state['question']}")]).content]}
+
+    b = StateGraph(State)
+    b.add_node("research", research, cache_policy=CachePolicy(ttl=600))
+    b.add_edge(START, "research")
+    b.add_edge("research", END)
+    graph = b.compile(cache=InMemoryCache())
+    with TraceStore(tmp_path / "traces.db") as store:
+        app = instrument(graph, {"research": scripted_policy(["notes A", "notes B", "notes C"])}, store=store)
+        first = app.rollout({"question": "6*7?"}, group_id="g0")
+        second = app.rollout({"question": "6*7?"}, group_id="g0")
+        assert [t.response_text for t in first.turns + second.turns] == ["notes A", "notes B"]
+        assert second.final_state["log"] == ["notes B"]
+        assert replay(graph, store, first.id).divergences == []
+    assert app.graph.cache is graph.cache  # the app's graph is untouched

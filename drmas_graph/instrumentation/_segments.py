@@ -37,7 +37,7 @@ from drmas_graph.instrumentation._limits import truncate
 from drmas_graph.types import Episode, Segment
 
 __all__ = ["EpisodeInterruptedError", "Continuation", "SegmentRunner", "continuation_from_env",
-           "pending_interrupts", "apending_interrupts", "DEFAULT_MAX_RESUMES"]
+           "pending_interrupts", "apending_interrupts", "DEFAULT_MAX_RESUMES", "latest"]
 
 DEFAULT_MAX_RESUMES = 16
 """Runs allowed after an episode's first one when the caller sets no bound (`rollout.max_resumes`)."""
@@ -93,7 +93,7 @@ class _Pending:
     """{'node', 'id', 'value'} per interrupt; a static breakpoint is {'node': next node, 'id': None, 'value': None}."""
 
 
-def _thread(config: Mapping[str, Any] | None) -> dict[str, Any]:
+def latest(config: Mapping[str, Any] | None) -> dict[str, Any]:
     """The run config later runs (and state reads) use: the thread's latest checkpoint, not a fixed one."""
     config = dict(config or {})
     config["configurable"] = {k: v for k, v in (config.get("configurable") or {}).items() if k != "checkpoint_id"}
@@ -185,7 +185,7 @@ class SegmentRunner:
         self.config = config
         self.kwargs = {} if context is None else {"context": context}
         """Keyword arguments of every run (LangGraph's `context=`)."""
-        self.thread = _thread(config)
+        self.thread = latest(config)
         self.kind, self.input = "start", None
         """The run in progress: how it was started and on what (None for the episode's input)."""
         self.segments: list[Segment] = []

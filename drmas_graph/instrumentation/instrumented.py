@@ -135,6 +135,9 @@ class InstrumentedGraph(Runnable):
         if not hasattr(graph, "invoke") or not hasattr(graph, "get_graph"):
             raise ConfigError(f"instrument() needs a compiled LangGraph graph or a StateGraph, got {type(graph).__name__}")
         self.graph = graph
+        self.runnable = _uncached(graph)
+        """What every instrumented run (and replay) executes: `graph` with LangGraph's node cache off, so that
+        a node with a `CachePolicy` is never served another episode's sampled reply."""
         self.policies: dict[str, Policy] = dict(policies)
         self.agents: dict[str, str] = dict(agents or {})
         self.strict = strict
@@ -344,7 +347,7 @@ class InstrumentedGraph(Runnable):
         episode = self._new_episode(input, config, task_id, group_id, metadata, context=context)
         try:
             with self._recording(episode) as recorder:
-                output = SegmentRunner(self.graph, episode, recorder, config, continuation, context).run(input)
+                output = SegmentRunner(self.runnable, episode, recorder, config, continuation, context).run(input)
         except Exception as exc:
             raise self._failed(episode, exc) from exc
         return self._finish(episode, output, require_calls=True)
@@ -363,7 +366,7 @@ class InstrumentedGraph(Runnable):
         recorder = None
         try:
             with self._recording(episode) as recorder:
-                output = await SegmentRunner(self.graph, episode, recorder, config, continuation, context).arun(input)
+                output = await SegmentRunner(self.runnable, episode, recorder, config, continuation, context).arun(input)
         except Exception as exc:
             raise self._failed(episode, exc) from exc
         except asyncio.CancelledError as exc:  # stored with its turns so far and the reason
@@ -381,7 +384,7 @@ class InstrumentedGraph(Runnable):
         episode = self._new_episode(input, config, None, None, context=kwargs.get("context"))
         try:
             with self._recording(episode):
-                output = self.graph.invoke(input, config, **kwargs)
+                output = self.runnable.invoke(input, config, **kwargs)
         except Exception as exc:
             note_stop(episode, exc)
             self._write(episode)
@@ -394,7 +397,7 @@ class InstrumentedGraph(Runnable):
                                     context=kwargs.get("context"))
         try:
             with self._recording(episode):
-                output = await self.graph.ainvoke(input, config, **kwargs)
+                output = await self.runnable.ainvoke(input, config, **kwargs)
         except Exception as exc:
             note_stop(episode, exc)
             self._write(episode)
@@ -430,7 +433,7 @@ class InstrumentedGraph(Runnable):
         fold = StreamFold(self.graph, kwargs)  # the run's output, as invoke returns it (the episode's final_state)
         cancelled = False
         try:
-            chunks = ctx.run(self.graph.stream, input, config, **fold.kwargs)
+            chunks = ctx.run(self.runnable.stream, input, config, **fold.kwargs)
             try:
                 while True:
                     try:
@@ -457,7 +460,7 @@ class InstrumentedGraph(Runnable):
         Closing the stream early cancels the run; no episode is stored for it."""
         episode, recorder, ctx = self._episode_context(input, config, kwargs.get("context"))
         fold = StreamFold(self.graph, kwargs)  # the run's output, as invoke returns it (the episode's final_state)
-        chunks = self.graph.astream(input, config, **fold.kwargs)
+        chunks = self.runnable.astream(input, config, **fold.kwargs)
         cancelled = False
 
         async def step() -> Any:
@@ -548,6 +551,14 @@ class _Recorder(_EpisodeRecorder):
     async def ahandle(self, site: CallSite, original: Callable[[], Any]) -> ChatResult:
         with self._under_way():
             return await super().ahandle(site, original)
+
+
+def _uncached(graph: Any) -> Any:
+    """`graph` without its node cache (`compile(cache=...)`): LangGraph keys a cached node by its input, so
+    the episodes of one GRPO group (one input) would share the first one's sampled reply, with no turn."""
+    if getattr(graph, "cache", None) is None or not callable(getattr(graph, "copy", None)):
+        return graph
+    return graph.copy(update={"cache": None})
 
 
 def _no_v3(version: str) -> None:

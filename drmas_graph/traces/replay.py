@@ -329,8 +329,8 @@ def _thread_config(run: _Run, forked: dict | None, reason: str | None) -> None:
     run.unreproducible = run.unreproducible or reason
     if _threads._checkpointer(run.app.graph) is not None and not _own_thread(run):
         configurable = run.config.setdefault("configurable", {})
-        configurable.update(forked or {"thread_id": f"replay-{uuid.uuid4().hex}"})
         configurable.pop("checkpoint_id", None)
+        configurable.update(forked or {"thread_id": f"replay-{uuid.uuid4().hex}"})  # addressed as recorded
 
 
 def _finish(run: _Run, episode: Episode, outcome: _Outcome, segment: int) -> ReplayResult:
@@ -466,12 +466,13 @@ def replay_episode(graph: Any, episode: Episode, *, policies: Mapping[str, Polic
     start = None if _own_thread(run) else episode.metadata.get("thread_start")
     _thread_config(run, *_threads.fork_config(run.app.graph, start))
     with _serving(run) as outcome:
-        outcome.final_state = run.app.graph.invoke(episode.input, run.config or None, **run.kwargs)
+        outcome.final_state = run.app.runnable.invoke(episode.input, run.config or None, **run.kwargs)
+        thread = _segments.latest(run.config)  # later runs continue the thread's latest checkpoint
         while True:
-            nxt = runs.after(_segments.pending_interrupts(run.app.graph, run.config, outcome.final_state))
+            nxt = runs.after(_segments.pending_interrupts(run.app.graph, thread, outcome.final_state))
             if nxt is _END:
                 break
-            outcome.final_state = run.app.graph.invoke(nxt, run.config, **run.kwargs)
+            outcome.final_state = run.app.runnable.invoke(nxt, thread, **run.kwargs)
     return _finish(run, episode, outcome, runs.k)
 
 
@@ -485,12 +486,13 @@ async def areplay_episode(graph: Any, episode: Episode, *, policies: Mapping[str
     start = None if _own_thread(run) else episode.metadata.get("thread_start")
     _thread_config(run, *await _threads.afork_config(run.app.graph, start))
     with _serving(run) as outcome:
-        outcome.final_state = await run.app.graph.ainvoke(episode.input, run.config or None, **run.kwargs)
+        outcome.final_state = await run.app.runnable.ainvoke(episode.input, run.config or None, **run.kwargs)
+        thread = _segments.latest(run.config)  # later runs continue the thread's latest checkpoint
         while True:
-            nxt = runs.after(await _segments.apending_interrupts(run.app.graph, run.config, outcome.final_state))
+            nxt = runs.after(await _segments.apending_interrupts(run.app.graph, thread, outcome.final_state))
             if nxt is _END:
                 break
-            outcome.final_state = await run.app.graph.ainvoke(nxt, run.config, **run.kwargs)
+            outcome.final_state = await run.app.runnable.ainvoke(nxt, thread, **run.kwargs)
     return _finish(run, episode, outcome, runs.k)
 
 
