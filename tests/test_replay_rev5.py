@@ -301,3 +301,30 @@ def test_a_cached_node_is_sampled_in_every_episode_and_replays(tmp_path):
         assert second.final_state["log"] == ["notes B"]
         assert replay(graph, store, first.id).divergences == []
     assert app.graph.cache is graph.cache  # the app's graph is untouched
+
+
+# ---- rev5_c: an instrumented app run inside a node of another graph names its own nodes --------------------
+def test_an_instrumented_app_nested_in_another_serves_its_own_nodes(tmp_path):
+    from drmas_graph import TraceStore, replay
+
+    def inner_node(state):
+        return {"log": [llm.invoke([HumanMessage(f"inner: {state['question']}")]).content]}
+
+    inner_graph = _one_node(inner_node, "inner")
+    store = TraceStore(tmp_path / "inner.db")
+    inner_app = instrument(inner_graph, {"inner": scripted_policy(["inner policy"] * 2, name="inner-pol")},
+                           strict=True, store=store)
+
+    def outer_node(state):
+        sub = inner_app.invoke({"question": state["question"]})
+        return {"log": sub["log"] + [llm.invoke([HumanMessage("outer: sum up")]).content]}
+
+    for outer_graph in (_one_node(outer_node, "outer"), _one_node(lambda s: {"log": inner_app.invoke(s)["log"]}, "team")):
+        outer_app = instrument(outer_graph, {"outer": scripted_policy(["outer policy"], name="outer-pol")})
+        final = outer_app.invoke({"question": "2+2?"})
+        assert final["log"][0] == "inner policy"
+    episodes = [store.load_episode(s.id) for s in store.episodes()]
+    assert [(t.node, t.call_key, t.agent, t.trainable) for e in episodes for t in e.turns] == \
+        [("inner", "inner", "inner", True)] * 2
+    assert replay(inner_graph, store, episodes[0].id).divergences == []
+    store.close()

@@ -3,6 +3,7 @@ agent's policy (or lets the app's own model answer it), and records every call a
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -10,8 +11,10 @@ from typing import Any
 
 from langchain_core.messages import AIMessage
 from langchain_core.outputs import ChatGeneration, ChatResult
+from langchain_core.runnables import ensure_config
 
 from drmas_graph._chat import ParsedResponse, _text
+from drmas_graph.instrumentation import _task_paths
 from drmas_graph.instrumentation._intercept import CallSite
 from drmas_graph.instrumentation._limits import enforce_limits
 from drmas_graph.instrumentation._seeds import prompt_digest, seeded
@@ -20,7 +23,8 @@ from drmas_graph.errors import StrictModeError
 from drmas_graph.policy import Policy
 from drmas_graph.types import Episode, Generation, SamplingParams, Turn
 
-__all__ = ["_EpisodeRecorder", "served_message", "_cut_at_stop", "structured_parts", "RAW_BRANCH_TAG"]
+__all__ = ["_EpisodeRecorder", "served_message", "_cut_at_stop", "structured_parts", "RAW_BRANCH_TAG",
+           "enclosing_node", "own_site"]
 
 RAW_BRANCH_TAG = "map:key:raw"
 """Run tag of the model call inside `with_structured_output(..., include_raw=True)` (LangChain runs it as the
@@ -45,6 +49,9 @@ class _EpisodeRecorder:
         self._starts: dict[int, float] = {}  # call index -> unix start time
         self.segment = 0
         """The run of the episode's thread now in progress (`Turn.segment` of its calls)."""
+        self.base = enclosing_node()
+        """Node path of the node of another graph this run was started from ('' at top level): an
+        instrumented app run inside a node of another graph (a sub-app) names its own nodes without it."""
 
     def refused(self, error: StrictModeError) -> None:
         with self._lock:
@@ -103,6 +110,7 @@ class _EpisodeRecorder:
         return k, digest
 
     def handle(self, site: CallSite, original: Callable[[], ChatResult]) -> ChatResult:
+        site = own_site(site, self.base)
         agent, policy = self._route(site)
         index, nci = self._begin(site)
         start = time.perf_counter()
@@ -115,6 +123,7 @@ class _EpisodeRecorder:
         return self._served(site, agent, policy, index, nci, prompt_ids, params, generation, start, structured)
 
     async def ahandle(self, site: CallSite, original: Callable[[], Any]) -> ChatResult:
+        site = own_site(site, self.base)
         agent, policy = self._route(site)
         index, nci = self._begin(site)
         start = time.perf_counter()
@@ -174,6 +183,28 @@ class _EpisodeRecorder:
             policy_version=None, trainable=False, latency_s=latency, call_key=site.call_key, node_call_index=nci,
             tools=tuple(site.tools), message_id=message.id, agent_name=site.agent_name, segment=self.segment,
         )
+
+
+def enclosing_node() -> str:
+    """Node path of the graph node whose run config is in effect here (LangChain's `ensure_config`, which
+    child runs inherit): where an instrumented app is run from inside another graph's node; '' at top level."""
+    configurable = ensure_config().get("configurable") or {}
+    ns = configurable.get("checkpoint_ns")
+    return _task_paths.node_path(str(ns)) if ns else ""
+
+
+def own_site(site: CallSite, base: str) -> CallSite:
+    """`site` as the app run from node `base` of an enclosing graph names it: LangGraph runs the app as a
+    subgraph of that node, so the call's node path and key start with `base` ('outer/inner'), while the
+    app's own node, its policies and its replay say 'inner'."""
+    if not base:
+        return site
+    depth = base.count("/") + 1
+    names = site.node.split("/")
+    if names[:depth] != base.split("/") or len(names) <= depth:
+        return site
+    keys = site.call_key.split("/")
+    return dataclasses.replace(site, node="/".join(names[depth:]), call_key="/".join(keys[depth:]))
 
 
 def served_message(parsed: ParsedResponse, *, finish: str, policy_name: str | None, policy_version: int | None,
