@@ -18,6 +18,7 @@ from collections import Counter, defaultdict
 from typing import Any
 
 from drmas_graph.env import ENV_REWARD, BadRewardError, is_success, score_episode
+from drmas_graph.errors import ConfigError
 from drmas_graph.traces.weave_export import evaluation_episode
 from drmas_graph.train import _distributed, _scoring
 
@@ -39,6 +40,7 @@ def evaluate(trainer: Any, *, step: int, split: str | None = None,
     ec = trainer.cfg.eval
     split = split or ec.split
     tasks = list(trainer.env.tasks(split))[: ec.n_tasks]
+    _refuse_duplicate_ids(tasks, split)  # successes are kept per task id
     saved = dict(trainer.app.sampling)
     trainer.app.sampling.update({
         a: saved.get(a, policy.sampling).replace(temperature=ec.temperature, top_p=ec.top_p, top_k=0,
@@ -111,6 +113,19 @@ def evaluate(trainer: Any, *, step: int, split: str | None = None,
         record[f"{agent}/top_replies"] = top
     _check_threshold(trainer, [t for part in _distributed.gather(teams) for t in part], record)
     return record
+
+
+def _refuse_duplicate_ids(tasks: list[Any], split: str) -> None:
+    """avg@k and pass@k count per task id: two tasks of the split with one id would merge into one (2k
+    outcomes over k), so they are refused, naming the id."""
+    seen: set[str] = set()
+    for position, task in enumerate(tasks):
+        if task.id in seen:
+            raise ConfigError(
+                f"env.tasks({split!r}) holds task id {task.id!r} more than once (again at position {position}); "
+                "evaluation counts avg@k and pass@k per task id, so ids must be unique: give each task its own "
+                "id (e.g. add its index) or drop the duplicate")
+        seen.add(task.id)
 
 
 def _check_threshold(trainer: Any, teams: list[float], record: dict[str, Any]) -> None:
