@@ -185,6 +185,8 @@ class Trainer:
         # before any process creates its store: a second run would mix its episodes and metrics into the first's
         if train and not cfg.resume and any(_distributed.gather((self.run_dir / "traces.db").exists())):
             raise RunDirInUseError(self.run_dir)
+        if train and cfg.resume and not any(_distributed.gather(_checkpoints.has_checkpoint(self.run_dir))):
+            raise _checkpoints.NothingToResumeError(self.run_dir)  # step 0 would append to the old run's traces
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.train_models: dict[str, Any] = {}
         """Model name -> the module its updater trains (the embedded policy's own, or a served model's local copy)."""
