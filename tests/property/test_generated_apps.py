@@ -7,6 +7,7 @@ prints the app description (Hypothesis shrinks it first). Profiles: tests/confte
 `--hypothesis-profile=long` for a long hunt).
 """
 
+import dataclasses
 import tempfile
 from pathlib import Path
 
@@ -16,7 +17,8 @@ from hypothesis import strategies as st
 
 from drmas_graph import TraceStore
 from tests.property import invariants as inv
-from tests.property.apps import KNOWN_DEFECTS, Timing, apps, build, timings
+from tests.property.apps import KNOWN_DEFECTS, Timing, apps, timings
+from tests.property.invariants import build
 
 pytestmark = [pytest.mark.property,  # an agent on a branch the run did not take made no call: expected here
               pytest.mark.filterwarnings("ignore:agents.*matched no LLM call in the first episode"),
@@ -94,6 +96,7 @@ def test_a_capped_episode_is_truncated_stored_and_replays_to_the_cap(app, data, 
     """rev4_m and rev4_o as properties: a `max_llm_calls` cap stops the episode at any call (in a later run of
     an interrupted thread, among parallel branches); the store keeps every run, and replay under other timing
     reports no divergence and stops where the cap stopped the recording."""
+    app = dataclasses.replace(app, run="rollout")  # max_llm_calls is a rollout's
     note(inv.describe(app))
     full, store, _ = inv.recorded(app, build(app), seed)
     store.close()
