@@ -24,6 +24,7 @@ from hypothesis import note
 from drmas_graph import RolloutError, TraceStore, instrument
 from drmas_graph.testing import scripted_policy
 from drmas_graph.traces.replay import ReplayResult, comparable, replay, replay_episode
+from drmas_graph.traces._compare import state_text  # noqa: F401  (the replay process prints it)
 from drmas_graph.types import Episode
 from tests.property import apps as _apps
 from tests.property.apps import APP_MODEL_REPLY, PERSONA, USER, App, Built, Call, Ctx, Timing

@@ -12,11 +12,13 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from hypothesis import assume, given, note
+from hypothesis import assume, given, note, settings
 from hypothesis import strategies as st
 
 from drmas_graph import TraceStore
+from drmas_graph.traces.replay import replay
 from tests.property import invariants as inv
+from tests.property import threads
 from tests.property.apps import KNOWN_DEFECTS, Timing, apps, timings
 from tests.property.invariants import build
 
@@ -109,3 +111,38 @@ def test_a_capped_episode_is_truncated_stored_and_replays_to_the_cap(app, data, 
         inv.check_store_round_trip(app, store, run.episode)
         result = inv.replay_stored(app, store, run.episode, data.draw(timings, label="replay timing"))
     inv.check_truncated_replay(app, result, cap < n_calls)
+
+
+@given(app=apps(), seed=seeds)
+def test_a_thread_continued_by_later_rollouts_replays_each_of_them(app, seed):
+    """rev5_b and rev5_g as properties: a paused thread resumed by a second rollout (else its next input), with
+    sub-agents that remember across episodes, then a rollout from an older checkpoint; every episode replays."""
+    assume(app.kind == "graph" and app.checkpointer == "memory")
+    note(inv.describe(app))
+    built = build(app)
+    with TraceStore(Path(tempfile.mkdtemp(prefix="drmas-prop-")) / "traces.db") as store:
+        episodes = threads.continue_thread(app, built, store, seed)
+        assert built.model.calls == 0, f"the app's own model answered {built.model.calls} call(s)\n{inv.describe(app)}"
+        for k, episode in enumerate(episodes):
+            if episode.error or not episode.turns:  # the paused first run: its replay is the suite's other tests'
+                continue
+            result = replay(built.graph, store, episode.id, agents=inv.wiring(app).agents)  # its saver holds the thread
+            note(f"episode {k} of the thread: {[t.node for t in episode.turns]}")
+            inv.check_clean_replay(app, result)
+
+
+@settings(max_examples=max(3, settings().max_examples // 20))
+@given(app=apps(), seed=seeds, hash_seed=st.integers(1, 2**16))
+def test_a_replay_in_another_process_agrees_with_the_replay_in_this_one(app, seed, hash_seed):
+    """rev5_e as a property: the stored episode replays the same in a fresh process with another PYTHONHASHSEED
+    (the CLI's and the UI's case) as in the recording process."""
+    note(inv.describe(app))
+    first, store, folder = inv.recorded(app, build(app), seed)
+    store.close()
+    here = inv.replay_stored(app, folder / "traces.db", first.episode, 0)
+    inv.check_clean_replay(app, here)
+    there = threads.replay_elsewhere(app, folder / "traces.db", first.episode.id, hash_seed)
+    assert there["divergences"] == [] and there["state_matches"], (
+        f"replay with PYTHONHASHSEED={hash_seed}: {there['divergences'][:1]}, state_matches "
+        f"{there['state_matches']}\n{inv.describe(app)}")
+    assert there["state"] == inv.state_text(here.final_state), f"another process replays another state\n{inv.describe(app)}"
