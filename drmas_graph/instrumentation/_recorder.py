@@ -3,10 +3,12 @@ agent's policy (or lets the app's own model answer it), and records every call a
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from langchain_core.messages import AIMessage
@@ -23,7 +25,7 @@ from drmas_graph.errors import StrictModeError
 from drmas_graph.policy import Policy
 from drmas_graph.types import Episode, Generation, SamplingParams, Turn
 
-__all__ = ["_EpisodeRecorder", "served_message", "_cut_at_stop", "structured_parts", "RAW_BRANCH_TAG",
+__all__ = ["_EpisodeRecorder", "_Recorder", "served_message", "_cut_at_stop", "structured_parts", "RAW_BRANCH_TAG",
            "enclosing_node", "own_site"]
 
 RAW_BRANCH_TAG = "map:key:raw"
@@ -183,6 +185,45 @@ class _EpisodeRecorder:
             policy_version=None, trainable=False, latency_s=latency, call_key=site.call_key, node_call_index=nci,
             tools=tuple(site.tools), message_id=message.id, agent_name=site.agent_name, segment=self.segment,
         )
+
+
+class _Recorder(_EpisodeRecorder):
+    """A rollout's recorder, which also knows whether the episode is inside an LLM call (the trainer's backstop
+    truncates an episode cancelled there, and fails one cancelled between calls)."""
+
+    def __init__(self, app: Any, episode: Episode) -> None:
+        super().__init__(app, episode)
+        self._calls_lock = threading.Lock()
+        self._calls_under_way = 0
+        self._cancelled_in_call = False
+
+    @property
+    def in_llm_call(self) -> bool:
+        """A call is being served now (a sync node's thread keeps generating), or the episode's cancellation
+        reached it inside one."""
+        with self._calls_lock:
+            return self._cancelled_in_call or self._calls_under_way > 0
+
+    @contextlib.contextmanager
+    def _under_way(self) -> Iterator[None]:
+        with self._calls_lock:
+            self._calls_under_way += 1
+        try:
+            yield
+        except asyncio.CancelledError:
+            self._cancelled_in_call = True
+            raise
+        finally:
+            with self._calls_lock:
+                self._calls_under_way -= 1
+
+    def handle(self, site: CallSite, original: Callable[[], ChatResult]) -> ChatResult:
+        with self._under_way():
+            return super().handle(site, original)
+
+    async def ahandle(self, site: CallSite, original: Callable[[], Any]) -> ChatResult:
+        with self._under_way():
+            return await super().ahandle(site, original)
 
 
 def enclosing_node() -> str:

@@ -19,7 +19,6 @@ import asyncio
 import contextlib
 import contextvars
 import functools
-import threading
 import warnings
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -40,6 +39,7 @@ from drmas_graph.instrumentation._segments import (
     SegmentRunner,
 )
 from drmas_graph.instrumentation._recorder import _cut_at_stop, _EpisodeRecorder, served_message, structured_parts  # noqa: F401
+from drmas_graph.instrumentation._recorder import _Recorder
 from drmas_graph.errors import (
     ConfigError,
     NoLLMCallError,
@@ -512,45 +512,6 @@ class InstrumentedGraph(Runnable):
     async def abulk_update_state(self, *args: Any, **kwargs: Any) -> Any:
         with _outside_episode(self, "abulk_update_state"):
             return await self.graph.abulk_update_state(*args, **kwargs)
-
-
-class _Recorder(_EpisodeRecorder):
-    """A rollout's recorder, which also knows whether the episode is inside an LLM call (the trainer's backstop
-    truncates an episode cancelled there, and fails one cancelled between calls)."""
-
-    def __init__(self, app: Any, episode: Episode) -> None:
-        super().__init__(app, episode)
-        self._calls_lock = threading.Lock()
-        self._calls_under_way = 0
-        self._cancelled_in_call = False
-
-    @property
-    def in_llm_call(self) -> bool:
-        """A call is being served now (a sync node's thread keeps generating), or the episode's cancellation
-        reached it inside one."""
-        with self._calls_lock:
-            return self._cancelled_in_call or self._calls_under_way > 0
-
-    @contextlib.contextmanager
-    def _under_way(self) -> Iterator[None]:
-        with self._calls_lock:
-            self._calls_under_way += 1
-        try:
-            yield
-        except asyncio.CancelledError:
-            self._cancelled_in_call = True
-            raise
-        finally:
-            with self._calls_lock:
-                self._calls_under_way -= 1
-
-    def handle(self, site: CallSite, original: Callable[[], ChatResult]) -> ChatResult:
-        with self._under_way():
-            return super().handle(site, original)
-
-    async def ahandle(self, site: CallSite, original: Callable[[], Any]) -> ChatResult:
-        with self._under_way():
-            return await super().ahandle(site, original)
 
 
 def _uncached(graph: Any) -> Any:
