@@ -113,6 +113,7 @@ def test_a_capped_episode_is_truncated_stored_and_replays_to_the_cap(app, data, 
     inv.check_truncated_replay(app, result, cap < n_calls)
 
 
+@settings(max_examples=max(10, settings().max_examples // 4))  # ci: 10 (several rollouts and replays each)
 @given(app=apps(), seed=seeds)
 def test_a_thread_continued_by_later_rollouts_replays_each_of_them(app, seed):
     """rev5_b and rev5_g as properties: a paused thread resumed by a second rollout (else its next input), with
@@ -131,7 +132,7 @@ def test_a_thread_continued_by_later_rollouts_replays_each_of_them(app, seed):
             inv.check_clean_replay(app, result)
 
 
-@settings(max_examples=max(3, settings().max_examples // 20))
+@settings(max_examples=max(2, settings().max_examples // 20))  # ci: 2 (a process start each); long: 150
 @given(app=apps(), seed=seeds, hash_seed=st.integers(1, 2**16))
 def test_a_replay_in_another_process_agrees_with_the_replay_in_this_one(app, seed, hash_seed):
     """rev5_e as a property: the stored episode replays the same in a fresh process with another PYTHONHASHSEED
