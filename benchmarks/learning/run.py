@@ -45,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from langchain_core.language_models.fake_chat_models import FakeListChatModel  # noqa: E402
 
+from benchmarks._deps import require  # noqa: E402
 from drmas_graph.config import TrainConfig  # noqa: E402
 from graphs.lookup.env import LookupEnv  # noqa: E402
 from graphs.lookup.graph import build_graph as build_lookup  # noqa: E402
@@ -435,6 +436,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--resume", action="store_true", help="keep the finished runs in OUT/results.json (same "
                                                           "settings) and run only the missing ones")
     args = p.parse_args(argv)
+    require({"matplotlib": "demo"}, "the study's plots")  # checked now, not after hours of runs
     if args.tune:
         tune(args.apps, k=4, n_tasks=APPS[args.apps[0]]["env_kwargs"]["n_test"])
         return 0
@@ -478,11 +480,12 @@ def main(argv: list[str] | None = None) -> int:
     print(table(runs, args.estimators))
     if args.report:
         print("\n" + runs_markdown(runs))
-    for path in plots(runs, out):
-        print(f"plot: {path}")
     print(f"results: {out / 'results.json'}")
     for line in verdict_lines(runs) + hypothesis_lines(runs):
         print(line)
+    sys.stdout.flush()
+    for path in plots(runs, out):  # after the results: the numbers never wait on the plots
+        print(f"plot: {path}")
     return 0
 
 

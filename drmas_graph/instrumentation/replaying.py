@@ -7,7 +7,9 @@ gets each call as a `CallSite`. Calls after a divergence are served live and rec
 `EpisodeRecorder`. It rebuilds a recorded answer with `cut_at_stop` (and `served_message` /
 `structured_parts` of `drmas_graph.instrumentation.instrumented`), words a run that raised as the recording
 did (`note_stop`), copies a checkpointed thread's recorded start (`checkpointer`, `fork_config`,
-`afork_config`) and finds where a run of the thread stopped (`pending_interrupts`, `apending_interrupts`).
+`afork_config`), runs with the recorded configurable values and context (`replay_config`), and finds where a
+run of the thread stopped (`latest` addresses the thread's newest checkpoint; `pending_interrupts`,
+`apending_interrupts`).
 
 Every name here is the instrumentation's own object (not a copy), so a replay and an instrumented run share
 one hook and one handler variable.
@@ -23,12 +25,12 @@ from drmas_graph.instrumentation._outcomes import note_stop
 from drmas_graph.instrumentation._recorder import RAW_BRANCH_TAG
 from drmas_graph.instrumentation._recorder import _cut_at_stop as cut_at_stop
 from drmas_graph.instrumentation._recorder import _EpisodeRecorder as EpisodeRecorder
-from drmas_graph.instrumentation._segments import apending_interrupts, pending_interrupts
-from drmas_graph.instrumentation._threads import afork_config, fork_config
+from drmas_graph.instrumentation._segments import apending_interrupts, latest, pending_interrupts
+from drmas_graph.instrumentation._threads import afork_config, fork_config, replay_config
 
 __all__ = ["ACTIVE_HANDLER", "CallHandler", "CallSite", "EpisodeRecorder", "RAW_BRANCH_TAG", "active_handler",
            "afork_config", "apending_interrupts", "checkpointer", "cut_at_stop", "fork_config", "install",
-           "note_stop", "pending_interrupts"]
+           "latest", "note_stop", "pending_interrupts", "replay_config"]
 
 
 def checkpointer(graph: Any) -> Any:

@@ -25,7 +25,7 @@ answered or a hang: a re-run that finishes it is not compared). Replay never let
 escape (only its own `ConfigError`s).
 
 An episode that continued a checkpointed thread starts from the thread's recorded checkpoint, copied to a
-new thread (`drmas_graph.instrumentation._threads`); when that checkpoint is not available the result says so
+new thread (`drmas_graph.instrumentation.replaying.fork_config`); when that checkpoint is not available the result says so
 (`ReplayResult.unreproducible`). `areplay` runs graphs whose nodes are async-only.
 
 An episode of several runs of its thread (interrupts the environment answered, a conversation's next inputs:
@@ -297,6 +297,8 @@ class _Run:
     config: dict | None
     unreproducible: str | None = None
     start: float = 0.0
+    kwargs: dict = field(default_factory=dict)
+    """Keyword arguments of every run: the recorded `context=`."""
 
 
 def _prepare(graph: Any, episode: Episode, policies: Mapping[str, Policy] | None, agents: Mapping[str, str] | None,
@@ -310,7 +312,9 @@ def _prepare(graph: Any, episode: Episode, policies: Mapping[str, Policy] | None
     live_episode = Episode(task_id=episode.task_id, group_id=episode.group_id, input=episode.input)
     live = EpisodeRecorder(app, live_episode)
     handler = _ReplayHandler(episode, live, on_divergence == "continue", app.agent_of)
-    return _Run(app, handler, live, live_episode, dict(config or {}), _unstorable_input(episode))
+    config = replaying.replay_config(episode.metadata.get("run_config"), config)  # the recorded configurable values
+    kwargs = {"context": episode.metadata["context"]} if episode.metadata.get("context") is not None else {}
+    return _Run(app, handler, live, live_episode, config, _unstorable_input(episode), kwargs=kwargs)
 
 
 def _own_thread(run: _Run) -> bool:
@@ -323,8 +327,8 @@ def _thread_config(run: _Run, forked: dict | None, reason: str | None) -> None:
     run.unreproducible = run.unreproducible or reason
     if replaying.checkpointer(run.app.graph) is not None and not _own_thread(run):
         configurable = run.config.setdefault("configurable", {})
-        configurable.update(forked or {"thread_id": f"replay-{uuid.uuid4().hex}"})
         configurable.pop("checkpoint_id", None)
+        configurable.update(forked or {"thread_id": f"replay-{uuid.uuid4().hex}"})  # addressed as recorded
 
 
 def _finish(run: _Run, episode: Episode, outcome: _Outcome, segment: int) -> ReplayResult:
@@ -460,12 +464,13 @@ def replay_episode(graph: Any, episode: Episode, *, policies: Mapping[str, Polic
     start = None if _own_thread(run) else episode.metadata.get("thread_start")
     _thread_config(run, *replaying.fork_config(run.app.graph, start))
     with _serving(run) as outcome:
-        outcome.final_state = run.app.graph.invoke(episode.input, run.config or None)
+        outcome.final_state = run.app.runnable.invoke(episode.input, run.config or None, **run.kwargs)
+        thread = replaying.latest(run.config)  # later runs continue the thread's latest checkpoint
         while True:
-            nxt = runs.after(replaying.pending_interrupts(run.app.graph, run.config, outcome.final_state))
+            nxt = runs.after(replaying.pending_interrupts(run.app.graph, thread, outcome.final_state))
             if nxt is _END:
                 break
-            outcome.final_state = run.app.graph.invoke(nxt, run.config)
+            outcome.final_state = run.app.runnable.invoke(nxt, thread, **run.kwargs)
     return _finish(run, episode, outcome, runs.k)
 
 
@@ -479,12 +484,13 @@ async def areplay_episode(graph: Any, episode: Episode, *, policies: Mapping[str
     start = None if _own_thread(run) else episode.metadata.get("thread_start")
     _thread_config(run, *await replaying.afork_config(run.app.graph, start))
     with _serving(run) as outcome:
-        outcome.final_state = await run.app.graph.ainvoke(episode.input, run.config or None)
+        outcome.final_state = await run.app.runnable.ainvoke(episode.input, run.config or None, **run.kwargs)
+        thread = replaying.latest(run.config)  # later runs continue the thread's latest checkpoint
         while True:
-            nxt = runs.after(await replaying.apending_interrupts(run.app.graph, run.config, outcome.final_state))
+            nxt = runs.after(await replaying.apending_interrupts(run.app.graph, thread, outcome.final_state))
             if nxt is _END:
                 break
-            outcome.final_state = await run.app.graph.ainvoke(nxt, run.config)
+            outcome.final_state = await run.app.runnable.ainvoke(nxt, thread, **run.kwargs)
     return _finish(run, episode, outcome, runs.k)
 
 
@@ -511,7 +517,9 @@ def replay(graph: Any, store_or_path: Any, episode_id: str, *, policies: Mapping
         agents: node-path glob -> agent, as for `instrument`.
         on_divergence: 'stop' (default) returns at the first divergence (no later call is answered or
             reaches a model); 'continue' goes on live.
-        config: the run config (e.g. `recursion_limit`). A graph with a checkpointer runs on a new thread
+        config: the run config (e.g. `recursion_limit`), over the one the episode recorded (its
+            `configurable` values and `recursion_limit`; the recorded `context=` is passed again too). A graph
+            with a checkpointer runs on a new thread
             (a copy of the thread checkpoint the recording started from, if it continued a thread) unless
             `configurable.thread_id` names one.
 

@@ -35,6 +35,7 @@ _EXPORTS: dict[str, tuple[str, str | None]] = {
     "reply_lines": ("drmas_graph.train.loop.evaluate", "reply_lines"),
     "RunDirInUseError": ("drmas_graph.train.loop._setup", "RunDirInUseError"),
     "free_run_dir": ("drmas_graph.train.loop._setup", "free_run_dir"),
+    "NothingToResumeError": ("drmas_graph.train.loop._checkpoints", "NothingToResumeError"),
     "RunState": ("drmas_graph.train.loop._state", "RunState"),
     "AsyncTimeoutError": ("drmas_graph.train.loop._pipeline", "AsyncTimeoutError"),
     "build_policy": ("drmas_graph.train.loop._build", "build_policy"),

@@ -26,7 +26,24 @@ from drmas_graph.train.loop._state import HasRunState, RunState, run_state
 from drmas_graph.train.optim.lora import load_adapters, save_for_sync
 
 __all__ = ["save_checkpoint", "resume", "checkpoint_step", "push_weights", "sync_weights", "load_into_servers",
-           "sync_dir", "load_checkpoint_adapters", "RolloutWeights"]
+           "sync_dir", "load_checkpoint_adapters", "RolloutWeights", "has_checkpoint", "NothingToResumeError"]
+
+
+class NothingToResumeError(ConfigError):
+    """`resume: true` (`--resume`) on a run folder that holds no checkpoint: there is nothing to continue, and
+    starting at step 0 would append a second run's episodes and metrics to the first's."""
+
+    def __init__(self, run_dir: Path) -> None:
+        super().__init__(
+            f"resume=true, but run folder {run_dir} holds no checkpoint ({run_dir / 'checkpoints'}/step_*): "
+            "there is nothing to continue from. Start the run without resume (a new run_dir, or remove this "
+            "folder if its traces are not needed); checkpoint_every sets how often a run saves one.")
+        self.run_dir = run_dir
+
+
+def has_checkpoint(run_dir: Path) -> bool:
+    """The run folder holds a complete checkpoint (`checkpoints/step_N`) to resume from."""
+    return any((run_dir / "checkpoints").glob("step_*"))
 
 
 class RolloutWeights(Protocol):
@@ -77,7 +94,7 @@ def resume(run: RunState, pipeline: RolloutWeights | None = None) -> int:
     to continue at."""
     ckpts = sorted((run.run_dir / "checkpoints").glob("step_*"))
     if not ckpts:
-        return 0
+        raise NothingToResumeError(run.run_dir)
     latest = ckpts[-1]
     state = json.loads((latest / "trainer_state.json").read_text())
     _distributed.check_resume_world(state.get("world_size"), _distributed.world_size(), {

@@ -12,7 +12,7 @@ from drmas_graph.instrumentation.instrumented import InstrumentedGraph
 from drmas_graph.policy import Policy
 from drmas_graph.traces.store import TraceStore
 from drmas_graph.train.engines import _distributed
-from drmas_graph.train.loop import _build, _pipeline
+from drmas_graph.train.loop import _build, _checkpoints, _pipeline
 from drmas_graph.train.loop._rollouts import EpisodeSlots, episode_config
 from drmas_graph.train.loop._state import RunNotes, RunState, abandon, on_model_thread
 
@@ -49,6 +49,8 @@ def build_run(graph: Any, env: Any, cfg: TrainConfig, *, policies: Mapping[str, 
     # before any process creates its store: a second run would mix its episodes and metrics into the first's
     if train and not cfg.resume and any(_distributed.gather((run_dir / "traces.db").exists())):
         raise RunDirInUseError(run_dir)
+    if train and cfg.resume and not any(_distributed.gather(_checkpoints.has_checkpoint(run_dir))):
+        raise _checkpoints.NothingToResumeError(run_dir)  # step 0 would append to the old run's traces
     run_dir.mkdir(parents=True, exist_ok=True)
     store_file = _distributed.store_path(run_dir)
     new_store = not store_file.exists()

@@ -20,6 +20,7 @@ from collections import Counter, defaultdict
 from typing import Any
 
 from drmas_graph.env import BadRewardError, is_success
+from drmas_graph.errors import ConfigError
 from drmas_graph.traces.weave_export import evaluation_episode
 from drmas_graph.train.engines import _distributed
 from drmas_graph.train.loop import _scoring
@@ -46,6 +47,7 @@ def evaluate(run: RunState | HasRunState, *, step: int, split: str | None = None
     ec = state.cfg.eval
     split = split or ec.split
     tasks = list(state.env.tasks(split))[: ec.n_tasks]
+    _refuse_duplicate_ids(tasks, split)  # successes are kept per task id
     saved = dict(state.app.sampling)
     state.app.sampling.update({
         a: saved.get(a, policy.sampling).replace(temperature=ec.temperature, top_p=ec.top_p, top_k=0,
@@ -136,6 +138,19 @@ def _score(state: RunState, tasks: list[Any], runs: list[tuple[Any, Episode]], c
             replies.append((turn.agent, turn.response_text, r))
     counts.update(_scoring.reward_metrics(state.env))
     return successes, per_agent, replies, teams
+
+
+def _refuse_duplicate_ids(tasks: list[Any], split: str) -> None:
+    """avg@k and pass@k count per task id: two tasks of the split with one id would merge into one (2k
+    outcomes over k), so they are refused, naming the id."""
+    seen: set[str] = set()
+    for position, task in enumerate(tasks):
+        if task.id in seen:
+            raise ConfigError(
+                f"env.tasks({split!r}) holds task id {task.id!r} more than once (again at position {position}); "
+                "evaluation counts avg@k and pass@k per task id, so ids must be unique: give each task its own "
+                "id (e.g. add its index) or drop the duplicate")
+        seen.add(task.id)
 
 
 def _check_threshold(state: RunState, teams: list[float], record: dict[str, Any]) -> None:
