@@ -18,8 +18,9 @@ def policy():
 
 
 def _hypothesis_profiles():
-    """Profiles of the property suite (tests/property): 'ci' (default: bounded, reproducible) and 'long'
-    (`pytest tests/property --hypothesis-profile=long`, a hunt of half an hour or more)."""
+    """Profiles of the property suite (tests/property): 'ci' (default: bounded, reproducible), 'long'
+    (`pytest tests/property --hypothesis-profile=long`, a hunt of hours) and 'hunt' (the ci size with random
+    seeds: `bash scripts/property_hunt.sh MINUTES` runs it round after round)."""
     from hypothesis import HealthCheck, Phase, settings
 
     slow = [HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.data_too_large]
@@ -28,6 +29,9 @@ def _hypothesis_profiles():
                               print_blob=True, phases=phases)
     settings.register_profile("long", max_examples=3000, deadline=None, suppress_health_check=slow,
                               print_blob=True)
+    # scripts/property_hunt.sh: rounds of the ci size with fresh random seeds, until a time is up
+    settings.register_profile("hunt", max_examples=40, deadline=None, suppress_health_check=slow,
+                              print_blob=True, phases=phases)
     settings.load_profile("ci")
 
 
