@@ -448,7 +448,7 @@ def test_agent_rates_on_hand_made_episodes():
     # final answers: t1 7 right, none wrong; t2 4 right, 7 wrong -> avg 0.5, pass 1
     assert (solver.avg_k, solver.pass_k) == (0.5, 1.0)
     # 4 distinct; "The answer is 7." twice of 5, on t1 (right) and t2 (wrong)
-    assert (solver.distinct, solver.top_reply, solver.top_share) == (4, "The answer is 7.", 2 / 5)
+    assert (solver.tasks, solver.distinct, solver.top_reply, solver.top_share) == (2, 4, "The answer is 7.", 2 / 5)
     assert (solver.top_tasks, solver.top_right_tasks) == (2, 1)
     assert solver.tpr is None and solver.balanced_accuracy is None
     # verifier: 9 replies, 8 with a number; right verdicts: e1 2, e2 1 (reject of an unreadable answer),
@@ -504,3 +504,17 @@ def test_seeds_table_gives_mean_and_range_over_runs():
     # solver skill: first evaluation 0.0 and 0.5 -> mean 0.25; last 0.5 and 0.5
     assert f"  {'skill':<24}{'0.250 [0.00, 0.50]':>24}{'0.500 [0.50, 0.50]':>24}" in lines
     assert f"  {'balanced accuracy':<24}{'0.625 [0.62, 0.62]':>24}{'0.625 [0.62, 0.62]':>24}" in lines
+
+
+def test_criteria_compare_the_first_and_last_evaluation():
+    from graphs.math.report import criteria
+
+    rates = agent_rates(*hand_made_eval())
+    better = {a: r.__class__(**{**r.__dict__, "skill": r.skill + 0.1, "avg_k": r.avg_k + 0.1,
+                                "tpr": None if r.tpr is None else r.tpr + 0.1}) for a, r in rates.items()}
+    checks = criteria({0: rates, 12: better})
+    # the hand-made top replies go to 2 of 2 tasks and are right on 1: a collapse by the rule
+    assert checks == {"avg@k rises": True, "pass@k does not fall": True, "solver skill rises": True,
+                      "solver no one-reply collapse": False, "verifier skill rises": True,
+                      "verifier no one-reply collapse": False, "verifier balanced accuracy rises": True}
+    assert not criteria({0: better, 12: rates})["verifier balanced accuracy rises"]

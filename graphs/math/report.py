@@ -34,13 +34,15 @@ from graphs.math.checked_graph import same_number
 from graphs.math.graph import parse_answer
 from graphs.task import Task
 
-__all__ = ["AgentRates", "agent_rates", "eval_rates", "main", "rates_table", "seeds_table"]
+__all__ = ["AgentRates", "agent_rates", "criteria", "eval_rates", "main", "rates_table", "seeds_table"]
 
 
 @dataclass(frozen=True)
 class AgentRates:
     """One agent's held-out numbers at one evaluation."""
 
+    tasks: int
+    """Tasks of the evaluation."""
     replies: int
     """Its replies (LLM calls) over all episodes."""
     format_rate: float
@@ -118,7 +120,7 @@ def agent_rates(tasks: Mapping[str, Task], episodes: Iterable[Any]) -> dict[str,
             if text == top:
                 top_by_task[task_id].append(right is True)
         rates = dict(
-            replies=len(mine), format_rate=len(parsable) / len(mine) if mine else float("nan"),
+            tasks=len(by_task), replies=len(mine), format_rate=len(parsable) / len(mine) if mine else float("nan"),
             skill=sum(parsable) / len(parsable) if parsable else float("nan"),
             avg_k=sum(sum(s) / len(s) for s in by_task.values()) / len(by_task),
             pass_k=sum(any(s) for s in by_task.values()) / len(by_task),
@@ -206,6 +208,24 @@ def seeds_table(runs: Mapping[str, Mapping[int, Mapping[str, AgentRates]]]) -> s
     return "\n".join(lines)
 
 
+def criteria(by_step: Mapping[int, Mapping[str, AgentRates]]) -> dict[str, bool]:
+    """Issue 43's checks of one run, first vs last evaluation: held-out avg@k (the solver's, the team's final
+    answer) and every agent's skill rise, pass@k does not fall, no agent's top reply goes to more than half of
+    the tasks unless it is right on all of them, the verifier's balanced accuracy rises."""
+    first, last = by_step[min(by_step)], by_step[max(by_step)]
+    out = {"avg@k rises": last["solver"].avg_k > first["solver"].avg_k,
+           "pass@k does not fall": last["solver"].pass_k >= first["solver"].pass_k}
+    for agent in sorted(last):
+        out[f"{agent} skill rises"] = last[agent].skill > first[agent].skill
+        rates = last[agent]
+        out[f"{agent} no one-reply collapse"] = (rates.top_tasks * 2 <= rates.tasks
+                                                 or rates.top_right_tasks == rates.top_tasks)
+    if "verifier" in last:
+        out["verifier balanced accuracy rises"] = (last["verifier"].balanced_accuracy or 0.0) > (
+            first["verifier"].balanced_accuracy or 0.0)
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     """``python -m graphs.math.report RUN_DIR [RUN_DIR ...]``: print `rates_table` for each finished demo run
     and, for more than one, `seeds_table`."""
@@ -219,6 +239,8 @@ def main(argv: list[str] | None = None) -> None:
         if len(args.run_dirs) > 1:
             print(f"== {run_dir} (seed {config.get('seed')})")
         print(rates_table(runs[Path(run_dir).name], k=(config.get("eval") or {}).get("k")))
+        checks = criteria(runs[Path(run_dir).name])
+        print("checks: " + ", ".join(f"{name}: {'yes' if ok else 'NO'}" for name, ok in checks.items()))
     if len(runs) > 1:
         print(seeds_table(runs))
 
