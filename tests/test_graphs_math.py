@@ -394,7 +394,10 @@ def test_checked_graph_judges_the_planted_answer_then_the_solvers_and_revises_on
     assert [(t["agent"], t["round"], t.get("judged"), t.get("planted")) for t in state["transcript"]] == [
         ("solver", 1, None, None), ("verifier", 0, "8", True), ("verifier", 1, "6", False),
         ("solver", 2, None, None), ("verifier", 2, "7", False)]
-    assert llm.calls[1] == ("verifier", "Question: What is 3 + 4?\nProposed answer: 8")
+    assert llm.calls[1] == ("verifier", "Question: What is 3 + 4?")  # it never sees the answer it judges
+    shown = scripted(["The answer is 6."], ["The answer is 8.", "6"])
+    checked_graph.build_graph(shown, max_rounds=1, show_answer=True).invoke({"question": "Q", "proposed": "8"})
+    assert [c[1] for c in shown.calls[1:]] == ["Question: Q\nProposed answer: 8", "Question: Q\nProposed answer: 6"]
     assert llm.calls[3][1] == "What is 3 + 4?\nYour previous answer: 6\nA checker got 5.\nTry again."
     assert (state["answer"], state["verdict"], state["rounds"]) == ("7", "approve", 2)
     task = Task(id="t", input={}, answer="7")
@@ -436,6 +439,7 @@ def hand_made_eval() -> tuple[dict[str, Task], list[Any]]:
         _episode("t2", ("solver", a5, None, None), ("verifier", a5, "5", True), ("verifier", a4, "5", False),
                  ("solver", a4, None, None), ("verifier", a4, "4", False)),
         _episode("t2", ("solver", a7, None, None), ("verifier", a7, "5", True), ("verifier", a7, "7", False)),
+        _episode("t2", ("solver", a5, None, None), ("verifier", a5, "5", True)),
     ]
     return tasks, episodes
 
@@ -443,24 +447,24 @@ def hand_made_eval() -> tuple[dict[str, Task], list[Any]]:
 def test_agent_rates_on_hand_made_episodes():
     rates = agent_rates(*hand_made_eval())
     solver, verifier = rates["solver"], rates["verifier"]
-    # solver replies: 7 (right), "I think 8" (no number), 5 (wrong), 4 (right), 7 (wrong on t2)
-    assert (solver.replies, solver.format_rate, solver.skill) == (5, 4 / 5, 2 / 4)
-    # final answers: t1 7 right, none wrong; t2 4 right, 7 wrong -> avg 0.5, pass 1
-    assert (solver.avg_k, solver.pass_k) == (0.5, 1.0)
-    # 4 distinct; "The answer is 7." twice of 5, on t1 (right) and t2 (wrong)
-    assert (solver.tasks, solver.distinct, solver.top_reply, solver.top_share) == (2, 4, "The answer is 7.", 2 / 5)
+    # solver replies: 7 (right), "I think 8" (no number), 5 (wrong), 4 (right), 7 (wrong on t2), 5 (wrong)
+    assert (solver.replies, solver.format_rate, solver.skill) == (6, 5 / 6, 2 / 5)
+    # final answers: t1 7 right, none wrong -> 1/2; t2 4 right, 7 and 5 wrong -> 1/3; pass 1
+    assert (solver.avg_k, solver.pass_k) == (pytest.approx((1 / 2 + 1 / 3) / 2), 1.0)
+    # 4 distinct; "The answer is 7." twice of 6 (as often as 5, and counted first), on t1 (right) and t2 (wrong)
+    assert (solver.tasks, solver.distinct, solver.top_reply, solver.top_share) == (2, 4, "The answer is 7.", 2 / 6)
     assert (solver.top_tasks, solver.top_right_tasks) == (2, 1)
     assert solver.tpr is None and solver.balanced_accuracy is None
-    # verifier: 9 replies, 8 with a number; right verdicts: e1 2, e2 1 (reject of an unreadable answer),
-    # e3 2 (approved the wrong planted 5), e4 1 (approved the wrong 7) -> 6 of 8
-    assert (verifier.replies, verifier.format_rate, verifier.skill) == (9, 8 / 9, 6 / 8)
+    # verifier: 10 replies, 9 with a number; right verdicts: e1 2, e2 1 (reject of an unreadable answer),
+    # e3 2 (approved the wrong planted 5), e4 1 (approved the wrong 7), e5 0 (copied the wrong planted 5) -> 6 of 9
+    assert (verifier.replies, verifier.format_rate, verifier.skill) == (10, 9 / 10, 6 / 9)
     # all verdicts right only in e1 -> t1 0.5, t2 0 -> avg 0.25, pass 0.5
     assert (verifier.avg_k, verifier.pass_k) == (0.25, 0.5)
-    # "The answer is 7." 5 of 9: t1 right every time, t2 once wrong
-    assert (verifier.distinct, verifier.top_share, verifier.top_tasks, verifier.top_right_tasks) == (4, 5 / 9, 2, 1)
+    # "The answer is 7." 5 of 10: t1 right every time, t2 once wrong
+    assert (verifier.distinct, verifier.top_share, verifier.top_tasks, verifier.top_right_tasks) == (4, 0.5, 2, 1)
     # right answers judged: 7, 7, 7 (echo: not approved), 4 -> TPR 3/4; wrong readable ones: 5 (approved),
-    # 5 (rejected), 5 (rejected), 7 (approved) -> TNR 2/4; the unreadable solver answer is left out
-    assert (verifier.tpr, verifier.tnr, verifier.balanced_accuracy) == (0.75, 0.5, 0.625)
+    # 5 (rejected), 5 (rejected), 7 (approved), 5 (approved) -> TNR 2/5; the unreadable solver answer is left out
+    assert (verifier.tpr, verifier.tnr) == (0.75, 0.4) and verifier.balanced_accuracy == pytest.approx(0.575)
 
 
 def test_eval_rates_reads_a_run_folder_and_the_table_shows_both_steps(tmp_path):
@@ -501,9 +505,9 @@ def test_seeds_table_gives_mean_and_range_over_runs():
     table = seeds_table({"s0": {0: worse, 12: rates}, "s1": {0: rates, 12: rates}})
     lines = table.splitlines()
     assert lines[0] == "2 runs (s0, s1): mean [min, max]"
-    # solver skill: first evaluation 0.0 and 0.5 -> mean 0.25; last 0.5 and 0.5
-    assert f"  {'skill':<24}{'0.250 [0.00, 0.50]':>24}{'0.500 [0.50, 0.50]':>24}" in lines
-    assert f"  {'balanced accuracy':<24}{'0.625 [0.62, 0.62]':>24}{'0.625 [0.62, 0.62]':>24}" in lines
+    # solver skill: first evaluation -0.1 and 0.4 -> mean 0.15; last 0.4 and 0.4
+    assert f"  {'skill':<24}{'0.150 [-0.10, 0.40]':>24}{'0.400 [0.40, 0.40]':>24}" in lines
+    assert f"  {'balanced accuracy':<24}{'0.575 [0.57, 0.57]':>24}{'0.575 [0.57, 0.57]':>24}" in lines
 
 
 def test_criteria_compare_the_first_and_last_evaluation():
@@ -518,3 +522,13 @@ def test_criteria_compare_the_first_and_last_evaluation():
                       "solver no one-reply collapse": False, "verifier skill rises": True,
                       "verifier no one-reply collapse": False, "verifier balanced accuracy rises": True}
     assert not criteria({0: better, 12: rates})["verifier balanced accuracy rises"]
+
+
+def test_criteria_call_a_verifier_that_approves_everything_no_rise():
+    from graphs.math.report import criteria
+
+    rates = agent_rates(*hand_made_eval())
+    stamp = {**rates, "verifier": rates["verifier"].__class__(**{**rates["verifier"].__dict__, "tpr": 1.0, "tnr": 0.0})}
+    low = {**rates, "verifier": rates["verifier"].__class__(**{**rates["verifier"].__dict__, "tpr": 0.5, "tnr": 0.49})}
+    assert stamp["verifier"].balanced_accuracy > low["verifier"].balanced_accuracy
+    assert not criteria({0: low, 12: stamp})["verifier balanced accuracy rises"]

@@ -9,8 +9,8 @@ An ordinary LangGraph graph (it must not import ``drmas_graph``). Flow::
 The input is ``{"question": "What is 3 + 4?", "proposed": "8"}``: ``proposed`` is a *planted* answer (right or
 wrong, chosen by the environment) that the verifier judges first, in its first turn, before it judges the
 solver's answer; so every episode gives the verifier a verdict on an answer whose truth the environment set,
-whatever the solver does. The verifier is shown the question and an answer and replies
-``The answer is <number>.``: its verdict is *approve* when its number equals the judged answer, *reject*
+whatever the solver does. The verifier is shown the question only (``show_answer=False``, the default) and
+replies ``The answer is <number>.``: its verdict is *approve* when its number equals the judged answer, *reject*
 otherwise; a reply without a number is no verdict (it ends the episode like an approval, and the environment
 pays it as a wrong verdict). On a reject the solver sees its previous answer and the verifier's number and
 tries again, at most ``max_rounds`` solver turns; the final answer is the solver's last one.
@@ -19,8 +19,8 @@ Why the verifier writes a number rather than Yes/No: SmolLM2-135M-Instruct's fir
 over "No" do not tell right from wrong proposed sums (area under the ROC curve 0.49-0.54 on single-digit
 additions, with wrong answers 1-3 or 6-30 off, and on a looked-up number; measured before this app was
 written), so reinforcement learning has nothing to sharpen; it does add single digits right about half the
-time when it writes a number. Checking by working the sum out uses that skill, and copying the proposed
-number (the rubber stamp of this format) approves every wrong answer, which the verifier's reward punishes.
+time when it writes a number. Why it does not see the answer: shown it (``show_answer=True``), the verifier
+learned to copy it in 12 steps on seeds 0 and 1 (true-negative rate 0.42-0.46 -> 0.00), a rubber stamp.
 """
 
 from __future__ import annotations
@@ -37,8 +37,7 @@ from graphs.math.graph import SOLVER_PROMPT, parse_answer
 
 __all__ = ["CHECKER_PROMPT", "CheckedState", "build_graph", "checker_messages", "same_number", "solver_messages"]
 
-CHECKER_PROMPT = ("Check the proposed answer by solving the problem yourself. "
-                  "Reply in one short line: The answer is <number>.")
+CHECKER_PROMPT = "Check the math problem by solving it yourself. Reply in one short line: The answer is <number>."
 
 
 class CheckedState(TypedDict, total=False):
@@ -82,27 +81,30 @@ def solver_messages(question: str, previous: str | None = None, check: str | Non
     return [SystemMessage(SOLVER_PROMPT), HumanMessage(user)]
 
 
-def checker_messages(question: str, answer: str | None) -> list[BaseMessage]:
-    """The verifier's prompt: the question and the answer to check ("(none)" if unreadable)."""
-    shown = answer if answer is not None else "(none)"
-    return [SystemMessage(CHECKER_PROMPT), HumanMessage(f"Question: {question}\nProposed answer: {shown}")]
+def checker_messages(question: str, show: str | None = None) -> list[BaseMessage]:
+    """The verifier's prompt: the question, and the answer to check only when `show` is given (the demo's graph
+    never shows it: shown the answer, the verifier learned to copy it, approving every wrong answer)."""
+    user = f"Question: {question}" + (f"\nProposed answer: {show}" if show is not None else "")
+    return [SystemMessage(CHECKER_PROMPT), HumanMessage(user)]
 
 
-def build_graph(llm: BaseChatModel, *, max_rounds: int = 2,
-                verifier_llm: BaseChatModel | None = None) -> CompiledStateGraph:
+def build_graph(llm: BaseChatModel, *, max_rounds: int = 2, verifier_llm: BaseChatModel | None = None,
+                show_answer: bool = False) -> CompiledStateGraph:
     """Compile the solver/verifier graph; nodes ``solver`` and ``verifier`` call ``llm.invoke(messages)``.
 
     Args:
         llm: any LangChain chat model; the solver's (and by default the verifier's).
         max_rounds: most solver turns per episode (>= 1); the verifier judges after each of them.
         verifier_llm: a separate chat model for the verifier; defaults to ``llm``.
+        show_answer: show the verifier the answer it judges (off: it works the problem out blind and the graph
+            compares; on, SmolLM2-135M learned to copy the shown number, a rubber stamp).
     """
     if not isinstance(max_rounds, int) or max_rounds < 1:
         raise ValueError(f"max_rounds must be an int >= 1 (solver turns per episode), got {max_rounds!r}")
     verifier_model = llm if verifier_llm is None else verifier_llm
 
     def judge(question: str, shown: str | None, rounds: int, planted: bool) -> tuple[str | None, dict[str, Any]]:
-        text = verifier_model.invoke(checker_messages(question, shown)).text
+        text = verifier_model.invoke(checker_messages(question, shown if show_answer else None)).text
         return parse_answer(text), {"agent": "verifier", "round": rounds, "text": text, "judged": shown,
                                     "planted": planted}
 

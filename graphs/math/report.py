@@ -127,7 +127,7 @@ def agent_rates(tasks: Mapping[str, Task], episodes: Iterable[Any]) -> dict[str,
             distinct=len({text for _, text, _ in mine}), top_reply=top, top_share=count / len(mine) if mine else 0.0,
             top_tasks=len(top_by_task), top_right_tasks=sum(all(r) for r in top_by_task.values()))
         if agent == "verifier":
-            rates.update(tpr=_share(judged[True]), tnr=_share(judged[False]))
+            rates.update(tpr=_share(judged[True]), tnr=_share([not approved for approved in judged[False]]))
         out[agent] = AgentRates(**rates)
     return out
 
@@ -211,7 +211,8 @@ def seeds_table(runs: Mapping[str, Mapping[int, Mapping[str, AgentRates]]]) -> s
 def criteria(by_step: Mapping[int, Mapping[str, AgentRates]]) -> dict[str, bool]:
     """Issue 43's checks of one run, first vs last evaluation: held-out avg@k (the solver's, the team's final
     answer) and every agent's skill rise, pass@k does not fall, no agent's top reply goes to more than half of
-    the tasks unless it is right on all of them, the verifier's balanced accuracy rises."""
+    the tasks unless it is right on all of them, the verifier's balanced accuracy rises and it rejects some wrong
+    answers (TNR > 0: approving everything moves balanced accuracy from 0.498 to 0.500)."""
     first, last = by_step[min(by_step)], by_step[max(by_step)]
     out = {"avg@k rises": last["solver"].avg_k > first["solver"].avg_k,
            "pass@k does not fall": last["solver"].pass_k >= first["solver"].pass_k}
@@ -222,7 +223,7 @@ def criteria(by_step: Mapping[int, Mapping[str, AgentRates]]) -> dict[str, bool]
                                                  or rates.top_right_tasks == rates.top_tasks)
     if "verifier" in last:
         out["verifier balanced accuracy rises"] = (last["verifier"].balanced_accuracy or 0.0) > (
-            first["verifier"].balanced_accuracy or 0.0)
+            first["verifier"].balanced_accuracy or 0.0) and (last["verifier"].tnr or 0.0) > 0  # rejects some
     return out
 
 
