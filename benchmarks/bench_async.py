@@ -19,8 +19,8 @@ against wall-clock time) and the throughput.
                                      [--seeds 0,1,2] [--steps 24] [--lr 3e-3] [--max-concurrency N]
                                      [--plot runs/bench_async.png]
 
-The last line reads `async/sync throughput: X.XXx` for workload (a), of its fastest asynchronous mode (named on
-the line before).
+The result line reads `async/sync throughput: X.XXx` for workload (a), of its fastest asynchronous mode (named on
+the line before); the plot (matplotlib: the `demo` extra, checked at start; `--plot ''` skips it) is drawn after.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ warnings.filterwarnings("ignore")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("WEAVE_DISABLED", "true")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from benchmarks._deps import require  # noqa: E402
 
 from drmas_graph import SamplingParams  # noqa: E402
 from drmas_graph.cli._train import StandInChatModel  # noqa: E402
@@ -225,6 +226,8 @@ def main() -> None:
     args = ap.parse_args()
     args.seeds = [int(s) for s in args.seeds.split(",")]
     args.modes = args.modes.split(",")
+    if args.plot:  # checked now, not after the runs
+        require({"matplotlib": "demo"}, "the plot (--plot)", skip="--plot ''")
     logging.disable(logging.WARNING)
     results: dict[str, dict[str, list[dict]]] = {}
     ratios = {}
@@ -238,11 +241,12 @@ def main() -> None:
                     rs.append(run_one(name, mode, seed, args, root))
             results[name] = runs
             ratios[name] = report(name, runs, args)
-    plot(args.plot, dict(sorted(results.items())), args)
     if "a" in ratios:  # the best asynchronous schedule of the run
         best = max(ratios["a"], key=ratios["a"].get)
         print(f"workload (a), best asynchronous schedule: {_label(best, args)}")
-        print(f"async/sync throughput: {ratios['a'][best]:.2f}x")
+        print(f"async/sync throughput: {ratios['a'][best]:.2f}x", flush=True)
+    if args.plot:  # after the result lines: the numbers never wait on the plot
+        plot(args.plot, dict(sorted(results.items())), args)
 
 
 if __name__ == "__main__":

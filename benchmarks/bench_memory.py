@@ -33,6 +33,7 @@ from typing import Any
 warnings.filterwarnings("ignore")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from benchmarks._deps import require  # noqa: E402
 
 # (hidden, layers, attention heads, kv heads, intermediate, vocab): Llama-style shapes of real model sizes.
 SIZES: dict[str, tuple[int, int, int, int, int, int]] = {
@@ -224,6 +225,9 @@ def main() -> None:
     unknown = [m for m in args.modes.split(",") if m not in MODES]
     if unknown:
         parser.error(f"unknown modes {unknown}; valid: {', '.join(MODES)}")
+    deepspeed_modes = [m for m in args.modes.split(",") if MODES[m].settings.get("backend") == "deepspeed"]
+    if deepspeed_modes:  # checked now, not when the first such mode starts
+        require({"deepspeed": "deepspeed"}, f"modes {deepspeed_modes}", skip="--modes without them")
     results = []
     for name in args.modes.split(","):
         results.append(run_mode(name, args))

@@ -76,7 +76,7 @@ def _resolve_model(choice: str) -> str:
 def demo_samples(model: str, tasks: int, group: int) -> list[Any]:
     """One step of the demo's rollouts (child process): its trainable samples with advantages."""
     from drmas_graph.cli._train import build_graph_and_env
-    from drmas_graph.train import _scoring
+    from drmas_graph.train.loop import _scoring
     from drmas_graph.train.trainer import Trainer
 
     cfg = _demo_config(model, tasks, group, tempfile.mkdtemp())
@@ -84,7 +84,7 @@ def demo_samples(model: str, tasks: int, group: int) -> list[Any]:
     trainer = Trainer(graph, env, cfg, train=False)
     try:
         runs, counts = trainer.rollouts(trainer.batch_tasks(0), 0, cfg.group_size, phase="train")
-        scored, _ = trainer._score_runs(runs, counts)
+        scored, _ = trainer.state.score(runs, counts)
         samples, _ = _scoring.samples_with_advantages(scored, cfg, list(trainer.agent_policies))
     finally:
         trainer.close()
@@ -145,7 +145,7 @@ def time_path(model: Any, samples: list[Any], settings: Any, agent_settings: dic
               repeats: int) -> tuple[float, int]:
     """(fastest of `repeats` updates after one warm-up, token positions of its training passes) of one path.
     The fastest, not the median: on a shared machine other work only ever adds time."""
-    from drmas_graph.train._old_logprobs import with_trainer_logprobs
+    from drmas_graph.train.optim._old_logprobs import with_trainer_logprobs
     from drmas_graph.train.update import ModelUpdater
 
     updater = ModelUpdater(copy.deepcopy(model), name="m", settings=settings, agent_settings=agent_settings)
@@ -262,7 +262,7 @@ def run_workload(name: str, model: Any, tokenizer: Any, samples: list[Any], cfg:
 
 
 def build_distinct(samples: list[Any]) -> list[int]:
-    from drmas_graph.train._packing import build_tree, sequences_of
+    from drmas_graph.train.optim._packing import build_tree, sequences_of
 
     return build_tree(sequences_of(samples)).tokens_N
 

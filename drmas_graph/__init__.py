@@ -7,7 +7,7 @@ Names are imported lazily (PEP 562), so `drmas-graph traces ...` starts without 
 
 The package is layered; each layer imports only the layers below it (`tests/test_layout.py` checks this):
 
-    types, errors, config, env, policy (+ _chat, _structured)   what every layer shares
+    types, errors, config, env, policy (+ _chat, _structured, _importing)   what every layer shares
     instrumentation/   serve and record the LLM calls of an unmodified LangGraph app
     engine/            the embedded policy backend (transformers, continuous batching)
     served/            policies served by SGLang / vLLM over HTTP
@@ -45,21 +45,21 @@ _EXPORTS: dict[str, str] = {
     "SamplingParams": "drmas_graph.types",
     # traces and replay
     "TraceStore": "drmas_graph.traces.store",
-    "rescore": "drmas_graph.train.rescore",
+    "rescore": "drmas_graph.train.loop.rescore",
     "replay": "drmas_graph.traces.replay",
     "areplay": "drmas_graph.traces.replay",
     "ReplayResult": "drmas_graph.traces.replay",
     "Divergence": "drmas_graph.traces.replay",
     # training
-    "train_graph": "drmas_graph.train.trainer",
-    "TrainResult": "drmas_graph.train.trainer",
+    "train_graph": "drmas_graph.train.loop.trainer",
+    "TrainResult": "drmas_graph.train.loop.trainer",
     "TrainConfig": "drmas_graph.config",
     "Env": "drmas_graph.env",
     "Task": "drmas_graph.env",
-    "compute_advantages": "drmas_graph.train.advantages",
-    "ModelUpdater": "drmas_graph.train.update",
-    "UpdateSettings": "drmas_graph.train.update",
-    "LossSettings": "drmas_graph.train.update",
+    "compute_advantages": "drmas_graph.train.optim.advantages",
+    "ModelUpdater": "drmas_graph.train.optim.update",
+    "UpdateSettings": "drmas_graph.train.optim.update",
+    "LossSettings": "drmas_graph.train.optim.update",
     # serving
     "SGLangPolicy": "drmas_graph.served",
     "VLLMPolicy": "drmas_graph.served",
@@ -70,11 +70,12 @@ _EXPORTS: dict[str, str] = {
     "UnknownAgentError": "drmas_graph.errors",
     "StrictModeError": "drmas_graph.errors",
     "StructuredOutputError": "drmas_graph.errors",
+    "InvalidReplyError": "drmas_graph.errors",
     "UnservedCallWarning": "drmas_graph.errors",
     "PolicyError": "drmas_graph.errors",
     "RolloutError": "drmas_graph.errors",
     "NoLLMCallError": "drmas_graph.errors",
-    "EpisodeInterruptedError": "drmas_graph.instrumentation._segments",
+    "EpisodeInterruptedError": "drmas_graph.errors",
     "TraceStoreError": "drmas_graph.errors",
 }
 
@@ -116,16 +117,18 @@ _moved.install()
 
 
 if TYPE_CHECKING:  # for type checkers and IDEs
-    from drmas_graph.train.advantages import compute_advantages
+    from drmas_graph.train.optim.advantages import compute_advantages
     from drmas_graph.instrumentation.chat_model import PolicyChatModel
     from drmas_graph.config import TrainConfig
     from drmas_graph.env import Env, Task
     from drmas_graph.served import SGLangPolicy, VLLMPolicy
-    from drmas_graph.train.trainer import TrainResult, train_graph
-    from drmas_graph.train.update import LossSettings, ModelUpdater, UpdateSettings
+    from drmas_graph.train.loop.trainer import TrainResult, train_graph
+    from drmas_graph.train.optim.update import LossSettings, ModelUpdater, UpdateSettings
     from drmas_graph.errors import (
         ConfigError,
         DrmasError,
+        EpisodeInterruptedError,
+        InvalidReplyError,
         NoLLMCallError,
         PolicyError,
         RolloutError,
@@ -138,8 +141,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs
     from drmas_graph.instrumentation.instrumented import InstrumentedGraph, app_models, instrument
     from drmas_graph.policy import Policy
     from drmas_graph.traces.replay import Divergence, ReplayResult, areplay, replay
-    from drmas_graph.train.rescore import rescore
+    from drmas_graph.train.loop.rescore import rescore
     from drmas_graph.traces.store import TraceStore
     from drmas_graph.engine.transformers_policy import TransformersPolicy
-    from drmas_graph.instrumentation._segments import EpisodeInterruptedError
     from drmas_graph.types import Episode, Generation, SamplingParams, Segment, Turn

@@ -29,7 +29,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["MOVED", "MOVED_NAMES", "install", "FunctionAndModule"]
+__all__ = ["MOVED", "MOVED_NAMES", "STABLE", "install", "FunctionAndModule"]
 
 _NEW_PACKAGE = {
     "instrumentation": ("instrumented", "_intercept", "_recorder", "chat_model", "_threads", "_task_paths", "_limits",
@@ -39,12 +39,26 @@ _NEW_PACKAGE = {
     "train": ("trainer", "_rollouts", "advantages", "losses", "update", "_engines", "lora", "_logprobs", "_reference",
               "_old_logprobs", "_update_metrics", "_distributed", "metrics", "rescore"),
 }
-MOVED: dict[str, str] = {f"drmas_graph.{m}": f"drmas_graph.{pkg}.{m}" for pkg, ms in _NEW_PACKAGE.items() for m in ms}
-"""Old module path -> its new path."""
+_TRAIN_GROUPS = {
+    "engines": ("_engines", "_distributed", "_world", "_settings"),
+    "optim": ("update", "_packing", "_logprobs", "_old_logprobs", "losses", "offpolicy", "_update_metrics", "_reference",
+              "_updater", "advantages", "lora"),
+    "loop": ("trainer", "_pipeline", "_rollouts", "_scoring", "evaluate", "_check", "_checkpoints", "rescore", "_state",
+             "_setup", "_learn", "_build", "metrics", "_metric_reference"),
+}
+_TRAIN = {m: f"drmas_graph.train.{group}.{m}" for group, ms in _TRAIN_GROUPS.items() for m in ms}
+STABLE: dict[str, str] = {f"drmas_graph.train.{m}": _TRAIN[m] for m in (
+    "trainer", "update", "losses", "advantages", "offpolicy", "lora", "evaluate", "rescore", "metrics")}
+"""Public module path -> the module's place (train/'s groups): the same module, imported without a warning."""
+_PUBLIC = {real: public for public, real in STABLE.items()}
+MOVED: dict[str, str] = {
+    f"drmas_graph.{m}": _PUBLIC.get(_TRAIN[m], _TRAIN[m]) if pkg == "train" else f"drmas_graph.{pkg}.{m}"
+    for pkg, ms in _NEW_PACKAGE.items() for m in ms}
+"""Old module path -> its new path (its public path where it has one)."""
 MOVED["drmas_graph._cli_train"] = "drmas_graph.cli._train"
 
 MOVED_NAMES: dict[str, dict[str, str]] = {
-    "drmas_graph.train.lora": {
+    "drmas_graph.train.optim.lora": {
         **dict.fromkeys(("is_peft_model", "adapter_kwargs", "load_adapter_weights"), "drmas_graph.engine._adapters"),
         **dict.fromkeys(("serve_adapters", "served_adapter", "vllm_launch_kwargs"), "drmas_graph.served._lora"),
         **dict.fromkeys(("resolve_adapters", "model_adapters"), "drmas_graph.config"),
@@ -74,22 +88,24 @@ class _Aliases(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """Finds the old module paths (and nothing else); each loads as the module at its new path."""
 
     def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
-        return importlib.util.spec_from_loader(fullname, self) if fullname in MOVED else None
+        return importlib.util.spec_from_loader(fullname, self) if fullname in MOVED or fullname in STABLE else None
 
     def __init__(self) -> None:
         self._real_specs: dict[str, Any] = {}
 
     def create_module(self, spec: Any) -> types.ModuleType:
-        module = importlib.import_module(MOVED[spec.name])
+        module = importlib.import_module(MOVED.get(spec.name) or STABLE[spec.name])
         self._real_specs[spec.name] = module.__spec__  # importlib gives it the alias's spec; exec_module undoes that
         return module
 
     def exec_module(self, module: types.ModuleType) -> None:
-        module.__spec__ = self._real_specs.pop(module.__spec__.name)
+        alias = module.__spec__.name
+        module.__spec__ = self._real_specs.pop(alias)
         if module.__name__ in MOVED_NAMES and "__getattr__" not in vars(module):
             module.__getattr__ = _forwarder(module)  # type: ignore[attr-defined]
-        old = next(o for o, n in MOVED.items() if n == module.__name__)
-        warnings.warn(f"{old} moved to {module.__name__}; import from there (the old path goes away in the next "
+        if alias in STABLE:
+            return  # a public path of the module: no warning
+        warnings.warn(f"{alias} moved to {MOVED[alias]}; import from there (the old path goes away in the next "
                       "release)", DeprecationWarning, stacklevel=2)
 
 

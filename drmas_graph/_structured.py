@@ -27,17 +27,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from drmas_graph._chat import ParsedResponse
-from drmas_graph.errors import StructuredOutputError
+from drmas_graph.errors import InvalidReplyError, StructuredOutputError
 
 __all__ = ["output_spec", "instruction", "apply_spec", "InvalidReplyError"]
 
-
-class InvalidReplyError(StructuredOutputError):
-    """The policy's reply does not satisfy the structured-output request of its call (not the JSON, not the
-    forced tool call): the policy's own output broke the call, not the app."""
-
-    turn_index: int | None = None
-    """`Turn.index` of the call in its episode, set by the recorder once the reply's turn is recorded."""
 
 _UNSUPPORTED_KWARGS = ("response_schema", "response_mime_type", "response_json_schema", "output_format",
                        "guided_json", "json_schema")

@@ -76,6 +76,7 @@ class UpdateConfig(_Strict):
     gradient_checkpointing: bool = Field(False, description="Recompute each layer's activations in the backward pass instead of keeping them (less memory, ~30% more compute).")
     attn_implementation: str | None = Field(None, description="Attention kernel of the trained model (eager, sdpa, flash_attention_2, ...); embedded policies generate with it too. null = the model's own.")
     max_tokens_per_micro_batch: int | None = Field(None, ge=1, description="Size micro-batches in tokens: samples sorted by length are packed while rows x longest prompt+response stays within this (packed trees: while nodes^2 <= this x longest); null = micro_batch_size samples.")
+    kl_start_metric: bool = Field(False, description="Log agent/<a>/kl_start (KL of the sampling policy to the start weights, k3) without a KL loss: keeps a frozen copy of the initial weights where kl_reference says and runs one no-grad pass over the step's samples per update (with kl_coef > 0 it is logged anyway, from the KL reference).")
     kl_reference: Literal["offload", "device"] = Field("offload", description="Where the frozen KL reference copy lives (kl_coef > 0): offload = CPU memory, moved to the device for one pass per update; device = stays there.")
     pack_prefixes: bool = Field(True, description="Compute each distinct token once: a micro-batch's samples are packed into one sequence tree (a group's shared prompt, an agent's earlier turns inside its later prompts), with a tree attention mask (eager/sdpa; other models fall back to padded rows, logged); false = padded rows.")
     autocast: Literal["bf16"] | None = Field(None, description="bf16: the trainer's forward passes of a float32 model run under bfloat16 autocast (see the logprob_mismatch metric); null = off.")
@@ -230,7 +231,7 @@ class LoggingConfig(_Strict):
 
 
 class AsyncConfig(_Strict):
-    """Asynchronous training (`drmas_graph.train._pipeline`): the next step's rollouts run during this step's update."""
+    """Asynchronous training (`drmas_graph.train.loop._pipeline`): the next step's rollouts run during this step's update."""
 
     max_staleness: int = Field(0, ge=0, description="Most updates the weights that sampled a trained group may lag the trainer's; 0 = synchronous (rollout, update, next rollout); >= 1 = asynchronous, on `schedule`.")
     schedule: Literal["one_step_off", "free"] = Field("one_step_off", description="one_step_off: step s+1 rolls out on the weights before update s while update s trains (every group exactly 1 update stale, step 0's 0; reproducible to the last digit); free: step s starts once the rollout weights are at most max_staleness versions behind it and each update's weights reach the rollouts at once, with other steps' episodes in flight (their next LLM call uses them): staleness 0..max_staleness, not reproducible to the last digit.")
@@ -333,9 +334,9 @@ class TrainConfig(_Strict):
     old_logprobs: Literal["auto", "rollout", "trainer"] = Field("auto", description="Logprobs in the PPO ratio's denominator: rollout = as the rollout backend returned them; trainer = the trainer's model's own (the update then does not depend on how requests were batched, so weights are identical at any max_concurrency): with update.n_minibatches 1 the update's own forward pass, detached (no extra pass), else recomputed in one forward pass per sample before the update; auto = trainer for embedded policies, rollout for served ones.")
     invalid_penalty: float | None = Field(None, description="Reward subtracted per invalid turn; null = the environment's `invalid_penalty` (0 if none).")
     success_threshold: float = Field(1.0, description="An episode succeeds (avg@k, pass@k) when its team reward is >= this.")
-    checkpoint_every: int = Field(0, ge=0, description="Save a checkpoint every N steps (and at the end); 0 = only at the end.")
-    keep_checkpoints: int = Field(2, ge=1, description="Most recent checkpoints kept.")
-    resume: bool = Field(False, description="Continue from the latest checkpoint in run_dir.")
+    checkpoint_every: int = Field(25, ge=0, description="Save a checkpoint every N steps (and at the end), so a crash loses at most N steps; 0 = only at the end. One checkpoint of the 135M demo with DeepSpeed optimizer state is ~2.1 GB.")
+    keep_checkpoints: int = Field(2, ge=1, description="Most recent checkpoints kept (older ones are deleted).")
+    resume: bool = Field(False, description="Continue from the latest checkpoint in run_dir; an error when it holds none.")
     eval: EvalConfig = Field(default_factory=EvalConfig, description="Evaluation settings.")
     rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="Per-episode graph config and limits.")
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Logging settings.")
@@ -433,8 +434,9 @@ def merge_overrides(config: TrainConfig | None, overrides: dict[str, Any]) -> Tr
     """A config with keyword overrides applied (`steps=3`, `eval={'k': 2}`, dotted keys as `eval__k=2`)."""
     data = (config or TrainConfig()).model_dump()
     for key, value in overrides.items():
-        parts = key.split("__")
         node = data
+        # a Python keyword field is written with a trailing underscore (`async_=`) but dumped by its alias (`async`)
+        parts = [p[:-1] if p.endswith("_") and p[:-1] in _aliases() else p for p in key.split("__")]
         for part in parts[:-1]:
             node = node.setdefault(part, {})
         if isinstance(value, dict) and isinstance(node.get(parts[-1]), dict):
@@ -442,6 +444,22 @@ def merge_overrides(config: TrainConfig | None, overrides: dict[str, Any]) -> Tr
         else:
             node[parts[-1]] = value
     return _validate(data, "train_graph() arguments")
+
+
+def _aliases() -> set[str]:
+    """The aliases of the config's fields (`async` for `async_`), over every section."""
+    out: set[str] = set()
+
+    def walk(model: type[BaseModel]) -> None:
+        for field in model.model_fields.values():
+            if field.alias:
+                out.add(field.alias)
+            for sub in (a for a in (*_union_members(field.annotation), *getattr(field.annotation, "__args__", ()))
+                        if _is_model(a)):
+                walk(sub)
+
+    walk(TrainConfig)
+    return out
 
 
 def config_reference() -> list[tuple[str, str, str]]:

@@ -7,9 +7,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+from drmas_graph.errors import DrmasError
 from drmas_graph.types import Episode, Turn
 
-__all__ = ["Env", "Task", "score_episode", "EpisodeScore", "fixed_reward"]
+__all__ = ["Env", "Task", "score_episode", "EpisodeScore", "fixed_reward", "BadRewardError"]
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,18 @@ a `rewards.Judge` returns for an episode it gave no usable score, is counted in 
     its last call ({name: number}, e.g. a judge's `judge/calls`, `judge/input_tokens`), called after each
     training step's and each evaluation's scoring and merged into the step's metrics record and the
     evaluation record (keys are 'namespace/name' outside the trainer's own namespaces such as `agent/`).
+
+    Optional, for a reward per LLM call (not only per agent): `turn_rewards(task, episode)` returns the reward
+    of some or all of the episode's turns (a turn is one LLM call, `episode.turns[i]`): a list with one float
+    per turn, in order, or a dict {turn position i: float} for the turns it pays (the others keep their agent's
+    reward). That reward replaces the agent's for the turn's sample: R_i = turn reward - `invalid_penalty` x
+    [turn invalid], and the advantage estimators normalize R_i per sample (`agent`, `step_global`,
+    `agent_turn`; `episode_global` averages an episode's R_i). `reward` still gives the team and per-agent
+    rewards (success, avg@k/pass@k, `agent/<a>/reward_mean`). E.g. a verifier that judges three answers in an
+    episode is paid for each verdict: {1: 1.0, 2: 0.0, 3: 1.0}. It is called after `reward` (or
+    `reward_group`) for every episode the environment scores, not for those `rollout.truncated_reward` /
+    `rollout.model_error_reward` score; a wrong length, an unknown position or a non-finite value raises
+    `BadRewardError` naming the environment and the turn (the episode is not trained on).
     """
 
     def tasks(self, split: str) -> Sequence[Any]: ...
@@ -85,7 +98,8 @@ class EpisodeScore:
     rewards: dict[str, float]
     """Reward per agent that acted (a team reward is copied to every agent)."""
     turn_rewards: list[float]
-    """R_i per turn = the turn's agent reward - penalty * [turn invalid]; aligned with episode.turns."""
+    """R_i per turn = the turn's reward (its agent's, or its own from `env.turn_rewards`) - penalty * [turn
+    invalid]; aligned with episode.turns."""
     invalid: list[bool]
     """Whether each turn failed the environment's validity check."""
     team: float
@@ -101,7 +115,7 @@ ENV_REWARD: Any = _EnvReward()
 """`score_episode(reward=...)`'s default: ask `env.reward` (no reward given in advance)."""
 
 
-class BadRewardError(ValueError):
+class BadRewardError(DrmasError, ValueError):
     """The environment returned a reward that cannot be trained on (None, NaN, missing agent), or its `reward`
     or `turn_is_valid` raised (the exception is the `__cause__`)."""
 
@@ -125,10 +139,11 @@ def score_episode(env: Any, task: Any, episode: Episode, *, invalid_penalty: flo
     checked and used instead of calling `env.reward` (a configured reward above still takes precedence; an
     exception instance raises `BadRewardError` from it). A turn is invalid when
     `env.turn_is_valid` says so, when its reply failed its structured-output request or its tool calls do not
-    parse (`Turn.format_error`), or when it is the turn that caused the model error.
+    parse (`Turn.format_error`), or when it is the turn that caused the model error. A turn's reward is its
+    agent's, or the one `env.turn_rewards` gives it (`Env`; not asked for a configured reward above).
 
-    Raises `BadRewardError` for an unusable reward and when `env.reward` or `env.turn_is_valid` raises
-    (chained), so one bad episode costs its group a sample, never the run.
+    Raises `BadRewardError` for an unusable reward and when `env.reward`, `env.turn_rewards` or
+    `env.turn_is_valid` raises (chained), so one bad episode costs its group a sample, never the run.
     """
     fixed = fixed_reward(episode, truncated_reward=truncated_reward, model_error_reward=model_error_reward)
     if fixed is not None:
@@ -155,8 +170,35 @@ def score_episode(env: Any, task: Any, episode: Episode, *, invalid_penalty: flo
     check = getattr(env, "turn_is_valid", None)
     invalid = [bool(t.format_error) or i == episode.model_error_turn
                or bool(check is not None and not _call_env(check, task, t)) for i, t in enumerate(episode.turns)]
-    turn_rewards = [rewards[t.agent] - invalid_penalty * bad for t, bad in zip(episode.turns, invalid)]
+    per_turn = [rewards[t.agent] for t in episode.turns]
+    if fixed is None and getattr(env, "turn_rewards", None) is not None:
+        per_turn = _turn_rewards(env, task, episode, per_turn)
+    turn_rewards = [r - invalid_penalty * bad for r, bad in zip(per_turn, invalid)]
     return EpisodeScore(rewards=rewards, turn_rewards=turn_rewards, invalid=invalid, team=team)
+
+
+def _turn_rewards(env: Any, task: Any, episode: Episode, per_turn: list[float]) -> list[float]:
+    """`per_turn` (each turn's agent reward) with the turns `env.turn_rewards(task, episode)` pays replaced: a list
+    (one float per turn) or {turn position: float}; anything else raises `BadRewardError`."""
+    raw = _call_env(env.turn_rewards, task, episode)
+    where = f"env {type(env).__name__}.turn_rewards() on task {getattr(task, 'id', task)!r}"
+    n = len(episode.turns)
+    if isinstance(raw, Mapping):
+        items = list(raw.items())
+    elif isinstance(raw, Sequence) and not isinstance(raw, str):
+        if len(raw) != n:
+            raise BadRewardError(f"{where} returned {len(raw)} rewards for the episode's {n} turns; return one per "
+                                 "turn (episode.turns order) or a dict {turn position: reward}")
+        items = list(enumerate(raw))
+    else:
+        raise BadRewardError(f"{where} returned {type(raw).__name__}; return a list (one reward per turn) or a "
+                             "dict {turn position: reward}")
+    out = list(per_turn)
+    for i, value in items:
+        if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n:
+            raise BadRewardError(f"{where} returned a reward for turn {i!r}; the episode's turns are 0..{n - 1}")
+        out[i] = _finite(value, task, f"turn {i} ({episode.turns[i].agent})")
+    return out
 
 
 def _call_env(fn: Any, task: Any, arg: Any) -> Any:

@@ -13,9 +13,11 @@ __all__ = [
     "StrictModeError",
     "UnservedCallWarning",
     "StructuredOutputError",
+    "InvalidReplyError",
     "PolicyError",
     "RolloutError",
     "NoLLMCallError",
+    "EpisodeInterruptedError",
     "JudgeError",
 ]
 
@@ -46,6 +48,14 @@ class StructuredOutputError(DrmasError, ValueError):
     honoured, or the policy's reply does not satisfy it (the reply's Turn is recorded first)."""
 
 
+class InvalidReplyError(StructuredOutputError):
+    """The policy's reply does not satisfy the structured-output request of its call (not the JSON, not the
+    forced tool call): the policy's own output broke the call, not the app."""
+
+    turn_index: int | None = None
+    """`Turn.index` of the call in its episode, set by the recorder once the reply's turn is recorded."""
+
+
 class PolicyError(DrmasError, RuntimeError):
     """A policy backend failed or returned something unusable (no token ids, no logprobs)."""
 
@@ -60,6 +70,11 @@ class RolloutError(DrmasError, RuntimeError):
 
 class NoLLMCallError(RolloutError):
     """A rollout finished without a single LLM call, so there is nothing to train on."""
+
+
+class EpisodeInterruptedError(RolloutError):
+    """An episode ended paused at `interrupt()` (or a static breakpoint) that nobody answered: no `resume`
+    hook, the hook returned None, or `max_resumes` was reached."""
 
 
 class JudgeError(DrmasError, RuntimeError):

@@ -26,12 +26,12 @@ from __future__ import annotations
 import csv
 import hashlib
 import json
-import pkgutil
 import string
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from drmas_graph._importing import import_spec
 from drmas_graph.config import JudgeConfig, TaskFilesConfig, TrainConfig
 from drmas_graph.env import Task
 from drmas_graph.errors import ConfigError
@@ -351,11 +351,7 @@ def _has_test_split(path: Path) -> bool:
 
 
 def _reward_function(spec: str) -> Callable[..., Any]:
-    try:
-        fn = pkgutil.resolve_name(spec)
-    except (ImportError, AttributeError, ValueError) as exc:
-        raise ConfigError(f"env.reward.python {spec!r}: cannot import it ({type(exc).__name__}: {exc}); write "
-                          "'package.module:function'") from None
+    fn = import_spec(spec, setting="env.reward.python")
     if not callable(fn):
         raise ConfigError(f"env.reward.python {spec!r} is a {type(fn).__name__}, not a function (task, episode) -> "
                           "float | {agent: float}")

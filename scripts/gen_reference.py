@@ -7,9 +7,9 @@
 - docs/reference/cli.md: every `drmas-graph` command and argument, from the argparse parser
   (`drmas_graph.cli.build_parser()`);
 - docs/reference/metrics.md: every metric a run logs, with its meaning, from
-  `drmas_graph.train._metric_reference` (`metrics_reference()`);
+  `drmas_graph.train.loop._metric_reference` (`metrics_reference()`);
 - docs/reference/api.md: one mkdocstrings entry per public name (`drmas_graph.__all__`, grouped by the module
-  that defines it) and the test helpers of `drmas_graph.testing`.
+  that defines it), the test helpers of `drmas_graph.testing` and the judge of `drmas_graph.rewards`.
 """
 
 from __future__ import annotations
@@ -39,7 +39,9 @@ def config_page() -> str:
 Every field of a training config (`TrainConfig`, `drmas_graph/config.py`): the YAML file of
 `drmas-graph train` and the keyword arguments of `train_graph(...)` (nested sections as dicts). Unknown keys
 are errors. `drmas-graph config-doc` prints the same table; `graphs/math/demo.yaml` is a complete config.
-`models.<name>.*` and `agents.<name>.*` repeat for every entry of those maps.
+`models.<name>.*` and `agents.<name>.*` repeat for every entry of those maps. A `'module:attr'` value (`graph`,
+`env`, `env.reward.python`, a judge model's `import`, and `--graph`/`--reward`/`--judge` on the command line)
+names an object of an importable module; the current folder is importable, as under `python -m`.
 
 {config_table()}
 """
@@ -104,10 +106,10 @@ def cli_page() -> str:
 
 
 def metrics_page() -> str:
-    from drmas_graph.train._metric_reference import metrics_reference
+    from drmas_graph.train.loop._metric_reference import metrics_reference
 
     parts = [f"# Metrics\n\n{GENERATED}\n\nEvery metric a training run writes to `run_dir/metrics.jsonl` (one JSON line "
-             "per step and per evaluation), TensorBoard and W&B, from `drmas_graph/train/_metric_reference.py`. "
+             "per step and per evaluation), TensorBoard and W&B, from `drmas_graph/train/loop/_metric_reference.py`. "
              "`<agent>`, `<model>` and `<limit>` stand for names. A test checks that every key a run logs is listed "
              "here.\n"]
     sections: dict[str, list[str]] = {}
@@ -134,6 +136,8 @@ def api_page() -> str:
         parts += [f"::: {module}.{name}\n" for name in names]
     parts.append("## `drmas_graph.testing`\n")
     parts += [f"::: drmas_graph.engine.tiny.{name}\n" for name in ("tiny_policy", "scripted_policy")]
+    parts.append("## `drmas_graph.rewards`\n")  # the judge; JudgementRecord: the fields of Episode.judgement
+    parts += [f"::: drmas_graph.rewards.{name}\n" for name in ("JudgementRecord", "Judge", "judge_model")]
     return "\n".join(parts)
 
 

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from drmas_graph.config import TrainConfig
-from drmas_graph.train import _distributed
+from drmas_graph.train.engines import _distributed
 from drmas_graph.train.evaluate import evaluate
 from drmas_graph.train.trainer import Trainer
 from tests import _graphs

@@ -1,4 +1,4 @@
-"""Free-running asynchronous training (`async.schedule: free`, `drmas_graph.train._pipeline.FreeRunning`): step s
+"""Free-running asynchronous training (`async.schedule: free`, `drmas_graph.train.loop._pipeline.FreeRunning`): step s
 starts once the rollout weights are at most `max_staleness` versions behind it, every update's weights reach the
 rollouts at once (episodes in flight sample their next call with them), groups stay whole, staleness stays within
 the bound, a killed run resumes without losing or repeating a group, and served policies get pushes while other
@@ -15,7 +15,7 @@ from langgraph.graph import END, START, StateGraph
 from drmas_graph.config import TrainConfig
 from drmas_graph.testing import tiny_policy
 from drmas_graph.traces.store import TraceStore
-from drmas_graph.train import _pipeline
+from drmas_graph.train.loop import _pipeline
 from drmas_graph.train.trainer import Trainer
 from tests._envs import ParityEnv
 from tests._graphs import QA

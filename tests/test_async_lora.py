@@ -7,7 +7,7 @@ import torch
 
 pytest.importorskip("peft")
 
-from drmas_graph.train import _pipeline  # noqa: E402
+from drmas_graph.train.loop import _pipeline  # noqa: E402
 from drmas_graph.train.trainer import Trainer  # noqa: E402
 from tests import _graphs  # noqa: E402
 from tests._envs import ParityEnv  # noqa: E402
@@ -58,18 +58,17 @@ def test_a_lora_copy_under_zero3_does_not_share_the_base(tmp_path):
     """ZeRO-3 partitions every parameter of the module it trains: the policy's base must not be among them."""
     cfg = config(tmp_path, **{"async": {"max_staleness": 1}})
     cfg.update = cfg.update.model_copy(update={"zero_stage": 3, "backend": "deepspeed"})
-    trainer = Trainer.__new__(Trainer)
-    trainer.cfg, trainer.train_models = cfg, {"m": torch.nn.Module()}
-    assert _pipeline._frozen_base(trainer, "m") == {}  # not a peft model
+    assert cfg.update.zero() == 3
+    assert _pipeline._frozen_base(torch.nn.Module(), cfg.update.zero()) == {}  # not a peft model
     from tests.test_lora import lora_model
 
-    trainer.train_models["m"] = lora_model()[0]
-    assert _pipeline._frozen_base(trainer, "m") == {}
+    model = lora_model()[0]
+    assert _pipeline._frozen_base(model, cfg.update.zero()) == {}
     cfg.update = cfg.update.model_copy(update={"zero_stage": 1})
-    base = _pipeline._frozen_base(trainer, "m")
-    names = {n for n, p in trainer.train_models["m"].named_parameters() if id(p) in base}
+    base = _pipeline._frozen_base(model, cfg.update.zero())
+    names = {n for n, p in model.named_parameters() if id(p) in base}
     assert names and all("lora_" not in n for n in names)
-    assert len(names) == sum(1 for n, _ in trainer.train_models["m"].named_parameters() if "lora_" not in n)
+    assert len(names) == sum(1 for n, _ in model.named_parameters() if "lora_" not in n)
 
 
 def test_the_memory_check_counts_only_the_adapters(tmp_path, monkeypatch):

@@ -1,4 +1,4 @@
-"""Asynchronous training, one step off (`async.max_staleness` >= 1, `drmas_graph.train._pipeline`): the next step's
+"""Asynchronous training, one step off (`async.max_staleness` >= 1, `drmas_graph.train.loop._pipeline`): the next step's
 rollouts run during the update, on the weights one update older; runs are reproducible to the last digit at any
 max_concurrency, kill-and-resume trains every group once, the trainer's copy reaches the rollouts at the step
 boundary, and served policies get their pushes there (SGLang protocol double)."""
@@ -14,7 +14,7 @@ from drmas_graph import SamplingParams
 from drmas_graph.served import SGLangPolicy, WeightSyncError
 from drmas_graph.testing import tiny_policy
 from drmas_graph.traces.store import TraceStore
-from drmas_graph.train import _pipeline
+from drmas_graph.train.loop import _pipeline
 from drmas_graph.train.trainer import Trainer
 from tests._envs import ParityEnv
 from tests.sglang_double import SGLangDouble
@@ -167,7 +167,7 @@ def test_synchronous_by_default_and_when_the_copy_does_not_fit(tmp_path, monkeyp
     finally:
         trainer.close()
     monkeypatch.setattr(_pipeline, "_free_bytes", lambda module: 1000)  # a device with 1 kB free
-    with caplog.at_level(logging.WARNING, logger="drmas_graph.train._pipeline"):
+    with caplog.at_level(logging.WARNING, logger="drmas_graph.train.loop._pipeline"):
         result, _, _, trainer = run_async(tmp_path, "fallback", steps=2)
     assert trainer.pipeline is None and "training synchronously" in trainer.async_fallback
     assert "needs a second copy of its weights" in caplog.text

@@ -183,16 +183,16 @@ def test_usage_errors_exit_2(capsys):
 
 def test_list_keeps_episode_ids_on_one_line_in_a_narrow_terminal(run):
     """A 32-character id folded over two lines cannot be copied (issue 33): the id column never wraps."""
-    import argparse
     import io
 
     from rich.console import Console
 
+    from drmas_graph.cli import build_parser
     from drmas_graph.cli._traces import _cmd_list
 
     path, trained, failed = run
     out = io.StringIO()
-    args = argparse.Namespace(path=str(path), step=None, agent=None, task=None, failed=None, outcome=None, limit=None)
+    args = build_parser().parse_args(["traces", "list", str(path)])
     assert _cmd_list(args, Console(file=out, width=90, no_color=True)) == 0
     lines = out.getvalue().splitlines()
     assert any(trained.id in line for line in lines) and any(failed.id in line for line in lines)
@@ -211,3 +211,28 @@ def test_show_prints_every_prompt_message_folded_and_in_full_with_full(run, caps
     assert long_system.strip() not in " ".join(out.split())  # folded: one line, cut with '…'
     assert main(["traces", "show", str(path), episode.id, "--full"]) == 0
     assert long_system.strip() in " ".join(capsys.readouterr().out.replace("│", " ").split())
+
+
+def test_list_takes_the_filters_and_sorts_of_the_ui(tmp_path):
+    """`traces list` shares `TraceStore.query` with the UI: the UI's "in a terminal" line prints the same list."""
+    import io
+
+    from rich.console import Console
+
+    from drmas_graph.cli import build_parser
+    from drmas_graph.cli._traces import _cmd_list
+
+    path = tmp_path / "traces.db"
+    with TraceStore(path) as store:
+        for i in range(6):
+            turn = Turn(agent="solver", node="solve", step=1, index=0, messages=(HumanMessage("q"),),
+                        prompt_ids=(1,), response_ids=(2,), response_logprobs=(-0.5,), response_text=f"x = {i % 2}")
+            store.write_episode(Episode(id=f"ep{i}", task_id="t", group_id=f"train:0:t{i // 3}", turns=[turn],
+                                        metadata={"phase": "train" if i < 5 else "eval"}))
+            store.update_training(f"ep{i}", step=None, rewards={"solver": i / 10})
+    out = io.StringIO()
+    args = build_parser().parse_args(["traces", "list", str(path), "--phase", "train", "--reply", "x = 0",
+                                      "--min-reward", "0.1", "--sort", "reward", "--desc"])
+    assert _cmd_list(args, Console(file=out, width=200, no_color=True)) == 0
+    ids = [line.split()[1] for line in out.getvalue().splitlines() if line.startswith("│ ep")]
+    assert ids == ["ep4", "ep2"]  # x = 0: ep0, ep2, ep4 (ep0 below the bound); ep5 is eval

@@ -18,7 +18,7 @@ from drmas_graph.env import Task
 from drmas_graph.instrumentation._limits import StuckEpisodeError
 from drmas_graph.testing import scripted_policy
 from drmas_graph.traces.replay import replay
-from drmas_graph.train._rollouts import EpisodeJob, _NodeThreads, run_episodes
+from drmas_graph.train.loop._rollouts import EpisodeJob, _NodeThreads, run_episodes
 from drmas_graph.types import Episode, Segment
 from tests import _graphs
 from tests.test_instrument import Unreachable

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from drmas_graph.errors import ConfigError
-from drmas_graph.train._rollouts import EpisodeSlots
+from drmas_graph.train.loop._rollouts import EpisodeSlots
 
 
 class Occupancy:

@@ -44,7 +44,7 @@ def test_check_without_any_learning_signal_exits_3_and_says_what_to_change(tmp_p
 
 
 def test_zero_signal_watch_warns_once_after_three_mostly_zero_variance_steps():
-    from drmas_graph.train._scoring import ZeroSignalWatch
+    from drmas_graph.train.loop._scoring import ZeroSignalWatch
 
     watch = ZeroSignalWatch()
     records = [(0, 3, 4), (1, 4, 4), (2, 2, 4), (3, 3, 4), (4, 4, 4), (5, 4, 4), (6, 4, 4)]  # step 2: half, not most
@@ -88,7 +88,7 @@ def test_every_logged_metric_has_one_documented_name(tmp_path):
     import math
 
     from drmas_graph.traces.store import TraceStore
-    from drmas_graph.train._metric_reference import is_documented
+    from drmas_graph.train.loop._metric_reference import is_documented
 
     cfg = write_config(tmp_path, group_size=4)
     assert main(["train", str(cfg)]) == 0
@@ -256,7 +256,7 @@ def test_a_resumed_run_keeps_the_evaluation_of_the_checkpoint_it_resumes_from(tm
 
 
 def test_check_report_warns_about_an_agent_that_never_acted_and_cut_off_replies():
-    from drmas_graph.train._check import AgentCheck, CheckReport
+    from drmas_graph.train.loop._check import AgentCheck, CheckReport
 
     solver = AgentCheck(episodes=8, reward_mean=0.5, reward_std=0.53, reward_min=0.0, reward_max=1.0, groups=4,
                         zero_variance_groups=1, invalid_rate=0.0, format_error_rate=0.0, truncated_reply_rate=0.75,

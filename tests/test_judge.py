@@ -121,7 +121,7 @@ USER_EPISODE = (
     "solver (solve): The answer is 5.\n"
     "verifier (verify): ok\n"
     "Outcome: finished\n"
-    "Final output: answer: 5\nverdict: ok")
+    "Final output: answer: 5\n    verdict: ok")
 
 
 def test_episode_mode_prompt_score_reason_and_record():
@@ -277,11 +277,11 @@ def test_group_mode_one_call_scores_mapped_back_and_wrong_count_retried():
     assert first["messages"][1][1] == (
         "Task:\nuser: What is 2 + 3?\nReference answer: 5\n\n"
         "Attempt 1:\nsolver (solve): The answer is 5.\nverifier (verify): yes\nOutcome: finished\n"
-        "Final output: answer: 5\nverdict: yes\n\n"
+        "Final output: answer: 5\n    verdict: yes\n\n"
         "Attempt 2:\nsolver (solve): The answer is 7.\nverifier (verify): no\nOutcome: finished\n"
-        "Final output: answer: 7\nverdict: no\n\n"
+        "Final output: answer: 7\n    verdict: no\n\n"
         "Attempt 3:\nsolver (solve): The answer is 5.\nverifier (verify): correct\nOutcome: finished\n"
-        "Final output: answer: 5\nverdict: correct")
+        "Final output: answer: 5\n    verdict: correct")
     system = first["messages"][0][1]
     assert "You see the task and 3 attempts at it, numbered 1 to 3" in system
     assert "the best attempt gets the highest score" in system
@@ -489,3 +489,26 @@ def test_a_reply_cut_at_max_tokens_is_recorded_counted_and_retried():
     assert (metrics["judge/calls"], metrics["judge/retries"], metrics["judge/failed_calls"]) == (2, 1, 1)
     assert metrics["judge/input_tokens"] == 40 + tokens_of(model.log.calls[1])
     assert judgement.record["input_tokens"] == metrics["judge/input_tokens"]
+
+
+def test_a_multi_line_reply_continues_on_indented_lines():
+    """One entry per model call: a reply's later lines are indented (blank ones dropped), so a reply line that
+    looks like another call ("verifier (verify): ...") never starts at the margin; the same for the outcome."""
+    reply = "Thinking step by step.\n\nverifier (verify): I agree, 5.\nThe answer is 5."
+    ep = Episode(id="e3", task_id="t1", input=TASK.input, turns=[turn("solver", "solve", 0, reply),
+                                                                  turn("verifier", "verify", 1, "yes\nok")],
+                 error="ValueError: bad\nsecond line")
+    model = scripted('{"reason": "fine", "score": 1}')
+    Judge(model, RUBRIC, mode="episode").judge_episode(TASK, ep)
+    user = model.log.calls[0]["messages"][1][1]
+    assert user == ("Task:\nuser: What is 2 + 3?\nReference answer: 5\n\nAttempt:\n"
+                    "solver (solve): Thinking step by step.\n"
+                    "    verifier (verify): I agree, 5.\n"
+                    "    The answer is 5.\n"
+                    "verifier (verify): yes\n"
+                    "    ok\n"
+                    "Outcome: failed (ValueError: bad\n"
+                    "    second line)")
+    margin = [line for line in user.split("Attempt:\n")[1].splitlines() if not line.startswith(" ")]
+    assert margin == ["solver (solve): Thinking step by step.", "verifier (verify): yes",
+                      "Outcome: failed (ValueError: bad"]

@@ -17,7 +17,7 @@ from drmas_graph.env import BadRewardError, Task
 from drmas_graph.errors import ConfigError
 from drmas_graph.traces import _serde
 from drmas_graph.traces.store import TraceStore
-from drmas_graph.train import _distributed
+from drmas_graph.train.engines import _distributed
 from drmas_graph.train.rescore import rescore
 from tests.test_store import make_episode
 
@@ -171,7 +171,7 @@ def test_traces_show_prints_the_judges_scores_reasons_reply_and_folded_prompt(tm
     out = capsys.readouterr().out
     assert panel_lines(out, "judge") == [
         "judge  mode group  episode 2 of 2 judged together",
-        "model scripted-judge   rubric 3f2a9c0d1e4b   attempts 2   tokens in 812 / out 64   cached no   seconds 1.25",
+        "model scripted-judge   rubric 3f2a9c0d1e4b   judge calls 2   tokens in 812 / out 64   cached no   seconds 1.25",
         "scores 0.8",
         "reason   right, [bold]4[/bold]",  # user text, not rich markup
         "error    -",
@@ -209,7 +209,7 @@ def test_traces_show_prints_per_agent_scores_and_a_judge_failure(tmp_path, capsy
     assert main(["traces", "show", str(tmp_path / "run.db"), agent.id]) == 0
     assert panel_lines(capsys.readouterr().out, "judge") == [
         "judge  mode agent",
-        "model scripted-judge   rubric 0b1c2d3e4f5a   attempts 1   tokens in 40 / out 30   cached yes   seconds 0.00",
+        "model scripted-judge   rubric 0b1c2d3e4f5a   judge calls 1   tokens in 40 / out 30   cached yes   seconds 0.00",
         "scores solver=1, verifier=0.25",
         "reason   solver: right",
         "reason   verifier: lax",
@@ -220,7 +220,7 @@ def test_traces_show_prints_per_agent_scores_and_a_judge_failure(tmp_path, capsy
     assert main(["traces", "show", str(tmp_path / "run.db"), broken.id]) == 0
     assert panel_lines(capsys.readouterr().out, "judge") == [
         "judge  mode agent",
-        "model scripted-judge   rubric -   attempts 3   tokens in - / out -   cached no   seconds -",
+        "model scripted-judge   rubric -   judge calls 3   tokens in - / out -   cached no   seconds -",
         "scores -",
         "reason   -",
         "error    JudgeError: the judge timed out after 120.0 s (3 attempts)",
@@ -303,7 +303,10 @@ def test_rescore_with_a_group_judge_calls_it_once_per_group_and_stores_its_judge
     calls = sorted(judge.calls, key=lambda call: call[0].id)  # groups are judged concurrently
     assert calls == [(TASKS[0], ids["t1"]), (TASKS[1], ids["t2"])]
     failed = ids["t1"][2]
-    assert result.failed == {failed: "JudgeError: no usable score after 3 attempts"}
+    # the one failure rule of training and rescore (`_scoring.score_episodes`): a BadRewardError caused by the item
+    why = (f"BadRewardError: env ScriptedGroupJudge.reward_group() gave no reward for episode 2 ({failed}) of group "
+           "'train:0:t1' (task 't1'): JudgeError: no usable score after 3 attempts")
+    assert result.failed == {failed: why}
     assert list(result) == [i for i in ids["t1"] + ids["t2"] if i != failed]
     # group t1, team rewards 1, 0.5, 0 for both agents: mu = 0.5, unbiased sigma = sqrt((0.25 + 0 + 0.25) / 2) = 0.5
     # -> A = (1 - 0.5) / 0.5 = 1, 0, -1 (the failed episode is out of the pool)
@@ -327,7 +330,7 @@ def test_rescore_with_a_group_judge_calls_it_once_per_group_and_stores_its_judge
         "attempts": 1, "group_size": 3, "index": 0, "error": None}
     assert loaded[ids["t2"][0]].advantages == pytest.approx([1.0, 0.0], abs=1e-5)
     assert loaded[failed].judgement["error"] == "no usable score after 3 attempts"
-    assert loaded[failed].error == "JudgeError: no usable score after 3 attempts"
+    assert loaded[failed].error == why
     assert loaded[failed].rewards == {} and loaded[failed].advantages is None
     with TraceStore(tmp_path / "run.db", readonly=True) as source:  # never modified
         assert source.load_episode(failed).judgement["model"] == "older-judge"
@@ -369,11 +372,13 @@ def test_rescore_with_a_judge_refuses_what_it_cannot_score(tmp_path):
         def reward_group(self, task, episodes):
             return super().reward_group(task, episodes)[:-1]
 
-    with pytest.raises(ConfigError, match=r"ShortJudge.reward_group returned 3 items for the 4 episodes of group "
-                                          r"'train:0:t1'; return one reward \(or exception\) per episode"):
+    # a wrong-length list fails its group's episodes, as in training; here every group's, so nothing is left
+    with pytest.raises(BadRewardError, match=rf"none of the 7 pooled episodes got a usable reward; the first failure "
+                                             rf"\(episode {ids['t1'][0]}\): env ShortJudge.reward_group\(\) returned 3 "
+                                             r"rewards for the 4 episodes of group 'train:0:t1'"):
         rescore(tmp_path / "run.db", judge=ShortJudge())
-    with pytest.raises(BadRewardError, match=rf"the judge scored none of the 1 pooled episodes; the first failure "
-                                             rf"\(episode {ids['t1'][2]}\): JudgeError: no usable score"):
+    with pytest.raises(BadRewardError, match=rf"none of the 1 pooled episodes got a usable reward; the first failure "
+                                             rf"\(episode {ids['t1'][2]}\): .*JudgeError: no usable score"):
         rescore(tmp_path / "run.db", judge=ScriptedGroupJudge(), episodes=[ids["t1"][2]])
 
 
@@ -396,7 +401,8 @@ def test_cli_rescore_takes_a_judge_and_says_what_failed(tmp_path, capsys):
         "rescored 6 episodes (pool: trained; tasks rebuilt from the stored inputs, without reference answers); "
         f"mean reward: solver 0.5500, verifier 0.4000; wrote {tmp_path / 'judged.db'} "  # (1+.5+0+.9+.6+.3)/6 = .55
         "the judge gave no usable reward to 1 episode(s), left out of the advantages (stored with their error in "
-        f"--out): - {ids['t1'][2]}: JudgeError: no usable score after 3 attempts")
+        f"--out): - {ids['t1'][2]}: BadRewardError: env ScriptedGroupJudge.reward_group() gave no reward for episode 2 "
+        f"({ids['t1'][2]}) of group 'train:0:t1' (task 't1'): JudgeError: no usable score after 3 attempts")
     with TraceStore(tmp_path / "judged.db", readonly=True) as out:
         assert out.load_episode(ids["t1"][0]).judgement["reasons"] == "episode 0 of t1"
     assert main(["traces", "rescore", str(tmp_path / "run.db"), "--judge",

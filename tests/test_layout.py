@@ -17,8 +17,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1] / "drmas_graph"
 
-SHARED = {"types", "errors", "config", "env", "policy", "_chat", "_structured", "_moved"}
-"""Top-level modules every layer may import (`_moved` names modules by strings only)."""
+SHARED = {"types", "errors", "config", "env", "policy", "_chat", "_structured", "_moved", "_importing"}
+"""Top-level modules every layer may import (`_moved` names modules by strings only; `_importing` is the one
+`module:attr` importer that the CLI, task files and the judge's models all use)."""
 FACADES = {"", "testing", "ui.__main__"}
 """The package itself, the public name of the tiny test models and `python -m drmas_graph.ui` (the command
 line's entry point): they may import anything."""
@@ -28,7 +29,10 @@ LAYERS = {  # layer -> the layers it may import (besides itself and the shared m
     "engine": set(),
     "served": {"instrumentation"},
     "traces": {"instrumentation"},
-    "train": {"instrumentation", "engine", "served", "traces"},
+    "train": {"instrumentation", "engine", "served", "traces"},  # the package itself: its public seam (lazy names)
+    "train.engines": {"engine"},
+    "train.optim": {"engine", "train.engines"},
+    "train.loop": {"instrumentation", "engine", "served", "traces", "train.optim", "train.engines"},
     "ui": {"instrumentation", "traces"},
     "rewards": {"instrumentation", "train"},
     "task_files": {"rewards"},  # a module, not a package: tasks from files, rewards from the judge
@@ -52,6 +56,9 @@ def _layer(module: str) -> str:
         return "shared"
     if module in FACADES:
         return "facade"
+    group = ".".join(module.split(".")[:2])
+    if group in LAYERS:  # train's groups (train.engines, train.optim, train.loop) are layers of their own
+        return group
     if head in LAYERS:
         return head
     raise AssertionError(f"drmas_graph.{module} belongs to no layer: move it into a sub-package or add it to "
@@ -71,7 +78,9 @@ def _imports(module: str, path: Path, modules: dict[str, Path]) -> set[str]:
                 parts = package.split(".") if package else []
                 base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
                 base = f"drmas_graph.{base}" if base else "drmas_graph"
-            names = [f"{base}.{a.name}" for a in node.names] + [base]
+            subs = [f"{base}.{a.name}" for a in node.names]
+            # `from pkg import sub` depends on the submodule only; `from pkg import name` on pkg
+            names = subs + ([base] if any(n.removeprefix("drmas_graph.") not in modules for n in subs) else [])
         else:
             continue
         for name in names:
@@ -98,7 +107,8 @@ def test_every_module_belongs_to_a_layer_and_imports_only_downward():
             continue
         for dep in deps:
             dep_layer = _layer(dep)
-            if dep_layer == "facade" or (dep_layer not in ("shared", layer) and dep_layer not in LAYERS[layer]):
+            allowed = LAYERS[layer] | {f"{a}.{g}" for a in LAYERS[layer] for g in ("engines", "optim", "loop")}
+            if dep_layer == "facade" or (dep_layer not in ("shared", layer) and dep_layer not in allowed):
                 bad.append(f"drmas_graph.{module} ({layer}) imports drmas_graph.{dep} ({dep_layer})")
     assert not bad, "upward imports:\n" + "\n".join(sorted(bad))
 
@@ -158,7 +168,8 @@ def test_no_module_over_600_lines():
 
 def test_every_sub_package_says_what_it_owns_and_may_import():
     for package in LAYERS.keys() - {"shared"}:
-        path = ROOT / package / "__init__.py" if (ROOT / package).is_dir() else ROOT / f"{package}.py"
+        folder = ROOT / package.replace(".", "/")
+        path = folder / "__init__.py" if folder.is_dir() else ROOT / f"{package}.py"
         doc = ast.get_docstring(ast.parse(path.read_text())) or ""
         assert "May import" in doc, f"{path.relative_to(ROOT.parent)}: say what it may import"
 
@@ -253,3 +264,130 @@ def test_an_old_module_path_that_names_an_exported_function_is_both(tmp_path):
         del replay_module.replay_episode_probe
     with pytest.raises(AttributeError, match="no_such_name"):
         old.no_such_name
+
+
+def test_public_train_module_paths_are_the_grouped_modules_without_a_warning():
+    """`drmas_graph.train.update` (and the other public module paths of train/) is the module in its group, so
+    monkeypatching through either path patches the one module; importing it warns about nothing."""
+    import importlib
+
+    from drmas_graph import _moved
+
+    assert set(_moved.STABLE) == {f"drmas_graph.train.{m}" for m in (
+        "trainer", "update", "losses", "advantages", "offpolicy", "lora", "evaluate", "rescore", "metrics")}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        for public, real in _moved.STABLE.items():
+            assert importlib.import_module(public) is importlib.import_module(real), public
+        from drmas_graph.train import build_policy, distributed, preflight  # the package's public seam
+    assert distributed is importlib.import_module("drmas_graph.train.engines._distributed")
+    import drmas_graph.train as train  # a public name that is also a module path would be the module once imported
+
+    assert not set(train.__all__) & {public.rpartition(".")[2] for public in _moved.STABLE}
+    assert build_policy.__module__ == "drmas_graph.train.loop._build" and preflight.__name__ == "preflight"
+
+
+# ---- public seams: no private module or name of another sub-package; no `trainer: Any` ---------------------
+
+PRIVATE_IMPORTS_ALLOWED: dict[str, str] = {}
+"""`importer: imported` -> why this private import across sub-packages is needed (none: each sub-package offers
+the others a public seam)."""
+
+PRIVATE_IMPORTS_PENDING: set[str] = set()
+"""Private imports waiting for a branch to merge (none)."""
+
+TRAINER_ANY_PENDING: set[str] = set()
+"""Functions taking `trainer: Any` waiting for a branch to merge (none)."""
+
+
+def _owner(module: str) -> str:
+    """The sub-package a module belongs to ('' for the package itself, a top-level module's own name)."""
+    return module.split(".")[0]
+
+
+def _private_imports(module: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """`module: imported` for each private module or private name of another sub-package that `module`
+    imports (the shared top-level modules, `_chat` and the like, are everyone's)."""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets = [(a.name, None) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".") if package else []
+                base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
+                base = f"drmas_graph.{base}" if base else "drmas_graph"
+            targets = [(base, a.name) for a in node.names]
+        else:
+            continue
+        for base, name in targets:
+            if not base.startswith("drmas_graph."):
+                if base != "drmas_graph" or name is None:
+                    continue
+                base, name = f"drmas_graph.{name}", None  # `from drmas_graph import sub`
+            rel = base.removeprefix("drmas_graph.")
+            if name is not None and f"{rel}.{name}" in modules:  # `from pkg import sub`: the module sub
+                rel, name = f"{rel}.{name}", None
+            if _owner(rel) in (_owner(module), *SHARED):
+                continue
+            if any(part.startswith("_") for part in rel.split(".")) or (name or "").startswith("_"):
+                found.add(f"{module or 'drmas_graph'}: {rel}" + (f".{name}" if name else ""))
+    return found
+
+
+def test_no_private_import_across_sub_packages():
+    """Sub-packages talk through public seams (STYLE 14): a private module (`instrumentation._intercept`) or
+    a private name (`_build_policy`) is used only inside its own sub-package."""
+    modules = _modules()
+    found = set().union(*(_private_imports(m, p, modules) for m, p in modules.items()))
+    unexpected = found - PRIVATE_IMPORTS_ALLOWED.keys() - PRIVATE_IMPORTS_PENDING
+    assert not unexpected, ("private imports across sub-packages (offer a public name in the imported "
+                            "sub-package instead):\n" + "\n".join(sorted(unexpected)))
+    stale = (PRIVATE_IMPORTS_ALLOWED.keys() | PRIVATE_IMPORTS_PENDING) - found
+    assert not stale, "allowed private imports that no longer happen: drop them:\n" + "\n".join(sorted(stale))
+
+
+def test_the_private_import_check_finds_one(tmp_path):
+    (tmp_path / "served").mkdir()
+    path = tmp_path / "served" / "_base.py"
+    path.write_text("from drmas_graph.instrumentation._intercept import ACTIVE_HANDLER\n"
+                    "from drmas_graph.instrumentation import _threads, active_handler\n"
+                    "from drmas_graph.train._build import build_policy\nfrom drmas_graph.train import _build_policy\n"
+                    "from drmas_graph.served._errors import ServerError\nfrom drmas_graph._chat import parse_hermes\n"
+                    "from drmas_graph.instrumentation.instrumented import _cut_at_stop, instrument\n")
+    modules = {"served._base": path, "instrumentation._threads": path, "instrumentation": path,
+               "instrumentation._intercept": path, "instrumentation.instrumented": path, "train._build": path,
+               "train": path, "served._errors": path}
+    assert _private_imports("served._base", path, modules) == {
+        "served._base: instrumentation._intercept.ACTIVE_HANDLER", "served._base: instrumentation._threads",
+        "served._base: train._build.build_policy", "served._base: train._build_policy",
+        "served._base: instrumentation.instrumented._cut_at_stop"}
+
+
+def _trainer_any(tree: ast.AST) -> list[str]:
+    """Functions with a parameter `trainer` annotated `Any` (a bag of another object's attributes, STYLE 13)."""
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            args = node.args.posonlyargs + node.args.args + node.args.kwonlyargs
+            for a in args:
+                note = a.annotation
+                text = ast.unparse(note) if note is not None else ""
+                if a.arg == "trainer" and text.strip("'\"") in ("Any", "typing.Any"):
+                    out.append(node.name)
+    return out
+
+
+def test_no_function_takes_trainer_any():
+    """Each function takes the typed run state, or only the fields it needs, never `trainer: Any`."""
+    found = {f"{m}.{name}" for m, p in _modules().items() for name in _trainer_any(ast.parse(p.read_text()))}
+    assert found - TRAINER_ANY_PENDING == set(), f"functions taking `trainer: Any`: {sorted(found - TRAINER_ANY_PENDING)}"
+    assert TRAINER_ANY_PENDING - found == set(), f"no longer taking `trainer: Any`: {sorted(TRAINER_ANY_PENDING - found)}"
+
+
+def test_the_trainer_any_check_finds_one():
+    tree = ast.parse("def a(trainer: Any): ...\ndef b(trainer: 'Any', n: int): ...\nasync def c(*, trainer: typing.Any): ...\n"
+                     "def d(trainer: RunState): ...\ndef e(state: Any): ...\nclass X:\n    def __init__(self, trainer: Any): ...\n")
+    assert _trainer_any(tree) == ["a", "b", "c", "__init__"]

@@ -351,7 +351,7 @@ def test_sglang_with_two_adapters_and_a_served_request_for_another_adapter_are_e
 def test_cli_eval_of_a_checkpoint_loads_the_trained_adapters(tmp_path, capsys):
     from drmas_graph.cli import main
     from drmas_graph.config import load_config
-    from drmas_graph.train.lora import load_checkpoint_adapters
+    from drmas_graph.train.loop._checkpoints import load_checkpoint_adapters
     from drmas_graph.train.trainer import Trainer
     from tests import _graphs
     from tests._envs import ParityEnv

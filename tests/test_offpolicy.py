@@ -10,8 +10,8 @@ from drmas_graph.config import CORRECTIONS as CONFIG_CORRECTIONS
 from drmas_graph.config import TrainConfig
 from drmas_graph.errors import ConfigError
 from drmas_graph.train import offpolicy
-from drmas_graph.train._pipeline import drop_stale
-from drmas_graph.train._rollouts import StepBatch
+from drmas_graph.train.loop._pipeline import drop_stale
+from drmas_graph.train.loop._rollouts import StepBatch
 from drmas_graph.train.losses import policy_loss
 from drmas_graph.train.offpolicy import CorrectionStats, OffPolicyCorrection, importance_weights
 from drmas_graph.types import Episode, Sample, Turn

@@ -7,10 +7,17 @@
 - `print(x)  # expected`: the block's output must contain `expected` (whitespace-insensitive); `# ...`
   lines right below a print continue the expectation; an expectation with '...' in it is elided and not
   checked.
+- A ```yaml block with the line `<!-- file: NAME -->` right above it is a file the page's examples use (a
+  training config, as `drmas-graph train NAME` reads it): it is written to the scratch folder before the
+  page's first block runs. (tests/test_docs.py parses every ```yaml block into a TrainConfig.)
+- A block that needs a server runs only where that server is available: `<!-- needs ENV_VAR: why -->` right
+  above it runs the block when the environment variable ENV_VAR is set (`DRMAS_VLLM_PYTHON`: the vLLM
+  environment, as tests/test_served_vllm.py), and skips it (and the page's later blocks) otherwise.
 """
 
 import contextlib
 import io
+import os
 import re
 from pathlib import Path
 
@@ -19,6 +26,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 BLOCK = re.compile(r"(?P<before>[^\n]*)\n```python\n(?P<code>.*?)```", flags=re.S)
 NOT_RUN = re.compile(r"<!-- not run: .+ -->")
+NEEDS = re.compile(r"<!-- needs (?P<var>[A-Z_][A-Z0-9_]*): .+ -->")
+FILE = re.compile(r"<!-- file: (?P<name>[\w.-]+) -->\n```ya?ml\n(?P<text>.*?)```", flags=re.S)
 
 
 def pages() -> list[Path]:
@@ -31,6 +40,24 @@ def page_blocks(page: Path) -> tuple[list[str], list[str]]:
     for m in BLOCK.finditer("\n" + page.read_text()):
         (fragments if NOT_RUN.fullmatch(m["before"].strip()) else run).append(m["code"])
     return run, fragments
+
+
+def block_needs(page: Path) -> list[str | None]:
+    """Per block that runs: the environment variable it needs (`<!-- needs VAR: why -->`), else None."""
+    out = []
+    for m in BLOCK.finditer("\n" + page.read_text()):
+        before = m["before"].strip()
+        if not NOT_RUN.fullmatch(before):
+            needs = NEEDS.fullmatch(before)
+            out.append(needs["var"] if needs else None)
+    return out
+
+
+def page_files(page: Path) -> dict[str, str]:
+    """The files a page's examples use: name -> text of each ```yaml block marked `<!-- file: NAME -->`."""
+    files = {m["name"]: m["text"] for m in FILE.finditer(page.read_text())}
+    assert len(files) == len(FILE.findall(page.read_text())), f"{page}: two file blocks with one name"
+    return files
 
 
 def expectations(block: str) -> list[str]:
@@ -55,9 +82,12 @@ PAGES_WITH_EXAMPLES = [p for p in pages() if page_blocks(p)[0]]
 def test_the_examples_are_found():
     names = {p.relative_to(ROOT).as_posix() for p in PAGES_WITH_EXAMPLES}
     assert {"README.md", "docs/tutorial.md", "docs/guide/interrupts.md", "docs/guide/agents.md",
-            "docs/guide/training.md"} <= names
+            "docs/guide/training.md", "docs/guide/howto.md"} <= names
     interrupts, _ = page_blocks(ROOT / "docs" / "guide" / "interrupts.md")
-    assert len(interrupts) == 3 and sum(len(expectations(b)) for b in interrupts) == 4
+    assert len(interrupts) == 4 and sum(len(expectations(b)) for b in interrupts) == 5
+    howto = ROOT / "docs" / "guide" / "howto.md"
+    assert sorted(page_files(howto)) == ["frozen.yaml", "mixed.yaml", "zero3.yaml"]
+    assert block_needs(howto).count("DRMAS_VLLM_PYTHON") == 1 and block_needs(howto)[-1] == "DRMAS_VLLM_PYTHON"
     assert all(len(page_blocks(p)[0]) + len(page_blocks(p)[1]) == p.read_text().count("```python\n") for p in pages())
 
 
@@ -68,9 +98,13 @@ def test_page_examples_run_and_print_what_they_say(page, tmp_path, monkeypatch):
         pytest.importorskip("deepagents")
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(ROOT))
+    for name, text in page_files(page).items():
+        (tmp_path / name).write_text(text)
     namespace: dict = {"__name__": "docs_example"}
-    for index, block in enumerate(blocks):
+    for index, (block, needs) in enumerate(zip(blocks, block_needs(page), strict=True)):
         where = f"{page.relative_to(ROOT)} example {index}"
+        if needs is not None and not os.environ.get(needs):
+            pytest.skip(f"{where} and the page's later examples need {needs} (a server); ran {index} examples")
         stdout = io.StringIO()
         with contextlib.redirect_stdout(stdout):
             exec(compile(block, where, "exec"), namespace)  # noqa: S102 - our own documentation

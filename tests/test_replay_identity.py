@@ -257,7 +257,7 @@ def test_replay_starts_from_the_thread_checkpoint_the_rollout_continued(tmp_path
         second = app.rollout({"messages": [HumanMessage("second question")]}, thread)
     assert first.metadata["thread_start"]["checkpoint_id"] is None  # a new thread: the input is everything
     assert second.metadata["thread_start"] == {"thread_id": "user-7", "checkpoint_ns": "",
-                                               "checkpoint_id": after_first}
+                                               "checkpoint_id": after_first, "writes": []}  # none pending
     assert [m.content for m in second.turns[0].messages][:1] == ["first question"]
     latest = saver.get_tuple(thread).config
 

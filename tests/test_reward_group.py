@@ -15,8 +15,8 @@ from drmas_graph.env import BadRewardError, score_episode
 from drmas_graph.instrumentation._seeds import episode_seed
 from drmas_graph.testing import tiny_policy
 from drmas_graph.traces.store import TraceStore
-from drmas_graph.train import _scoring
-from drmas_graph.train._metric_reference import is_documented
+from drmas_graph.train.loop import _scoring
+from drmas_graph.train.loop._metric_reference import is_documented
 from drmas_graph.train.trainer import Trainer, train_graph
 from tests._envs import RankingEnv, solver_chars
 from tests.test_cli_train import write_config
@@ -79,6 +79,7 @@ def test_training_and_evaluation_score_each_group_with_one_reward_group_call(tmp
     assert failed.id not in trained and len(trained) == 7
     # every judgement is stored: the failed episode's (never trained), the trained ones', the evaluation's
     assert stored_failed.judgement == failed.judgement and failed_step is None and not stored_failed.rewards
+    assert stored_failed.error == failed.error  # kept by the store: `traces show` shows it, `list --failed` finds it
     assert [ep.judgement for ep in stored_eval] == [ep.judgement for _, eps, _ in eval_calls for ep in eps]
     for task_id, episodes, _ in train_calls:
         scores = group_scores(episodes)

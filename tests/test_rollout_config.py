@@ -264,3 +264,14 @@ def test_a_sync_node_blocked_in_a_tool_costs_its_episode_not_the_step(tmp_path, 
     assert "left behind" in caplog.text
     (stuck,) = _stored(tmp_path, outcome="failed")
     assert stuck.task_id == "train-1" and len(stuck.turns) == 1 and "rollout.timeout_s=1" in stuck.error
+
+
+def test_train_graph_keyword_async_underscore_is_the_async_section():
+    """`train_graph(..., async_={...})` (the Python spelling of the `async` section) and `async__max_staleness=`
+    set the section; before, the override landed beside the dumped `async` key and was refused as extra."""
+    from drmas_graph.config import merge_overrides
+
+    assert merge_overrides(None, {"async_": {"max_staleness": 1}}).async_.max_staleness == 1
+    assert merge_overrides(None, {"async__max_staleness": 2}).async_.max_staleness == 2
+    cfg = merge_overrides(None, {"async_": {"max_staleness": 1, "schedule": "free"}, "steps": 3})
+    assert (cfg.async_.max_staleness, cfg.async_.schedule, cfg.steps) == (1, "free", 3)

@@ -28,6 +28,7 @@ from drmas_graph.errors import (
     StoreNotFoundError,
     TraceStoreError,
 )
+from drmas_graph.env import BadRewardError
 from drmas_graph.train.rescore import rescore
 from drmas_graph.traces.store import SCHEMA_VERSION, TraceStore, TraceStoreWarning
 from drmas_graph.types import Episode, SamplingParams, Turn
@@ -644,5 +645,152 @@ def test_rescore_needs_a_reward_for_every_agent(tmp_path: Path):
     with TraceStore(path) as s:
         episode = make_episode()
         s.write_episode(episode, step=0)
-    with pytest.raises(ConfigError, match=rf"no reward to agent\(s\) 'verifier' of episode {episode.id}"):
+    # the one scoring rule (`_scoring.score_episodes`): the episode has no usable reward, so nothing is left
+    with pytest.raises(BadRewardError, match=rf"none of the 1 pooled episodes got a usable reward; the first failure "
+                                             rf"\(episode {episode.id}\): reward dict for task .* lacks agents \['verifier'\]"):
         rescore(path, lambda e: {"solver": 1.0})
+
+
+# -- the query API: filters, sorts, keyset pages ---------------------------------------------------------------
+
+from drmas_graph.traces.store import SORTS, EpisodeFilter  # noqa: E402
+
+
+def query_store(tmp_path: Path) -> TraceStore:
+    """24 episodes: phases train (steps 0-2) and eval, solver reward i % 5 / 4 (None for every 7th), checker 1,
+    task t{i % 4}, group g{i // 4}; replies 'x = {i % 3}' (solver) and 'ok 100%_sure' (checker)."""
+    store = TraceStore(tmp_path / "q.db")
+    for i in range(24):
+        phase = "eval" if i >= 18 else "train"
+        turns = [make_turn("solver", 0, response_text=f"x = {i % 3}"),
+                 make_turn("checker", 1, response_text="ok 100%_sure")]
+        store.write_episode(Episode(id=f"e{i:02d}", task_id=f"t{i % 4}", group_id=f"g{i // 4}", turns=turns,
+                                    metadata={"phase": phase, "step": i // 6, "group_index": i % 4}))
+        if i % 7 != 0:
+            store.update_training(f"e{i:02d}", step=None if phase == "eval" else i // 6,
+                                  rewards={"solver": (i % 5) / 4, "checker": 1.0})
+    return store
+
+
+def walk(store: TraceStore, where: EpisodeFilter | None, sort: str, descending: bool, size: int) -> list[list[str]]:
+    pages, after = [], None
+    while True:
+        page = store.query(where, sort=sort, descending=descending, limit=size, after=after)
+        pages.append([s.id for s in page.rows])
+        if page.next is None:
+            return pages
+        after = page.next
+
+
+def expected_order(store: TraceStore, where: EpisodeFilter | None, sort: str, descending: bool) -> list[str]:
+    rows = store.query(where, limit=None).rows  # the order written
+    column = {"created": None, "step": "step", "reward": "reward", "turns": "n_turns", "tokens": "n_response_tokens",
+              "task": "task_id", "group": "group_id"}[sort]
+    agent = where.agent if where else None
+
+    def value(s):
+        if column is None:
+            return None
+        return s.rewards.get(agent) if sort == "reward" and agent else getattr(s, column)
+
+    position = {s.id: i for i, s in enumerate(rows)}
+    known = sorted((s for s in rows if value(s) is not None), key=lambda s: (value(s), position[s.id]),
+                   reverse=descending)
+    unknown = sorted((s for s in rows if value(s) is None), key=lambda s: position[s.id], reverse=descending)
+    return [s.id for s in known + unknown] if column else [s.id for s in (rows[::-1] if descending else rows)]
+
+
+@pytest.mark.parametrize("where", [None, EpisodeFilter(agent="solver"), EpisodeFilter(agent="solver", min_reward=0.25),
+                                   EpisodeFilter(phase="train", max_reward=0.9)])
+def test_keyset_pages_walk_the_whole_order_both_ways(tmp_path, where):
+    with query_store(tmp_path) as store:
+        for sort in SORTS:
+            for descending in (False, True):
+                want = expected_order(store, where, sort, descending)
+                pages = walk(store, where, sort, descending, 5)
+                assert [i for p in pages for i in p] == want, (sort, descending)
+                assert all(len(p) == 5 for p in pages[:-1]) and store.count(where) == len(want)
+                # and back: each page's previous is the page before it
+                page = store.query(where, sort=sort, descending=descending, limit=5, after=None)
+                for before in pages[1:]:
+                    page = store.query(where, sort=sort, descending=descending, limit=5, after=page.next)
+                    back = store.query(where, sort=sort, descending=descending, limit=5, before=page.previous)
+                    assert [s.id for s in page.rows] == before
+                    assert [s.id for s in back.rows] == pages[pages.index(before) - 1]
+
+
+def test_query_filters(tmp_path):
+    with query_store(tmp_path) as store:
+        def ids(**kw):
+            return [s.id for s in store.query(EpisodeFilter(**kw), limit=None).rows]
+
+        assert ids(phase="eval") == ["e18", "e19", "e20", "e21", "e22", "e23"]
+        assert ids(group_id="g1") == ["e04", "e05", "e06", "e07"] and ids(group_id="g") == []  # exact
+        assert ids(reply="x 2") == ["e02", "e05", "e08", "e11", "e14", "e17", "e20", "e23"]  # 'x = 2': words in order
+        assert ids(reply="2 x") == []
+        assert ids(reply="100%_sure", agent="checker") == ids()  # % and _ taken literally
+        assert ids(reply="100%_sure", agent="solver") == [] and ids(reply="1000") == []
+        assert ids(reply="_") == ids() and ids(reply="%sure") == []
+        assert ids(agent="solver", min_reward=1.0) == ["e04", "e09", "e19"]  # (i % 5) / 4 == 1, e14 has none (14 % 7)
+        assert ids(outcome="finished", step=1) == ["e06", "e08", "e09", "e10", "e11"]  # e07 has no step (no reward)
+        assert store.count(EpisodeFilter(phase="train")) == 18
+        assert store.count(EpisodeFilter(phase="train"), at_most=5) == 5  # counting stops there
+        assert store.count(EpisodeFilter(phase="eval"), at_most=50) == 6
+
+
+def test_query_refuses_what_sqlite_cannot_hold(tmp_path):
+    with query_store(tmp_path) as store:
+        with pytest.raises(ConfigError, match="step=99999999999999999999 is not an integer SQLite can hold"):
+            store.query(EpisodeFilter(step=99999999999999999999))
+        with pytest.raises(ConfigError, match="not a page cursor"):
+            store.query(sort="reward", after="[1]")
+        with pytest.raises(ConfigError, match="cursor=-99999999999999999999"):
+            store.query(sort="reward", after="[0.5, -99999999999999999999]")
+        with pytest.raises(ConfigError, match="unknown sort key 'id;drop'"):
+            store.query(sort="id;drop")
+        with pytest.raises(ConfigError, match="min_reward=nan"):
+            EpisodeFilter(min_reward=math.nan)
+
+
+def test_facets_replies_and_reply_counts(tmp_path):
+    with query_store(tmp_path) as store:
+        facets = store.facets()
+        assert (facets.steps, facets.agents, facets.phases) == ((0, 1, 2), ("checker", "solver"), ("eval", "train"))
+        assert store.last_replies(["e05", "missing"]) == {"e05": {"solver": "x = 2", "checker": "ok 100%_sure"},
+                                                          "missing": {}}
+        counts = {(c.reply, c.count, c.reward_sum, c.rewarded)
+                  for c in store.reply_counts(phase="train", step=0, agent="solver")}
+        # e00..e05: x = 0 (e00 no reward, e03 reward 3/4), x = 1 (e01 1/4, e04 1), x = 2 (e02 2/4, e05 0)
+        assert counts == {("x = 0", 2, 0.75, 1), ("x = 1", 2, 1.25, 2), ("x = 2", 2, 0.5, 2)}
+        assert {c.phase for c in store.reply_counts()} == {"train", "eval"}
+
+
+def test_the_list_queries_use_indexes(tmp_path):
+    """Sorting by reward (the agent's own with a filter) and the phase and group filters read an index, not the
+    whole table: what keeps a deep page fast on a big store (benchmarks/bench_ui.py times them)."""
+    from drmas_graph.traces import _queries
+
+    with query_store(tmp_path) as store:
+        conn = sqlite3.connect(store.path)
+        cases = {  # (filter, sort) -> the index its first page reads
+            (EpisodeFilter(), "reward"): "episodes_by_reward",
+            (EpisodeFilter(phase="train"), "reward"): "episodes_by_reward",  # not the phase's index, then a sort
+            (EpisodeFilter(agent="solver", min_reward=0.5), "reward"): "rewards_by_agent",
+            (EpisodeFilter(phase="train"), "created"): "episodes_by_phase ",
+            (EpisodeFilter(group_id="g1"), "created"): "episodes_by_group",
+            (EpisodeFilter(phase="train"), "turns"): "episodes_by_turns",
+            (EpisodeFilter(), "tokens"): "episodes_by_tokens",
+            (EpisodeFilter(reply="x 1", agent="solver"), "created"): "COVERING INDEX turns_replies",
+            # a step, task or group picks few episodes: read them by its index and sort them, not the whole order
+            (EpisodeFilter(step=1, min_reward=0.5), "reward"): "episodes_by_step",
+            (EpisodeFilter(task_id="t1", phase="train"), "turns"): "episodes_by_task",
+            (EpisodeFilter(group_id="g1", agent="solver", min_reward=0.1), "reward"): "episodes_by_group",
+        }
+        selective = ("step", "task", "group")
+        for (where, sort), index in cases.items():
+            segment = _queries._segments(where, store._absent, sort)[0]
+            sql, params = segment.sql("e.id", [0.5, 3] if sort != "created" else [3], True, 5)
+            plan = " ".join(r[-1] for r in conn.execute("EXPLAIN QUERY PLAN " + sql, params))
+            sorts = where.reply or any(name in index for name in selective)  # these sort the few matches
+            assert index in plan and ("TEMP B-TREE" not in plan or sorts), (where, sort, plan)
+        conn.close()

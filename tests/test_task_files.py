@@ -298,8 +298,7 @@ def test_task_file_env_splits_and_python_reward(tmp_path, monkeypatch):
     with pytest.raises(ConfigError) as err:
         env_from_config(_validate({"env": _env(reward={"python": "tests.test_task_files:nope"})}, "c").env,
                         run_dir=tmp_path)
-    assert str(err.value) == ("env.reward.python 'tests.test_task_files:nope': cannot import it (AttributeError: "
-                              "module 'tests.test_task_files' has no attribute 'nope'); write 'package.module:function'")
+    assert str(err.value) == "env.reward.python 'tests.test_task_files:nope': 'tests.test_task_files' has no attribute 'nope'"
     with pytest.raises(ConfigError) as err:
         TaskFileEnv(env.tasks("train")).reward(env.tasks("train")[0], Ep())
     assert str(err.value) == ("this TaskFileEnv has no reward function: pass reward=... or wrap it in "

@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from drmas_graph.train import _distributed, _world
+from drmas_graph.train.engines import _distributed, _world
 from drmas_graph.errors import ConfigError
 from drmas_graph.traces.store import TraceStore
 from drmas_graph.types import Episode, Turn
@@ -336,7 +336,7 @@ def test_one_world_size_before_and_after_the_process_group():
     as long as its process."""
     code = f"""
 import torch
-from drmas_graph.train import _distributed, _engines
+from drmas_graph.train.engines import _distributed, _engines
 assert (_distributed.world_size(), _distributed.rank(), _distributed.is_main()) == (2, 1, False)
 assert (_engines._world_size(), _engines._rank()) == (2, 1)
 assert _distributed.owned(list("abcd")) == [(2, "c"), (3, "d")]

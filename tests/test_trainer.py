@@ -307,6 +307,7 @@ def test_a_task_twice_in_one_step_is_two_groups_with_their_own_ids_whatever_the_
     group (4 group ids, 4 x 2 agent pools); seeds stay those of the batch positions (so groups that do not
     repeat sample as before), and two processes (groups 0-1 and 2-3) compute the advantages of one."""
     from drmas_graph.instrumentation._seeds import episode_seed
+    from drmas_graph.train.loop._scoring import samples_with_advantages
 
     policy = tiny_policy(seed=0, sampling=SamplingParams(max_new_tokens=4))
     cfg = small_config(tmp_path, steps=1, tasks_per_step=4, group_size=4, eval={"k": 1, "before_training": False})
@@ -315,9 +316,10 @@ def test_a_task_twice_in_one_step_is_two_groups_with_their_own_ids_whatever_the_
         tasks = trainer.batch_tasks(0)
         assert [t.id for t in tasks] == ["train-1", "train-0", "train-2", "train-1"]
         runs, counts = trainer.rollouts(tasks, 0, cfg.group_size, phase="train")
-        scored = trainer._score(runs, counts)
-        samples, stats = trainer._advantages(scored)
-        halves = trainer._advantages(scored[:8])[0] + trainer._advantages(scored[8:])[0]
+        scored, _ = trainer.state.score(runs, counts)
+        trained = trainer.state.trained_agents()
+        samples, stats = samples_with_advantages(scored, cfg, trained)
+        halves = samples_with_advantages(scored[:8], cfg, trained)[0] + samples_with_advantages(scored[8:], cfg, trained)[0]
     finally:
         trainer.close()
     episodes = [ep for _, ep, _ in scored]
@@ -330,7 +332,7 @@ def test_a_task_twice_in_one_step_is_two_groups_with_their_own_ids_whatever_the_
 
 
 def test_the_progress_line_and_the_warning_say_which_episodes_did_not_finish():
-    from drmas_graph.train._scoring import unfinished_warning
+    from drmas_graph.train.loop._scoring import unfinished_warning
     from drmas_graph.train.metrics import progress_status
 
     record = {"step": 3, "agent/solver/reward_mean": 0.5, "episodes": 6, "failed_episodes": 1,

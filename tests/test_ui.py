@@ -98,15 +98,24 @@ def test_episode_list_filters(app):
     assert listed(get(app, "/runs/myrun/episodes?agent=checker&step=2")[1]) == [f"plain{i:03d}" for i in range(20, 30)]
 
 
+def link(body: str, name: str) -> str | None:
+    found = re.search(rf'id="{name}" href="([^"]+)"', body)
+    return None if found is None else found.group(1).replace("&amp;", "&")
+
+
 def test_episode_list_sorts_and_pages(app):
     body = get(app, "/runs/myrun/episodes?sort=reward&desc=1&per_page=25")[1]
     assert listed(body)[:3] == ["plain029", "plain028", "plain027"]
-    assert "33 episodes · page 1 of 2" in body
-    body = get(app, "/runs/myrun/episodes?sort=reward&desc=1&per_page=25&page=2")[1]
-    assert listed(body) == ["plain004", "plain003", "plain002", "plain001", "plain000", "xss", "paused", "trunc"]  # no reward: last
-    # the next-page link keeps the filters and sort (a shareable URL)
-    first = get(app, "/runs/myrun/episodes?sort=reward&desc=1&per_page=25")[1]
-    assert re.search(r'id="next" href="/runs/myrun/episodes\?sort=reward&amp;desc=1&amp;page=2&amp;per_page=25"', first)
+    assert '<p id="count">33 episodes' in body  # no trainer phases in this store: every episode
+    assert link(body, "prev") is None
+    # keyset pages: the next-page link keeps the filters and sort (a shareable URL) and names the last row: plain005, mean reward (0.05 + 1) / 2, rowid 6
+    assert link(body, "next") == "/runs/myrun/episodes?sort=reward&desc=1&after=%5B0.525%2C6%5D&per_page=25"
+    second = get(app, link(body, "next"))[1]
+    assert listed(second) == ["plain004", "plain003", "plain002", "plain001", "plain000", "xss", "paused", "trunc"]  # no reward: last
+    assert link(second, "next") is None
+    back = get(app, link(second, "prev"))[1]
+    assert listed(back) == listed(body) and link(back, "prev") is None
+    assert get(app, "/runs/myrun/episodes?sort=reward&after=[1,2,3]")[0] == 400  # not a cursor of this sort
 
 
 def test_bad_parameters_are_400_naming_them(app):
@@ -127,6 +136,8 @@ def test_group_and_episode_pages_show_the_stored_values(app):
     assert 'title="id 7 · logprob -0.0100"' in body and 'title="id 8 · logprob -5.0000"' in body
     assert '<span class="t t9"' in body and '<span class="t t2"' in body  # coloured by logprob
     assert "⟨7⟩" in body  # no tokenizer in this run: ids shown
+    legend = re.findall(r'<span class="t t(\d)">([^<]+)</span>', body.split('id="token-legend"')[1].split("</p>")[0])
+    assert legend[0] == ("0", "&lt; -8") and legend[2] == ("2", "-6 … -4") and legend[-1] == ("9", "-0.05 … 0")
     assert "drmas-graph traces show" in body and "plain005" in body
 
 
@@ -169,7 +180,7 @@ def test_episode_page_shows_the_judges_verdict_escaped(app, run_dir):
     assert "the judge's prompt (2 messages)" in section and "<td>812 / 64</td>" in section
     section = get(app, "/runs/myrun/episodes/misjudged")[1].split('id="judgement"')[1].split("</section>")[0]
     assert '<p class="error" id="judge-error">JudgeError: no usable &lt;score&gt; after 3 attempts</p>' in section
-    assert "episode 3 of 4 judged together" in section and '<pre id="judge-reply">–</pre>' in section
+    assert "attempt_3 of the 4 judged together" in section and "<th>judge calls</th><td>3</td>" in section and '<pre id="judge-reply">–</pre>' in section
     assert 'id="judgement"' not in get(app, "/runs/myrun/episodes/plain005")[1]  # no judge, no section
 
 
@@ -256,7 +267,8 @@ def test_http_headers_forbid_scripts_and_other_hosts(app):
 
 
 def test_query_round_trips_through_its_url():
-    query = EpisodeQuery(step=2, agent="solver", outcome="truncated", min_reward=0.5, sort="reward", desc=True, page=3)
+    query = EpisodeQuery(step=2, agent="solver", outcome="truncated", min_reward=0.5, sort="reward", desc=True,
+                         after="[0.5,3]", phase="eval", reply="the answer")
     assert EpisodeQuery.from_params(query.params()) == query
     assert EpisodeQuery().params() == {}
 
@@ -271,3 +283,271 @@ def test_both_command_lines_refuse_a_missing_run_folder_in_one_line(command, tmp
     done = subprocess.run([sys.executable, "-m", *command, str(missing), "--port", "0"], capture_output=True,
                           text=True, timeout=60)
     assert done.returncode == 2 and done.stderr.strip() == f"drmas-graph: error: run folder {missing} does not exist"
+
+
+# -- the edges: every bad input a styled 4xx, every fault a styled 5xx ------------------------------------------
+
+
+def styled(body: str) -> bool:
+    return '<link rel="stylesheet" href="/static/ui.css">' in body and "Traceback" not in body
+
+
+@pytest.mark.parametrize("query", ["page=99999999999999999999", "step=99999999999999999999",
+                                   "step=-99999999999999999999", "per_page=99999999999999999999"])
+def test_oversized_numbers_are_a_styled_400(app, query):
+    status, body = get(app, f"/runs/myrun/episodes?{query}")
+    assert status == 400 and styled(body) and "out of range" in body
+
+
+def test_malformed_metrics_lines_are_skipped_and_counted(app, run_dir):
+    with (run_dir / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 5, "agent/solver/reward_mean": 0.9\n')  # cut short
+        f.write("[1, 2]\n")  # JSON but not a record
+        f.write('\xff\xfe not utf-8\n')
+        f.write(json.dumps({"step": 6, "agent/solver/reward_mean": 0.95}) + "\n")
+    status, body = get(app, "/")
+    assert status == 200
+    assert "myrun: 3 lines of metrics.jsonl are not JSON (skipped)." in body
+    assert "myrun / solver: step 6, 0.95</title>" in body  # the lines after the bad ones still count
+
+
+def test_a_corrupt_store_is_a_styled_500_without_traceback(app, run_dir):
+    (run_dir / "traces.db").write_bytes(b"this is not a database" * 200)
+    for path in ("/runs/myrun/episodes", "/runs/myrun/episodes/plain001", "/runs/myrun/group?id=g0"):
+        status, body = get(app, path)
+        assert status == 500 and styled(body) and "is not a readable trace store" in body, path
+
+
+def serving(app: UiApp):
+    server = make_server(app, "127.0.0.1", 0)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+def fetch(server, path: str, host: str | None = None) -> tuple[int, str]:
+    conn = http.client.HTTPConnection("127.0.0.1", server.server_port, timeout=10)
+    conn.request("GET", path, headers={"Host": host} if host else {})
+    response = conn.getresponse()
+    return response.status, response.read().decode()
+
+
+def test_every_fault_over_http_is_a_styled_page(app, run_dir, monkeypatch):
+    server = serving(app)
+    try:
+        status, body = fetch(server, "/runs/myrun/episodes?page=99999999999999999999")
+        assert status == 400 and styled(body)
+        status, body = fetch(server, "/", host="evil.example")
+        assert status == 400 and styled(body) and "Host header" in body
+        status, body = fetch(server, "/no/such/page")
+        assert status == 404 and styled(body)
+        conn = http.client.HTTPConnection("127.0.0.1", server.server_port, timeout=10)
+        conn.request("POST", "/runs/myrun/episodes", body=b"x=1")
+        response = conn.getresponse()
+        assert response.status == 405 and styled(response.read().decode())
+        monkeypatch.setattr(type(app.runs["myrun"]), "metrics", lambda self: 1 / 0)  # a bug in the UI itself
+        status, body = fetch(server, "/")
+        assert status == 500 and styled(body) and "ZeroDivisionError" in body
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_unknown_group_is_404_and_ids_match_exactly(app):
+    status, body = get(app, "/runs/myrun/group?id=nonexistent")
+    assert status == 404 and styled(body) and "no group &#39;nonexistent&#39;" in body
+    assert get(app, "/runs/myrun/group?id=g")[0] == 404  # a prefix of g0..g7 matches none of them
+    assert get(app, "/runs/myrun/group")[0] == 400
+    status, body = get(app, "/runs/myrun/group?id=g1")
+    assert status == 200 and body.count('class="card member"') == 4
+    assert get(app, "/runs/myrun/episodes/plain")[0] == 404  # episode ids too
+
+
+def test_port_in_use_is_one_line_with_the_fix(run_dir):
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run([sys.executable, "-m", "drmas_graph.cli", "ui", str(run_dir), "--port", str(port)],
+                              capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert done.stderr.strip() == (f"drmas-graph: error: port {port} on 127.0.0.1 is in use (another drmas-graph "
+                                   "ui?): choose another with --port PORT, or --port 0 for any free port")
+
+
+def test_a_tokenizer_saved_after_the_ui_started_is_picked_up(app, run_dir):
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+
+    assert "⟨7⟩" in get(app, "/runs/myrun/episodes/plain005")[1]  # no checkpoint yet: ids
+    folder = run_dir / "checkpoints" / "step_000001" / "tiny" / "model"
+    folder.mkdir(parents=True)
+    Tokenizer(WordLevel({"seven": 7, "eight": 8}, unk_token="seven")).save(str(folder / "tokenizer.json"))
+    body = get(app, "/runs/myrun/episodes/plain005")[1]
+    assert "⟨7⟩" not in body and '<span class="t t9" title="id 7 · logprob -0.0100">seven</span>' in body
+
+
+def test_every_metric_the_runs_page_asks_for_is_in_the_metric_reference():
+    from drmas_graph.train.loop._metric_reference import is_documented
+    from drmas_graph.ui._pages import FIRST_CHARTS
+
+    unknown = [p for p in FIRST_CHARTS if not is_documented(p.replace("*", "someagent"))]
+    assert unknown == []
+
+
+# -- the answers view, charts, exports --------------------------------------------------------------------------
+
+
+def write_answers_run(folder: Path) -> None:
+    """Training step 0: solver replies '4' x3 (reward 1) and ' 5\\n' x1 (reward 0); step 1: '4' x4 (reward 1);
+    evaluation at step 1: '4' x2 (reward 1), '6' x2 (reward 0)."""
+    plan = [("train", 0, "4", 1.0)] * 3 + [("train", 0, " 5\n", 0.0)] + [("train", 1, "4", 1.0)] * 4 \
+        + [("eval", 1, "4", 1.0)] * 2 + [("eval", 1, "6", 0.0)] * 2
+    with TraceStore(folder / "traces.db") as store:
+        for i, (phase, step, text, reward) in enumerate(plan):
+            episode = Episode(id=f"a{i:02d}", task_id="t0", group_id=f"{phase}:{step}:t0",
+                              turns=[make_turn("solver", 0, text=text)],
+                              metadata={"phase": phase, "step": step, "group_index": i % 4})
+            store.write_episode(episode)
+            store.update_training(episode.id, step=step if phase == "train" else None, rewards={"solver": reward})
+
+
+def test_answers_view_counts_replies_per_step_and_phase(tmp_path):
+    write_answers_run(tmp_path)
+    app = UiApp({"r": __import__("drmas_graph.ui._data", fromlist=["Run"]).Run("r", tmp_path)})
+    rows = re.compile(r'<td class="reply-text">([^<]*)</td><td class="count">(\d+)</td>\s*<td>(\d+)%</td>'
+                      r'<td class="reward">([^<]*)</td>')
+    status, body = get(app, "/runs/r/answers")  # default: training, its latest step
+    assert status == 200 and rows.findall(body) == [("4", "4", "100", "1")]
+    assert 'data-agent="solver"' in body and "train · step 1 · 4 calls" in body
+    body = get(app, "/runs/r/answers?step=0")[1]
+    assert rows.findall(body) == [("4", "3", "75", "1"), ("5", "1", "25", "0")]  # ' 5\n' normalized
+    assert 'href="/runs/r/episodes?phase=train&amp;agent=solver&amp;reply=5&amp;step=0"' in body
+    body = get(app, "/runs/r/answers?phase=eval")[1]
+    assert rows.findall(body) == [("4", "2", "50", "1"), ("6", "2", "50", "0")]
+    # over steps: distinct replies 2 then 1 (a collapse), entropy H(3/4, 1/4) = 0.8113 bits then 0
+    assert "train / solver: step 0, 2</title>" in body and "train / solver: step 1, 1</title>" in body
+    assert "train / solver: step 0, 0.81128</title>" in body and "train / solver: step 1, 0</title>" in body
+    assert "eval / solver: step 1, 1</title>" in body  # entropy of two equal replies: 1 bit
+    assert get(app, "/runs/r/answers?step=7")[0] == 400 and get(app, "/runs/r/answers?phase=x")[0] == 400
+    # the link finds those episodes
+    listed_ids = re.findall(r'class="ep" href="/runs/r/episodes/([^"]+)"',
+                            get(app, "/runs/r/episodes?phase=train&agent=solver&reply=5&step=0")[1])
+    assert listed_ids == ["a03"]
+    app.close()
+
+
+def test_episode_list_defaults_to_training_and_searches_replies(tmp_path, app):
+    write_answers_run(tmp_path)
+    answers = UiApp([tmp_path])
+    name = tmp_path.name
+    body = get(answers, f"/runs/{name}/episodes")[1]
+    assert f'<p id="count">8 train episodes' in body and "a08" not in body  # evaluation episodes: phase=eval or all
+    assert '<option value="train" selected>' in body
+    assert "12 episodes" in get(answers, f"/runs/{name}/episodes?phase=all")[1]
+    assert "--phase train" in body  # the terminal line lists the same
+    answers.close()
+    assert listed(get(app, "/runs/myrun/episodes?reply=alert img")[1]) == ["xss"]
+    assert 'class="who">solver</span> 4</div>' in get(app, "/runs/myrun/episodes?step=0")[1]  # the reply column
+
+
+def chart(body: str, title: str) -> str:
+    return body.split(f"<figcaption>{title}</figcaption>")[1].split("</figure>")[0]
+
+
+def test_charts_colour_runs_style_agents_and_smooth(tmp_path):
+    for name in ("a/seed", "b/seed"):
+        (tmp_path / name).mkdir(parents=True)
+        write_run(tmp_path / name, n_plain=2)
+        with (tmp_path / name / "metrics.jsonl").open("a") as f:
+            f.write(json.dumps({"step": 3, "agent/checker/reward_mean": 0.1}) + "\n")
+    app = UiApp([tmp_path / "a/seed", tmp_path / "b/seed"])
+    body = get(app, "/?run=seed-2&run=seed")[1]
+    drawn = chart(body, "reward_mean per agent")
+    lines = re.findall(r'<polyline class="line" points="[^"]+" fill="none" stroke="(#\w+)"( stroke-dasharray="[^"]+")?',
+                       drawn)
+    # a run keeps its colour whatever the order asked (seed: blue, seed-2: red); checker solid, solver dashed
+    assert sorted(lines) == sorted([("#1f77b4", ' stroke-dasharray="6 3"'), ("#1f77b4", ""),
+                                    ("#d62728", ' stroke-dasharray="6 3"'), ("#d62728", "")])
+    assert drawn.count('class="grid"') >= 6  # gridlines at the ticks of both axes
+    assert re.findall(r'class="tick x" text-anchor="middle">([^<]+)<', drawn) == ["0", "1", "2", "3"]
+    # smoothing: TensorBoard's debiased EMA; solver's 0, 0.2, 0.4 at weight 0.6 -> 0, 0.08 / 0.64 = 0.125, (0.6 * 0.08 + 0.16) / (1 - 0.6 ** 3) = 0.26531
+    body = get(app, "/?run=seed&smooth=0.6")[1]
+    assert "seed / solver: step 1, 0.2 (smoothed 0.125)</title>" in body
+    assert "seed / solver: step 2, 0.4 (smoothed 0.26531)</title>" in body
+    assert 'class="raw"' in body
+    # a step range, then the enlarged chart keeps it
+    body = get(app, "/?run=seed&from_step=1&to_step=1")[1]
+    assert "seed / solver: step 1, 0.2</title>" in body and "seed / solver: step 0" not in body
+    href = re.search(r'<a class="enlarge" href="([^"]+)"', chart(body, "reward_mean per agent")).group(1)
+    assert href == "/chart?metric=agent%2F%2A%2Freward_mean&amp;run=seed&amp;from_step=1&amp;to_step=1"
+    status, big = get(app, href.replace("&amp;", "&"))
+    assert status == 200 and 'class="chart large"' in big and "seed / solver: step 1, 0.2</title>" in big
+    assert get(app, "/chart?metric=nope")[0] == 404 and get(app, "/?smooth=1.5")[0] == 400
+    app.close()
+
+
+def test_exports_of_metrics_and_of_the_episode_list(app, run_dir):
+    response = app.handle("/runs/myrun/export/metrics.json", {})
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert response.status == 200 and json.loads(response.body) == records
+    assert response.filename == "myrun-metrics.json"
+    lines = app.handle("/runs/myrun/export/metrics.csv", {}).body.decode().splitlines()
+    assert lines[0] == "step,reward/team_mean,agent/solver/reward_mean,model/tiny/grad_norm,eval/avg@k,eval/pass@k,eval/solver/reward"
+    assert lines[2] == "1,0.1,0.2,0.5,,,"
+    # the episode list's export: the same filters and sort, every page
+    episodes = json.loads(app.handle("/runs/myrun/export/episodes.json", {"step": ["1"], "sort": ["reward"],
+                                                                            "desc": ["1"]}).body)
+    assert [e["id"] for e in episodes] == [f"plain{i:03d}" for i in range(19, 9, -1)]
+    assert episodes[0]["replies"] == {"solver": "4", "checker": "4"} and episodes[0]["outcome"] == "finished"
+    rows = app.handle("/runs/myrun/export/episodes.csv", {"task": ["t1"], "step": ["0"]}).body.decode().splitlines()
+    assert [r.split(",")[0] for r in rows] == ["id", "plain001", "plain004", "plain007"]
+    body = get(app, "/runs/myrun/episodes?task=t1&step=0")[1]
+    assert 'id="export-csv" href="/runs/myrun/export/episodes.csv?step=0&amp;task=t1"' in body
+    assert get(app, "/runs/myrun/export/traces.db")[0] == 404
+
+
+def test_runs_page_shows_top_replies_as_a_table_and_links_tensorboard(app, run_dir):
+    top = [{"reply": "4", "count": 3, "reward": 1.0}, {"reply": "<b>5</b>", "count": 1, "reward": 0.0}]
+    with (run_dir / "metrics.jsonl").open("a") as f:
+        f.write(json.dumps({"step": 3, "eval/avg@k": 0.5, "eval/solver/top_replies": top}) + "\n")
+    (run_dir / "tensorboard").mkdir()
+    body = get(app, "/")[1]
+    assert "[{" not in body and "top_replies</th>" not in body  # no raw list, no column for it
+    table = body.split('data-step="3" data-agent="solver">')[1].split("</table>")[0]
+    assert re.findall(r'<td class="reply-text">([^<]*)</td><td>(\d+)</td><td>([^<]*)</td>', table) == \
+        [("4", "3", "1"), ("&lt;b&gt;5&lt;/b&gt;", "1", "0")]
+    assert f'<a class="tensorboard" href="{(run_dir / "tensorboard").as_uri()}">' in body
+    assert f"tensorboard --logdir {run_dir / 'tensorboard'}" in body
+
+
+def test_group_page_shows_rewards_stats_and_the_judges_attempts_in_its_order(app, run_dir):
+    """Written out of order (group_index 2, 0, 3, 1), judged in group mode: the page lists them as the judge saw
+    them, with attempt_N and the reason, each turn's reward, and each agent's mean and std."""
+    solver_rewards = {2: 1.0, 0: 0.0, 3: 1.0, 1: 0.0}
+    with TraceStore(run_dir / "traces.db") as store:
+        for place, reward in solver_rewards.items():
+            episode = Episode(id=f"j{place}", task_id="t9", group_id="train:5:t9",
+                              turns=[make_turn("solver", 0), make_turn("solver", 1), make_turn("checker", 2)],
+                              metadata={"phase": "train", "step": 5, "group_index": place},
+                              judgement={"mode": "group", "index": place, "group_size": 4, "scores": reward,
+                                         "reasons": f"reason <{place}>", "replies": [], "prompt": []})
+            store.write_episode(episode)
+            penalty = 0.5 if place == 0 else 0.0  # episode 0's first solver call was invalid
+            store.update_training(episode.id, step=5, rewards={"solver": reward, "checker": 1.0},
+                                  turn_rewards=[reward - penalty, reward, 1.0], advantages=[0.1, 0.2, 0.0])
+    status, body = get(app, "/runs/myrun/group?id=train:5:t9")
+    assert status == 200
+    assert re.findall(r'class="card member" data-id="(\w+)"', body) == ["j0", "j1", "j2", "j3"]
+    assert re.findall(r'class="badge attempt">([^<]+)<', body) == ["attempt_1", "attempt_2", "attempt_3", "attempt_4"]
+    assert re.findall(r'class="reason">([^<]+)<', body)[:2] == ["reason &lt;0&gt;", "reason &lt;1&gt;"]
+    assert re.findall(r'class="turn-reward">([^<]+)<', body)[:6] == ["-0.5", "0", "1", "0", "0", "1"]
+    stats = dict(re.findall(r'<tr data-agent="(\w+)">(.*?)</tr>', body, re.S))
+    cells = lambda agent: re.findall(r"<td[^>]*>([^<]*)</td>", stats[agent])  # noqa: E731
+    # solver: episode rewards 0, 0, 1, 1 -> mean 0.5, std sqrt(4 * 0.25 / 3) = 0.5774; its 8 calls' turn rewards
+    # -0.5, 0, 0, 0, 1, 1, 1, 1 -> mean 0.4375, std 0.6232
+    assert cells("solver") == ["solver", "4", "0.5", "0.5774", "8", "0.4375", "0.6232"]
+    assert cells("checker") == ["checker", "4", "1", "0", "4", "1", "0"]

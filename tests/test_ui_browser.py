@@ -1,6 +1,7 @@
 """drmas-graph ui in a real browser (the system's headless Chromium, driven by Playwright) over a run made by a
-real tiny-model training run: every page opened, filters and a replay clicked through, what is on the page
-asserted, a screenshot of every page saved ($UI_SCREENSHOTS, else tests/artifacts/ui/)."""
+real tiny-model training run: every page opened, filters, charts, the answers view and a replay clicked through,
+what is on the page asserted (and that it fits the window), error pages, a screenshot of every page saved
+($UI_SCREENSHOTS, else tests/artifacts/ui/)."""
 
 from __future__ import annotations
 
@@ -92,19 +93,27 @@ def test_runs_page_shows_curves_and_evaluations(server, page):
     page.goto(server[0] + "/")
     assert page.locator("#charts figure").count() >= 8
     captions = page.locator("#charts figcaption").all_inner_texts()
-    assert captions[:3] == ["reward/team_mean", "agent per series: reward_mean", "gradient norm"]
+    assert captions[:3] == ["reward/team_mean", "reward_mean per agent", "gradient norm per model"]
     assert "tiny-run / solve" in page.locator("#charts").inner_text()
     assert "tiny-run / check" in page.locator("#charts").inner_text()
     assert page.locator("table.evals").first.locator("tr").count() == 3  # header + evaluations at steps 0 and 2
+    # the evaluations' most frequent replies are tables, and nothing makes the page wider than the window
+    assert page.locator("table.top").count() == 4  # 2 evaluations x 2 agents
+    assert "[{" not in page.locator("main").inner_text()
+    assert page.evaluate("document.documentElement.scrollWidth") <= 1280
     page.screenshot(path=str(SHOTS / "runs.png"))
     page.uncheck("input[value='xss-run']")
-    page.click("text=Overlay")
-    assert page.url.endswith("/?run=tiny-run")
+    page.click("#redraw")
+    assert "/?run=tiny-run&smooth=0" in page.url and "xss-run" not in page.locator("#charts").inner_text()
 
 
 def test_episodes_filters_group_episode_and_replay(server, page):
     page.goto(server[0] + "/runs/tiny-run/episodes")
-    assert page.locator("#count").inner_text().startswith("32 episodes")  # training 2 steps x 2 tasks x 4, eval 2 x 2 tasks x k=4
+    assert page.locator("#count").inner_text().startswith("16 train episodes")  # 2 steps x 2 tasks x 4 (eval: 16 more)
+    assert page.locator("#episodes td.replies .reply").count() == 32  # each episode's last reply per agent
+    page.select_option("select[name=phase]", "all")
+    page.click("#apply")
+    assert page.locator("#count").inner_text().startswith("32 episodes")
     page.select_option("select[name=step]", "1")
     page.select_option("select[name=outcome]", "finished")
     page.click("#apply")
@@ -119,7 +128,14 @@ def test_episodes_filters_group_episode_and_replay(server, page):
     assert page.locator(".member").count() == 4
     advantages = page.locator(".member .adv").all_inner_texts()
     assert len(advantages) == 8 and any(a != "0" for a in advantages)
-    page.screenshot(path=str(SHOTS / "group.png"))
+    assert page.locator(".member .turn-reward").count() == 8
+    assert page.locator("#group-stats tr").count() == 3  # header, solve, check
+    positions = [int(p.strip("#")) for p in page.locator(".member .position").all_inner_texts()]
+    assert positions == [0, 1, 2, 3]  # in the order of the group (the order a judge sees it)
+    right_edges = [page.locator(".member").nth(i).bounding_box() for i in range(4)]
+    assert all(box["x"] + box["width"] <= 1280 for box in right_edges)  # no card cut off on the right
+    assert page.evaluate("document.documentElement.scrollWidth") <= 1280
+    page.screenshot(path=str(SHOTS / "group.png"), full_page=True)
 
     page.click(".member h3 a >> nth=0")
     assert page.locator("#tree").inner_text().count("#") == 2  # two turns: solve then check
@@ -150,3 +166,53 @@ def test_stored_html_shows_as_text_and_runs_nothing(server, page):
     assert page.locator("main script, main img").count() == 0
     assert page.dialogs == []
     page.screenshot(path=str(SHOTS / "xss.png"))
+
+
+def test_answers_view_shows_each_agents_replies_and_finds_their_episodes(server, page):
+    page.goto(server[0] + "/runs/tiny-run/answers")
+    agents = page.locator(".agent-answers").evaluate_all("els => els.map(e => e.dataset.agent)")
+    assert agents == ["check", "solve"]
+    assert "train · step 1 · 8 calls" in page.locator(".agent-answers").first.inner_text()  # 2 tasks x 4, one call each
+    counts = [int(c) for c in page.locator(".agent-answers").first.locator("td.count").all_inner_texts()]
+    assert sum(counts) <= 8 and counts == sorted(counts, reverse=True)
+    assert page.locator("#answer-charts figcaption").all_inner_texts() == ["distinct replies per step",
+                                                                           "reply entropy (bits) per step"]
+    page.screenshot(path=str(SHOTS / "answers.png"), full_page=True)
+    page.select_option("select[name=phase]", "eval")
+    page.click("#show")
+    assert "phase=eval" in page.url and "eval · step 2" in page.locator(".agent-answers").first.inner_text()
+    first_count = int(page.locator(".agent-answers").first.locator("td.count").first.inner_text())
+    page.locator(".agent-answers").first.locator("a.find").first.click()  # the episodes that gave this reply
+    assert "reply=" in page.url and "phase=eval" in page.url
+    assert page.locator("#count").inner_text().startswith(f"{first_count} eval episode")
+
+
+def test_charts_smooth_range_and_enlarge(server, page):
+    page.goto(server[0] + "/?run=tiny-run")
+    page.select_option("select[name=smooth]", "0.6")
+    page.fill("input[name=from_step]", "1")
+    page.click("#redraw")
+    assert "smooth=0.6" in page.url and "from_step=1" in page.url
+    first = page.locator("#charts figure").first
+    assert first.locator("polyline.raw").count() == 1 and first.locator("line.grid").count() >= 4
+    titles = first.locator("circle title").all_text_contents()
+    assert titles and all("smoothed" in t and "step 0" not in t for t in titles)
+    page.screenshot(path=str(SHOTS / "runs-smoothed.png"))
+    first.locator("a.enlarge").click()
+    assert "/chart?metric=reward%2Fteam_mean" in page.url
+    box = page.locator("svg.chart.large").bounding_box()
+    assert box["width"] > 900
+    page.screenshot(path=str(SHOTS / "chart.png"))
+    page.click("#back")
+    assert "smooth=0.6" in page.url
+
+
+def test_error_pages_are_styled(server, page):
+    for path, status in (("/runs/tiny-run/group?id=nonexistent", 404), ("/runs/tiny-run/episodes?page=99999999999999999999", 400),
+                         ("/runs/tiny-run/episodes?sort=id;drop", 400), ("/nowhere", 404)):
+        response = page.goto(server[0] + path)
+        assert response.status == status, path
+        assert page.locator("h1").inner_text().startswith(str(status))
+        assert page.evaluate("document.styleSheets.length") == 1  # the stylesheet loaded
+        assert "Traceback" not in page.content()
+    page.screenshot(path=str(SHOTS / "error.png"))

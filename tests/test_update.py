@@ -606,7 +606,7 @@ def test_compute_logprobs_covers_zero_advantage_samples(rollout):
 
 @needs_deepspeed
 def test_deepspeed_refuses_to_move_the_model_off_its_device(monkeypatch):
-    import drmas_graph.train._engines as engines
+    import drmas_graph.train.engines._engines as engines
 
     # a machine whose DeepSpeed accelerator is a GPU, with the policy's model on the CPU
     monkeypatch.setattr(engines, "_deepspeed_device", lambda local_rank: torch.device("cuda", local_rank))
@@ -623,7 +623,7 @@ def test_deepspeed_refuses_to_move_the_model_off_its_device(monkeypatch):
 
 
 def _batch_with_temperatures(samples, temperatures):
-    from drmas_graph.train._logprobs import collate
+    from drmas_graph.train.optim._logprobs import collate
 
     batch = collate(samples, pad_id=0, device=torch.device("cpu"))
     return dataclasses.replace(batch, temperatures_B=torch.tensor(temperatures))
@@ -631,7 +631,7 @@ def _batch_with_temperatures(samples, temperatures):
 
 @pytest.mark.parametrize("chunk", [1, 5, 512])
 def test_chunked_lm_head_gives_the_full_logits_numbers_and_gradients(chunk):
-    from drmas_graph.train._logprobs import check_chunked_head, response_token_stats
+    from drmas_graph.train.optim._logprobs import check_chunked_head, response_token_stats
 
     samples = synthetic_samples()
     batch = _batch_with_temperatures(samples, [0.7, 1.0, 1.3, 0.5, 1.0, 0.9])
@@ -825,7 +825,7 @@ def test_micro_batches_sized_in_tokens(rollout):
 def test_packed_micro_batches_stay_within_the_padded_memory(rollout):
     """Packed: a micro-batch's trie has N <= sqrt(budget x L) nodes (activations ~N <= budget, attention
     scores ~N^2 <= budget x L, what padded rows of at most L tokens within the budget hold)."""
-    from drmas_graph.train._packing import build_tree, sequences_of
+    from drmas_graph.train.optim._packing import build_tree, sequences_of
 
     samples = with_lengths(rollout, [3, 12, 7, 1, 10, 5])
     lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]

@@ -103,7 +103,7 @@ def test_a_gloo_process_group_is_left_before_the_interpreter_finalizes():
     which runs before finalization: a handler registered earlier (so run later) sees no group left."""
     code = textwrap.dedent("""
         import atexit, torch
-        from drmas_graph.train._engines import _import_deepspeed, _init_process_group
+        from drmas_graph.train.engines._engines import _import_deepspeed, _init_process_group
         atexit.register(lambda: print("group alive at exit:", torch.distributed.is_initialized()))
         _init_process_group(_import_deepspeed())
         torch.distributed.all_reduce(torch.ones(3))

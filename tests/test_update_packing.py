@@ -1,4 +1,4 @@
-"""Prefix-shared packing (drmas_graph.train._packing) and the on-policy update without a logprob pass: the
+"""Prefix-shared packing (drmas_graph.train.optim._packing) and the on-policy update without a logprob pass: the
 packed update takes the padded update's step (loss, grad norm, every gradient coordinate: rel 1e-5 in
 float32) for every estimator, loss aggregation, micro-batching, ZeRO stage and LoRA, computing each distinct
 token once; a model that cannot take the tree mask trains on padded rows, with the reason logged."""
@@ -14,8 +14,8 @@ import torch
 
 from drmas_graph.errors import ConfigError
 from drmas_graph.testing import tiny_model, tiny_tokenizer
-from drmas_graph.train._old_logprobs import with_trainer_logprobs
-from drmas_graph.train._packing import (PROBE_NODES_DEFAULT, PROBE_NODES_MIN, PackingProbes, build_tree, check_packing,
+from drmas_graph.train.optim._old_logprobs import with_trainer_logprobs
+from drmas_graph.train.optim._packing import (PROBE_NODES_DEFAULT, PROBE_NODES_MIN, PackingProbes, build_tree, check_packing,
                                         pack_rows, row_nodes, sequences_of, tree_inputs)
 from drmas_graph.train.advantages import list_estimators, compute_advantages
 from drmas_graph.train.losses import list_loss_aggregations
@@ -289,7 +289,7 @@ def test_a_model_that_cannot_take_the_tree_falls_back_to_padded_rows(samples, ca
     config._attn_implementation = impl
     found = check_packing(WithoutPositions(build_model()))
     assert found.mask_kind is None and "ignores the 4D attention mask or the position ids" in found.reason
-    with caplog.at_level(logging.WARNING, logger="drmas_graph.train._packing"):
+    with caplog.at_level(logging.WARNING, logger="drmas_graph.train.optim._packing"):
         fallback = run(samples, model=WithoutPositions(build_model()))
     warned = [r.getMessage() for r in caplog.records if "prefix-shared packing is off" in r.getMessage()]
     assert len(warned) == 1 and "model 'm'" in warned[0] and "position ids" in warned[0]
@@ -346,7 +346,7 @@ def test_local_attention_layers_named_in_the_config_train_on_padded_rows(caplog)
     assert found.reason == ("it has local (windowed) attention layers (attention_types has ['local'], window_size=256, "
                             "attention_layers has ['local']), whose window a packed row would move or replace")
     samples = prompt_and_two_responses(300)
-    with caplog.at_level(logging.WARNING, logger="drmas_graph.train._packing"):
+    with caplog.at_level(logging.WARNING, logger="drmas_graph.train.optim._packing"):
         updater = ModelUpdater(model, name="neo", settings=UpdateSettings(backend="torch"))
     assert updater._mask_kind is None
     assert [r.getMessage() for r in caplog.records if "packing is off" in r.getMessage()] == [
@@ -397,7 +397,7 @@ def test_a_probe_grows_with_the_rows_and_finds_a_window_longer_than_its_first_ro
     positions (not named in the config) hides nothing in the first probe (249 positions), and is found by the probe
     of 512 that rows of ~400 nodes need; from then on the model trains on padded rows, with exact logprobs."""
     model = gpt_neo(300, named=False)
-    with caplog.at_level(logging.WARNING, logger="drmas_graph.train._packing"):
+    with caplog.at_level(logging.WARNING, logger="drmas_graph.train.optim._packing"):
         updater = ModelUpdater(model, name="neo", settings=UpdateSettings(backend="torch"),
                                agent_settings={"a": LossSettings(micro_batch_size=8)})
         assert (updater._mask_kind, updater._packing.max_nodes, updater._packing.most_nodes) == ("additive", 250, 1018)

@@ -1,4 +1,4 @@
-"""The updaters' one interface (`drmas_graph.train._updater.Updater`): `ModelUpdater` and `LoraUpdater` both
+"""The updaters' one interface (`drmas_graph.train.optim._updater.Updater`): `ModelUpdater` and `LoraUpdater` both
 implement every member with the protocol's signature, so the trainer, checkpoints and resume can use either."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import inspect
 
 import pytest
 
-from drmas_graph.train._updater import Updater
+from drmas_graph.train.optim._updater import Updater
 from drmas_graph.train.update import ModelUpdater
 
 pytest.importorskip("peft")

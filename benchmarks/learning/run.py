@@ -6,6 +6,7 @@ pre-registration).
     python benchmarks/learning/run.py --quick          # 2 seeds, few steps, both apps (<= 10 min on 2 cores)
     python benchmarks/learning/run.py --tiny --out DIR # tiny random models (seconds): the test's wiring check
     python benchmarks/learning/run.py --tune           # base-model evaluation of the frozen task settings
+    python benchmarks/learning/run.py --v2 [--quick | --tiny | --resume | --report]   # study v2 (PREREG_v2.md)
 
 Apps (ordinary LangGraph apps in graphs/, none imports drmas_graph):
 - ``verified_math``: `graphs.verified_math` (solver + verifier; the verifier is paid for its verdicts, a rejected
@@ -44,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from langchain_core.language_models.fake_chat_models import FakeListChatModel  # noqa: E402
 
+from benchmarks._deps import require  # noqa: E402
 from drmas_graph.config import TrainConfig  # noqa: E402
 from graphs.lookup.env import LookupEnv  # noqa: E402
 from graphs.lookup.graph import build_graph as build_lookup  # noqa: E402
@@ -412,6 +414,12 @@ def tune(apps: list[str], k: int, n_tasks: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--v2" in argv:  # study v2 (PREREG_v2.md): its own app, arms, plan and results_v2.json
+        sys.path.insert(0, str(HERE))
+        import v2
+
+        return v2.main([a for a in argv if a != "--v2"])
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--quick", action="store_true", help="2 seeds, 2 steps, both apps (<= 10 min on 2 cores)")
@@ -428,6 +436,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--resume", action="store_true", help="keep the finished runs in OUT/results.json (same "
                                                           "settings) and run only the missing ones")
     args = p.parse_args(argv)
+    require({"matplotlib": "demo"}, "the study's plots")  # checked now, not after hours of runs
     if args.tune:
         tune(args.apps, k=4, n_tasks=APPS[args.apps[0]]["env_kwargs"]["n_test"])
         return 0
@@ -471,11 +480,12 @@ def main(argv: list[str] | None = None) -> int:
     print(table(runs, args.estimators))
     if args.report:
         print("\n" + runs_markdown(runs))
-    for path in plots(runs, out):
-        print(f"plot: {path}")
     print(f"results: {out / 'results.json'}")
     for line in verdict_lines(runs) + hypothesis_lines(runs):
         print(line)
+    sys.stdout.flush()
+    for path in plots(runs, out):  # after the results: the numbers never wait on the plots
+        print(f"plot: {path}")
     return 0
 
 

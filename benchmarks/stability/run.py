@@ -36,6 +36,7 @@ from langchain_core.messages import HumanMessage  # noqa: E402
 from langgraph.graph import END, START, StateGraph  # noqa: E402
 
 from benchmarks._apps import QA, AppModel  # noqa: E402
+from benchmarks._deps import require  # noqa: E402
 from drmas_graph import SamplingParams  # noqa: E402
 from drmas_graph.env import Task  # noqa: E402
 from drmas_graph.testing import tiny_policy  # noqa: E402
@@ -141,6 +142,7 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent)
     args = ap.parse_args()
+    require({"matplotlib": "demo"}, "the stability plots")  # checked now, not after the runs
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for seed in args.seeds:
@@ -148,7 +150,6 @@ def main() -> None:
                 results.append(run(estimator, seed, args.steps, Path(tmp)))
                 print(f"done {estimator} seed {seed} in {results[-1]['wall_s']:.0f}s", flush=True)
     (args.out / "results.json").write_text(json.dumps(results, indent=1))
-    plot(results, args.out)
     print("| estimator | seed | spikes solver | spikes verifier | median grad norm solver | median grad norm verifier "
           "| mean A^2 verifier | reward first 5 -> last 5 steps | avg@4 | pass@4 |")
     print("|---|---|---|---|---|---|---|---|---|---|")
@@ -159,6 +160,8 @@ def main() -> None:
               f"| {statistics.mean(r['adv_sq']['verifier']):.2f} "
               f"| {statistics.mean(rw[:5]):.2f} -> {statistics.mean(rw[-5:]):.2f} "
               f"| {r['final']['avg@k']:.3f} | {r['final']['pass@k']:.3f} |")
+    sys.stdout.flush()
+    plot(results, args.out)  # after the table: the numbers never wait on the plot
 
 
 if __name__ == "__main__":

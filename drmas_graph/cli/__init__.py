@@ -36,9 +36,10 @@ from rich.console import Console
 from drmas_graph.cli._traces import add_traces_commands
 from drmas_graph.cli._train import add_train_commands
 from drmas_graph.cli._ui import add_ui_command
+from drmas_graph.cli._ui import main as ui_main  # `python -m drmas_graph.ui`
 from drmas_graph.errors import DrmasError
 
-__all__ = ["main", "build_parser"]
+__all__ = ["main", "build_parser", "ui_main"]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

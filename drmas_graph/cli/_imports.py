@@ -1,38 +1,19 @@
-"""`--graph module:attr` and config `graph:`/`env:` specs: import the object they name, and build the graph a
-factory makes (its `llm` gets a stand-in chat model: policies answer every call)."""
+"""`--graph module:attr` and a config's `graph:`: build the graph the spec names (imported by the one
+`module:attr` importer, `drmas_graph._importing.import_spec`); a factory's `llm` gets a stand-in chat model:
+policies answer every call."""
 
 from __future__ import annotations
 
-import importlib
 import inspect
-import os
-import sys
 from collections.abc import Mapping
 from typing import Any
 
 from langchain_core.language_models.chat_models import BaseChatModel
 
+from drmas_graph._importing import import_spec
 from drmas_graph.errors import ConfigError
 
-__all__ = ["import_object", "build_graph", "StandInChatModel"]
-
-
-def import_object(spec: str) -> Any:
-    """``package.module:attr.sub`` -> the object; a ConfigError naming the spec otherwise."""
-    module_name, _, attr_path = spec.partition(":")
-    if not module_name or not attr_path:
-        raise ConfigError(f"--graph {spec!r} must look like 'package.module:attribute'")
-    if os.getcwd() not in sys.path:  # like `python -m`, find modules of the current project
-        sys.path.insert(0, os.getcwd())
-    try:
-        obj: Any = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ConfigError(f"--graph {spec!r}: cannot import module {module_name!r} ({e})") from e
-    for attr in attr_path.split("."):
-        if not hasattr(obj, attr):
-            raise ConfigError(f"--graph {spec!r}: {module_name!r} has no attribute {attr_path!r}")
-        obj = getattr(obj, attr)
-    return obj
+__all__ = ["build_graph", "StandInChatModel"]
 
 
 class StandInChatModel(BaseChatModel):
@@ -53,10 +34,11 @@ class StandInChatModel(BaseChatModel):
         raise ConfigError("the stand-in chat model was called outside an instrumented run; only policies answer")
 
 
-def build_graph(spec: str, kwargs: Mapping[str, Any] | None = None) -> Any:
+def build_graph(spec: str, kwargs: Mapping[str, Any] | None = None, *, setting: str = "--graph") -> Any:
     """The graph `spec` names: a compiled graph or builder as is; a factory called with `kwargs` (a config's
-    `graph_kwargs`), its `llm` parameter given a `StandInChatModel` unless `kwargs` sets it."""
-    graph = import_object(spec)
+    `graph_kwargs`), its `llm` parameter given a `StandInChatModel` unless `kwargs` sets it. `setting` names
+    the spec's source in errors (`--graph`, a config's `graph`)."""
+    graph = import_spec(spec, setting=setting)
     if not callable(graph) or hasattr(graph, "invoke") or hasattr(graph, "compile"):
         return graph
     kwargs = dict(kwargs or {})

@@ -12,9 +12,10 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from drmas_graph.cli._imports import build_graph, import_object
+from drmas_graph._importing import import_spec
+from drmas_graph.cli._imports import build_graph
 from drmas_graph.errors import ConfigError
-from drmas_graph.traces.store import TraceStore
+from drmas_graph.traces.store import OUTCOMES, SORTS, EpisodeFilter, TraceStore
 from drmas_graph.types import Episode, Turn
 
 __all__ = ["add_traces_commands"]
@@ -30,11 +31,14 @@ def add_traces_commands(groups: Any) -> None:
     traces = groups.add_parser("traces", help="inspect, export and replay recorded runs (trace stores)")
     commands = traces.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    p = commands.add_parser("list", help="one line per episode")
+    p = commands.add_parser("list", help="one line per episode (the filters and sorts of `drmas-graph ui`'s list)")
     p.add_argument("path", help="trace store of a run (run_dir/traces.db)")
     p.add_argument("--step", type=int, help="only episodes used in this training step")
-    p.add_argument("--agent", help="only episodes where this agent made a call")
+    p.add_argument("--phase", choices=["train", "eval"], help="only the trainer's training or evaluation episodes")
+    p.add_argument("--agent", help="only episodes where this agent made a call (reward bounds, reward sort and "
+                                   "--reply then apply to it)")
     p.add_argument("--task", help="only episodes of this task id")
+    p.add_argument("--group", help="only episodes of this GRPO group (exact id)")
     outcome = p.add_mutually_exclusive_group()
     outcome.add_argument("--failed", action="store_const", const=True, dest="failed", help="only failed runs")
     outcome.add_argument(
@@ -44,6 +48,12 @@ def add_traces_commands(groups: Any) -> None:
                          help="only runs a limit stopped (max_llm_calls, timeout_s, recursion_limit)")
     outcome.add_argument("--model-errors", action="store_const", const="model_error", dest="outcome",
                          help="only runs the policy's output broke (model errors)")
+    outcome.add_argument("--outcome", choices=list(OUTCOMES), help="only runs with this outcome")
+    p.add_argument("--min-reward", type=float, help="lowest reward (inclusive)")
+    p.add_argument("--max-reward", type=float, help="highest reward (inclusive)")
+    p.add_argument("--reply", help="only episodes with a reply holding these words, in order")
+    p.add_argument("--sort", choices=list(SORTS), default="created", help="order (default: as written)")
+    p.add_argument("--desc", action="store_true", help="descending order")
     p.add_argument("--limit", type=int, help="at most this many episodes")
     p.set_defaults(func=_cmd_list)
 
@@ -85,7 +95,7 @@ def _add_rescore_command(commands: Any) -> None:
     p = commands.add_parser(
         "rescore", help="new rewards and advantages for a stored run from another reward function or a judge, "
                         "no policy model",
-        description="Recompute rewards and advantages of the pooled episodes (advantages are normalised over "
+        description="Score the pooled episodes again through training's scoring (the run's own reward reproduces its rewards): rewards and advantages (advantages are normalised over "
                     "them, group by group). Pools: " + "; ".join(f"{k}: {v}" for k, v in POOLS.items()) + ".")
     p.add_argument("path", help="trace store of a run (run_dir/traces.db)")
     source = p.add_mutually_exclusive_group(required=True)
@@ -121,7 +131,7 @@ def _cmd_rescore(args: argparse.Namespace, console: Console) -> int:
         judge, tasks, source = _judge_and_tasks(args.judge, args.split)
     elif args.split:
         raise ConfigError("--split applies to --judge (the splits of the judge's tasks)")
-    result = rescore(args.path, None if judge else import_object(args.reward), judge=judge, tasks=tasks,
+    result = rescore(args.path, None if judge else import_spec(args.reward, setting="--reward"), judge=judge, tasks=tasks,
                      estimator=args.estimator, norm_by_std=args.norm_by_std, step=args.step, episodes=args.episodes,
                      out=args.out)
     totals: dict[str, list[float]] = {}
@@ -150,7 +160,7 @@ def _judge_and_tasks(spec: str, splits: list[str] | None) -> tuple[Any, list[Any
             raise ConfigError("--split applies to --judge MODULE:ATTR; a config's judge sees every task of its "
                               "`env.tasks` and `env.test` files")
         return judge_from_config(spec), tasks_from_config(spec), f"; judge and tasks of {spec}"
-    judge = import_object(spec)
+    judge = import_spec(spec, setting="--judge")
     if isinstance(judge, type) or (callable(judge) and not hasattr(judge, "reward_group")):  # a factory
         judge = judge()
     if not callable(getattr(judge, "reward_group", None)):
@@ -169,8 +179,10 @@ def _judge_and_tasks(spec: str, splits: list[str] | None) -> tuple[Any, list[Any
 
 def _cmd_list(args: argparse.Namespace, console: Console) -> int:
     with TraceStore(args.path, readonly=True) as store:
-        summaries = store.episodes(step=args.step, agent=args.agent, task_id=args.task, failed=args.failed,
-                                   outcome=args.outcome, limit=args.limit)
+        where = EpisodeFilter(step=args.step, phase=args.phase, agent=args.agent, task_id=args.task,
+                              group_id=args.group, failed=args.failed, outcome=args.outcome,
+                              min_reward=args.min_reward, max_reward=args.max_reward, reply=args.reply)
+        summaries = store.query(where, sort=args.sort, descending=args.desc, limit=args.limit).rows
     table = Table(title=Text(f"{len(summaries)} episodes in {args.path}"), title_justify="left")
     table.add_column("episode", no_wrap=True, min_width=max((len(s.id) for s in summaries), default=7))  # copyable
     for column in ("task", "group", "step", "turns", "agents", "tokens p/r", "reward", "outcome"):
@@ -343,7 +355,7 @@ def _judgement_block(record: dict[str, Any], *, full: bool = False) -> Panel:
     cached = {True: "yes", False: "no"}.get(record.get("cached"), "-")
     lines = [
         f"model {_or_dash(record.get('model'))}   rubric {_or_dash(record.get('rubric_sha'))}   "
-        f"attempts {_or_dash(record.get('attempts'))}   tokens in {_or_dash(record.get('input_tokens'))} / out "
+        f"judge calls {_or_dash(record.get('attempts'))}   tokens in {_or_dash(record.get('input_tokens'))} / out "
         f"{_or_dash(record.get('output_tokens'))}   cached {cached}   "
         f"seconds {'-' if seconds is None else f'{seconds:.2f}'}",
         f"scores {_scores(record.get('scores'))}",

@@ -10,14 +10,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
-from drmas_graph.cli._imports import StandInChatModel, build_graph, import_object
+from drmas_graph._importing import import_spec
+from drmas_graph.cli._imports import StandInChatModel, build_graph
 from drmas_graph.config import TaskFilesConfig, TrainConfig, config_reference, load_config
 from drmas_graph.errors import ConfigError
 
@@ -32,12 +36,12 @@ def build_graph_and_env(cfg: TrainConfig) -> tuple[Any, Any]:
     if not cfg.graph or not cfg.env:
         raise ConfigError("the config must name `graph` as 'module:attr' and `env` as 'module:attr' or a mapping of "
                           "task files (tasks, input, reward) for the CLI")
-    graph = build_graph(cfg.graph, cfg.graph_kwargs)
+    graph = build_graph(cfg.graph, cfg.graph_kwargs, setting="graph")
     if isinstance(cfg.env, TaskFilesConfig):
         from drmas_graph.task_files import env_from_config
 
         return graph, env_from_config(cfg.env, run_dir=cfg.run_dir)
-    env_factory = import_object(cfg.env)
+    env_factory = import_spec(cfg.env, setting="env")
     env = env_factory(**cfg.env_kwargs) if callable(env_factory) else env_factory
     return graph, env
 
@@ -71,8 +75,8 @@ def add_train_commands(groups: Any) -> None:
 
 
 def _cmd_train(args: argparse.Namespace, console: Console) -> int:
-    from drmas_graph.train import _distributed
-    from drmas_graph.train.trainer import RunDirInUseError, free_run_dir, train_graph
+    from drmas_graph.train import RunDirInUseError, free_run_dir, train_graph
+    from drmas_graph.train import distributed as _distributed
 
     cfg = load_config(args.config, args.set + (["resume=true"] if args.resume else []))
     graph, env = build_graph_and_env(cfg)
@@ -100,8 +104,7 @@ def _cmd_train(args: argparse.Namespace, console: Console) -> int:
 
 def _saved(cfg: TrainConfig, config: Path) -> str:
     """What an interrupted run saved, and the command that continues it."""
-    from drmas_graph.train._checkpoints import checkpoint_step
-    from drmas_graph.train.trainer import free_run_dir
+    from drmas_graph.train import checkpoint_step, free_run_dir
 
     ckpts = sorted((Path(cfg.run_dir) / "checkpoints").glob("step_*"))
     if not ckpts:
@@ -114,11 +117,9 @@ def _saved(cfg: TrainConfig, config: Path) -> str:
 
 
 def _cmd_eval(args: argparse.Namespace, console: Console) -> int:
-    from drmas_graph.train._checkpoints import checkpoint_step
-    from drmas_graph.train.lora import load_checkpoint_adapters
-    from drmas_graph.train import _distributed
-    from drmas_graph.train.evaluate import reply_lines
-    from drmas_graph.train.trainer import Trainer, evaluate
+    from drmas_graph.train import Trainer, checkpoint_step, load_checkpoint_adapters, reply_lines
+    from drmas_graph.train.evaluate import evaluate
+    from drmas_graph.train import distributed as _distributed
 
     overrides = list(args.set)
     if args.k:
@@ -127,8 +128,8 @@ def _cmd_eval(args: argparse.Namespace, console: Console) -> int:
         overrides.append(f"eval.n_tasks={args.n_tasks}")
     cfg = load_config(args.config, overrides)
     from_checkpoint = point_at_checkpoint(cfg, args.checkpoint) if args.checkpoint is not None else []
+    graph, env = build_graph_and_env(cfg)  # in the run's folder: a judge reads (and adds to) the run's cache
     cfg.run_dir = str(eval_dir(Path(cfg.run_dir), args.checkpoint, args.split or cfg.eval.split, cfg.eval.k))
-    graph, env = build_graph_and_env(cfg)
     trainer = Trainer(graph, env, cfg, train=False)
     try:
         if args.checkpoint is not None:
@@ -164,15 +165,15 @@ def _cmd_eval(args: argparse.Namespace, console: Console) -> int:
 
 
 def _cmd_check(args: argparse.Namespace, console: Console) -> int:
-    from drmas_graph.train._check import NO_SIGNAL_EXIT, preflight
-    from drmas_graph.train.trainer import Trainer
+    from drmas_graph.train import NO_SIGNAL_EXIT, Trainer, preflight
 
     if args.groups < 1:
         raise ConfigError(f"--groups must be at least 1 (got {args.groups})")
     cfg = load_config(args.config, args.set)
     cfg.run_dir = str(numbered_dir(Path(cfg.run_dir) / "check", f"base-g{args.groups}"))
-    graph, env = build_graph_and_env(cfg)
-    trainer = Trainer(graph, env, cfg, train=False)
+    with removed_on_failure(Path(cfg.run_dir)):  # a failed set-up leaves no empty base-gN behind
+        graph, env = build_graph_and_env(cfg)
+        trainer = Trainer(graph, env, cfg, train=False)
     try:
         report = preflight(trainer, args.groups)
     finally:
@@ -207,6 +208,19 @@ def eval_dir(run_dir: Path, checkpoint: Path | None, split: str, k: int) -> Path
     """A new folder per `drmas-graph eval`: run_dir/eval/<checkpoint|base>-<split>-k<k>[-2, -3, ...] (each with its
     own traces.db and config.yaml, so evaluations with other settings never collide)."""
     return numbered_dir(run_dir / "eval", f"{checkpoint.name if checkpoint is not None else 'base'}-{split}-k{k}")
+
+
+@contextmanager
+def removed_on_failure(folder: Path) -> Iterator[Path]:
+    """Set up a run in the new `folder`: when the block raises, the folder (made by the set-up, holding no
+    episode yet) is removed, so the next command takes its name instead of a `-2` one."""
+    existed = folder.exists()
+    try:
+        yield folder
+    except BaseException:
+        if not existed:
+            shutil.rmtree(folder, ignore_errors=True)
+        raise
 
 
 def numbered_dir(root: Path, label: str) -> Path:

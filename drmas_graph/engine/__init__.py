@@ -8,3 +8,22 @@ and `tiny` (random-weight tiny models for tests; public as `drmas_graph.testing`
 
 May import: the shared modules only (types, errors, config, env, policy, _chat, _structured).
 """
+
+from typing import Any as _Any
+
+_SEAM = {  # public name -> the module that defines it; loaded on first use (no torch at `import drmas_graph.engine`)
+    "is_peft_model": "drmas_graph.engine._adapters",
+    "load_adapter_weights": "drmas_graph.engine._adapters",
+    "entropy_from_logits": "drmas_graph.engine._sampling",
+    "token_logprobs": "drmas_graph.engine._sampling",
+}
+"""The names other sub-packages (train/) use: LoRA adapters on a model, and the logprob definitions the
+trainer recomputes exactly as the engine samples."""
+
+
+def __getattr__(name: str) -> _Any:
+    if name not in _SEAM:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(_SEAM[name]), name)

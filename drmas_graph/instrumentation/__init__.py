@@ -10,4 +10,35 @@ form LangChain expects) -> a `Turn` on the `Episode`; a run that raised is trunc
 
 May import: the shared modules only (types, errors, config, env, policy, _chat, _structured). Public names
 are exported by `drmas_graph` itself.
+
+Seams offered to the other sub-packages (their only way in; a private `_x` module stays inside):
+`active_handler()` (the call handler serving this context: served policies read it), `app_models()` (calls
+go to the app's own models: the judge), `instrumented` / `chat_model` (public modules), and `replaying`
+(what `traces.replay` drives: the hook, the handler variable, the recorder, thread forks, interrupts); the
+errors of an episode's limits, `EpisodeLimitError` and `StuckEpisodeError`.
 """
+
+from drmas_graph.instrumentation._intercept import active_handler, app_models
+from drmas_graph.instrumentation._limits import EpisodeLimitError, StuckEpisodeError
+
+__all__ = ["active_handler", "app_models", "EpisodeLimitError", "StuckEpisodeError"]
+
+from typing import Any as _Any
+
+_SEAM = {  # public name -> the module that defines it; loaded on first use
+    "LIMITS": "drmas_graph.instrumentation._limits",
+    "Backstop": "drmas_graph.instrumentation._limits",
+    "limit_metadata": "drmas_graph.instrumentation._limits",
+    "episode_seed": "drmas_graph.instrumentation._seeds",
+    "EpisodeInterruptedError": "drmas_graph.instrumentation._segments",
+    "continuation_from_env": "drmas_graph.instrumentation._segments",
+}
+"""The names train/'s rollouts use: an episode's limits and their backstop, its sampling seed, interrupts."""
+
+
+def __getattr__(name: str) -> _Any:
+    if name not in _SEAM:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(_SEAM[name]), name)

@@ -51,7 +51,7 @@ from drmas_graph._chat import normalize_tools
 from drmas_graph.errors import StrictModeError, UnservedCallWarning
 
 __all__ = ["CallSite", "CallHandler", "ACTIVE_HANDLER", "APP_MODELS", "install", "node_path", "call_key",
-           "active_run", "register_run", "unregister_run", "app_models", "interrupt_node"]
+           "active_run", "register_run", "unregister_run", "app_models", "interrupt_node", "active_handler"]
 
 
 @dataclass(frozen=True)
@@ -107,6 +107,15 @@ APP_MODELS: Any = _AppModels()
 without a policy, `app_models()`)."""
 
 ACTIVE_HANDLER: ContextVar[CallHandler | None] = ContextVar("drmas_graph_active_handler", default=None)
+"""The `CallHandler` serving chat-model calls in this context: None outside instrumented runs, `APP_MODELS`
+inside `app_models()`."""
+
+
+def active_handler() -> CallHandler | None:
+    """The `CallHandler` serving chat-model calls in this context (`ACTIVE_HANDLER`'s value): None outside
+    instrumented runs and replays, `APP_MODELS` inside `app_models()`."""
+    return ACTIVE_HANDLER.get()
+
 
 _RUNS: dict[int, Any] = {}
 _RUNS_LOCK = threading.Lock()

@@ -9,7 +9,7 @@ it), and the turns recorded so far stay exactly as they were (the refused call r
 conversation still going after `max_resumes` later runs is truncated the same way (`_segments`).
 
 An episode that does not reach its next LLM call within `timeout_s` plus a grace is cancelled by the trainer's
-backstop (`Backstop`, see `drmas_graph.train._rollouts`): one cancelled inside an LLM call (a generation that
+backstop (`Backstop`, see `drmas_graph.train.loop._rollouts`): one cancelled inside an LLM call (a generation that
 straddles the time cap) is truncated by `timeout_s` with its turns so far; one stuck *between* LLM calls (a
 tool that never returns) fails with `StuckEpisodeError`.
 """

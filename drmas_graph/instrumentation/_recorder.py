@@ -3,15 +3,20 @@ agent's policy (or lets the app's own model answer it), and records every call a
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import dataclasses
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from langchain_core.messages import AIMessage
 from langchain_core.outputs import ChatGeneration, ChatResult
+from langchain_core.runnables import ensure_config
 
 from drmas_graph._chat import ParsedResponse, _text
+from drmas_graph.instrumentation import _task_paths
 from drmas_graph.instrumentation._intercept import CallSite
 from drmas_graph.instrumentation._limits import enforce_limits
 from drmas_graph.instrumentation._seeds import prompt_digest, seeded
@@ -20,7 +25,8 @@ from drmas_graph.errors import StrictModeError
 from drmas_graph.policy import Policy
 from drmas_graph.types import Episode, Generation, SamplingParams, Turn
 
-__all__ = ["_EpisodeRecorder", "served_message", "_cut_at_stop", "structured_parts", "RAW_BRANCH_TAG"]
+__all__ = ["_EpisodeRecorder", "_Recorder", "served_message", "_cut_at_stop", "structured_parts", "RAW_BRANCH_TAG",
+           "enclosing_node", "own_site"]
 
 RAW_BRANCH_TAG = "map:key:raw"
 """Run tag of the model call inside `with_structured_output(..., include_raw=True)` (LangChain runs it as the
@@ -40,11 +46,14 @@ class _EpisodeRecorder:
         self._lock = threading.Lock()
         self._next_index = 0
         self._per_key: dict[str, int] = {}
-        self._per_prompt: dict[tuple[str, str], int] = {}  # (call_key, prompt digest) -> calls so far (seeds)
+        self._per_prompt: dict[tuple[str, str, str], int] = {}  # (call_key, agent, prompt digest) -> calls (seeds)
         self._turns: list[Turn] = []
         self._starts: dict[int, float] = {}  # call index -> unix start time
         self.segment = 0
         """The run of the episode's thread now in progress (`Turn.segment` of its calls)."""
+        self.base = enclosing_node()
+        """Node path of the node of another graph this run was started from ('' at top level): an
+        instrumented app run inside a node of another graph (a sub-app) names its own nodes without it."""
 
     def refused(self, error: StrictModeError) -> None:
         with self._lock:
@@ -87,20 +96,23 @@ class _EpisodeRecorder:
         spec, model_class = output_spec(site.kwargs, site.tools, where)
         with policy.announce():
             prompt_ids = policy.render(site.messages, site.tools, spec)
+            own = self.app.agent_for_node(site.node) == agent  # the node's own agent: seeds without the agent
             params = seeded(self.app._sampling_for(agent, policy, site.stop), self.episode.metadata, site.call_key,
-                            *self._prompt_occurrence(site.call_key, prompt_ids))
+                            *self._prompt_occurrence(site.call_key, agent, prompt_ids), None if own else agent)
         return prompt_ids, params, (spec, model_class, where)
 
-    def _prompt_occurrence(self, call_key: str, prompt_ids: list[int]) -> tuple[int, str]:
-        """(earlier calls of node instance `call_key` with this prompt, the prompt's digest): what a call's
-        seed is derived from besides its key, the same whatever order concurrent calls arrive in (`_seeds`)."""
+    def _prompt_occurrence(self, call_key: str, agent: str, prompt_ids: list[int]) -> tuple[int, str]:
+        """(earlier calls of node instance `call_key` by `agent` with this prompt, the prompt's digest): what a
+        call's seed is derived from besides its key, the same whatever order concurrent calls arrive in
+        (`_seeds`)."""
         digest = prompt_digest(prompt_ids)
         with self._lock:
-            k = self._per_prompt.get((call_key, digest), 0)
-            self._per_prompt[(call_key, digest)] = k + 1
+            k = self._per_prompt.get((call_key, agent, digest), 0)
+            self._per_prompt[(call_key, agent, digest)] = k + 1
         return k, digest
 
     def handle(self, site: CallSite, original: Callable[[], ChatResult]) -> ChatResult:
+        site = own_site(site, self.base)
         agent, policy = self._route(site)
         index, nci = self._begin(site)
         start = time.perf_counter()
@@ -113,6 +125,7 @@ class _EpisodeRecorder:
         return self._served(site, agent, policy, index, nci, prompt_ids, params, generation, start, structured)
 
     async def ahandle(self, site: CallSite, original: Callable[[], Any]) -> ChatResult:
+        site = own_site(site, self.base)
         agent, policy = self._route(site)
         index, nci = self._begin(site)
         start = time.perf_counter()
@@ -172,6 +185,67 @@ class _EpisodeRecorder:
             policy_version=None, trainable=False, latency_s=latency, call_key=site.call_key, node_call_index=nci,
             tools=tuple(site.tools), message_id=message.id, agent_name=site.agent_name, segment=self.segment,
         )
+
+
+class _Recorder(_EpisodeRecorder):
+    """A rollout's recorder, which also knows whether the episode is inside an LLM call (the trainer's backstop
+    truncates an episode cancelled there, and fails one cancelled between calls)."""
+
+    def __init__(self, app: Any, episode: Episode) -> None:
+        super().__init__(app, episode)
+        self._calls_lock = threading.Lock()
+        self._calls_under_way = 0
+        self._cancelled_in_call = False
+
+    @property
+    def in_llm_call(self) -> bool:
+        """A call is being served now (a sync node's thread keeps generating), or the episode's cancellation
+        reached it inside one."""
+        with self._calls_lock:
+            return self._cancelled_in_call or self._calls_under_way > 0
+
+    @contextlib.contextmanager
+    def _under_way(self) -> Iterator[None]:
+        with self._calls_lock:
+            self._calls_under_way += 1
+        try:
+            yield
+        except asyncio.CancelledError:
+            self._cancelled_in_call = True
+            raise
+        finally:
+            with self._calls_lock:
+                self._calls_under_way -= 1
+
+    def handle(self, site: CallSite, original: Callable[[], ChatResult]) -> ChatResult:
+        with self._under_way():
+            return super().handle(site, original)
+
+    async def ahandle(self, site: CallSite, original: Callable[[], Any]) -> ChatResult:
+        with self._under_way():
+            return await super().ahandle(site, original)
+
+
+def enclosing_node() -> str:
+    """Node path of the graph node whose run config is in effect here (LangChain's `ensure_config`, which
+    child runs inherit): where an instrumented app is run from inside another graph's node; '' at top level."""
+    configurable = ensure_config().get("configurable") or {}
+    ns = configurable.get("checkpoint_ns")
+    return _task_paths.node_path(str(ns)) if ns else ""
+
+
+def own_site(site: CallSite, base: str) -> CallSite:
+    """`site` as the app run from node `base` of an enclosing graph names it: LangGraph runs the app as a
+    subgraph of that node, so the call's node path and key start with `base` ('outer/inner'), while the
+    app's own node, its policies and its replay say 'inner'."""
+    if not base:
+        return site
+    depth = base.count("/") + 1
+    names = site.node.split("/")
+    if names[:depth] != base.split("/") or len(names) <= depth:
+        return site
+    keys = site.call_key.split("/")
+    return dataclasses.replace(site, node="/".join(names[depth:]), call_key="/".join(keys[depth:]))
 
 
 def served_message(parsed: ParsedResponse, *, finish: str, policy_name: str | None, policy_version: int | None,

@@ -30,22 +30,17 @@ from typing import Any
 
 from langgraph.types import Command
 
-from drmas_graph.errors import ConfigError, RolloutError
+from drmas_graph.errors import ConfigError, EpisodeInterruptedError
 from drmas_graph.instrumentation import _threads
 from drmas_graph.instrumentation._intercept import app_models, interrupt_node
 from drmas_graph.instrumentation._limits import truncate
 from drmas_graph.types import Episode, Segment
 
 __all__ = ["EpisodeInterruptedError", "Continuation", "SegmentRunner", "continuation_from_env",
-           "pending_interrupts", "apending_interrupts", "DEFAULT_MAX_RESUMES"]
+           "pending_interrupts", "apending_interrupts", "DEFAULT_MAX_RESUMES", "latest"]
 
 DEFAULT_MAX_RESUMES = 16
 """Runs allowed after an episode's first one when the caller sets no bound (`rollout.max_resumes`)."""
-
-
-class EpisodeInterruptedError(RolloutError):
-    """An episode ended paused at `interrupt()` (or a static breakpoint) that nobody answered: no `resume`
-    hook, the hook returned None, or `max_resumes` was reached."""
 
 
 @dataclass(frozen=True)
@@ -93,7 +88,7 @@ class _Pending:
     """{'node', 'id', 'value'} per interrupt; a static breakpoint is {'node': next node, 'id': None, 'value': None}."""
 
 
-def _thread(config: Mapping[str, Any] | None) -> dict[str, Any]:
+def latest(config: Mapping[str, Any] | None) -> dict[str, Any]:
     """The run config later runs (and state reads) use: the thread's latest checkpoint, not a fixed one."""
     config = dict(config or {})
     config["configurable"] = {k: v for k, v in (config.get("configurable") or {}).items() if k != "checkpoint_id"}
@@ -179,10 +174,13 @@ class SegmentRunner:
         if continuation.max_resumes < 0:
             raise ConfigError(f"max_resumes must be >= 0, got {continuation.max_resumes}")
 
-    def __init__(self, graph: Any, episode: Episode, recorder: Any, config: Any, continuation: Continuation) -> None:
+    def __init__(self, graph: Any, episode: Episode, recorder: Any, config: Any, continuation: Continuation,
+                 context: Any = None) -> None:
         self.graph, self.episode, self.recorder, self.cont = graph, episode, recorder, continuation
         self.config = config
-        self.thread = _thread(config)
+        self.kwargs = {} if context is None else {"context": context}
+        """Keyword arguments of every run (LangGraph's `context=`)."""
+        self.thread = latest(config)
         self.kind, self.input = "start", None
         """The run in progress: how it was started and on what (None for the episode's input)."""
         self.segments: list[Segment] = []
@@ -191,7 +189,7 @@ class SegmentRunner:
 
     def run(self, input: Any) -> Any:
         with self._recorded_if_it_raises():
-            output = self.graph.invoke(input, self.config)
+            output = self.graph.invoke(input, self.config, **self.kwargs)
         while True:
             ask = self._ended(output, pending_interrupts(self.graph, self.thread, output))
             if ask is None:
@@ -201,11 +199,11 @@ class SegmentRunner:
             if nxt is _DONE:
                 return output
             with self._recorded_if_it_raises():
-                output = self.graph.invoke(nxt, self.thread)
+                output = self.graph.invoke(nxt, self.thread, **self.kwargs)
 
     async def arun(self, input: Any) -> Any:
         with self._recorded_if_it_raises():
-            output = await self.graph.ainvoke(input, self.config)
+            output = await self.graph.ainvoke(input, self.config, **self.kwargs)
         while True:
             ask = self._ended(output, await apending_interrupts(self.graph, self.thread, output))
             if ask is None:
@@ -215,7 +213,7 @@ class SegmentRunner:
             if nxt is _DONE:
                 return output
             with self._recorded_if_it_raises():
-                output = await self.graph.ainvoke(nxt, self.thread)
+                output = await self.graph.ainvoke(nxt, self.thread, **self.kwargs)
 
     @contextlib.contextmanager
     def _recorded_if_it_raises(self) -> Iterator[None]:

@@ -19,7 +19,6 @@ import asyncio
 import contextlib
 import contextvars
 import functools
-import threading
 import warnings
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -32,6 +31,7 @@ from drmas_graph.instrumentation._intercept import ACTIVE_HANDLER, CallSite, app
 from drmas_graph.instrumentation._limits import Backstop
 from drmas_graph.instrumentation._outcomes import note_stop
 from drmas_graph.instrumentation._routing import AgentRouter, under_node
+from drmas_graph.instrumentation._streams import StreamFold
 from drmas_graph.instrumentation._segments import (
     DEFAULT_MAX_RESUMES,
     Continuation,
@@ -39,6 +39,7 @@ from drmas_graph.instrumentation._segments import (
     SegmentRunner,
 )
 from drmas_graph.instrumentation._recorder import _cut_at_stop, _EpisodeRecorder, served_message, structured_parts  # noqa: F401
+from drmas_graph.instrumentation._recorder import _Recorder
 from drmas_graph.errors import (
     ConfigError,
     NoLLMCallError,
@@ -134,6 +135,9 @@ class InstrumentedGraph(Runnable):
         if not hasattr(graph, "invoke") or not hasattr(graph, "get_graph"):
             raise ConfigError(f"instrument() needs a compiled LangGraph graph or a StateGraph, got {type(graph).__name__}")
         self.graph = graph
+        self.runnable = _uncached(graph)
+        """What every instrumented run (and replay) executes: `graph` with LangGraph's node cache off, so that
+        a node with a `CachePolicy` is never served another episode's sampled reply."""
         self.policies: dict[str, Policy] = dict(policies)
         self.agents: dict[str, str] = dict(agents or {})
         self.strict = strict
@@ -303,11 +307,17 @@ class InstrumentedGraph(Runnable):
         self._check_unbound(episode)
 
     def _new_episode(self, input: Any, config: Any, task_id: str | None, group_id: str | None,
-                     metadata: dict[str, Any] | None = None, *, start: Any = _threads.LOOK_UP) -> Episode:
+                     metadata: dict[str, Any] | None = None, *, start: Any = _threads.LOOK_UP,
+                     context: Any = None) -> Episode:
         thread_id = ((config or {}).get("configurable") or {}).get("thread_id")
         metadata = dict(metadata or {})
         if thread_id is not None:
             metadata["thread_id"] = thread_id
+        run_config = _threads.recorded_config(config)  # configurable values replay runs with again
+        if run_config is not None:
+            metadata["run_config"] = run_config
+        if context is not None:  # LangGraph's `context=` (Runtime.context), stored in its JSON form
+            metadata["context"] = context
         if start is _threads.LOOK_UP:  # the thread checkpoint replay starts from (async runs pass it)
             start = _threads.thread_start(self.graph, config)
         if start is not None:
@@ -318,7 +328,7 @@ class InstrumentedGraph(Runnable):
                 group_id: str | None = None, metadata: dict[str, Any] | None = None,
                 resume: Callable[[Episode, list[Any]], Any] | None = None,
                 next_input: Callable[[Episode], Any] | None = None,
-                max_resumes: int = DEFAULT_MAX_RESUMES) -> Episode:
+                max_resumes: int = DEFAULT_MAX_RESUMES, context: Any = None) -> Episode:
         """Run the graph once and return the run as an Episode (final_state = what invoke returns).
 
         A graph that stops at `interrupt()` is resumed on the same thread with `Command(resume=...)` while
@@ -329,14 +339,15 @@ class InstrumentedGraph(Runnable):
         Raises `RolloutError` (with `.episode`, also written to the store) if the graph raises (or refused a
         call in strict mode, even if the app caught that error), `EpisodeInterruptedError` (a RolloutError)
         if it is left paused at an interrupt, and `NoLLMCallError` if the run made no LLM call. `metadata` is
-        stored with the episode.
+        stored with the episode; so are the config's `configurable` values and `context` (LangGraph's
+        `Runtime.context`, passed to every run of the thread), which replay runs with again.
         """
         continuation = Continuation(resume, next_input, max_resumes)
         SegmentRunner.check(self.graph, config, continuation)
-        episode = self._new_episode(input, config, task_id, group_id, metadata)
+        episode = self._new_episode(input, config, task_id, group_id, metadata, context=context)
         try:
             with self._recording(episode) as recorder:
-                output = SegmentRunner(self.graph, episode, recorder, config, continuation).run(input)
+                output = SegmentRunner(self.runnable, episode, recorder, config, continuation, context).run(input)
         except Exception as exc:
             raise self._failed(episode, exc) from exc
         return self._finish(episode, output, require_calls=True)
@@ -345,17 +356,17 @@ class InstrumentedGraph(Runnable):
                        group_id: str | None = None, metadata: dict[str, Any] | None = None,
                        resume: Callable[[Episode, list[Any]], Any] | None = None,
                        next_input: Callable[[Episode], Any] | None = None,
-                       max_resumes: int = DEFAULT_MAX_RESUMES) -> Episode:
+                       max_resumes: int = DEFAULT_MAX_RESUMES, context: Any = None) -> Episode:
         """Async `rollout`: many can run concurrently in one event loop without cross-talk. The hooks may be
         `async def`; sync ones run in worker threads."""
         continuation = Continuation(resume, next_input, max_resumes)
         SegmentRunner.check(self.graph, config, continuation)
         episode = self._new_episode(input, config, task_id, group_id, metadata,
-                                    start=await _threads.athread_start(self.graph, config))
+                                    start=await _threads.athread_start(self.graph, config), context=context)
         recorder = None
         try:
             with self._recording(episode) as recorder:
-                output = await SegmentRunner(self.graph, episode, recorder, config, continuation).arun(input)
+                output = await SegmentRunner(self.runnable, episode, recorder, config, continuation, context).arun(input)
         except Exception as exc:
             raise self._failed(episode, exc) from exc
         except asyncio.CancelledError as exc:  # stored with its turns so far and the reason
@@ -370,10 +381,10 @@ class InstrumentedGraph(Runnable):
         return self._finish(episode, output, require_calls=True)
 
     def invoke(self, input: Any, config: Any = None, **kwargs: Any) -> Any:
-        episode = self._new_episode(input, config, None, None)
+        episode = self._new_episode(input, config, None, None, context=kwargs.get("context"))
         try:
             with self._recording(episode):
-                output = self.graph.invoke(input, config, **kwargs)
+                output = self.runnable.invoke(input, config, **kwargs)
         except Exception as exc:
             note_stop(episode, exc)
             self._write(episode)
@@ -382,10 +393,11 @@ class InstrumentedGraph(Runnable):
         return output
 
     async def ainvoke(self, input: Any, config: Any = None, **kwargs: Any) -> Any:
-        episode = self._new_episode(input, config, None, None, start=await _threads.athread_start(self.graph, config))
+        episode = self._new_episode(input, config, None, None, start=await _threads.athread_start(self.graph, config),
+                                    context=kwargs.get("context"))
         try:
             with self._recording(episode):
-                output = await self.graph.ainvoke(input, config, **kwargs)
+                output = await self.runnable.ainvoke(input, config, **kwargs)
         except Exception as exc:
             note_stop(episode, exc)
             self._write(episode)
@@ -393,9 +405,10 @@ class InstrumentedGraph(Runnable):
         self._finish(episode, output, require_calls=False)
         return output
 
-    def _episode_context(self, input: Any, config: Any) -> tuple[Episode, _EpisodeRecorder, contextvars.Context]:
+    def _episode_context(self, input: Any, config: Any, context: Any) -> tuple[Episode, _EpisodeRecorder,
+                                                                               contextvars.Context]:
         """A new episode, its recorder, and a context in which the recorder is the active handler."""
-        episode = self._new_episode(input, config, None, None)
+        episode = self._new_episode(input, config, None, None, context=context)
         recorder = _EpisodeRecorder(self, episode)
         ctx = contextvars.copy_context()
         ctx.run(ACTIVE_HANDLER.set, recorder)
@@ -413,20 +426,24 @@ class InstrumentedGraph(Runnable):
             self._write(episode)
 
     def stream(self, input: Any, config: Any = None, **kwargs: Any) -> Iterator[Any]:
-        """The graph's `stream`, recorded as one episode. Each step runs in the episode's own context.
-        Closing the stream early (a `break`) cancels the run; no episode is stored for it."""
-        episode, recorder, ctx = self._episode_context(input, config)
+        """The graph's `stream`, recorded as one episode. Each step runs in the episode's own context; the
+        episode's final_state is what `invoke` would have returned (`_streams`). Closing the stream early (a
+        `break`) cancels the run; no episode is stored for it."""
+        episode, recorder, ctx = self._episode_context(input, config, kwargs.get("context"))
+        fold = StreamFold(self.graph, kwargs)  # the run's output, as invoke returns it (the episode's final_state)
         cancelled = False
         try:
-            chunks = ctx.run(self.graph.stream, input, config, **kwargs)
+            chunks = ctx.run(self.runnable.stream, input, config, **fold.kwargs)
             try:
                 while True:
                     try:
-                        chunk = ctx.run(next, chunks)
+                        chunk = fold.feed(ctx.run(next, chunks))
                     except StopIteration:
                         break
-                    yield chunk
+                    if not fold.skipped(chunk):
+                        yield chunk
                 _raise_swallowed_refusal(recorder)
+                episode.final_state = fold.output
             finally:
                 ctx.run(chunks.close)
         except GeneratorExit:
@@ -441,8 +458,9 @@ class InstrumentedGraph(Runnable):
     async def astream(self, input: Any, config: Any = None, **kwargs: Any) -> AsyncIterator[Any]:
         """The graph's `astream`, recorded as one episode. Each step runs as a task in the episode's context.
         Closing the stream early cancels the run; no episode is stored for it."""
-        episode, recorder, ctx = self._episode_context(input, config)
-        chunks = self.graph.astream(input, config, **kwargs)
+        episode, recorder, ctx = self._episode_context(input, config, kwargs.get("context"))
+        fold = StreamFold(self.graph, kwargs)  # the run's output, as invoke returns it (the episode's final_state)
+        chunks = self.runnable.astream(input, config, **fold.kwargs)
         cancelled = False
 
         async def step() -> Any:
@@ -452,11 +470,13 @@ class InstrumentedGraph(Runnable):
             try:
                 while True:
                     try:
-                        chunk = await asyncio.get_running_loop().create_task(step(), context=ctx)
+                        chunk = fold.feed(await asyncio.get_running_loop().create_task(step(), context=ctx))
                     except StopAsyncIteration:
                         break
-                    yield chunk
+                    if not fold.skipped(chunk):
+                        yield chunk
                 _raise_swallowed_refusal(recorder)
+                episode.final_state = fold.output
             finally:
                 await chunks.aclose()
         except (GeneratorExit, asyncio.CancelledError):
@@ -494,43 +514,12 @@ class InstrumentedGraph(Runnable):
             return await self.graph.abulk_update_state(*args, **kwargs)
 
 
-class _Recorder(_EpisodeRecorder):
-    """A rollout's recorder, which also knows whether the episode is inside an LLM call (the trainer's backstop
-    truncates an episode cancelled there, and fails one cancelled between calls)."""
-
-    def __init__(self, app: Any, episode: Episode) -> None:
-        super().__init__(app, episode)
-        self._calls_lock = threading.Lock()
-        self._calls_under_way = 0
-        self._cancelled_in_call = False
-
-    @property
-    def in_llm_call(self) -> bool:
-        """A call is being served now (a sync node's thread keeps generating), or the episode's cancellation
-        reached it inside one."""
-        with self._calls_lock:
-            return self._cancelled_in_call or self._calls_under_way > 0
-
-    @contextlib.contextmanager
-    def _under_way(self) -> Iterator[None]:
-        with self._calls_lock:
-            self._calls_under_way += 1
-        try:
-            yield
-        except asyncio.CancelledError:
-            self._cancelled_in_call = True
-            raise
-        finally:
-            with self._calls_lock:
-                self._calls_under_way -= 1
-
-    def handle(self, site: CallSite, original: Callable[[], ChatResult]) -> ChatResult:
-        with self._under_way():
-            return super().handle(site, original)
-
-    async def ahandle(self, site: CallSite, original: Callable[[], Any]) -> ChatResult:
-        with self._under_way():
-            return await super().ahandle(site, original)
+def _uncached(graph: Any) -> Any:
+    """`graph` without its node cache (`compile(cache=...)`): LangGraph keys a cached node by its input, so
+    the episodes of one GRPO group (one input) would share the first one's sampled reply, with no turn."""
+    if getattr(graph, "cache", None) is None or not callable(getattr(graph, "copy", None)):
+        return graph
+    return graph.copy(update={"cache": None})
 
 
 def _no_v3(version: str) -> None:

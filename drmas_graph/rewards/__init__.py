@@ -11,7 +11,9 @@ the way training builds one). The trainer never imports this package: it calls t
 """
 
 from drmas_graph.errors import JudgeError
-from drmas_graph.rewards._judge import METRIC_KEYS, Judge, JudgedEnv, Judgement
+from drmas_graph.rewards._judge import METRIC_KEYS, Judge, JudgedEnv, Judgement, JudgementRecord
 from drmas_graph.rewards._models import judge_model
+from drmas_graph.rewards._schema import ReplyError
 
-__all__ = ["Judge", "Judgement", "JudgeError", "JudgedEnv", "judge_model", "METRIC_KEYS"]
+__all__ = ["Judge", "Judgement", "JudgementRecord", "JudgeError", "JudgedEnv", "judge_model", "METRIC_KEYS",
+           "ReplyError"]

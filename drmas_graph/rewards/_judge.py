@@ -23,13 +23,13 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypedDict
 
 from langchain_core.language_models.chat_models import BaseChatModel
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
 
-from drmas_graph.errors import ConfigError, JudgeError
-from drmas_graph.instrumentation._intercept import app_models
+from drmas_graph.errors import ConfigError, DrmasError, JudgeError
+from drmas_graph.instrumentation import app_models
 from drmas_graph.rewards._cache import JudgeCache, cache_key
 from drmas_graph.rewards._models import model_name
 from drmas_graph.rewards._render import MODES, build_prompt
@@ -37,7 +37,7 @@ from drmas_graph.rewards._schema import (ReplyError, Verdict, clip_reply, json_s
                                          schema_for)
 from drmas_graph.types import Episode
 
-__all__ = ["Judge", "Judgement", "JudgedEnv", "METRIC_KEYS"]
+__all__ = ["Judge", "Judgement", "JudgementRecord", "JudgedEnv", "METRIC_KEYS"]
 
 METRIC_KEYS = ("judge/calls", "judge/retries", "judge/failed_calls", "judge/cache_hits", "judge/input_tokens",
                "judge/output_tokens", "judge/seconds")
@@ -50,6 +50,43 @@ _SETTING_FIELDS = {"temperature": ("temperature",), "seed": ("seed",),
 """Judge setting -> the chat-model fields that take it (the first one the model's class declares)."""
 
 
+class JudgementRecord(TypedDict):
+    """`Episode.judgement`: the judge's audit record of one episode, JSON-able, stored with the episode (the
+    trace store, `traces show`, the UI, the Weave export). Group mode: the prompt, replies, attempts, tokens
+    and seconds are the whole group's call(s), shared by its episodes."""
+
+    mode: str
+    """'episode', 'group' or 'agent'."""
+    model: str
+    """The judge model's name (`Judge.name`; part of the cache key)."""
+    rubric_sha: str
+    """The first 12 hex digits of the rubric's sha256."""
+    prompt: list[dict[str, str]]
+    """The two messages sent, `[{"role": "system", "content": ...}, {"role": "user", "content": ...}]`."""
+    replies: list[str]
+    """The raw reply of every call, in order ('' for a call that raised or timed out)."""
+    scores: float | dict[str, float] | None
+    """The episode's score in [0, 1] (modes episode, group) or {agent: score} (mode agent); None when failed."""
+    reasons: str | dict[str, str] | None
+    """The judge's reason for each score, shaped like `scores`."""
+    attempts: int
+    """Judge calls made for the unit: 1 + its retries (not the group's attempt number: that is index + 1)."""
+    input_tokens: int
+    """Input tokens of those calls (the model's `usage_metadata`)."""
+    output_tokens: int
+    """Output tokens of those calls."""
+    cached: bool
+    """Whether the result came from the judge's cache (then the other fields are the original call's)."""
+    seconds: float
+    """Seconds the calls took."""
+    group_size: int | None
+    """Group mode: the episodes judged together (G); None in the other modes."""
+    index: int | None
+    """Group mode: the episode's position in its group (0-based: the judge's attempt_{index + 1}); else None."""
+    error: str | None
+    """Why the judge gave no usable score (every call's error and the last reply); None when scored."""
+
+
 @dataclass(frozen=True)
 class Judgement:
     """What the judge made of one episode."""
@@ -58,14 +95,11 @@ class Judgement:
     """Modes episode and group: a float in [0, 1]; mode agent: {agent: float}; None when the judge failed."""
     error: str | None
     """Why the judge gave no usable score (the attempts' errors and the last raw reply); None when scored."""
-    record: dict[str, Any]
-    """JSON-able audit record, stored as `Episode.judgement`: mode, model, rubric_sha, prompt, replies, scores,
-    reasons, attempts, input_tokens, output_tokens, cached, seconds, group_size, index, error. In group mode the
-    prompt and replies are the group's; group_size and index (the episode's position) are None in the other
-    modes. A cache hit has the original call's replies, tokens and seconds, and cached true."""
+    record: JudgementRecord
+    """The JSON-able audit record, stored as `Episode.judgement` (its fields: `JudgementRecord`)."""
 
 
-class _CallFailed(Exception):
+class _CallFailed(DrmasError):
     """A judge call that raised or timed out (the message says which)."""
 
 
@@ -119,7 +153,9 @@ class Judge:
         timeout_s: seconds one call may take; a slower one fails (and is retried).
         max_concurrency: most judge calls at once, across every thread using this judge.
         cache: SQLite file caching usable results across runs (None: in memory only).
-        temperature, seed, max_tokens: set on the model's fields where its class has them.
+        temperature: set on the model's `temperature` field where its class has one (as seed and max_tokens).
+        seed: set on the model's `seed` field where its class has one.
+        max_tokens: the longest reply, set on the model's `max_tokens` (or `max_output_tokens`) field.
         name: the model's name in records and cache keys (default: its `model_name`/`model` field).
     """
 
@@ -280,7 +316,7 @@ class Judge:
             reasons = {a: reason for a, (_, reason) in zip(agents, items)}
         elif items is not None:
             scores, reasons = items[index if group else 0]
-        record = {"mode": self.mode, "model": self.name, "rubric_sha": self.rubric_sha, "prompt": prompt,
+        record: JudgementRecord = {"mode": self.mode, "model": self.name, "rubric_sha": self.rubric_sha, "prompt": prompt,
                   "replies": list(result["replies"]), "scores": scores, "reasons": reasons,
                   "attempts": result["attempts"], "input_tokens": result["input_tokens"],
                   "output_tokens": result["output_tokens"], "cached": cached, "seconds": result["seconds"],

@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import importlib
 import json
-import os
-import sys
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from langchain_core.language_models.chat_models import BaseChatModel
 
+from drmas_graph._importing import import_spec
 from drmas_graph.errors import ConfigError
 
 __all__ = ["judge_model", "model_name"]
@@ -25,9 +24,11 @@ def judge_model(spec: str | Mapping[str, Any], *, run_dir: Path | None = None,
                 timeout_s: float | None = None) -> BaseChatModel:
     """The judge's chat model from a YAML spec.
 
-    - `"provider:model"` (e.g. "openai:gpt-4.1-mini"): langchain's `init_chat_model`; a missing integration
-      package is a ConfigError naming it.
-    - `{"base_url": URL, "model": NAME, ...}`: an OpenAI-compatible server (vLLM, SGLang) through ChatOpenAI,
+    - `"provider:model"` (e.g. "openai:gpt-4.1-mini"): langchain's `init_chat_model`; a missing package
+      (langchain, the provider's integration) is a one-line ConfigError naming it and its install (the
+      `judge` extra holds langchain and langchain-openai).
+    - `{"base_url": URL, "model": NAME, ...}`: an OpenAI-compatible server (vLLM, SGLang) through ChatOpenAI
+      (langchain-openai, in the `judge` extra),
       api_key "EMPTY" unless given; other keys are ChatOpenAI fields (e.g. `timeout`). Without `timeout`, the
       request times out after ``timeout_s`` (the judge's own limit), so an abandoned call frees its
       concurrency slot then instead of when the server answers.
@@ -55,49 +56,78 @@ def judge_model(spec: str | Mapping[str, Any], *, run_dir: Path | None = None,
     raise ConfigError(f"judge model spec {spec!r} names no model (keys {sorted(spec)}); give one of {_KINDS}")
 
 
-def _api_model(spec: str) -> BaseChatModel:
-    from langchain.chat_models import init_chat_model
+JUDGE_EXTRA = "pip install 'drmas-graph[judge]'"
+"""The install of the documented judge forms' packages: langchain (`provider:model`) and langchain-openai
+(`openai:...` and `{base_url, model}`)."""
 
+
+def _one_line(exc: BaseException) -> str:
+    """An exception's message on one line (the CLI prints an error as one line)."""
+    return " ".join(str(exc).split())
+
+
+def _missing(exc: ImportError) -> str:
+    """The package an ImportError says is missing: the deepest module not found in its chain (langchain's
+    "requires the langchain-openai package" may hide that `openai` is the one missing), else the package
+    langchain names."""
+    chain: list[BaseException] = []
+    cause: BaseException | None = exc
+    while cause is not None and cause not in chain:
+        chain.append(cause)
+        cause = cause.__cause__ or cause.__context__
+    found = [c.name for c in chain if isinstance(c, ModuleNotFoundError) and c.name]
+    if found:
+        return found[-1].split(".")[0].replace("_", "-")
+    named = re.search(r"requires the ([\w.-]+) package", str(exc))
+    return named.group(1) if named else _one_line(exc)
+
+
+def _install(package: str) -> str:
+    """How to install `package`: the judge extra when it holds it, else the package itself."""
+    return JUDGE_EXTRA if package in ("langchain", "langchain-openai", "openai") else f"pip install {package}"
+
+
+def _api_model(spec: str) -> BaseChatModel:
+    try:
+        from langchain.chat_models import init_chat_model
+    except ImportError as exc:
+        raise ConfigError(f"judge model {spec!r} ('provider:model') is built by langchain's init_chat_model, and "
+                          f"{_missing(exc)} is not installed: {_install(_missing(exc))}") from None
     try:
         return init_chat_model(spec)
     except ImportError as exc:
-        raise ConfigError(f"judge model {spec!r} needs a LangChain integration package that is not installed: "
-                          f"{exc}") from exc
+        package = _missing(exc)
+        raise ConfigError(f"judge model {spec!r} needs the package {package}, which is not installed: "
+                          f"{_install(package)}") from None
     except ValueError as exc:
-        raise ConfigError(f"judge model {spec!r}: {exc}. Give 'provider:model', e.g. 'openai:gpt-4.1-mini'") from exc
+        raise ConfigError(f"judge model {spec!r}: {_one_line(exc)}. Give 'provider:model', e.g. "
+                          "'openai:gpt-4.1-mini'") from None
+    except Exception as exc:  # the provider's client refused (e.g. no API key in the environment)
+        raise ConfigError(f"judge model {spec!r} could not be built: {type(exc).__name__}: {_one_line(exc)}. "
+                          "Fix: set the provider's API key (e.g. OPENAI_API_KEY) or the named setting") from None
 
 
 def _served_model(spec: dict[str, Any]) -> BaseChatModel:
     try:
         from langchain_openai import ChatOpenAI
     except ImportError as exc:
-        raise ConfigError("a judge model given by base_url (an OpenAI-compatible server) needs langchain-openai: "
-                          "pip install langchain-openai") from exc
+        raise ConfigError(f"judge model {spec!r} (an OpenAI-compatible server) needs langchain-openai, and "
+                          f"{_missing(exc)} is not installed: {JUDGE_EXTRA}") from None
     if not spec.get("model"):
         raise ConfigError(f"judge model {spec!r}: `model` must name the served model (the server's "
                           "--served-model-name, by default the path it loaded)")
     spec.setdefault("api_key", "EMPTY")
     try:
         return ChatOpenAI(**spec)
-    except ValueError as exc:  # pydantic's ValidationError
-        raise ConfigError(f"judge model {spec!r}: {exc}") from exc
+    except Exception as exc:  # pydantic's ValidationError, the client's own checks
+        raise ConfigError(f"judge model {spec!r}: {type(exc).__name__}: {_one_line(exc)}") from None
 
 
 def _imported_model(spec: dict[str, Any]) -> BaseChatModel:
     target, extra = spec.pop("import"), sorted(spec)
     if extra:
         raise ConfigError(f"judge model {{import: {target!r}}} takes no other keys, got {extra}")
-    module_name, _, attr_path = str(target).partition(":")
-    if not module_name or not attr_path:
-        raise ConfigError(f"judge model import {target!r} must look like 'package.module:attribute'")
-    if os.getcwd() not in sys.path:  # like `python -m`: modules of the current project
-        sys.path.insert(0, os.getcwd())
-    try:
-        obj: Any = importlib.import_module(module_name)
-        for attr in attr_path.split("."):
-            obj = getattr(obj, attr)
-    except (ImportError, AttributeError) as exc:
-        raise ConfigError(f"judge model import {target!r}: {exc}") from exc
+    obj: Any = import_spec(target, setting="judge model import")
     if not isinstance(obj, BaseChatModel) and callable(obj):
         obj = obj()
     if not isinstance(obj, BaseChatModel):
@@ -109,14 +139,14 @@ def _imported_model(spec: dict[str, Any]) -> BaseChatModel:
 def _embedded_model(spec: dict[str, Any]) -> BaseChatModel:
     from drmas_graph.config import ModelConfig
     from drmas_graph.instrumentation.chat_model import PolicyChatModel
-    from drmas_graph.train._build import _build_policy
+    from drmas_graph.train import build_policy
 
     try:
         mc = ModelConfig(**spec)
     except ValueError as exc:
         raise ConfigError(f"judge model {spec!r} is not a valid embedded model (ModelConfig fields): {exc}") from exc
     source = mc.path or "tiny" + json.dumps(mc.tiny, sort_keys=True)
-    policy = _build_policy(f"judge:{source}", mc, seed=0)  # the name keys the judge's cache
+    policy = build_policy(f"judge:{source}", mc, seed=0)  # the name keys the judge's cache
     return PolicyChatModel(policy=policy, temperature=0.0)
 
 

@@ -1,8 +1,10 @@
 """What the judge reads: a compact, deterministic rendering of a task and its trajectories, and the prompt.
 
 Deterministic (the same episode renders to the same text in every process) because the judge's cache is
-keyed by the rendered prompt. A trajectory is one line per LLM call, `agent (node): reply`, long texts
+keyed by the rendered prompt. A trajectory is one entry per LLM call, `agent (node): reply`, long texts
 clipped (head and tail kept: an answer often ends a reply), then the episode's outcome and final output.
+An entry's text that spans lines continues on lines indented by `INDENT`, so only an entry's first line
+starts at the margin: a reply line such as "reviewer (review): yes" can never pass for another call.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ MAX_REPLY_CHARS = 1200
 """Characters kept of one LLM reply."""
 MAX_OUTCOME_CHARS = 600
 """Characters kept of the final output and of an error/truncation message."""
+INDENT = "    "
+"""What starts each continuation line of a multi-line reply, outcome or final output."""
 
 _ROLES = {"human": "user", "ai": "assistant"}
 
@@ -59,6 +63,13 @@ def clip(text: str, limit: int) -> str:
         return text
     head = limit * 2 // 3
     return f"{text[:head]} [... {len(text) - limit} characters cut ...] {text[len(text) - (limit - head):]}"
+
+
+def _entry(label: str, text: str) -> str:
+    """`label` and `text`, the text's later lines indented (blank ones dropped), so the entry's first line
+    is its only line at the margin."""
+    lines = [line for line in text.splitlines() if line.strip()] or [""]
+    return label + lines[0] + "".join(f"\n{INDENT}{line}" for line in lines[1:])
 
 
 def _message_line(message: Any) -> str:
@@ -103,7 +114,7 @@ def _turn_line(turn: Turn) -> str:
     for call in turn.tool_calls:
         args = json.dumps(call.get("args", {}), sort_keys=True, default=str, ensure_ascii=False)
         reply += f" [calls tool {call.get('name')}({args})]"
-    return f"{turn.agent} ({turn.node}): {clip(reply, MAX_REPLY_CHARS)}"
+    return _entry(f"{turn.agent} ({turn.node}): ", clip(reply, MAX_REPLY_CHARS))
 
 
 def _outcome(episode: Episode) -> str:
@@ -112,7 +123,7 @@ def _outcome(episode: Episode) -> str:
         return "Outcome: finished"
     why = {"truncated": "stopped early by a limit", "model_error": "the app failed on a malformed model reply",
            "failed": "failed"}[kind]
-    return f"Outcome: {why} ({clip(str(episode.stop_reason), MAX_OUTCOME_CHARS)})"
+    return _entry(f"Outcome: {why} (", clip(str(episode.stop_reason), MAX_OUTCOME_CHARS) + ")")
 
 
 def _final_output(state: Any) -> str | None:
@@ -124,13 +135,13 @@ def _final_output(state: Any) -> str | None:
 
 
 def render_trajectory(episode: Episode) -> str:
-    """One line per LLM call ('agent (node): reply', tool calls appended), then the outcome and the final
-    output (the last message of a messages state, else the state)."""
+    """One entry per LLM call ('agent (node): reply', tool calls appended), then the outcome and the final
+    output (the last message of a messages state, else the state); an entry's later lines are indented."""
     lines = [_turn_line(t) for t in episode.turns] or ["(no model calls)"]
     lines.append(_outcome(episode))
     final = _final_output(episode.final_state)
     if final is not None:
-        lines.append("Final output: " + clip(final, MAX_OUTCOME_CHARS))
+        lines.append(_entry("Final output: ", clip(final, MAX_OUTCOME_CHARS)))
     return "\n".join(lines)
 
 

@@ -18,6 +18,7 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
 from drmas_graph._chat import _text
+from drmas_graph.errors import DrmasError
 
 __all__ = ["ReplyError", "Verdict", "schema_for", "group_keys", "json_schema", "reply_text", "parse_reply"]
 
@@ -28,7 +29,7 @@ Score = Annotated[float, Field(ge=0.0, le=1.0, description="The score, from 0 to
 Reason = Annotated[str, Field(max_length=REASON_CHARS, description="Why, in one sentence.")]
 
 
-class ReplyError(ValueError):
+class ReplyError(DrmasError, ValueError):
     """A judge reply that cannot be used (the message says why); the judge retries the call."""
 
 

@@ -15,6 +15,7 @@ May import: the shared modules (types, errors, config, env, policy, _chat, _stru
 from drmas_graph.served._base import ServedPolicy, SyncResult
 from drmas_graph.served._errors import (BadRequestError, GenerationAbortedError, ServerError, ServerStartError,
                                         ServerUnavailableError, WeightSyncError)
+from drmas_graph.served._lora import serve_adapters, vllm_launch_kwargs
 from drmas_graph.served._process import ServerProcess, free_port
 from drmas_graph.served.sglang import SGLangPolicy, launch_sglang
 from drmas_graph.served.vllm import VLLMPolicy, launch_vllm
@@ -22,5 +23,5 @@ from drmas_graph.served.vllm import VLLMPolicy, launch_vllm
 __all__ = [
     "ServedPolicy", "SGLangPolicy", "VLLMPolicy", "ServerProcess", "launch_sglang", "launch_vllm", "free_port",
     "SyncResult", "ServerError", "ServerUnavailableError", "GenerationAbortedError", "BadRequestError",
-    "WeightSyncError", "ServerStartError",
+    "WeightSyncError", "ServerStartError", "serve_adapters", "vllm_launch_kwargs",
 ]

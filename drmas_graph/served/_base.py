@@ -34,7 +34,7 @@ from typing import Any
 
 import httpx
 
-from drmas_graph.instrumentation._intercept import ACTIVE_HANDLER
+from drmas_graph.instrumentation import active_handler
 from drmas_graph.errors import ConfigError
 from drmas_graph.policy import Policy
 from drmas_graph.served._errors import (BadRequestError, GenerationAbortedError, ServerError,
@@ -56,7 +56,7 @@ class SyncResult(dict):
 
 def current_route_key() -> str | None:
     """The id of the instrumented episode running in this context, if any (the default route key)."""
-    handler = ACTIVE_HANDLER.get()
+    handler = active_handler()
     episode = getattr(handler, "episode", None)
     return getattr(episode, "id", None)
 

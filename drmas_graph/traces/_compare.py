@@ -21,7 +21,7 @@ from langchain_core.messages import BaseMessage
 from drmas_graph._chat import _text
 from drmas_graph._structured import output_spec
 from drmas_graph.errors import StructuredOutputError
-from drmas_graph.instrumentation._intercept import CallSite
+from drmas_graph.instrumentation.replaying import CallSite
 from drmas_graph.traces._serde import from_json, to_json
 from drmas_graph.types import Turn
 

@@ -127,9 +127,10 @@ def _jsonable(value: Any, where: str, active: set[int]) -> Any:
     if isinstance(value, list | tuple | set | frozenset):
         active.add(id(value))
         try:
-            return [_jsonable(v, f"{where}[{i}]", active) for i, v in enumerate(value)]
+            items = [_jsonable(v, f"{where}[{i}]", active) for i, v in enumerate(value)]
         finally:
             active.discard(id(value))
+        return _canonical_order(items) if isinstance(value, set | frozenset) else items
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         fields = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
         return _jsonable(fields, where, active)
@@ -140,6 +141,12 @@ def _jsonable(value: Any, where: str, active: set[int]) -> Any:
         except Exception:  # a model whose own serializer fails is stored as its repr below
             pass
     return _unserializable(value, where, "no JSON form")
+
+
+def _canonical_order(items: list[Any]) -> list[Any]:
+    """A set's elements (in JSON form) sorted by their JSON text: a set is stored as the same list in every
+    process, whatever the iteration order the process's hash seed (PYTHONHASHSEED) gives strings."""
+    return sorted(items, key=lambda item: json.dumps(item, sort_keys=True, ensure_ascii=False))
 
 
 def _is_langgraph(value: Any, name: str) -> bool:

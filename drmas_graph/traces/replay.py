@@ -25,7 +25,7 @@ answered or a hang: a re-run that finishes it is not compared). Replay never let
 escape (only its own `ConfigError`s).
 
 An episode that continued a checkpointed thread starts from the thread's recorded checkpoint, copied to a
-new thread (`drmas_graph.instrumentation._threads`); when that checkpoint is not available the result says so
+new thread (`drmas_graph.instrumentation.replaying.fork_config`); when that checkpoint is not available the result says so
 (`ReplayResult.unreproducible`). `areplay` runs graphs whose nodes are async-only.
 
 An episode of several runs of its thread (interrupts the environment answered, a conversation's next inputs:
@@ -52,19 +52,17 @@ from langgraph.types import Command
 from drmas_graph._chat import ParsedResponse, parse_hermes
 from drmas_graph._structured import InvalidReplyError
 from drmas_graph.errors import ConfigError, DrmasError
-from drmas_graph.instrumentation import _segments, _threads
-from drmas_graph.instrumentation._intercept import ACTIVE_HANDLER, CallSite, install
-from drmas_graph.instrumentation._outcomes import note_stop
-from drmas_graph.instrumentation._recorder import RAW_BRANCH_TAG
-from drmas_graph.instrumentation.instrumented import InstrumentedGraph, _cut_at_stop, _EpisodeRecorder, served_message
-from drmas_graph.instrumentation.instrumented import structured_parts
+from drmas_graph.instrumentation import replaying
+from drmas_graph.instrumentation.instrumented import InstrumentedGraph, served_message, structured_parts
+from drmas_graph.instrumentation.replaying import (ACTIVE_HANDLER, RAW_BRANCH_TAG, CallSite, EpisodeRecorder,
+                                                   cut_at_stop, install, note_stop)
 from drmas_graph.policy import Policy
 from drmas_graph.traces import _serde
 from drmas_graph.traces._compare import Request, comparable, diff, interrupts_text, render_prompt, state_text
 from drmas_graph.types import Episode, Segment, Turn
 
 __all__ = ["replay", "areplay", "replay_episode", "areplay_episode", "ReplayResult", "Divergence", "render_prompt",
-           "comparable"]
+           "comparable", "AsyncOnlyGraphError"]
 
 
 @dataclass(frozen=True)
@@ -148,7 +146,7 @@ class AsyncOnlyGraphError(ConfigError):
 class _ReplayHandler:
     """CallHandler that answers each call from the recording while the calls' requests agree."""
 
-    def __init__(self, recorded: Episode, live: _EpisodeRecorder | None, continue_live: bool,
+    def __init__(self, recorded: Episode, live: EpisodeRecorder | None, continue_live: bool,
                  agent_of: Callable[[CallSite], str]) -> None:
         self.by_key = {(t.call_key, t.node_call_index): t for t in recorded.turns}
         self.requests = {key: Request.of_turn(t) for key, t in self.by_key.items()}
@@ -266,7 +264,7 @@ def _no_original(site: CallSite) -> Callable[[], Any]:
 def _recorded_answer(turn: Turn, site: CallSite) -> ChatResult:
     """Rebuild the AIMessage the node received when the episode was recorded (Hermes tool-call markup); for
     structured output the same answer, or the same error, again (`_recorder._served`)."""
-    text = _cut_at_stop(turn.response_text, turn.sampling.stop if turn.sampling else ())
+    text = cut_at_stop(turn.response_text, turn.sampling.stop if turn.sampling else ())
     content, invalid = turn.response_text, []
     if turn.trainable:
         parsed = parse_hermes(text)
@@ -294,11 +292,13 @@ class _Run:
 
     app: InstrumentedGraph
     handler: _ReplayHandler
-    live: _EpisodeRecorder
+    live: EpisodeRecorder
     live_episode: Episode
     config: dict | None
     unreproducible: str | None = None
     start: float = 0.0
+    kwargs: dict = field(default_factory=dict)
+    """Keyword arguments of every run: the recorded `context=`."""
 
 
 def _prepare(graph: Any, episode: Episode, policies: Mapping[str, Policy] | None, agents: Mapping[str, str] | None,
@@ -310,9 +310,11 @@ def _prepare(graph: Any, episode: Episode, policies: Mapping[str, Policy] | None
     app = InstrumentedGraph(graph, policies or {}, agents=agents)
     install()
     live_episode = Episode(task_id=episode.task_id, group_id=episode.group_id, input=episode.input)
-    live = _EpisodeRecorder(app, live_episode)
+    live = EpisodeRecorder(app, live_episode)
     handler = _ReplayHandler(episode, live, on_divergence == "continue", app.agent_of)
-    return _Run(app, handler, live, live_episode, dict(config or {}), _unstorable_input(episode))
+    config = replaying.replay_config(episode.metadata.get("run_config"), config)  # the recorded configurable values
+    kwargs = {"context": episode.metadata["context"]} if episode.metadata.get("context") is not None else {}
+    return _Run(app, handler, live, live_episode, config, _unstorable_input(episode), kwargs=kwargs)
 
 
 def _own_thread(run: _Run) -> bool:
@@ -323,10 +325,10 @@ def _own_thread(run: _Run) -> bool:
 def _thread_config(run: _Run, forked: dict | None, reason: str | None) -> None:
     """Run on the copy of the recorded thread start, else on a fresh thread (never the recorded one)."""
     run.unreproducible = run.unreproducible or reason
-    if _threads._checkpointer(run.app.graph) is not None and not _own_thread(run):
+    if replaying.checkpointer(run.app.graph) is not None and not _own_thread(run):
         configurable = run.config.setdefault("configurable", {})
-        configurable.update(forked or {"thread_id": f"replay-{uuid.uuid4().hex}"})
         configurable.pop("checkpoint_id", None)
+        configurable.update(forked or {"thread_id": f"replay-{uuid.uuid4().hex}"})  # addressed as recorded
 
 
 def _finish(run: _Run, episode: Episode, outcome: _Outcome, segment: int) -> ReplayResult:
@@ -418,7 +420,7 @@ class _Runs:
 
     def __init__(self, run: _Run, episode: Episode) -> None:
         self.run, self.segments, self.k = run, episode.segments or [Segment("start")], 0
-        if len(self.segments) > 1 and _threads._checkpointer(run.app.graph) is None:
+        if len(self.segments) > 1 and replaying.checkpointer(run.app.graph) is None:
             raise ConfigError(f"episode {episode.id} is {len(self.segments)} runs of one thread (interrupts answered "
                               "or a conversation continued); replaying it needs the graph compiled with a "
                               "checkpointer (e.g. compile(checkpointer=InMemorySaver()))")
@@ -460,14 +462,15 @@ def replay_episode(graph: Any, episode: Episode, *, policies: Mapping[str, Polic
     run = _prepare(graph, episode, policies, agents, on_divergence, config)
     runs = _Runs(run, episode)
     start = None if _own_thread(run) else episode.metadata.get("thread_start")
-    _thread_config(run, *_threads.fork_config(run.app.graph, start))
+    _thread_config(run, *replaying.fork_config(run.app.graph, start))
     with _serving(run) as outcome:
-        outcome.final_state = run.app.graph.invoke(episode.input, run.config or None)
+        outcome.final_state = run.app.runnable.invoke(episode.input, run.config or None, **run.kwargs)
+        thread = replaying.latest(run.config)  # later runs continue the thread's latest checkpoint
         while True:
-            nxt = runs.after(_segments.pending_interrupts(run.app.graph, run.config, outcome.final_state))
+            nxt = runs.after(replaying.pending_interrupts(run.app.graph, thread, outcome.final_state))
             if nxt is _END:
                 break
-            outcome.final_state = run.app.graph.invoke(nxt, run.config)
+            outcome.final_state = run.app.runnable.invoke(nxt, thread, **run.kwargs)
     return _finish(run, episode, outcome, runs.k)
 
 
@@ -479,14 +482,15 @@ async def areplay_episode(graph: Any, episode: Episode, *, policies: Mapping[str
     run = _prepare(graph, episode, policies, agents, on_divergence, config)
     runs = _Runs(run, episode)
     start = None if _own_thread(run) else episode.metadata.get("thread_start")
-    _thread_config(run, *await _threads.afork_config(run.app.graph, start))
+    _thread_config(run, *await replaying.afork_config(run.app.graph, start))
     with _serving(run) as outcome:
-        outcome.final_state = await run.app.graph.ainvoke(episode.input, run.config or None)
+        outcome.final_state = await run.app.runnable.ainvoke(episode.input, run.config or None, **run.kwargs)
+        thread = replaying.latest(run.config)  # later runs continue the thread's latest checkpoint
         while True:
-            nxt = runs.after(await _segments.apending_interrupts(run.app.graph, run.config, outcome.final_state))
+            nxt = runs.after(await replaying.apending_interrupts(run.app.graph, thread, outcome.final_state))
             if nxt is _END:
                 break
-            outcome.final_state = await run.app.graph.ainvoke(nxt, run.config)
+            outcome.final_state = await run.app.runnable.ainvoke(nxt, thread, **run.kwargs)
     return _finish(run, episode, outcome, runs.k)
 
 
@@ -513,7 +517,9 @@ def replay(graph: Any, store_or_path: Any, episode_id: str, *, policies: Mapping
         agents: node-path glob -> agent, as for `instrument`.
         on_divergence: 'stop' (default) returns at the first divergence (no later call is answered or
             reaches a model); 'continue' goes on live.
-        config: the run config (e.g. `recursion_limit`). A graph with a checkpointer runs on a new thread
+        config: the run config (e.g. `recursion_limit`), over the one the episode recorded (its
+            `configurable` values and `recursion_limit`; the recorded `context=` is passed again too). A graph
+            with a checkpointer runs on a new thread
             (a copy of the thread checkpoint the recording started from, if it continued a thread) unless
             `configurable.thread_id` names one.
 

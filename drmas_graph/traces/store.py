@@ -22,8 +22,11 @@ int32 bytes, logprobs as float64 bytes, see `drmas_graph.traces._serde`). Nothin
 Columns added since version 1 (`_serde.ADDED_COLUMNS`, all nullable) keep the version: opening an older
 store to write adds them, opening it read-only reads them as NULL.
 
-Every episode is stored whatever its outcome (`Episode.outcome`: finished, truncated, model error, failed);
-summaries and store-wide counts are queried in `drmas_graph.traces._queries`.
+Every episode is stored whatever its outcome (`Episode.outcome`: finished, truncated, model error, failed).
+`TraceStore.query` selects summaries by an `EpisodeFilter`, sorted, in keyset pages (what `drmas-graph ui` and
+`drmas-graph traces list` show); `count`, `facets` and `reply_counts` answer the rest; the SQL lives in
+`drmas_graph.traces._queries`, with the indexes it reads (`_queries.INDEXES`, added when a store is opened to
+write).
 
 Two "steps" appear: an episode's ``step`` is the *training* step it was used in (None until it is), a
 turn's ``step`` is the LangGraph superstep of the node that made the call (`Turn.step`).
@@ -41,7 +44,16 @@ from pathlib import Path
 from typing import Any
 
 from drmas_graph.traces import _export, _queries, _serde
-from drmas_graph.traces._queries import EpisodeSummary, StoreStats
+from drmas_graph.traces._queries import (
+    OUTCOMES,
+    SORTS,
+    EpisodeFilter,
+    EpisodePage,
+    EpisodeSummary,
+    Facets,
+    ReplyCount,
+    StoreStats,
+)
 from drmas_graph.traces._serde import TraceStoreWarning
 from drmas_graph.errors import (
     ConfigError,
@@ -54,8 +66,14 @@ from drmas_graph.errors import (
 from drmas_graph.types import Episode
 
 __all__ = [
+    "OUTCOMES",
     "SCHEMA_VERSION",
+    "SORTS",
+    "EpisodeFilter",
+    "EpisodePage",
     "EpisodeSummary",
+    "Facets",
+    "ReplyCount",
     "StoreStats",
     "TraceStore",
     "TraceStoreWarning",
@@ -172,6 +190,8 @@ class TraceStore:
             )
         meta = self._read_meta(conn)
         _serde.add_absent_columns(conn)  # a store written before a column was added gains it (NULL)
+        for statement in _queries.INDEXES:  # and the query indexes it lacks
+            conn.execute(statement)
         given = None if config is None else json.loads(_serde.to_json(dict(config), "config"))
         if given is not None and given != json.loads(meta["config"]):
             raise ConfigError(
@@ -265,16 +285,22 @@ class TraceStore:
         turn_rewards: Sequence[float] | None = None,
         advantages: Sequence[float] | None = None,
         judgement: Mapping[str, Any] | None = None,
+        error: str | None = None,
     ) -> None:
         """Record what training made of a stored episode: its training step, its rewards per agent, per-turn
-        rewards and advantages (aligned with its turns), and the judge's record when a judge gave the rewards
-        (`Episode.judgement`; episodes are written when their run ends, before they are judged). Arguments left
-        None keep their value."""
+        rewards and advantages (aligned with its turns), the judge's record when a judge gave the rewards
+        (`Episode.judgement`; episodes are written when their run ends, before they are judged), and the error of
+        an episode left out for its reward (a bad reward, a judge failure: `traces list --failed` finds it).
+        Arguments left None keep their value."""
         judgement_json = _serde.judgement_to_json(judgement)  # encode outside the lock
+
+        def body(conn: sqlite3.Connection) -> None:
+            self._update(conn, episode_id, step, rewards, turn_rewards, advantages, judgement_json)
+            if error is not None:
+                conn.execute("UPDATE episodes SET error = ? WHERE id = ?", (error, episode_id))
+
         with self._errors("write to"):
-            self._transaction(
-                lambda conn: self._update(conn, episode_id, step, rewards, turn_rewards, advantages, judgement_json)
-            )
+            self._transaction(body)
 
     def record_training(self, step: int, episodes: Iterable[Episode]) -> None:
         """`update_training` for many stored episodes at once (one transaction), taking ``rewards``,
@@ -343,18 +369,52 @@ class TraceStore:
         outcome: str | None = None,
         limit: int | None = None,
         group_prefix: str | None = None,
+        group_id: str | None = None,
     ) -> list[EpisodeSummary]:
-        """Summaries of the stored episodes, in the order they were written, filtered by: training
-        ``step``; ``agent`` (episodes where it made a call); ``task_id``; reward bounds (inclusive; on the
-        ``agent``'s own reward when ``agent`` is given, else on the mean reward; episodes without reward
-        are left out); ``failed`` (True: only failed runs, False: only the others); ``outcome``
-        ('finished', 'truncated', 'model_error' or 'failed', as `Episode.outcome`); ``group_prefix`` (group ids
-        that start with it, e.g. "train:3:" for the groups the trainer rolled out in step 3)."""
-        sql, params = _queries.episodes_sql(self._absent, step=step, agent=agent, task_id=task_id,
-                                            min_reward=min_reward, max_reward=max_reward, failed=failed,
-                                            outcome=outcome, limit=limit, group_prefix=group_prefix)
-        rows = self._read(lambda conn: conn.execute(sql, params).fetchall())
-        return [_queries.summary_from_row(row) for row in rows]
+        """Summaries of the stored episodes, in the order they were written, filtered as `EpisodeFilter`'s
+        fields of the same names say (`query` adds the other filters, sorting and pages)."""
+        selected = EpisodeFilter(step=step, agent=agent, task_id=task_id, min_reward=min_reward,
+                                 max_reward=max_reward, failed=failed, outcome=outcome, group_prefix=group_prefix,
+                                 group_id=group_id)
+        return self.query(selected, limit=limit).rows
+
+    def query(self, where: EpisodeFilter | None = None, *, sort: str = "created", descending: bool = False,
+              limit: int | None = 50, after: str | None = None, before: str | None = None) -> EpisodePage:
+        """One page of the episodes `where` selects (all of them without a filter), sorted by `sort` (a key of
+        `SORTS`: created (the order written), step, reward (the filter's agent's own reward when it names
+        one), turns, tokens, task, group; episodes without the value come last, then ties by the order
+        written), at most `limit` (None: every one). Pages are keyset pages, as fast deep as at the start:
+        ``after=page.next`` is the next page, ``before=page.previous`` the one before.
+
+            page = store.query(EpisodeFilter(agent="solver", min_reward=0.5), sort="reward", descending=True)
+            more = store.query(EpisodeFilter(agent="solver", min_reward=0.5), sort="reward", descending=True,
+                               after=page.next)
+        """
+        selected = where or EpisodeFilter()
+        return self._read(lambda conn: _queries.query_page(conn, self._absent, selected, sort=sort,
+                                                           descending=descending, limit=limit, after=after,
+                                                           before=before))
+
+    def count(self, where: EpisodeFilter | None = None, *, at_most: int | None = None) -> int:
+        """How many episodes `where` selects (all without a filter); with `at_most`, counting stops there (what a
+        page shows as "N+" when a filter matches many episodes on a big store)."""
+        sql, params = _queries.count_sql(self._absent, where or EpisodeFilter(), at_most)
+        return self._read(lambda conn: conn.execute(sql, params).fetchone()[0])
+
+    def facets(self) -> Facets:
+        """The steps, agents and phases the stored episodes have (for filter menus)."""
+        return self._read(_queries.read_facets)
+
+    def last_replies(self, episode_ids: Sequence[str]) -> dict[str, dict[str, str]]:
+        """{episode id: {agent: the text of the agent's last call}} of the episodes given."""
+        return self._read(lambda conn: _queries.last_replies(conn, episode_ids))
+
+    def reply_counts(self, *, phase: str | None = None, step: int | None = None, agent: str | None = None,
+                     rewards: bool = True) -> list[ReplyCount]:
+        """How often each agent gave each reply (exact text), per phase and rollout step, with the agent's reward
+        summed over them (`rewards=False`: not read, faster): what the answers view and a collapse check read.
+        Arguments given filter (a step with its phase)."""
+        return self._read(lambda conn: _queries.reply_counts(conn, phase, step, agent, rewards))
 
     def trained_episodes(self, *, step: int | None = None) -> list[str]:
         """Ids of the episodes the run's training used, in the order written: those with a training step

@@ -50,11 +50,11 @@ from pathlib import Path
 from typing import Any
 
 from drmas_graph.traces import _serde
-from drmas_graph.errors import ConfigError
+from drmas_graph.errors import ConfigError, DrmasError
 from drmas_graph.types import Episode, Turn
 
 __all__ = ["EPISODE_OP", "TURN_OP", "JUDGE_OP", "REWARD_FEEDBACK", "JUDGEMENT_FEEDBACK", "WeaveExportWarning",
-           "WeaveExporter", "require_weave", "connect", "evaluation_episode", "export_episode", "log_evaluation",
+           "EpisodeError", "JudgementError", "WeaveExporter", "require_weave", "connect", "evaluation_episode", "export_episode", "log_evaluation",
            "sample_groups", "export_store", "start_exporter"]
 
 EPISODE_OP = "drmas.episode"
@@ -75,11 +75,11 @@ class WeaveExportWarning(UserWarning):
     """An export to Weave failed (training goes on; reported once, later failures are only counted)."""
 
 
-class EpisodeError(Exception):
+class EpisodeError(DrmasError):
     """The recorded failure of an episode, as the exception of its Weave call."""
 
 
-class JudgementError(Exception):
+class JudgementError(DrmasError):
     """The judge's recorded failure on an episode (`Episode.judgement["error"]`), as the exception of its call."""
 
 

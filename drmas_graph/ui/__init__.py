@@ -5,10 +5,13 @@
 
 Pages (every one a shareable URL; filters live in the query string):
 
-- ``/``: the runs' metric curves (one chart per metric, one line per run and agent; ``?run=a&run=b`` picks
-  runs) and their evaluations per step;
-- ``/runs/RUN/episodes``: the episode table with filters (step, group, agent, task, outcome, reward range),
-  sorting and pages; ``/runs/RUN/group?id=G``: a GRPO group's episodes side by side;
+- ``/``: the runs' metric curves (one chart per metric, one line per run and agent: colour the run, line style
+  the agent; ``?run=a&run=b`` picks runs, ``smooth``, ``from_step`` and ``to_step`` draw them) and their
+  evaluations per step; ``/chart?metric=M``: one chart enlarged;
+- ``/runs/RUN/answers``: what each agent replies per phase and step (top replies, distinct replies, entropy);
+- ``/runs/RUN/episodes``: the episode table with filters (phase, step, group, agent, task, outcome, reward
+  range, reply text), sorting and keyset pages (`TraceStore.query`); ``/runs/RUN/group?id=G``: a GRPO group's
+  episodes side by side; ``/runs/RUN/export/{metrics,episodes}.{csv,json}``: the metrics, the episode list;
 - ``/runs/RUN/episodes/ID``: one episode: its segments, node instances and turns, prompts as messages,
   response tokens coloured by probability (hover: id and logprob), advantages, the final state;
 - ``/runs/RUN/episodes/ID/replay`` (with ``--graph``): the episode replayed, its first divergence diffed.

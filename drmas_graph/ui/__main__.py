@@ -1,5 +1,5 @@
 import sys
 
-from drmas_graph.cli._ui import main
+from drmas_graph.cli import ui_main
 
-sys.exit(main())
+sys.exit(ui_main())

@@ -1,15 +1,19 @@
 """The web app: a router over a few GET pages, and the stdlib HTTP server that serves it.
 
-Why no web framework: the app is local, read-only and for one user, with six GET routes and no forms that
-write; Python's ``http.server`` (threaded) serves that with nothing to install, and Jinja2 (autoescaping on for
-every template) renders the pages. Charts are SVG drawn on the server (`_charts`), so the pages need no
-script at all: the Content-Security-Policy forbids every script, which also makes an escaping mistake inert.
+Why no web framework: the app is local, read-only and for one user, with a handful of GET routes and no forms
+that write; Python's ``http.server`` (threaded) serves that with nothing to install, and Jinja2 (autoescaping on for
+every template) renders the pages. Charts are SVG drawn on the server (`_charts`; smoothing, step ranges and
+enlarging are query parameters and links), so the pages need no script at all: the Content-Security-Policy
+forbids every script, which also makes an escaping mistake inert. Every bad input is a styled 4xx page, every
+fault a styled 500 page without a traceback.
 """
 
 from __future__ import annotations
 
+import errno
 import ipaddress
 import mimetypes
+import shlex
 import sys
 import threading
 import urllib.parse
@@ -24,8 +28,9 @@ from typing import Any
 from jinja2 import Environment, PackageLoader, StrictUndefined, select_autoescape
 
 from drmas_graph.errors import ConfigError, DrmasError, EpisodeNotFoundError, StoreNotFoundError
-from drmas_graph.ui import _pages
-from drmas_graph.ui._data import OUTCOMES, PAGE_SIZES, SORTS, EpisodeQuery, Run, open_runs
+from drmas_graph.ui import _answers, _exports, _pages
+from drmas_graph.ui._charts import line_chart
+from drmas_graph.ui._data import OUTCOMES, PAGE_SIZES, PHASES, SORTS, EpisodeQuery, Run, open_runs
 
 __all__ = ["UiApp", "Response", "make_server", "is_loopback"]
 
@@ -52,6 +57,8 @@ class Response:
     """The body."""
     content_type: str = "text/html; charset=utf-8"
     """Its media type."""
+    filename: str | None = None
+    """Sent as an attachment with this name (exports); None: shown."""
 
 
 class UiApp:
@@ -73,7 +80,8 @@ class UiApp:
                                 autoescape=select_autoescape(default=True, default_for_string=True),
                                 undefined=StrictUndefined, trim_blocks=True, lstrip_blocks=True)
         self._env.globals.update(url=_url, fmt=_fmt, outcomes=list(OUTCOMES), sorts=list(SORTS),
-                                 page_sizes=PAGE_SIZES, runs=self.runs, counts=_pages.counts)
+                                 page_sizes=PAGE_SIZES, phases=PHASES, runs=self.runs, counts=_pages.counts)
+        self._colours = {name: i for i, name in enumerate(self.runs)}  # a run's colour, the same in every chart
         self._static = {name: resources.files("drmas_graph.ui").joinpath("static", name).read_bytes()
                         for name in _STATIC}
 
@@ -86,13 +94,23 @@ class UiApp:
         try:
             return self._route(parts, one, params)
         except (EpisodeNotFoundError, StoreNotFoundError) as e:
-            return self._error(HTTPStatus.NOT_FOUND, str(e))
+            return self.error(HTTPStatus.NOT_FOUND, str(e))
         except ConfigError as e:
-            return self._error(HTTPStatus.BAD_REQUEST, str(e))
+            return self.error(HTTPStatus.BAD_REQUEST, str(e))
+        except DrmasError as e:  # a store that cannot be read (corrupt, a newer schema, ...): the run's fault
+            return self.error(HTTPStatus.INTERNAL_SERVER_ERROR, str(e))
+
+    def fault(self, error: BaseException) -> Response:
+        """The styled 500 page of an unexpected exception: its type and message, never a traceback."""
+        return self.error(HTTPStatus.INTERNAL_SERVER_ERROR,
+                           f"the UI failed on this page ({type(error).__name__}: {error}); the server log has "
+                           "the request")
 
     def _route(self, parts: list[str], one: dict[str, str], params: Mapping[str, Sequence[str]]) -> Response:
         if not parts:
-            return self._runs_page(list(params.get("run", [])))
+            return self._runs_page(list(params.get("run", [])), one)
+        if parts == ["chart"]:
+            return self._chart_page(list(params.get("run", [])), one)
         if parts[0] == "static" and len(parts) == 2 and parts[1] in self._static:
             kind = mimetypes.guess_type(parts[1])[0] or "application/octet-stream"
             return Response(200, self._static[parts[1]], kind)
@@ -101,32 +119,83 @@ class UiApp:
             rest = parts[2:]
             if rest == ["episodes"]:
                 return self._episodes_page(run, one)
-            if rest == ["group"] and one.get("id"):
-                return self._page("group.html", run=run, **_pages.group_view(run, one["id"]))
+            if rest == ["answers"]:
+                return self._page("answers.html", run=run, **_answers.answers_view(run, one))
+            if len(rest) == 2 and rest[0] == "export":
+                return self._export(run, rest[1], one)
+            if rest == ["group"]:
+                return self._group_page(run, one.get("id", ""))
             if len(rest) == 2 and rest[0] == "episodes":
                 return self._episode_page(run, rest[1])
             if len(rest) == 3 and rest[0] == "episodes" and rest[2] == "replay":
                 return self._replay_page(run, rest[1])
-        return self._error(HTTPStatus.NOT_FOUND, "no such page")
+        return self.error(HTTPStatus.NOT_FOUND, "no such page")
 
     # -- pages -----------------------------------------------------------------------------------------------
 
-    def _runs_page(self, chosen: list[str]) -> Response:
+    def _selected(self, chosen: list[str]) -> list[Run]:
         unknown = [name for name in chosen if name not in self.runs]
         if unknown:
             raise ConfigError(f"unknown run {unknown[0]!r}; runs: {', '.join(self.runs)}")
-        selected = [self.runs[name] for name in chosen] or list(self.runs.values())
-        first, rest = _pages.run_charts(selected)
+        return [self.runs[name] for name in chosen] or list(self.runs.values())
+
+    def _runs_page(self, chosen: list[str], one: dict[str, str]) -> Response:
+        selected = self._selected(chosen)
+        options = _pages.ChartOptions.from_params(one)
+
+        def link(pattern: str) -> str:
+            return _url("/chart", [("metric", pattern), *(("run", name) for name in chosen),
+                                   *options.params().items()])
+
+        first, rest = _pages.run_charts(selected, self._colours, options, link)
         evals = {run.name: _pages.eval_rows(run) for run in selected}
         steps = {run.name: sum(1 for r in run.metrics() if "episodes" in r) for run in selected}
-        return self._page("runs.html", selected=[r.name for r in selected], first=first, rest=rest, evals=evals,
-                          steps=steps)
+        malformed = {run.name: run.malformed_metrics() for run in selected}
+        return self._page("runs.html", selected=[r.name for r in selected], chosen=chosen, colours=self._colours,
+                          first=first, rest=rest,
+                          evals=evals, steps=steps, malformed=malformed, options=options,
+                          tensorboard={r.name: r.folder / "tensorboard" for r in selected
+                                       if (r.folder / "tensorboard").is_dir()})
+
+    def _chart_page(self, chosen: list[str], one: dict[str, str]) -> Response:
+        selected = self._selected(chosen)
+        options = _pages.ChartOptions.from_params(one)
+        pattern = one.get("metric", "")
+        series = _pages.chart_series(selected, self._colours, options).get(pattern)
+        if not series:
+            return self.error(HTTPStatus.NOT_FOUND, f"no metric {pattern!r} in run(s) "
+                                                    f"{', '.join(r.name for r in selected)}")
+        chart = line_chart(_pages.chart_title(pattern), series, smooth=options.smooth, size="large")
+        return self._page("chart.html", chart=chart, pattern=pattern, chosen=chosen, options=options,
+                          back=_url("/", [*(("run", name) for name in chosen), *options.params().items()]))
 
     def _episodes_page(self, run: Run, one: dict[str, str]) -> Response:
         query = EpisodeQuery.from_params(one)
         page = run.episode_page(query)
         return self._page("episodes.html", run=run, page=page, query=query, choices=run.choices(),
-                          cli=_list_command(run, query))
+                          cli=_list_command(run, query, page.phase))
+
+    def _export(self, run: Run, name: str, one: dict[str, str]) -> Response:
+        what, _, kind = name.partition(".")
+        if what not in ("metrics", "episodes") or kind not in ("csv", "json"):
+            return self.error(HTTPStatus.NOT_FOUND, f"no export {name!r}: metrics.csv, metrics.json, "
+                                                    "episodes.csv or episodes.json")
+        if what == "metrics":
+            records = run.metrics()
+        else:
+            records = _exports.episode_records(run, EpisodeQuery.from_params(one))
+        body = _exports.to_csv(records) if kind == "csv" else _exports.to_json(records)
+        media = "text/csv; charset=utf-8" if kind == "csv" else "application/json"
+        return Response(200, body, media, filename=f"{run.name}-{name}")
+
+    def _group_page(self, run: Run, group_id: str) -> Response:
+        if not group_id:
+            raise ConfigError("parameter id: give a group id (the episode list links to each episode's group)")
+        view = _pages.group_view(run, group_id)
+        if not view["episodes"]:
+            return self.error(HTTPStatus.NOT_FOUND, f"run {run.name!r} has no group {group_id!r} (group ids match "
+                                                    "exactly: copy one from the episode list)")
+        return self._page("group.html", run=run, **view)
 
     def _episode_page(self, run: Run, episode_id: str) -> Response:
         store = run.store()
@@ -147,7 +216,8 @@ class UiApp:
         body = self._env.get_template(template).render(**values)
         return Response(200, body.encode())
 
-    def _error(self, status: HTTPStatus, message: str) -> Response:
+    def error(self, status: HTTPStatus, message: str) -> Response:
+        """The styled error page (`status`, its phrase, `message` as text)."""
         body = self._env.get_template("error.html").render(status=int(status), phrase=status.phrase, message=message)
         return Response(int(status), body.encode())
 
@@ -159,9 +229,10 @@ class UiApp:
 # -- template helpers ----------------------------------------------------------------------------------------
 
 
-def _url(path: str, params: Mapping[str, Any] | None = None) -> str:
+def _url(path: str, params: Mapping[str, Any] | Sequence[tuple[str, Any]] | None = None) -> str:
     """A link: path segments are percent-encoded by the caller with `quote` (ids are hex), parameters here."""
-    query = urllib.parse.urlencode({k: v for k, v in (params or {}).items() if v is not None})
+    pairs = params.items() if isinstance(params, Mapping) else params or ()
+    query = urllib.parse.urlencode([(k, v) for k, v in pairs if v is not None])
     return path + ("?" + query if query else "")
 
 
@@ -172,15 +243,17 @@ def _fmt(value: Any, digits: int = 4) -> str:
     return f"{value:.{digits}g}" if isinstance(value, float) else str(value)
 
 
-def _list_command(run: Run, query: EpisodeQuery) -> str:
-    """The `drmas-graph traces list` line closest to this list (it has no group, reward or sort filters)."""
-    line = f"drmas-graph traces list {run.store_path}"
-    for flag, value in (("--step", query.step), ("--agent", query.agent), ("--task", query.task)):
+def _list_command(run: Run, query: EpisodeQuery, phase: str) -> str:
+    """The `drmas-graph traces list` line that prints this list (every episode, not one page)."""
+    line = f"drmas-graph traces list {shlex.quote(str(run.store_path))}"
+    flags = (("--phase", None if phase == "all" else phase), ("--step", query.step), ("--agent", query.agent),
+             ("--task", query.task), ("--group", query.group), ("--outcome", query.outcome),
+             ("--min-reward", query.min_reward), ("--max-reward", query.max_reward), ("--reply", query.reply),
+             ("--sort", None if query.sort == "created" else query.sort))
+    for flag, value in flags:
         if value is not None:
-            line += f" {flag} {value}"
-    line += {"failed": " --failed", "truncated": " --truncated", "model_error": " --model-errors"}.get(
-        query.outcome or "", "")
-    return line
+            line += f" {flag} {shlex.quote(str(value))}"
+    return line + (" --desc" if query.desc else "")
 
 
 # -- serving -------------------------------------------------------------------------------------------------
@@ -201,18 +274,28 @@ class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
 
     def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+        app = self.server.app
         if self.server.loopback_only and not self._host_ok():
-            self._send(Response(400, b"unexpected Host header (this server answers localhost only)", "text/plain"))
+            self._send(app.error(HTTPStatus.BAD_REQUEST, "unexpected Host header (this server answers localhost "
+                                                         "only): open it as http://127.0.0.1:PORT/"))
             return
-        url = urllib.parse.urlsplit(self.path)
         try:
-            response = self.server.app.handle(url.path, urllib.parse.parse_qs(url.query))
-        except DrmasError as e:
-            response = Response(500, f"error: {e}".encode(), "text/plain; charset=utf-8")
+            url = urllib.parse.urlsplit(self.path)
+            response = app.handle(url.path, urllib.parse.parse_qs(url.query))
+        except Exception as e:  # noqa: BLE001 (any fault: a styled 500, one log line, no traceback to the browser)
+            self.log_message("%s failed: %s: %s", self.path, type(e).__name__, e)
+            response = app.fault(e)
         self._send(response)
 
     def do_HEAD(self) -> None:  # noqa: N802
         self.do_GET()
+
+    def _read_only(self) -> None:
+        self.close_connection = True  # its body is never read
+        self._send(self.server.app.error(HTTPStatus.METHOD_NOT_ALLOWED, f"{self.command}: the UI is read-only "
+                                                                         "(GET pages only)"))
+
+    do_POST = do_PUT = do_PATCH = do_DELETE = _read_only  # noqa: N815 (http.server's names)
 
     def _host_ok(self) -> bool:
         host = (self.headers.get("Host") or "").rsplit(":", 1)[0].strip("[]")
@@ -222,6 +305,8 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_response(response.status)
         self.send_header("Content-Type", response.content_type)
         self.send_header("Content-Length", str(len(response.body)))
+        if response.filename is not None:
+            self.send_header("Content-Disposition", f'attachment; filename="{response.filename}"')
         for name, value in _SECURITY_HEADERS.items():
             self.send_header(name, value)
         self.end_headers()
@@ -249,7 +334,13 @@ def make_server(app: UiApp, host: str = "127.0.0.1", port: int = 8000, *,
         print(f"drmas-graph ui: WARNING: serving on {host}, not only this machine: anyone who can reach "
               f"port {port} can read every prompt and reply of these runs (no authentication)", file=sys.stderr)
     server_class = type("_BoundServer", (_Server,), {"address_family": _family(host)})
-    server = server_class((host, port), _Handler)
+    try:
+        server = server_class((host, port), _Handler)
+    except OSError as e:
+        if e.errno == errno.EADDRINUSE:
+            raise ConfigError(f"port {port} on {host} is in use (another drmas-graph ui?): choose another with "
+                              "--port PORT, or --port 0 for any free port") from None
+        raise ConfigError(f"cannot serve on {host}:{port}: {e.strerror or e}") from None
     server.app = app
     server.loopback_only = is_loopback(host)
     server.log = log

@@ -11,33 +11,45 @@ from __future__ import annotations
 import json
 import math
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from drmas_graph.errors import ConfigError, StoreNotFoundError
-from drmas_graph.traces import _queries
-from drmas_graph.traces._queries import EpisodeSummary
-from drmas_graph.traces.store import TraceStore
+from drmas_graph.traces.store import OUTCOMES, SORTS, EpisodeFilter, EpisodeSummary, ReplyCount, TraceStore
 
-__all__ = ["Run", "EpisodeQuery", "EpisodePage", "open_runs", "OUTCOMES", "SORTS", "PAGE_SIZES"]
+__all__ = ["Run", "EpisodeQuery", "EpisodeList", "number_param", "open_runs", "OUTCOMES", "SORTS", "PAGE_SIZES", "PHASES"]
 
-OUTCOMES = {
-    **_queries.OUTCOMES,
-    # an episode left paused at an interrupt nobody answered: a failure whose error is EpisodeInterruptedError
-    "interrupted": "e.error LIKE 'EpisodeInterruptedError:%'",
-}
-"""Outcome filter -> SQL condition on an episodes row ``e`` (the store's outcomes, plus 'interrupted')."""
-
-SORTS = {
-    "created": "rowid", "step": "step", "reward": "reward", "turns": "n_turns", "tokens": "n_response_tokens",
-    "task": "task_id", "group": "group_id",
-}  # fmt: skip
-"""Sort key in a URL -> column of the episode summary (no other text ever reaches the SQL)."""
+MAX_INT = 2**63 - 1
+"""The largest integer a URL parameter may hold (SQLite's INTEGER); a larger one is a 400, not an overflow."""
 
 PAGE_SIZES = (25, 50, 100, 500)
 """Page sizes the episode list offers."""
+
+COUNT_AT_MOST = 5_000
+"""The episode list counts matches up to this many ("5000+ episodes"): counting every match of a filter that
+reads each episode's row costs about a second per 100,000 episodes."""
+
+PHASES = ("train", "eval", "all")
+"""The episode list's phase choices; without one it shows training episodes (all, in a store that has none)."""
+
+
+def number_param(params: Mapping[str, str], name: str, kind: type) -> Any:
+    """URL parameter `name` as an int or a finite float (None when absent); ConfigError (a 400) naming it when it
+    is not one, or an int beyond SQLite's range."""
+    text = params.get(name, "").strip()
+    if not text:
+        return None
+    try:
+        value = kind(text)
+    except ValueError:
+        raise ConfigError(f"parameter {name}={text!r} is not a{'n integer' if kind is int else ' number'}") from None
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"parameter {name}={text!r} is not a finite number")
+    if isinstance(value, int) and not -MAX_INT <= value <= MAX_INT:
+        raise ConfigError(f"parameter {name}={text!r} is out of range (at most {MAX_INT} in size)")
+    return value
 
 
 @dataclass(frozen=True)
@@ -46,10 +58,12 @@ class EpisodeQuery:
 
     step: int | None = None
     """Only episodes trained in this step."""
+    phase: str | None = None
+    """'train', 'eval' or 'all'; None: 'train' when the store has training episodes."""
     group: str | None = None
     """Only this GRPO group."""
     agent: str | None = None
-    """Only episodes where this agent made a call (reward bounds then apply to its own reward)."""
+    """Only episodes where this agent made a call (reward bounds, reward sort and reply then apply to it)."""
     task: str | None = None
     """Only this task id."""
     outcome: str | None = None
@@ -58,12 +72,16 @@ class EpisodeQuery:
     """Lowest reward (inclusive)."""
     max_reward: float | None = None
     """Highest reward (inclusive)."""
+    reply: str | None = None
+    """Words of a reply, in order."""
     sort: str = "created"
     """One of `SORTS`."""
     desc: bool = False
     """Descending order."""
-    page: int = 1
-    """1-based page number."""
+    after: str | None = None
+    """Cursor: the page after this episode."""
+    before: str | None = None
+    """Cursor: the page before this episode."""
     per_page: int = 50
     """One of `PAGE_SIZES`."""
 
@@ -72,31 +90,25 @@ class EpisodeQuery:
         """Parse URL parameters; a bad value raises ConfigError naming the parameter."""
 
         def number(name: str, kind: type) -> Any:
-            text = params.get(name, "").strip()
-            if not text:
-                return None
-            try:
-                value = kind(text)
-            except ValueError:
-                raise ConfigError(f"parameter {name}={text!r} is not a{'n integer' if kind is int else ' number'}") from None
-            if isinstance(value, float) and not math.isfinite(value):
-                raise ConfigError(f"parameter {name}={text!r} is not a finite number")
+            return number_param(params, name, kind)
+
+        def choice(name: str, valid: Any, default: Any = None) -> Any:
+            value = params.get(name) or default
+            if value is not None and value not in valid:
+                raise ConfigError(f"parameter {name}={value!r}: valid values are {', '.join(map(str, valid))}")
             return value
 
-        outcome = params.get("outcome") or None
-        if outcome is not None and outcome not in OUTCOMES:
-            raise ConfigError(f"parameter outcome={outcome!r}: valid outcomes are {', '.join(OUTCOMES)}")
-        sort = params.get("sort") or "created"
-        if sort not in SORTS:
-            raise ConfigError(f"parameter sort={sort!r}: valid sort keys are {', '.join(SORTS)}")
+        number("page", int)  # pages are cursors now; an old link's page number is still checked, then ignored
         per_page = number("per_page", int) or 50
         if per_page not in PAGE_SIZES:
             raise ConfigError(f"parameter per_page={per_page}: valid page sizes are {', '.join(map(str, PAGE_SIZES))}")
         return EpisodeQuery(
-            step=number("step", int), group=params.get("group") or None, agent=params.get("agent") or None,
-            task=params.get("task") or None, outcome=outcome, min_reward=number("min_reward", float),
-            max_reward=number("max_reward", float), sort=sort, desc=params.get("desc") == "1",
-            page=max(1, number("page", int) or 1), per_page=per_page,
+            step=number("step", int), phase=choice("phase", PHASES), group=params.get("group") or None,
+            agent=params.get("agent") or None, task=params.get("task") or None, outcome=choice("outcome", OUTCOMES),
+            min_reward=number("min_reward", float), max_reward=number("max_reward", float),
+            reply=params.get("reply", "").strip() or None, sort=choice("sort", SORTS, "created"),
+            desc=params.get("desc") == "1", after=params.get("after") or None, before=params.get("before") or None,
+            per_page=per_page,
         )
 
     def params(self, **changes: Any) -> dict[str, str]:
@@ -110,21 +122,34 @@ class EpisodeQuery:
             out[name] = "1" if value is True else str(value)
         return out
 
+    def filter(self, phases: Sequence[str]) -> EpisodeFilter:
+        """The store's filter of this query (`phases`: the store's, for the default phase)."""
+        phase = self.phase or ("train" if "train" in phases else "all")
+        return EpisodeFilter(step=self.step, phase=None if phase == "all" else phase, agent=self.agent,
+                             task_id=self.task, group_id=self.group, outcome=self.outcome, min_reward=self.min_reward,
+                             max_reward=self.max_reward, reply=self.reply)
+
 
 @dataclass(frozen=True)
-class EpisodePage:
+class EpisodeList:
     """One page of the episode list."""
 
     rows: list[EpisodeSummary]
     """The page's episodes."""
+    replies: dict[str, dict[str, str]]
+    """Each row's last reply per agent."""
     total: int
-    """Episodes matching the filters, over all pages."""
+    """Episodes matching the filters, over all pages (counted up to `COUNT_AT_MOST`)."""
+    more: bool
+    """Whether the count stopped at `COUNT_AT_MOST` (the page says "N+")."""
     query: EpisodeQuery
     """What was asked."""
-
-    @property
-    def pages(self) -> int:
-        return max(1, -(-self.total // self.query.per_page))
+    phase: str
+    """The phase shown ('all' for every one)."""
+    next: str | None
+    """Cursor of the next page (None: this is the last)."""
+    previous: str | None
+    """Cursor of the previous page (None: this is the first)."""
 
 
 @dataclass
@@ -134,6 +159,8 @@ class _MetricsLog:
     path: Path
     records: list[dict[str, Any]] = field(default_factory=list)
     offset: int = 0
+    malformed: int = 0
+    """Lines that are not a JSON object (skipped; the Runs page shows how many)."""
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def read(self) -> list[dict[str, Any]]:
@@ -141,16 +168,27 @@ class _MetricsLog:
             if not self.path.is_file():
                 return []
             if self.path.stat().st_size < self.offset:  # rewritten (a new run in the folder): start over
-                self.records, self.offset = [], 0
+                self.records, self.offset, self.malformed = [], 0, 0
             with self.path.open("rb") as f:
                 f.seek(self.offset)
                 data = f.read()
             end = data.rfind(b"\n") + 1  # a line being written is read next time, whole
             for line in data[:end].splitlines():
                 if line.strip():
-                    self.records.append(json.loads(line))
+                    self._add(line)
             self.offset += end
             return list(self.records)
+
+
+    def _add(self, line: bytes) -> None:
+        try:
+            record = json.loads(line)
+        except ValueError:  # JSONDecodeError, or bytes that are not UTF-8
+            record = None
+        if isinstance(record, dict):
+            self.records.append(record)
+        else:
+            self.malformed += 1
 
 
 class Run:
@@ -165,7 +203,8 @@ class Run:
         """Its trace store."""
         self._metrics = _MetricsLog(folder / "metrics.jsonl")
         self._store: TraceStore | None = None
-        self._tokenizers: dict[str, Any] = {}
+        self._tokenizers: dict[Path, Any] = {}
+        self._replies: tuple[int, list[Any]] | None = None
         self._lock = threading.Lock()
 
     # -- trace store ----------------------------------------------------------------------------------
@@ -179,53 +218,32 @@ class Run:
                 self._store = TraceStore(self.store_path, readonly=True)
             return self._store
 
-    def episode_page(self, query: EpisodeQuery) -> EpisodePage:
-        """The episodes matching `query`, sorted, one page of them, and how many match in all."""
+    def episode_page(self, query: EpisodeQuery) -> EpisodeList:
+        """The episodes matching `query`, sorted, one page of them, how many match in all and their replies."""
         store = self.store()
-        inner, params = _queries.episodes_sql(
-            store._absent, step=query.step, agent=query.agent, task_id=query.task, min_reward=query.min_reward,
-            max_reward=query.max_reward, failed=None, outcome=None, limit=None,
-        )
-        inner = inner.replace(" FROM episodes e", ", e.rowid AS rowid FROM episodes e", 1)
-        where: list[str] = []
-        if query.group is not None:
-            where.append("e.group_id = ?")
-            params.append(query.group)
-        if query.outcome is not None:
-            where.append(f"({self._outcome_sql(store, query.outcome)})")
-        inner = inner.rsplit(" ORDER BY ", 1)[0]  # the page's own ORDER BY sorts; unordered, SQLite flattens it
-        if where:  # the store's query ends with its ` WHERE ...` (or none)
-            inner += (" AND " if " WHERE " in inner else " WHERE ") + " AND ".join(where)
-        column = SORTS[query.sort]
-        direction = "DESC" if query.desc else "ASC"
-        nulls = f"{column} IS NULL, " if column != "rowid" else ""  # episodes without the value come last
-        page_sql = (f"SELECT * FROM ({inner}) ORDER BY {nulls}{column} {direction}, rowid {direction} "
-                    "LIMIT ? OFFSET ?")
-        offset = (query.page - 1) * query.per_page
+        phases = store.facets().phases
+        selected = query.filter(phases)
+        page = store.query(selected, sort=query.sort, descending=query.desc, limit=query.per_page,
+                           after=query.after, before=query.before)
+        replies = store.last_replies([s.id for s in page.rows])
+        total = store.count(selected, at_most=COUNT_AT_MOST)
+        return EpisodeList(page.rows, replies, total, total >= COUNT_AT_MOST, query, selected.phase or "all",
+                           page.next, page.previous)
 
-        def read(conn: Any) -> tuple[int, list[Any]]:
-            total = conn.execute(f"SELECT count(*) FROM ({inner})", params).fetchone()[0]
-            rows = conn.execute(page_sql, [*params, query.per_page, offset]).fetchall()
-            return total, rows
+    def replies_memo(self, compute: Callable[[list[ReplyCount]], Any]) -> Any:
+        """`compute` of `TraceStore.reply_counts` over every phase and step without rewards, kept until the store
+        holds more episodes (replies never change once written): what the answers view's charts draw."""
+        store = self.store()
+        version = store.count()
+        with self._lock:
+            if self._replies is None or self._replies[0] != version:
+                self._replies = (version, compute(store.reply_counts(rewards=False)))
+            return self._replies[1]
 
-        total, rows = store._read(read)
-        return EpisodePage([_queries.summary_from_row(row[:-1]) for row in rows], total, query)
-
-    @staticmethod
-    def _outcome_sql(store: TraceStore, outcome: str) -> str:
-        if ("episodes", "truncated") in store._absent and outcome in ("truncated", "model_error"):
-            return "0"  # a store older than truncation has neither
-        return OUTCOMES[outcome]
-
-    def choices(self) -> dict[str, list[Any]]:
-        """Values the filters offer: steps, agents and tasks present in the store."""
-        def read(conn: Any) -> dict[str, list[Any]]:
-            return {
-                "steps": [r[0] for r in conn.execute("SELECT DISTINCT step FROM episodes WHERE step IS NOT NULL "
-                                                      "ORDER BY step")],
-                "agents": [r[0] for r in conn.execute("SELECT DISTINCT agent FROM turns ORDER BY agent")],
-            }
-        return self.store()._read(read)
+    def choices(self) -> dict[str, Any]:
+        """Values the filters offer: steps, agents and phases present in the store."""
+        facets = self.store().facets()
+        return {"steps": facets.steps, "agents": facets.agents, "phases": facets.phases}
 
     # -- metrics --------------------------------------------------------------------------------------
 
@@ -233,26 +251,33 @@ class Run:
         """Every record of metrics.jsonl so far (training steps and evaluations), in order."""
         return self._metrics.read()
 
+    def malformed_metrics(self) -> int:
+        """Lines of metrics.jsonl read so far that were not a JSON object (skipped)."""
+        return self._metrics.malformed
+
     # -- tokenizers -----------------------------------------------------------------------------------
 
     def tokenizer(self, policy: str | None) -> Any:
         """The tokenizer of `policy` from the run's latest checkpoint (``checkpoints/step_*/POLICY/model/
-        tokenizer.json``), or None when the run saved none: tokens are then shown as ids."""
+        tokenizer.json``), or None when the run saved none (yet): tokens are then shown as ids. Looked up on
+        every call, so a checkpoint saved after the UI started is picked up; each file is loaded once."""
         if not policy:
             return None
+        path = self._tokenizer_path(policy)
+        if path is None:
+            return None
         with self._lock:
-            if policy not in self._tokenizers:
-                self._tokenizers[policy] = self._load_tokenizer(policy)
-            return self._tokenizers[policy]
-
-    def _load_tokenizer(self, policy: str) -> Any:
-        checkpoints = sorted((self.folder / "checkpoints").glob("step_*"), reverse=True)
-        for checkpoint in checkpoints:
-            path = checkpoint / policy / "model" / "tokenizer.json"
-            if path.is_file() and path.resolve().is_relative_to(self.folder.resolve()):
+            if path not in self._tokenizers:
                 from tokenizers import Tokenizer
 
-                return Tokenizer.from_file(str(path))
+                self._tokenizers[path] = Tokenizer.from_file(str(path))
+            return self._tokenizers[path]
+
+    def _tokenizer_path(self, policy: str) -> Path | None:
+        for checkpoint in sorted((self.folder / "checkpoints").glob("step_*"), reverse=True):
+            path = checkpoint / policy / "model" / "tokenizer.json"
+            if path.is_file() and path.resolve().is_relative_to(self.folder.resolve()):
+                return path
         return None
 
     def close(self) -> None:

@@ -17,22 +17,24 @@ from typing import Any
 
 from markupsafe import Markup, escape
 
+from drmas_graph.errors import ConfigError
 from drmas_graph.types import Episode, Turn
 from drmas_graph.ui._charts import Series, line_chart, points
-from drmas_graph.ui._data import Run
+from drmas_graph.ui._data import Run, number_param
 
-__all__ = ["run_charts", "eval_rows", "episode_view", "judgement_view", "replay_view", "diff_lines", "token_html"]
+__all__ = ["AgentStats", "group_stats", "judge_attempt", "group_view", "ChartOptions", "chart_series", "chart_title", "run_charts", "eval_rows", "episode_view", "judgement_view", "replay_view", "diff_lines", "token_html"]
 
 FIRST_CHARTS = (
     "reward/team_mean", "agent/*/reward_mean", "model/*/grad_norm", "agent/*/approx_kl", "agent/*/entropy",
     "agent/*/clip_frac", "agent/*/ratio_max", "agent/*/truncated_share", "agent/*/model_error_share",
-    "agent/*/invalid_rate", "agent/*/response_len", "eval/avg@k", "eval/pass@k", "eval/*/reward",
+    "agent/*/invalid_rate", "agent/*/response_length", "eval/avg@k", "eval/pass@k", "eval/*/reward",
     "time/step_s", "time/rollout_s", "time/update_s", "time/sync_s",
 )  # fmt: skip
 """Charts shown first, in this order (``*``: one line per agent or model); every other metric follows."""
 
-_TITLES = {"agent/*/ratio_max": "importance weight (max ratio) per agent", "model/*/grad_norm": "gradient norm",
-           "agent/*/approx_kl": "KL (approx) per agent", "agent/*/clip_frac": "clip fraction per agent"}
+_TITLES = {"agent/*/ratio_max": "importance weight (max ratio) per agent", "model/*/grad_norm": "gradient norm per model",
+           "agent/*/approx_kl": "KL (approx) per agent", "agent/*/clip_frac": "clip fraction per agent",
+           "eval/*/reward": "evaluation reward per agent"}
 
 
 def _chart_key(key: str) -> tuple[str, str]:
@@ -43,9 +45,36 @@ def _chart_key(key: str) -> tuple[str, str]:
     return key, ""
 
 
-def run_charts(runs: Sequence[Run]) -> tuple[list[Markup], list[Markup]]:
-    """(the first charts, every other chart) over `runs`, one line per run (and agent or model)."""
+@dataclass(frozen=True)
+class ChartOptions:
+    """How the Runs page draws its charts, as the URL says: smoothing and a step range."""
+
+    smooth: float = 0.0
+    """TensorBoard's smoothing weight, 0 (none) to 0.99."""
+    from_step: int | None = None
+    """First step shown (inclusive); None: the first."""
+    to_step: int | None = None
+    """Last step shown (inclusive); None: the last."""
+
+    @staticmethod
+    def from_params(params: Mapping[str, str]) -> ChartOptions:
+        """Parse ``smooth``, ``from_step`` and ``to_step``; a bad value raises ConfigError naming it."""
+        smooth = number_param(params, "smooth", float) or 0.0
+        if not 0 <= smooth < 1:
+            raise ConfigError(f"parameter smooth={smooth}: give a weight from 0 (no smoothing) to 0.99")
+        return ChartOptions(smooth, number_param(params, "from_step", int), number_param(params, "to_step", int))
+
+    def params(self) -> dict[str, str]:
+        """The URL parameters of these options (defaults left out)."""
+        values = {"smooth": self.smooth or None, "from_step": self.from_step, "to_step": self.to_step}
+        return {k: str(v) for k, v in values.items() if v is not None}
+
+
+def chart_series(runs: Sequence[Run], colours: Mapping[str, int], options: ChartOptions) -> dict[str, list[Series]]:
+    """Chart pattern -> its series over `runs`: colour by run (`colours`), line style by agent or model name."""
     charts: dict[str, list[Series]] = {}
+    parts: set[str] = set()
+    found: list[tuple[str, Run, str, list[dict[str, Any]], str]] = []
     for run in runs:
         records = run.metrics()
         keys: dict[str, None] = {}
@@ -56,21 +85,51 @@ def run_charts(runs: Sequence[Run]) -> tuple[list[Markup], list[Markup]]:
             if key in ("time", "step") or key.endswith(("/split", "/k", "/tasks")):
                 continue
             pattern, part = _chart_key(key)
-            label = f"{run.name} / {part}" if part else run.name
-            charts.setdefault(pattern, []).append(Series(label, points(records, key)))
-    first = [line_chart(_TITLES.get(p, p.replace("/*/", " per series: ")), charts.pop(p)) for p in FIRST_CHARTS
-             if p in charts]
-    rest = [line_chart(p, charts[p]) for p in sorted(charts)]
+            parts.add(part)
+            found.append((pattern, run, part, records, key))
+    dashes = {part: i for i, part in enumerate(sorted(parts - {""}))} | {"": 0}  # by name: the same in each chart
+    for pattern, run, part, records, key in found:
+        label = f"{run.name} / {part}" if part else run.name
+        charts.setdefault(pattern, []).append(Series(
+            label, points(records, key, (options.from_step, options.to_step)), colours.get(run.name, 0), dashes[part]))
+    return charts
+
+
+def chart_title(pattern: str) -> str:
+    """A chart's caption: 'agent/*/reward_mean' -> 'reward_mean per agent'."""
+    if pattern in _TITLES:
+        return _TITLES[pattern]
+    head, _, tail = pattern.partition("/*/")
+    return f"{tail} per {head}" if tail else pattern
+
+
+def run_charts(runs: Sequence[Run], colours: Mapping[str, int], options: ChartOptions,
+               link: Any) -> tuple[list[Markup], list[Markup]]:
+    """(the first charts, every other chart) over `runs`; `link(pattern)` is the enlarged chart's URL."""
+    charts = chart_series(runs, colours, options)
+
+    def draw(pattern: str) -> Markup:
+        return line_chart(chart_title(pattern), charts[pattern], smooth=options.smooth, href=link(pattern))
+
+    first = [draw(p) for p in FIRST_CHARTS if p in charts]
+    rest = [draw(p) for p in sorted(charts) if p not in FIRST_CHARTS]
     return [c for c in first if c], [c for c in rest if c]
 
 
-def eval_rows(run: Run) -> tuple[list[str], list[dict[str, Any]]]:
-    """(columns, rows) of the run's evaluations: one row per evaluation record."""
+def eval_rows(run: Run) -> tuple[list[str], list[dict[str, Any]], list[tuple[Any, str, list[Mapping[str, Any]]]]]:
+    """(columns, rows, most frequent replies) of the run's evaluations: one row per evaluation record, a column per
+    scalar; each record's ``<agent>/top_replies`` as (step, agent, [{reply, count, reward}])."""
     rows = [r for r in run.metrics() if any(k.startswith("eval/") for k in r)]
     columns: dict[str, None] = {}
+    tops = []
     for row in rows:
-        columns.update(dict.fromkeys(k for k in row if k.startswith("eval/")))
-    return list(columns), rows
+        for key, value in row.items():
+            if key.endswith("/top_replies") and isinstance(value, list):
+                tops.append((row.get("step"), key[5:-len("/top_replies")],
+                             [r for r in value if isinstance(r, Mapping)]))
+            elif key.startswith("eval/") and not isinstance(value, (list, dict)):
+                columns[key] = None
+    return list(columns), rows, tops
 
 
 # -- the episode page ----------------------------------------------------------------------------------------
@@ -78,6 +137,12 @@ def eval_rows(run: Run) -> tuple[list[str], list[dict[str, Any]]]:
 
 _LOGPROB_STEPS = (-8.0, -6.0, -4.0, -3.0, -2.0, -1.0, -0.5, -0.2, -0.05)
 """Colour class k of a token: the number of these its logprob reaches (0: below -8, 9: above -0.05, p > 0.95)."""
+
+
+def token_legend() -> list[tuple[int, str]]:
+    """(colour class, the logprob range it stands for) of every token colour, least likely first."""
+    edges = [-math.inf, *_LOGPROB_STEPS, 0.0]
+    return [(k, f"{edges[k]:g} … {edges[k + 1]:g}" if k else f"< {edges[1]:g}") for k in range(len(edges) - 1)]
 
 
 def _bucket(logprob: float) -> int:
@@ -147,7 +212,7 @@ def episode_view(run: Run, episode: Episode) -> dict[str, Any]:
     has_tokenizer = any(run.tokenizer(t.policy) is not None for t in episode.turns if t.trainable)
     return {"episode": episode, "turns": turns, "tree": tree, "segments": segments,
             "final_state": _json(episode.final_state), "input": _json(episode.input),
-            "has_tokenizer": has_tokenizer, "open_all": len(turns) <= 12,
+            "has_tokenizer": has_tokenizer, "open_all": len(turns) <= 12, "legend": token_legend(),
             "judgement": None if episode.judgement is None else judgement_view(episode.judgement)}
 
 
@@ -166,15 +231,81 @@ def judgement_view(record: Mapping[str, Any]) -> dict[str, Any]:
     return {"record": record, "rows": rows, "prompt": prompt, "replies": [str(r) for r in record.get("replies") or ()]}
 
 
+@dataclass(frozen=True)
+class AgentStats:
+    """One agent's rewards over a GRPO group, as the group page shows them."""
+
+    agent: str
+    episodes: int
+    """Episodes with a reward for the agent."""
+    reward_mean: float | None
+    """Mean of its episode rewards."""
+    reward_std: float | None
+    """Their unbiased (N-1) std; None below two."""
+    calls: int
+    """Its calls with a turn reward (the samples of the `agent` estimator's pool)."""
+    turn_mean: float | None
+    """Mean turn reward R_i of those calls (episode reward less invalid-call penalties): the pool's mu."""
+    turn_std: float | None
+    """Their unbiased (N-1) std: the pool's sigma; None below two."""
+
+
+def _mean_std(values: list[float]) -> tuple[float | None, float | None]:
+    if not values:
+        return None, None
+    mean = math.fsum(values) / len(values)
+    std = math.sqrt(math.fsum((v - mean) ** 2 for v in values) / (len(values) - 1)) if len(values) > 1 else None
+    return mean, std
+
+
+def group_stats(episodes: Sequence[Episode]) -> list[AgentStats]:
+    """Per agent (in order of first call): its episode rewards' and turn rewards' mean and unbiased std."""
+    agents: dict[str, None] = {}
+    for episode in episodes:
+        agents.update(dict.fromkeys(episode.agents))
+    out = []
+    for agent in agents:
+        rewards = [e.rewards[agent] for e in episodes if agent in e.rewards]
+        turns = [r for e in episodes if e.turn_rewards is not None
+                 for t, r in zip(e.turns, e.turn_rewards, strict=True) if t.agent == agent]
+        out.append(AgentStats(agent, len(rewards), *_mean_std(rewards), len(turns), *_mean_std(turns)))
+    return out
+
+
+def judge_attempt(episode: Episode) -> dict[str, Any] | None:
+    """What the judge said of this episode: its attempt number as the judge saw it ('attempt_3': the episode's
+    place in the group's prompt), and (who, score, reason) rows; None when no judge scored it."""
+    if episode.judgement is None:
+        return None
+    record = episode.judgement
+    index = record.get("index")
+    view = judgement_view(record)
+    return {"attempt": f"attempt_{index + 1}" if isinstance(index, int) else None, "rows": view["rows"],
+            "error": record.get("error"), "mode": record.get("mode")}
+
+
+def _group_order(episode: Episode, written: int) -> tuple[int, int]:
+    """Episodes in the order the judge saw them: the trainer's group_index, else the judge's index."""
+    for value in (episode.metadata.get("group_index"), (episode.judgement or {}).get("index")):
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value, written
+    return written, written
+
+
 def group_view(run: Run, group_id: str) -> dict[str, Any]:
-    """Template values of a GRPO group: its episodes side by side, each turn's advantage."""
-    summaries = run.store().episodes(group_prefix=group_id)
-    episodes = [run.store().load_episode(s.id) for s in summaries if s.group_id == group_id]
+    """Template values of a GRPO group: its episodes side by side in the order the judge saw them, each one's and
+    each turn's reward and advantage, the judge's attempt number and reason, and each agent's mean and std."""
+    store = run.store()
+    summaries = store.episodes(group_id=group_id)
+    loaded = [store.load_episode(s.id) for s in summaries]
+    episodes = [e for _, e in sorted(((_group_order(e, i), e) for i, e in enumerate(loaded)), key=lambda p: p[0])]
     agents: dict[str, None] = {}
     for episode in episodes:
         agents.update(dict.fromkeys(episode.agents))
     return {"group_id": group_id, "episodes": episodes, "agents": list(agents),
-            "steps": {s.id: s.step for s in summaries}}
+            "steps": {s.id: s.step for s in summaries}, "stats": group_stats(episodes),
+            "judged": {e.id: judge_attempt(e) for e in episodes},
+            "positions": {e.id: e.metadata.get("group_index") for e in episodes}}
 
 
 # -- replay --------------------------------------------------------------------------------------------------

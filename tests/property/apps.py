@@ -12,6 +12,15 @@ subgraph used as a node, or by invoking a subgraph or a `create_agent` agent fro
 in turn, through `.batch` or through a `ThreadPoolExecutor`. `Route` says how each top-level unit's calls are
 mapped to an agent and which of the scripted policies serves it. Sleeps before calls come from `Timing`, whose
 seed the tests change between runs of the same app.
+
+Round 5 (issue 40) grew the grammar past the suite's three limits (one process, one rollout per thread, only
+`rollout()`): `App.run` runs the app by any of its run methods (`RUN_METHODS`); a call's prompt may read the
+run config's `configurable` or LangGraph's `context=` (`Call.source`); a node may have a `CachePolicy` or a
+`RetryPolicy`; a `vote` node calls two agents at once with one prompt (`drmas_agent` metadata); a `nested`
+node runs its subgraph as a separately instrumented app (`build(..., nest=)`: the instrumenting is the test's,
+this module never imports drmas_graph); an `invoke` subgraph may keep its memory on the thread
+(`Node.memory`: compiled with `checkpointer=True`). Several rollouts of one thread and replays in another
+process are the tests' (`test_generated_apps.py`).
 """
 
 from __future__ import annotations
@@ -34,10 +43,13 @@ from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
 from langchain_core.outputs import ChatGeneration, ChatResult
 from langchain_core.runnables import RunnableLambda
 from langchain_core.tools import tool
+from langgraph.cache.memory import InMemoryCache
 from langgraph.checkpoint.memory import InMemorySaver
+from langgraph.config import get_config
 from langgraph.func import entrypoint, task
 from langgraph.graph import END, START, StateGraph
-from langgraph.types import Send, interrupt
+from langgraph.runtime import get_runtime
+from langgraph.types import CachePolicy, RetryPolicy, Send, interrupt
 from pydantic import BaseModel, create_model
 
 KNOWN_DEFECTS: dict[str, bool] = {
@@ -66,6 +78,19 @@ PROMPTS = ("Answer briefly.", "Think, then answer.", "Summarise the notes.", "Ch
 VALUE_KINDS = ("str", "int", "list", "set", "enum")
 """What a call's node writes to the state besides its reply (set and Enum: see rev4_n)."""
 INVOKE_MODES = ("once", "seq", "batch", "pool")
+RUN_METHODS = ("rollout", "invoke", "ainvoke", "stream", "astream", "astream_events", "batch")
+"""How the app is run (rev5_h: a streamed run stored no final state). Only `rollout` answers interrupts."""
+SOURCES = ("", "configurable", "context")
+"""Where a call's prompt takes a per-run value from besides the state (rev5_a): nowhere, the run config's
+`configurable['persona']`, or LangGraph's `context=` (`Runtime.context.user`)."""
+PERSONA, USER = "a pirate", "bob"
+
+
+@dataclass(frozen=True)
+class Ctx:
+    """The apps' `context_schema`: `context=Ctx(user=...)` (LangGraph's Runtime context)."""
+
+    user: str = "anonymous"
 
 
 # -- descriptions -----------------------------------------------------------------------------------------
@@ -87,6 +112,8 @@ class Call:
     """structured: 'tool' (BaseChatModel.with_structured_output) or 'json_schema' (bind(response_format=...))."""
     value: str = "str"
     """What the node writes besides its reply: one of VALUE_KINDS."""
+    source: str = ""
+    """One of SOURCES: a per-run value the prompt reads."""
 
 
 @dataclass(frozen=True)
@@ -94,15 +121,24 @@ class Node:
     """A node of the top-level graph (or the worker of a fan-out)."""
 
     name: str
-    kind: Literal["call", "subgraph", "invoke"]
+    kind: Literal["call", "subgraph", "invoke", "vote", "nested"]
     """call: the node makes its call; subgraph: the node is a compiled subgraph whose nodes m0, m1.. make the
-    calls; invoke: the node's function invokes a subgraph (or a create_agent agent) `k` times by `mode`."""
+    calls; invoke: the node's function invokes a subgraph (or a create_agent agent) `k` times by `mode`;
+    vote: the node calls agents 'v0_<name>' and 'v1_<name>' at once with one prompt (drmas_agent metadata);
+    nested: the node invokes a subgraph of `calls[1:]` as a separately instrumented app (`build(..., nest=)`),
+    then makes its own call `calls[0]`."""
     calls: tuple[Call, ...]
     mode: str = "once"
     """invoke: one of INVOKE_MODES."""
     k: int = 1
     agent_name: str = ""
     """invoke of a create_agent agent: its name (create_agent(name=...)); '' for a subgraph."""
+    cache: bool = False
+    """The node has a LangGraph CachePolicy (the graph is compiled with a cache) (rev5_f)."""
+    retry: bool = False
+    """The node has a RetryPolicy; its first attempt fails after its call (a flaky tool), once per run."""
+    memory: bool = False
+    """invoke (once) of a subgraph compiled with checkpointer=True: it keeps its own state on the thread."""
 
 
 @dataclass(frozen=True)
@@ -135,6 +171,8 @@ class App:
     """functional: the entrypoint starts every task before waiting on any (else in turn, each after the last)."""
     checkpointer: Literal["memory", "none", "false"] = "memory"
     routes: tuple[Route, ...] = ()
+    run: str = "rollout"
+    """One of RUN_METHODS."""
 
     def nodes(self) -> list[Node]:
         return [node for step in self.steps for node in step.nodes]
@@ -163,29 +201,38 @@ def apps(draw: Any, need: str | None = None) -> App:
     sites = itertools.count()
     values = [v for v in VALUE_KINDS if not (KNOWN_DEFECTS["rev4_n"] and v in ("set", "enum"))]
 
-    def call(kinds: tuple[str, ...], value: bool = True) -> Call:
+    def call(kinds: tuple[str, ...], value: bool = True, source: bool = True) -> Call:
         kind = draw(st.sampled_from(kinds))
         schema = draw(st.sampled_from(SCHEMAS_DRAWN)) if kind == "structured" else ""
         method = draw(st.sampled_from(("tool", "json_schema"))) if kind == "structured" else ""
         return Call(f"s{next(sites)}", kind, draw(st.sampled_from(PROMPTS)), schema, method,
-                    draw(st.sampled_from(values)) if value else "str")
+                    draw(st.sampled_from(values)) if value else "str",
+                    draw(st.sampled_from(SOURCES)) if source and kind != "agent" else "")
 
     if draw(st.integers(0, 4)) == 0:  # a Functional API app
-        tasks = tuple(call(("llm", "structured")) for _ in range(draw(st.integers(1, 3))))
+        tasks = tuple(call(("llm", "structured"), source=False) for _ in range(draw(st.integers(1, 3))))
         app = App("functional", tasks=tasks, parallel=draw(st.booleans()),
                   routes=tuple(Route(f"t{i}", draw(st.sampled_from(("path", "rename", "glob"))),
-                                     draw(st.integers(0, 2))) for i in range(len(tasks))))
+                                     draw(st.integers(0, 2))) for i in range(len(tasks))),
+                  run=draw(st.sampled_from(RUN_METHODS)))
         return _needed(draw, app, need)
 
     names = (f"n{i}" for i in itertools.count())
     modes = [m for m in INVOKE_MODES if not (KNOWN_DEFECTS["rev4_q"] and m == "pool")]
 
     def node(in_fan: bool) -> Node:
-        kind = draw(st.sampled_from(("call", "subgraph", "invoke")))
+        kind = draw(st.sampled_from(("call", "subgraph", "invoke", "vote", "nested")))
         name = next(names)
         if kind == "call":
             kinds = ("llm", "structured") if in_fan else ("llm", "structured", "interrupt")
-            return Node(name, "call", (call(kinds, value=not in_fan),))
+            the_call = call(kinds, value=not in_fan)
+            flaky = the_call.kind != "interrupt" and draw(st.booleans())  # interrupt() then a retry: another shape
+            return Node(name, "call", (the_call,), cache=draw(st.booleans()), retry=flaky and draw(st.booleans()))
+        if kind == "vote":
+            return Node(name, "vote", (call(("llm",), value=False),))
+        if kind == "nested":  # its own call, then the nested app's m0, m1..
+            return Node(name, "nested", tuple(call(("llm", "structured"), value=False)
+                                              for _ in range(draw(st.integers(2, 3)))))
         if kind == "subgraph":
             return Node(name, "subgraph", tuple(call(("llm", "structured"), value=False)
                                                 for _ in range(draw(st.integers(1, 2)))))
@@ -193,8 +240,9 @@ def apps(draw: Any, need: str | None = None) -> App:
         k = 1 if mode == "once" or KNOWN_DEFECTS["rev4_p"] else draw(st.integers(1, 3))  # rev4_p: runs after the first
         if draw(st.booleans()):
             return Node(name, "invoke", (call(("agent",), value=False),), mode, k, agent_name=f"bot_{name}")
+        memory = mode == "once" and not in_fan and draw(st.booleans())  # one run per node: LangGraph's rule
         return Node(name, "invoke", tuple(call(("llm", "structured"), value=False)
-                                          for _ in range(draw(st.integers(1, 2)))), mode, k)
+                                          for _ in range(draw(st.integers(1, 2)))), mode, k, memory=memory)
 
     steps = []
     for _ in range(draw(st.integers(1, 3))):
@@ -210,10 +258,26 @@ def apps(draw: Any, need: str | None = None) -> App:
     routes = []
     for step in steps:
         for n in step.nodes:
-            styles = ("path", "rename", "glob") + (("name",) if n.agent_name else ())
+            styles = ("path",) if n.kind in ("vote", "nested") else (
+                ("path", "rename", "glob") + (("name",) if n.agent_name else ()))
             routes.append(Route(n.name, draw(st.sampled_from(styles)), draw(st.integers(0, 2))))
-    app = App("graph", steps=tuple(steps), checkpointer=draw(st.sampled_from(savers)), routes=tuple(routes))
+    saver = draw(st.sampled_from(savers))
+    if saver != "memory":  # a sub-agent's memory lives on the parent's checkpointed thread
+        steps = [Step(s.kind, tuple(_forget(n) for n in s.nodes), s.k) for s in steps]
+    methods = ("rollout",) if pauses else RUN_METHODS
+    if any(n.kind == "subgraph" for s in steps for n in s.nodes):  # LangGraph's own astream_events applies no
+        # output_schema to a subgraph node (its 'note' reaches the parent; in a fan: InvalidUpdateError 'topic'),
+        # unlike invoke: the plain graph differs the same way (FINDINGS.md), so replay (invoke) cannot agree
+        methods = tuple(m for m in methods if m != "astream_events")
+    app = App("graph", steps=tuple(steps), checkpointer=saver, routes=tuple(routes),
+              run=draw(st.sampled_from(methods)))
     return _needed(draw, app, need)
+
+
+def _forget(node: Node) -> Node:
+    from dataclasses import replace
+
+    return replace(node, memory=False) if node.memory else node
 
 
 def _needed(draw: Any, app: App, need: str | None) -> App:
@@ -327,17 +391,25 @@ class Built:
     checkpointed: bool
 
 
-def build(app: App, timing: Timing | None = None) -> Built:
-    """The compiled LangGraph app for a description."""
+class Flaky(Exception):
+    """A node's first attempt fails after its LLM call (a flaky tool); its RetryPolicy runs it again."""
+
+
+def build(app: App, timing: Timing | None = None, nest: Any = None) -> Built:
+    """The compiled LangGraph app for a description. `nest(node, graph)` turns the subgraph of a `nested` node
+    into what the node invokes (an instrumented app: the test's; the plain subgraph without it)."""
     model, timing = AppModel(), timing or Timing()
     if app.kind == "functional":
         return Built(_functional(app, model, timing), model, timing, True)
     saver = {"memory": InMemorySaver(), "none": None, "false": False}[app.checkpointer]
-    g = StateGraph(State)
+    g = StateGraph(State, context_schema=Ctx)
     prev = START
     for i, step in enumerate(app.steps):
         for node in step.nodes:
-            g.add_node(node.name, _node(node, model, timing))
+            g.add_node(node.name, _node(node, model, timing, nest),
+                       cache_policy=CachePolicy(ttl=600) if node.cache else None,
+                       retry_policy=RetryPolicy(max_attempts=2, initial_interval=0.001, jitter=False,
+                                                retry_on=Flaky) if node.retry else None)
         if step.kind == "single":
             g.add_edge(prev, step.nodes[0].name)
             prev = step.nodes[0].name
@@ -353,7 +425,8 @@ def build(app: App, timing: Timing | None = None) -> Built:
             g.add_edge(node.name, join)
         prev = join
     g.add_edge(prev, END)
-    return Built(g.compile(checkpointer=saver), model, timing, app.checkpointer == "memory")
+    cache = InMemoryCache() if any(n.cache for n in app.nodes()) else None
+    return Built(g.compile(checkpointer=saver, cache=cache), model, timing, app.checkpointer == "memory")
 
 
 def _join(state: dict) -> dict:
@@ -391,10 +464,23 @@ def _values(kind: str, reply: str) -> dict:
             "set": {"tags": {reply[:6], "seen"}}, "enum": {"level": (Level.LOW, Level.HIGH)[odd]}}[kind]
 
 
-def _call_node(call: Call, model: AppModel, timing: Timing) -> Any:
+def _per_run(source: str) -> str:
+    """The per-run value a prompt reads (rev5_a): the run config's or the Runtime context's."""
+    if source == "configurable":
+        return f" as {get_config()['configurable'].get('persona')}"
+    if source == "context":
+        return f" for {get_runtime(Ctx).context.user}"
+    return ""
+
+
+def _call_node(call: Call, model: AppModel, timing: Timing, flaky: bool = False) -> Any:
+    failed: set[str] = set()  # task namespaces whose first attempt failed (one per task: a retry reuses it)
+
     def fn(state: dict) -> dict:
         item = state.get("item", -1)
-        human = f"{state.get('topic')} #{item} after: {after_of(state)}"
+        human = f"{state.get('topic')} #{item} after: {after_of(state)}{_per_run(call.source)}"
+        if state.get("log") and call.value == "str":  # what a sub-agent with memory remembers shows
+            human += f" (seen {len(state['log'])})"
         if call.kind == "interrupt":
             ask_for = {"site": call.site, "after": after_of(state)}
             if call.value == "set":
@@ -402,11 +488,16 @@ def _call_node(call: Call, model: AppModel, timing: Timing) -> Any:
             human += f" answer: {interrupt(ask_for)}"
         timing.sleep(call.site, item)
         reply = ask(call, model, human)
+        if flaky:
+            ns = str(get_config()["configurable"].get("checkpoint_ns"))
+            if ns not in failed:
+                failed.add(ns)
+                raise Flaky(f"site {call.site}: the tool after the call failed; retried")
         return {"log": [f"{call.site}:{reply}"], **_values(call.value, reply)}
     return fn
 
 
-def _subgraph(calls: tuple[Call, ...], model: AppModel, timing: Timing) -> Any:
+def _subgraph(calls: tuple[Call, ...], model: AppModel, timing: Timing, memory: bool = False) -> Any:
     g = StateGraph(State, input_schema=SubIn, output_schema=SubOut)
     prev = START
     for j, call in enumerate(calls):
@@ -414,7 +505,23 @@ def _subgraph(calls: tuple[Call, ...], model: AppModel, timing: Timing) -> Any:
         g.add_edge(prev, f"m{j}")
         prev = f"m{j}"
     g.add_edge(prev, END)
-    return g.compile()
+    return g.compile(checkpointer=True) if memory else g.compile()
+
+
+def _vote(node: Node, model: AppModel, timing: Timing) -> Any:
+    call = node.calls[0]
+
+    def fn(state: dict) -> dict:
+        messages = [SystemMessage(f"site {call.site}: {call.prompt}"), HumanMessage(f"{state.get('topic')} vote")]
+
+        def one(j: int) -> str:
+            timing.sleep(f"{node.name}/voter", j)  # which voter's call arrives first changes with the timing
+            agent = f"v{j}_{node.name}"
+            return f"{call.site}:{agent}:{model.invoke(messages, config={'metadata': {'drmas_agent': agent}}).content}"
+
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            return {"log": list(pool.map(one, range(2)))}
+    return fn
 
 
 def _agent(call: Call, name: str, model: AppModel) -> Any:
@@ -423,12 +530,24 @@ def _agent(call: Call, name: str, model: AppModel) -> Any:
     return create_agent(model, tools=[lookup], system_prompt=f"site {call.site}: {call.prompt}", name=name)
 
 
-def _node(node: Node, model: AppModel, timing: Timing) -> Any:
+def _node(node: Node, model: AppModel, timing: Timing, nest: Any = None) -> Any:
     if node.kind == "call":
-        return _call_node(node.calls[0], model, timing)
+        return _call_node(node.calls[0], model, timing, flaky=node.retry)
     if node.kind == "subgraph":
         return _subgraph(node.calls, model, timing)
-    body = _agent(node.calls[0], node.agent_name, model) if node.agent_name else _subgraph(node.calls, model, timing)
+    if node.kind == "vote":
+        return _vote(node, model, timing)
+    if node.kind == "nested":
+        inner = _subgraph(node.calls[1:], model, timing)
+        app = nest(node, inner) if nest is not None else inner
+
+        def nested(state: dict) -> dict:
+            log = app.invoke({"topic": state.get("topic"), "item": -1, "after": after_of(state)})["log"]
+            own = ask(node.calls[0], model, f"{state.get('topic')} sum up: {log[-1]}")
+            return {"log": log + [f"{node.calls[0].site}:{own}"]}
+        return nested
+    body = (_agent(node.calls[0], node.agent_name, model) if node.agent_name
+            else _subgraph(node.calls, model, timing, memory=node.memory))
 
     def fn(state: dict) -> dict:
         topic, after = state.get("topic"), after_of(state)

@@ -24,8 +24,10 @@ from hypothesis import note
 from drmas_graph import RolloutError, TraceStore, instrument
 from drmas_graph.testing import scripted_policy
 from drmas_graph.traces.replay import ReplayResult, comparable, replay, replay_episode
+from drmas_graph.traces._compare import state_text  # noqa: F401  (the replay process prints it)
 from drmas_graph.types import Episode
-from tests.property.apps import APP_MODEL_REPLY, App, Built, Call, Timing, build
+from tests.property import apps as _apps
+from tests.property.apps import APP_MODEL_REPLY, PERSONA, USER, App, Built, Call, Ctx, Timing
 
 POLICY_NAMES = ("pol-a", "pol-b", "pol-c")
 SITE = re.compile(r"^site (s\d+): ")
@@ -47,6 +49,8 @@ class Wiring:
     sites: dict[str, Expect]
     agents: dict[str, str]
     policy_of_agent: dict[str, str]
+    voters: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+    """Site of a `vote` node -> the agents its two same-prompt calls go to (one call each)."""
 
 
 def wiring(app: App) -> Wiring:
@@ -71,15 +75,35 @@ def wiring(app: App) -> Wiring:
 
     for i, call in enumerate(app.tasks):
         place(f"t{i}", call, f"main/t{i}")
+    voters: dict[str, tuple[str, ...]] = {}
+    extra: dict[str, str] = {}
     for node in app.nodes():
         for j, call in enumerate(node.calls):
-            if node.kind == "call":
+            if node.kind == "nested" and j > 0:  # its own instrumented app serves m{j-1} (`nest`): not this episode's
+                continue
+            if node.kind == "vote":
+                voters[call.site] = (f"v0_{node.name}", f"v1_{node.name}")
+                sites[call.site] = Expect(node.name, "", POLICY_NAMES[routes[node.name].policy])
+                extra.update({v: sites[call.site].policy for v in voters[call.site]})
+            elif node.kind in ("call", "nested"):
                 place(node.name, call, node.name)
             elif node.agent_name:
                 place(node.name, call, f"{node.name}/model", node.agent_name)
             else:
                 place(node.name, call, f"{node.name}/m{j}")
-    return Wiring(sites, agents, {e.agent: e.policy for e in sites.values()})
+    policy_of_agent = {e.agent: e.policy for e in sites.values() if e.agent} | extra
+    return Wiring(sites, agents, policy_of_agent, voters)
+
+
+def build(app: App, timing: Timing | None = None) -> Built:
+    """`apps.build` with every `nested` node's subgraph instrumented as its own app (policies m0, m1.. of the
+    node's route): an instrumented app run inside a node of another (rev5_c)."""
+    routes = {r.unit: r for r in app.routes}
+
+    def nest(node: Any, graph: Any) -> Any:
+        policy = policies()[POLICY_NAMES[routes[node.name].policy]]
+        return instrument(graph, {f"m{j}": policy for j in range(len(node.calls) - 1)}, strict=True)
+    return _apps.build(app, timing, nest=nest)
 
 
 def reply_to(name: str) -> Any:
@@ -128,23 +152,76 @@ class Run:
     error: BaseException | None
 
 
+def instrumented(built: Built, wired: Wiring, store: TraceStore | None) -> Any:
+    pols = policies()
+    return instrument(built.graph, {a: pols[p] for a, p in wired.policy_of_agent.items()}, agents=wired.agents,
+                      store=store)
+
+
+def answer_interrupts(episode: Episode, interrupts: list) -> Any:
+    return {i.id: f"yes to {i.value['site']}" for i in interrupts}
+
+
+def run_config(thread: str | None = None) -> dict:
+    """Every run's config: a thread, and a per-run value prompts may read (`Call.source`)."""
+    return {"configurable": {"thread_id": thread or uuid.uuid4().hex, "persona": PERSONA}}
+
+
+def context(app: App) -> Any:
+    return Ctx(user=USER) if app.kind == "graph" else None
+
+
 def roll(app: App, built: Built, wired: Wiring, store: TraceStore | None, seed: int,
          max_llm_calls: int | None = None) -> Run:
-    """One instrumented rollout of the built app (interrupts answered), as the issue's user would run it;
-    `max_llm_calls` caps its calls (the episode is truncated at the call past the cap)."""
-    pols = policies()
-    instrumented = instrument(built.graph, {a: pols[p] for a, p in wired.policy_of_agent.items()},
-                              agents=wired.agents, store=store)
-
-    def resume(episode: Episode, interrupts: list) -> Any:
-        return {i.id: f"yes to {i.value['site']}" for i in interrupts}
-
+    """One instrumented run of the built app by its run method (`App.run`; `rollout` answers interrupts), as
+    the issue's user would run it; `max_llm_calls` caps a rollout's calls (truncated at the call past the cap)."""
+    if app.run != "rollout":
+        return _roll_by_method(app, built, wired, store)
     try:
-        episode = instrumented.rollout({"topic": "cats"}, {"configurable": {"thread_id": uuid.uuid4().hex}},
-                                       metadata={"seed": seed, "max_llm_calls": max_llm_calls}, resume=resume)
+        episode = instrumented(built, wired, store).rollout(
+            {"topic": "cats"}, run_config(), metadata={"seed": seed, "max_llm_calls": max_llm_calls},
+            resume=answer_interrupts, context=context(app))
         return Run(built, wired, episode, None)
     except RolloutError as exc:
         return Run(built, wired, exc.episode, exc)
+
+
+def _roll_by_method(app: App, built: Built, wired: Wiring, store: TraceStore | None) -> Run:
+    """The run by invoke / ainvoke / stream / astream / astream_events / batch: its episode is the one the
+    store holds afterwards (the methods return the graph's output, not an episode)."""
+    import asyncio
+
+    own = store is None
+    if own:
+        store = TraceStore(Path(tempfile.mkdtemp(prefix="drmas-prop-")) / "traces.db")
+    before = {s.id for s in store.episodes()}
+    app_ = instrumented(built, wired, store)
+    x, config, kwargs = {"topic": "cats"}, run_config(), {"context": context(app)}
+
+    async def drain(stream: Any) -> None:
+        async for _ in stream:
+            pass
+    error = None
+    try:
+        if app.run == "invoke":
+            app_.invoke(x, config, **kwargs)
+        elif app.run == "ainvoke":
+            asyncio.run(app_.ainvoke(x, config, **kwargs))
+        elif app.run == "stream":
+            list(app_.stream(x, config, stream_mode="updates", **kwargs))
+        elif app.run == "astream":
+            asyncio.run(drain(app_.astream(x, config, stream_mode=["updates", "values"], **kwargs)))
+        elif app.run == "astream_events":
+            asyncio.run(drain(app_.astream_events(x, config, version="v2", **kwargs)))
+        else:
+            app_.batch([x], [config], **kwargs)
+    except Exception as exc:  # noqa: BLE001 - checked below: attribution asserts no error
+        error = exc
+    (new,) = [s.id for s in store.episodes() if s.id not in before]
+    episode = store.load_episode(new)
+    if own:
+        store.close()
+    return Run(built, wired, episode, error)
 
 
 def site_of(turn: Any) -> str:
@@ -161,6 +238,8 @@ def check_attribution(app: App, run: Run) -> None:
     wrong = []
     for turn in run.episode.turns:
         want = run.wiring.sites[site_of(turn)]
+        if site_of(turn) in run.wiring.voters and turn.agent in run.wiring.voters[site_of(turn)]:
+            want = dataclasses.replace(want, agent=turn.agent)  # either voter; each once (below)
         seen = Expect(turn.node, turn.agent, turn.policy if turn.trainable else "the app's own model",
                       turn.agent_name if want.agent_name else None)
         if seen != want:
@@ -170,6 +249,10 @@ def check_attribution(app: App, run: Run) -> None:
                                         f"every agent has a policy\n{describe(app)}")
     assert run.error is None, f"the rollout failed: {run.episode.error}\n{describe(app)}"
     assert run.episode.turns, f"no LLM call recorded\n{describe(app)}"
+    for site, agents in run.wiring.voters.items():  # every node instance (a fan's worker) asks each voter once
+        for key in {t.call_key for t in run.episode.turns if site_of(t) == site}:
+            voted = sorted(t.agent for t in run.episode.turns if site_of(t) == site and t.call_key == key)
+            assert voted == sorted(agents), f"site {site} ({key}): calls by {voted}, want one each by {agents}\n{describe(app)}"
 
 
 def identities(episode: Episode) -> list[tuple]:
@@ -279,7 +362,8 @@ def check_divergence_at(app: App, result: ReplayResult, site: str, kinds: tuple[
     assert result.divergences, (f"site {site} changed, yet replay reports no divergence (state_matches="
                                 f"{result.state_matches})\n{describe(app)}")
     first = result.divergences[0]
-    assert first.kind in kinds and first.node == want.path and first.agent == want.agent, (
+    agents = wiring(app).voters.get(site) or (want.agent,)  # a vote site: either voter's call comes first
+    assert first.kind in kinds and first.node == want.path and first.agent in agents, (
         f"site {site} changed: expected a {' or '.join(kinds)} divergence at node {want.path!r} (agent "
         f"{want.agent!r}), got {first}\n{describe(app)}")
 
@@ -293,6 +377,9 @@ def check_changed_reply(app: App, result: ReplayResult) -> None:
         first = result.divergences[0]
         rerouted = any(step.kind == "branch" for step in app.steps) and first.kind in (
             "unrecorded_call", "missing_call", "interrupt_changed")
+        # a nested app's own policy answers live in a replay: the changed reply reaches it, and what it answers
+        # then reaches the nesting node's own call, which diverges without the mark
+        rerouted = rerouted or any(n.kind == "nested" and n.name == first.node for n in app.nodes())
         assert rerouted or MARK in first.diff, (f"a recorded reply was changed; the first divergence must be a call that reads "
                                     f"it, got {first}\n{describe(app)}")
         return

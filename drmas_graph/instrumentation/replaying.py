@@ -1,0 +1,39 @@
+"""The seam replay drives: what `drmas_graph.traces.replay` needs to answer an instrumented app's calls
+from a recording.
+
+Replay builds an `InstrumentedGraph` without policies, installs the hook (`install`), puts its own
+`CallHandler` in `ACTIVE_HANDLER` for the run (`ACTIVE_HANDLER.set(handler)`, then `.reset(token)`), and
+gets each call as a `CallSite`. Calls after a divergence are served live and recorded by an
+`EpisodeRecorder`. It rebuilds a recorded answer with `cut_at_stop` (and `served_message` /
+`structured_parts` of `drmas_graph.instrumentation.instrumented`), words a run that raised as the recording
+did (`note_stop`), copies a checkpointed thread's recorded start (`checkpointer`, `fork_config`,
+`afork_config`), runs with the recorded configurable values and context (`replay_config`), and finds where a
+run of the thread stopped (`latest` addresses the thread's newest checkpoint; `pending_interrupts`,
+`apending_interrupts`).
+
+Every name here is the instrumentation's own object (not a copy), so a replay and an instrumented run share
+one hook and one handler variable.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from drmas_graph.instrumentation import _threads
+from drmas_graph.instrumentation._intercept import ACTIVE_HANDLER, CallHandler, CallSite, active_handler, install
+from drmas_graph.instrumentation._outcomes import note_stop
+from drmas_graph.instrumentation._recorder import RAW_BRANCH_TAG
+from drmas_graph.instrumentation._recorder import _cut_at_stop as cut_at_stop
+from drmas_graph.instrumentation._recorder import _EpisodeRecorder as EpisodeRecorder
+from drmas_graph.instrumentation._segments import apending_interrupts, latest, pending_interrupts
+from drmas_graph.instrumentation._threads import afork_config, fork_config, replay_config
+
+__all__ = ["ACTIVE_HANDLER", "CallHandler", "CallSite", "EpisodeRecorder", "RAW_BRANCH_TAG", "active_handler",
+           "afork_config", "apending_interrupts", "checkpointer", "cut_at_stop", "fork_config", "install",
+           "latest", "note_stop", "pending_interrupts", "replay_config"]
+
+
+def checkpointer(graph: Any) -> Any:
+    """The compiled graph's checkpointer (one with `get_tuple`), else None: only then has a run a thread to
+    continue, copy or inspect."""
+    return _threads._checkpointer(graph)

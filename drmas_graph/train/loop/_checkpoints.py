@@ -1,0 +1,189 @@
+"""Checkpoints and resume, and pushing trained weights to inference servers.
+
+A checkpoint is `run_dir/checkpoints/step_N/` (complete or absent: written to a temporary folder, then
+renamed): per model its updater's state (Hugging Face model + tokenizer, optimizer, RNG) and
+`trainer_state.json` (step, policy versions, world size). `resume` restores the latest one. In asynchronous
+training it also holds the weights the next step rolls out on (`<model>/serving`, version `serving_version`;
+see `_pipeline`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import os
+import re
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Protocol
+
+from drmas_graph.errors import ConfigError
+from drmas_graph.train.engines import _distributed
+from drmas_graph.train.loop._build import is_served
+from drmas_graph.train.loop._state import HasRunState, RunState, run_state
+from drmas_graph.train.optim.lora import load_adapters, save_for_sync
+
+__all__ = ["save_checkpoint", "resume", "checkpoint_step", "push_weights", "sync_weights", "load_into_servers",
+           "sync_dir", "load_checkpoint_adapters", "RolloutWeights", "has_checkpoint", "NothingToResumeError"]
+
+
+class NothingToResumeError(ConfigError):
+    """`resume: true` (`--resume`) on a run folder that holds no checkpoint: there is nothing to continue, and
+    starting at step 0 would append a second run's episodes and metrics to the first's."""
+
+    def __init__(self, run_dir: Path) -> None:
+        super().__init__(
+            f"resume=true, but run folder {run_dir} holds no checkpoint ({run_dir / 'checkpoints'}/step_*): "
+            "there is nothing to continue from. Start the run without resume (a new run_dir, or remove this "
+            "folder if its traces are not needed); checkpoint_every sets how often a run saves one.")
+        self.run_dir = run_dir
+
+
+def has_checkpoint(run_dir: Path) -> bool:
+    """The run folder holds a complete checkpoint (`checkpoints/step_N`) to resume from."""
+    return any((run_dir / "checkpoints").glob("step_*"))
+
+
+class RolloutWeights(Protocol):
+    """Asynchronous training's rollout weights (`_pipeline.OneStepOff`), which a checkpoint also holds."""
+
+    trained_version: int
+    """Updates the trainer applied."""
+
+    def save_serving(self, directory: Path) -> int:
+        """Write the rollout weights into a checkpoint folder when they are not the trainer's; their version."""
+
+    def restore(self, directory: Path, trained: int, serving: int | None) -> None:
+        """Install the rollout weights a checkpoint holds (or the trainer's)."""
+
+
+def save_checkpoint(run: RunState, step: int, pipeline: RolloutWeights | None = None) -> Path:
+    """Write checkpoint `step` of every updater (collective: every rank saves its part, rank 0 the rest);
+    `pipeline`: asynchronous training's, whose rollout weights the checkpoint also holds."""
+    root = run.run_dir / "checkpoints"
+    final = root / f"step_{step:06d}"
+    tmp = root / f".tmp_step_{step:06d}"
+    main = _distributed.is_main()  # every rank saves its part (DeepSpeed); rank 0 writes the rest
+    if main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    _distributed.barrier()
+    for name, updater in run.updaters.items():
+        run.on_model_thread(name, functools.partial(updater.save, tmp / name))
+        if main:
+            run.model_policies[name].tokenizer.save_pretrained(tmp / name / "model")
+    versions = {n: p.version for n, p in run.model_policies.items()}
+    state = {"step": step, "policy_versions": versions, "world_size": _distributed.world_size()}
+    if pipeline is not None:  # the trained weights' version, and those the next step rolls out on
+        versions.update({n: pipeline.trained_version for n in run.updaters})
+        state["serving_version"] = pipeline.save_serving(tmp)
+    if main:
+        (tmp / "trainer_state.json").write_text(json.dumps(state))
+        shutil.rmtree(final, ignore_errors=True)
+        tmp.rename(final)  # a checkpoint is complete or absent
+        for old in sorted(root.glob("step_*"))[: -run.cfg.keep_checkpoints]:
+            shutil.rmtree(old, ignore_errors=True)
+    _distributed.barrier()
+    return final
+
+
+def resume(run: RunState, pipeline: RolloutWeights | None = None) -> int:
+    """Load the latest checkpoint into every updater (and its servers, or `pipeline`'s rollouts); return the step
+    to continue at."""
+    ckpts = sorted((run.run_dir / "checkpoints").glob("step_*"))
+    if not ckpts:
+        raise NothingToResumeError(run.run_dir)
+    latest = ckpts[-1]
+    state = json.loads((latest / "trainer_state.json").read_text())
+    _distributed.check_resume_world(state.get("world_size"), _distributed.world_size(), {
+        n: u.settings.zero_stage for n, u in run.updaters.items() if u.settings.backend == "deepspeed"})
+    for name, updater in run.updaters.items():
+        run.on_model_thread(name, functools.partial(updater.load, latest / name))
+        if pipeline is not None:  # the rollouts get their weights below
+            continue
+        version = state["policy_versions"].get(name, 0)
+        if is_served(run.model_policies[name]):
+            sync_weights(run, name, version=version)  # the servers still hold whatever they served last
+        run.model_policies[name].version = version
+    if pipeline is not None:
+        pipeline.restore(latest, int(state["step"]), state.get("serving_version"))
+    return int(state["step"])
+
+
+def checkpoint_step(checkpoint: Path) -> int:
+    """The number of training steps a checkpoint folder was written after: its trainer_state.json's, else the N
+    of its name step_N."""
+    state = checkpoint / "trainer_state.json"
+    if state.is_file():
+        return int(json.loads(state.read_text())["step"])
+    named = re.fullmatch(r"step_(\d+)", checkpoint.name)
+    if named is None:
+        raise ConfigError(f"{str(checkpoint)!r} is not a training checkpoint (no trainer_state.json, and its name is "
+                          "not step_N); pass a run_dir/checkpoints/step_N folder")
+    return int(named.group(1))
+
+
+def load_checkpoint_adapters(run: RunState | HasRunState, checkpoint: str | os.PathLike) -> None:
+    """Load the adapters of every LoRA model from a training checkpoint (``<checkpoint>/<model>/model``) into
+    a run's models (`lora.load_adapters`), and push them to the servers of served ones."""
+    state = run_state(run)
+    for name in load_adapters(state.train_models, Path(checkpoint)):
+        policy = state.model_policies.get(name)
+        if policy is not None and is_served(policy):
+            sync_weights(state, name, version=policy.version)
+
+
+def sync_dir(run_dir: Path, name: str) -> Path:
+    """run_dir/sync/<name>: the Hugging Face folder model `name`'s servers last loaded."""
+    return run_dir.resolve() / "sync" / name
+
+
+def push_weights(run_dir: Path, name: str, model: Any, policy: Any, updater: Any, *, version: int,
+                 timeout_s: float | None = None) -> float:
+    """Push model `name`'s trained weights to its servers; return the seconds it took (write + load).
+
+    The Hugging Face model and tokenizer are written to run_dir/sync/<name>/ (complete or absent: written
+    to a temporary folder, then renamed), then `policy.sync_weights(dir, version)` loads them into every
+    server; its `WeightSyncError` (a failed load, or a server reporting another version) propagates.
+    `timeout_s` bounds the load (asynchronous training; `ServedPolicy.sync_weights`).
+    """
+    start = time.perf_counter()
+    final = sync_dir(run_dir, name)
+    tmp = final.with_name(f".tmp_{name}")
+    full = getattr(updater, "full_weights", None)  # ZeRO-3: a collective gather on every process
+    with full() if full is not None else contextlib.nullcontext():
+        if _distributed.is_main():  # several processes share the servers: rank 0 writes and pushes once
+            shutil.rmtree(tmp, ignore_errors=True)
+            save_for_sync(model, policy, tmp)
+            policy.tokenizer.save_pretrained(tmp)
+            shutil.rmtree(final, ignore_errors=True)
+            tmp.rename(final)
+    _load(final, policy, version, timeout_s)
+    return time.perf_counter() - start
+
+
+def sync_weights(run: RunState, name: str, *, version: int) -> float:
+    """Push model `name`'s trained weights to its servers (`push_weights`); return the seconds."""
+    return push_weights(run.run_dir, name, run.train_models[name], run.model_policies[name], run.updaters.get(name),
+                        version=version)
+
+
+def load_into_servers(run_dir: Path, name: str, policy: Any, source: Path, *, version: int,
+                      timeout_s: float | None = None) -> None:
+    """Load the Hugging Face folder `source` (a checkpoint's copy of what the servers served) into model `name`'s
+    servers as `version`, through run_dir/sync/<name>."""
+    final = sync_dir(run_dir, name)
+    if _distributed.is_main():
+        shutil.rmtree(final, ignore_errors=True)
+        shutil.copytree(source, final)
+    _load(final, policy, version, timeout_s)
+
+
+def _load(folder: Path, policy: Any, version: int, timeout_s: float | None) -> None:
+    if _distributed.is_main():
+        kwargs = {} if timeout_s is None else {"timeout_s": timeout_s}
+        policy.sync_weights(str(folder), version=version, **kwargs)
+    _distributed.barrier()  # no rank rolls out again before the servers hold the new weights
+    policy.version = version

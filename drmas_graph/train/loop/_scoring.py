@@ -1,0 +1,337 @@
+"""From finished episodes to training samples: rewards, advantages, and the step's metrics record.
+
+- `score_episodes`: the one scoring path (training, evaluation, check, rescore): a reward per episode, checked,
+  minus the invalid-turn penalty, or a `BadRewardError` (the episode gets its `error`, the caller leaves it out).
+- `score_runs`: the reward of every kept episode (minus the invalid-turn penalty): the environment's for a
+  finished one, `rollout.truncated_reward` / `rollout.model_error_reward` for one that did not finish
+  (`score_episode`); a truncated episode `rollout.mask_truncated` names is dropped and counted, so is one
+  whose reward is unusable (None, NaN, the env raised, or its judge gave no score: `judge_failed_episodes`).
+- `group_rewards`: the rewards of an environment with `reward_group`, one call per group, groups concurrently;
+  `reward_metrics`: the environment's counters (`reward_metrics()`), checked, for the step or eval record.
+- `samples_with_advantages`: advantages of every policy-served turn (`compute_advantages`, estimator by name)
+  and one `Sample` per turn of a trained agent.
+- `step_record`: the metrics of one training step, per agent (truncated and model-error episodes and their
+  share of the samples included); `unfinished_warning`: one line when most episodes did not finish;
+  `ZeroSignalWatch`: one line when most advantage pools had zero variance for several steps in a row.
+"""
+
+from __future__ import annotations
+
+import logging
+import numbers
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from drmas_graph.config import RolloutConfig, TrainConfig
+from drmas_graph.env import (
+    ENV_REWARD,
+    BadRewardError,
+    EpisodeScore,
+    fixed_reward,
+    score_episode,
+    trainable_agent_turns,
+)
+from drmas_graph.errors import JudgeError, RolloutError
+from drmas_graph.train.optim.advantages import compute_advantages
+from drmas_graph.train.loop.metrics import mean_std
+from drmas_graph.types import Episode, Sample
+
+__all__ = ["score_runs", "score_episodes", "group_rewards", "reward_metrics", "failure_metric", "masked", "samples_with_advantages",
+           "step_record", "unfinished_metrics", "unfinished_warning", "nothing_to_train", "ZeroSignalWatch"]
+
+log = logging.getLogger(__name__)
+
+Scored = list[tuple[Any, Episode, EpisodeScore]]
+"""(task, episode, score) of every episode that got a usable reward."""
+
+
+GROUP_THREADS = 16
+"""At most this many groups are scored at once by an environment's `reward_group` (one thread each)."""
+
+
+def score_runs(env: Any, runs: list[tuple[Any, Episode]], counts: dict[str, Any], *, invalid_penalty: float,
+               rollout: RolloutConfig, on_error: Callable[[BadRewardError], None]) -> tuple[Scored, list[BadRewardError]]:
+    """Score a training step's runs (`score_episodes`); bad-reward and judge-failed episodes (they got their
+    `error`) are counted in `counts` (`bad_reward_episodes`, `judge_failed_episodes`), reported to `on_error` and
+    left out of the returned list; so are (counted, not reported) truncated episodes that `rollout.mask_truncated`
+    drops. Then the environment's `reward_metrics()` go into `counts`."""
+    scored, errors = [], []
+    counts.update(bad_reward_episodes=0, judge_failed_episodes=0, masked_truncated_episodes=0)
+    kept = []
+    for task, episode in runs:
+        if masked(episode, rollout.mask_truncated):
+            counts["masked_truncated_episodes"] += 1
+        else:
+            kept.append((task, episode))
+    results = score_episodes(env, kept, invalid_penalty=invalid_penalty, truncated_reward=rollout.truncated_reward,
+                             model_error_reward=rollout.model_error_reward)
+    for (task, episode), score in zip(kept, results):
+        if isinstance(score, BadRewardError):
+            counts[failure_metric(score)] += 1
+            errors.append(score)
+            on_error(score)
+            continue
+        episode.rewards, episode.turn_rewards = score.rewards, score.turn_rewards
+        scored.append((task, episode, score))
+    counts.update(reward_metrics(env))
+    return scored, errors
+
+
+def score_episodes(env: Any, runs: Sequence[tuple[Any, Episode]], *, invalid_penalty: float,
+                   truncated_reward: float | None = None, model_error_reward: float | None = None,
+                   max_workers: int | None = None) -> list[EpisodeScore | BadRewardError]:
+    """The one scoring path of training, evaluation, `drmas-graph check` and `rescore`: a score or the error of
+    each (task, episode) run, in order.
+
+    The raw rewards come from `env.reward_group` when the environment has it (one call per group, `group_rewards`),
+    else from `env.reward`; truncated and model-error episodes get `truncated_reward` / `model_error_reward` when
+    set. Each is checked (a finite number, or one for every agent) and every invalid turn loses `invalid_penalty`
+    (`env.score_episode`). The failure rule: an episode without a usable reward (the env raised, the judge gave no
+    score, a reward that is not a finite number) gets a `BadRewardError` and its `error` ("BadRewardError: why",
+    which the store keeps: `traces list --failed`), and the caller leaves it out (never trained on, never
+    counted as a wrong answer)."""
+    given = group_rewards(env, runs, truncated_reward=truncated_reward, model_error_reward=model_error_reward,
+                          max_workers=max_workers)
+    results: list[EpisodeScore | BadRewardError] = []
+    for task, episode in runs:
+        try:
+            results.append(score_episode(env, task, episode, invalid_penalty=invalid_penalty,
+                                         truncated_reward=truncated_reward, model_error_reward=model_error_reward,
+                                         reward=given.get(episode.id, ENV_REWARD)))
+        except BadRewardError as exc:
+            episode.error = f"BadRewardError: {exc}"
+            results.append(exc)
+    return results
+
+
+def failure_metric(exc: BadRewardError) -> str:
+    """The count an unusable reward goes to: `judge_failed_episodes` when a judge gave no score (a `JudgeError`
+    caused it), else `bad_reward_episodes`."""
+    return "judge_failed_episodes" if isinstance(exc.__cause__, JudgeError) else "bad_reward_episodes"
+
+
+def group_rewards(env: Any, runs: Sequence[tuple[Any, Episode]], *, truncated_reward: float | None,
+                  model_error_reward: float | None, max_workers: int | None = None) -> dict[str, Any]:
+    """The raw rewards `env.reward_group` gives, by episode id: {} when the environment has no `reward_group`.
+
+    The runs that need the environment's reward (not the truncated / model-error ones `truncated_reward` /
+    `model_error_reward` score) are grouped by `group_id` (a training group, or one task's k evaluation
+    episodes), keeping their order; each group is one `reward_group(task, episodes)` call, the groups run
+    concurrently on up to `max_workers` threads (default `GROUP_THREADS`). An item is a reward (float or {agent: float}, checked
+    later by `score_episode`) or a `BadRewardError` (the item was an exception, caused by it; or the group's
+    call raised or returned the wrong number of items: then every episode of the group gets one)."""
+    call = getattr(env, "reward_group", None)
+    if call is None:
+        return {}
+    groups: dict[str, tuple[Any, list[Episode]]] = {}
+    for task, episode in runs:
+        if fixed_reward(episode, truncated_reward=truncated_reward, model_error_reward=model_error_reward) is None:
+            groups.setdefault(episode.group_id or str(task.id), (task, []))[1].append(episode)
+    if not groups:
+        return {}
+    threads = min(len(groups), max_workers or GROUP_THREADS)
+    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="reward-group") as pool:
+        futures = [(episodes, pool.submit(_reward_group, env, call, group_id, task, episodes))
+                   for group_id, (task, episodes) in groups.items()]
+        return {ep.id: item for episodes, future in futures for ep, item in zip(episodes, future.result())}
+
+
+def _reward_group(env: Any, call: Callable[..., Any], group_id: str, task: Any, episodes: list[Episode]
+                  ) -> list[Any]:
+    """One group's `reward_group` items, exceptions (the items' own, the call's) turned into BadRewardErrors."""
+    where = f"env {type(env).__name__}.reward_group()"
+    group = f"group {group_id!r} (task {getattr(task, 'id', task)!r})"
+    try:
+        items = list(call(task, list(episodes)))
+    except Exception as exc:
+        error = BadRewardError(f"{where} raised on {group}: {type(exc).__name__}: {exc}")
+        error.__cause__ = exc
+        return [error] * len(episodes)
+    if len(items) != len(episodes):
+        error = BadRewardError(f"{where} returned {len(items)} rewards for the {len(episodes)} episodes of {group}; "
+                               "it must return one per episode, in their order")
+        return [error] * len(episodes)
+    out = []
+    for i, item in enumerate(items):
+        if isinstance(item, BaseException):
+            error = BadRewardError(f"{where} gave no reward for episode {i} ({episodes[i].id}) of {group}: "
+                                   f"{type(item).__name__}: {item}")
+            error.__cause__ = item
+            item = error
+        out.append(item)
+    return out
+
+
+TRAINER_PREFIXES = ("agent/", "model/", "adv/", "time/", "samples/", "reward/", "rollout/", "async/", "truncated/",
+                    "eval/")
+"""Namespaces of the trainer's own metrics, which an environment's `reward_metrics()` keys must not use."""
+
+
+def reward_metrics(env: Any) -> dict[str, float]:
+    """The environment's `reward_metrics()` (counters since its last call), {} when it has none. Each key is
+    'namespace/name' outside the trainer's namespaces (`TRAINER_PREFIXES`), each value a number; otherwise a
+    TypeError or ValueError names the environment and the key."""
+    call = getattr(env, "reward_metrics", None)
+    if call is None:
+        return {}
+    where = f"env {type(env).__name__}.reward_metrics()"
+    metrics = call()
+    if not isinstance(metrics, Mapping):
+        raise TypeError(f"{where} returned {type(metrics).__name__}, not a dict {{name: number}}")
+    out = {}
+    for key, value in metrics.items():
+        if not isinstance(key, str) or "/" not in key.strip("/") or key.startswith(TRAINER_PREFIXES):
+            raise ValueError(f"{where} returned the key {key!r}: keys are 'namespace/name' (e.g. 'judge/calls'), "
+                             f"outside the trainer's own namespaces {', '.join(TRAINER_PREFIXES)}")
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise TypeError(f"{where} returned {key!r}: {value!r}, not a number")
+        out[key] = value if isinstance(value, int) else float(value)
+    return out
+
+
+def masked(episode: Episode, mask_truncated: bool | Sequence[str]) -> bool:
+    """True for a truncated episode that `rollout.mask_truncated` drops (all of them, or those of the limits
+    it lists)."""
+    if episode.truncated_by is None:
+        return False
+    return mask_truncated is True or (not isinstance(mask_truncated, bool) and episode.truncated_by in mask_truncated)
+
+
+def samples_with_advantages(scored: Scored, cfg: TrainConfig, trained_agents: Sequence[str]
+                            ) -> tuple[list[Sample], Any]:
+    """Advantages for every policy-served turn (written to `episode.advantages`); Samples for the turns of
+    trained agents, and the estimator's statistics."""
+    rows = []  # (episode, turn position, turn, reward, group, agent-turn index)
+    for _, episode, score in scored:
+        agent_turns = trainable_agent_turns(episode.turns)
+        for i, turn in enumerate(episode.turns):
+            if turn.trainable:
+                rows.append((episode, i, turn, score.turn_rewards[i], episode.group_id, agent_turns[i]))
+    for _, episode, _ in scored:
+        episode.advantages = [0.0] * len(episode.turns)
+    if not rows:
+        return [], None
+    adv_N, stats = compute_advantages(
+        [r[3] for r in rows], group_ids=[r[4] for r in rows], agent_ids=[r[2].agent for r in rows],
+        episode_ids=[r[0].id for r in rows], turn_ids=[r[5] for r in rows], estimator=cfg.estimator,
+        norm_by_std=cfg.norm_by_std, eps=cfg.adv_eps, return_stats=True)
+    trained = set(trained_agents)
+    samples = []
+    for (episode, i, turn, *_), adv in zip(rows, adv_N.tolist()):
+        episode.advantages[i] = adv
+        if turn.agent in trained:
+            samples.append(Sample.from_turn(turn, adv, episode.id))
+    return samples, stats
+
+
+def step_record(step: int, agents: Sequence[str], scored: Scored, counts: dict[str, int], adv_stats: Any,
+                update_metrics: dict[str, float], t: tuple[float, float, float, float],
+                sync_s: float) -> dict[str, Any]:
+    """The metrics of one step: counts, time split, team reward, and per agent reward, advantage, calls,
+    invalid rate and response length; then the updaters' metrics."""
+    t0, t1, t2, t3 = t
+    record: dict[str, Any] = {"step": step, **counts, "episodes": len(scored),
+                              "time/rollout_s": t1 - t0, "time/score_s": t2 - t1, "time/update_s": t3 - t2 - sync_s,
+                              "time/sync_s": sync_s, "time/step_s": time.perf_counter() - t0}
+    episodes = [ep for _, ep, _ in scored]
+    n_tokens = sum(len(turn.response_ids) for ep in episodes for turn in ep.turns)
+    record["rollout/tokens_per_s"] = n_tokens / max(t1 - t0, 1e-9)
+    record["reward/team_mean"] = mean_std([s.team for *_, s in scored])[0]
+    record["adv/zero_variance_pools"] = getattr(adv_stats, "n_zero_variance_pools", 0)
+    record["adv/pools"] = getattr(adv_stats, "n_pools", 0)
+    record.update(unfinished_metrics(agents, episodes))
+    for agent in agents:
+        rewards = [ep.rewards[agent] for ep in episodes if agent in ep.rewards]
+        turns = [(ep, i) for ep in episodes for i, turn in enumerate(ep.turns) if turn.agent == agent]
+        served = [(ep.turns[i], ep.advantages[i]) for ep, i in turns if ep.turns[i].trainable]  # have an advantage
+        invalid = [sc.invalid[i] for _, ep, sc in scored for i, turn in enumerate(ep.turns) if turn.agent == agent]
+        record[f"agent/{agent}/reward_mean"], record[f"agent/{agent}/reward_std"] = mean_std(rewards)
+        record[f"agent/{agent}/advantage_mean"], record[f"agent/{agent}/advantage_std"] = mean_std(
+            [adv for _, adv in served], ddof=0)
+        record[f"agent/{agent}/advantage_sq_mean"] = (
+            sum(adv * adv for _, adv in served) / len(served) if served else 0.0)  # E[A^2] (Dr. MAS's argument)
+        record[f"agent/{agent}/calls"] = len(turns)
+        record[f"agent/{agent}/invalid_rate"] = sum(invalid) / len(invalid) if invalid else 0.0
+        record[f"agent/{agent}/response_length"] = (
+            sum(len(t.response_ids) for t, _ in served) / len(served) if served else 0.0)
+        if not turns:
+            record[f"agent/{agent}/never_acted"] = 1
+    record.update(update_metrics)
+    return record
+
+
+def unfinished_metrics(agents: Sequence[str], episodes: Sequence[Episode]) -> dict[str, float]:
+    """Among the scored episodes: the share of the policy-served turns (the samples) that come from truncated
+    and from model-error episodes, over all agents (`samples/...`) and per agent; per agent also the
+    model-error episodes whose offending turn was its."""
+    record: dict[str, float] = {}
+    served = [(ep, t) for ep in episodes for t in ep.turns if t.trainable]
+    for prefix, rows in [("samples", served)] + [(f"agent/{a}", [r for r in served if r[1].agent == a]) for a in agents]:
+        for kind in ("truncated", "model_error"):
+            record[f"{prefix}/{kind}_share"] = sum(ep.outcome == kind for ep, _ in rows) / len(rows) if rows else 0.0
+    for agent in agents:
+        record[f"agent/{agent}/model_error_episodes"] = sum(
+            ep.outcome == "model_error" and ep.turns[ep.model_error_turn].agent == agent for ep in episodes)
+    return record
+
+
+def unfinished_warning(record: dict[str, Any], n_episodes: int) -> str | None:
+    """One line when more than half of a step's `n_episodes` were truncated or model errors, naming the limits
+    and the agents; None otherwise."""
+    truncated, model_errors = record.get("truncated_episodes", 0), record.get("model_error_episodes", 0)
+    if truncated + model_errors <= n_episodes / 2:
+        return None
+    parts = []
+    if truncated:
+        limits = ", ".join(f"{k.split('/', 1)[1]} {int(v)}" for k, v in record.items()
+                           if k.startswith("truncated/") and v)
+        parts.append(f"{truncated} truncated ({limits}; raise the limit in the config's `rollout` "
+                     "section if episodes legitimately need more)")
+    if model_errors:
+        agents = ", ".join(f"{k.split('/')[1]} {int(v)}" for k, v in record.items()
+                           if k.endswith("/model_error_episodes") and v)
+        parts.append(f"{model_errors} model errors (by agent: {agents}; the policy's output broke the app, e.g. "
+                     "not the JSON its structured-output call asked for)")
+    return (f"step {record['step']}: {truncated + model_errors} of {n_episodes} episodes did not finish: "
+            + "; ".join(parts) + ". They are trained on with rollout.truncated_reward / rollout.model_error_reward "
+            "(metrics truncated_episodes, model_error_episodes)")
+
+
+class ZeroSignalWatch:
+    """Warns when more than half of the advantage pools (`adv/zero_variance_pools` of `adv/pools`) had zero
+    variance for `patience` consecutive steps: those groups train on nothing. Once per streak."""
+
+    def __init__(self, patience: int = 3) -> None:
+        self.patience = patience
+        self.streak: list[tuple[int, int, int]] = []
+        """(step, zero-variance pools, pools) of the current streak of mostly-zero-variance steps."""
+
+    def observe(self, record: dict[str, Any]) -> str | None:
+        """Take a step's record; return the warning on the step that completes `patience` such steps in a row."""
+        zero, pools = int(record.get("adv/zero_variance_pools", 0)), int(record.get("adv/pools", 0))
+        if not pools or zero <= pools / 2:
+            self.streak = []
+            return None
+        self.streak.append((record["step"], zero, pools))
+        if len(self.streak) != self.patience:
+            return None
+        shares = ", ".join(f"step {s}: {z}/{p}" for s, z, p in self.streak)
+        return (f"most advantage pools had zero variance (every episode of the group got the same reward, so the "
+                f"group teaches nothing) for {self.patience} steps in a row ({shares}; metric "
+                "adv/zero_variance_pools): the tasks are too easy or too hard for the model, or the reward does "
+                "not tell answers apart. Change the prompt, the task difficulty or the reward (partial credit), or "
+                "raise group_size; `drmas-graph check` shows the reward spread per agent")
+
+
+def nothing_to_train(step: int, n: int, errors: Sequence[BaseException], run_dir: Path) -> RolloutError:
+    """The error that stops a run whose step lost every episode (raised with the first failure chained)."""
+    first = (list(errors) or [None])[0]
+    err = RolloutError(f"step {step}: all {n} episodes failed or got no usable reward (or rollout.mask_truncated "
+                       f"dropped them), nothing to train on; "
+                       f"the first: {first}. Fix the graph or the environment (failed episodes are in "
+                       f"{run_dir / 'traces.db'}, with their error)", getattr(first, "episode", None))
+    err.__cause__ = first
+    return err

@@ -1,0 +1,102 @@
+"""Building a run from its config: `build_run` (a `RunState`), and the run folder's guard (`RunDirInUseError`)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from drmas_graph.config import AgentConfig, TrainConfig
+from drmas_graph.errors import ConfigError
+from drmas_graph.instrumentation.instrumented import InstrumentedGraph
+from drmas_graph.policy import Policy
+from drmas_graph.traces.store import TraceStore
+from drmas_graph.train.engines import _distributed
+from drmas_graph.train.loop import _build, _checkpoints, _pipeline
+from drmas_graph.train.loop._rollouts import EpisodeSlots, episode_config
+from drmas_graph.train.loop._state import RunNotes, RunState, abandon, on_model_thread
+
+__all__ = ["build_run", "RunDirInUseError", "free_run_dir"]
+
+
+class RunDirInUseError(ConfigError):
+    """A training run (not resumed) was pointed at a run folder that already holds a run."""
+
+    def __init__(self, run_dir: Path) -> None:
+        super().__init__(f"run folder {run_dir} already holds a run ({run_dir / 'traces.db'}); train into a new "
+                         f"folder (run_dir={str(free_run_dir(run_dir))!r}), or continue this run from its last "
+                         "checkpoint with resume=True")
+        self.run_dir = run_dir
+
+
+def free_run_dir(run_dir: Path) -> Path:
+    """`run_dir` with the first of -2, -3, ... that names no folder yet."""
+    n = 2
+    while run_dir.with_name(f"{run_dir.name}-{n}").exists():
+        n += 1
+    return run_dir.with_name(f"{run_dir.name}-{n}")
+
+
+def build_run(graph: Any, env: Any, cfg: TrainConfig, *, policies: Mapping[str, Policy] | None = None,
+              train_models: Mapping[str, Any] | None = None, train: bool = True,
+              rollout_config: Mapping[str, Any] | None = None) -> RunState:
+    """The run's pieces from its config (see `RunState`). `train=False` builds no updaters (evaluation, check).
+    A failure closes what was built (launched servers) and, when the store is new, removes it again."""
+    rollout_config = dict(rollout_config or {})
+    episode_config(rollout_config, cfg.rollout)  # refuse a shared thread_id now, not mid-run
+    _check_processes(cfg, policies, train)
+    run_dir = Path(cfg.run_dir)
+    # before any process creates its store: a second run would mix its episodes and metrics into the first's
+    if train and not cfg.resume and any(_distributed.gather((run_dir / "traces.db").exists())):
+        raise RunDirInUseError(run_dir)
+    if train and cfg.resume and not any(_distributed.gather(_checkpoints.has_checkpoint(run_dir))):
+        raise _checkpoints.NothingToResumeError(run_dir)  # step 0 would append to the old run's traces
+    run_dir.mkdir(parents=True, exist_ok=True)
+    store_file = _distributed.store_path(run_dir)
+    new_store = not store_file.exists()
+    trained: dict[str, Any] = {}
+    built: list[Policy] = []
+    store: TraceStore | None = None
+    try:
+        agent_policies, model_policies = _build.build_policies(cfg, policies, train_models, trained=trained,
+                                                               built=built)
+        by_policy = {id(p): n for n, p in model_policies.items()}
+        agent_cfgs = {a: cfg.agents.get(a) or AgentConfig(model=by_policy[id(p)]) for a, p in agent_policies.items()}
+        train_tasks = _build.load_tasks(env, "train")
+        # a resumed run appends to its own store (its config may differ in `steps`, `resume`); so does an
+        # evaluation-only run (train=False), which adds eval episodes to whatever run the folder holds
+        pinned = not cfg.resume and (train or not (run_dir / "traces.db").exists())
+        store = TraceStore(store_file, config=cfg.model_dump(mode="json") if pinned else None)
+        app = InstrumentedGraph(graph, agent_policies, agents=cfg.node_agents, strict=cfg.strict, store=store)
+        # configured agents sample as configured; others keep their policy's own defaults
+        app.sampling.update({a: _build.agent_sampling(c) for a, c in cfg.agents.items() if a in agent_policies})
+        _build.check_sampling(agent_policies, app.sampling)
+        copies: dict[str, Any] = {}
+        fallback = None
+        if train and cfg.async_.max_staleness > 0:  # before the updaters: they train the copies
+            copies, fallback = _pipeline.trainer_copies(cfg, model_policies, agent_policies, agent_cfgs, trained)
+        updaters = _build.build_updaters(
+            cfg, agent_policies, model_policies, agent_cfgs, trained,
+            lambda name, fn: on_model_thread(model_policies, copies, name, fn)) if train else {}
+        penalty = cfg.invalid_penalty if cfg.invalid_penalty is not None else float(getattr(env, "invalid_penalty", 0.0))
+        return RunState(
+            cfg=cfg, env=env, run_dir=run_dir, rollout_config=rollout_config, agent_policies=agent_policies,
+            model_policies=model_policies, agent_cfgs=agent_cfgs, train_models=trained, copies=copies,
+            updaters=updaters, store=store, app=app, train_tasks=train_tasks, invalid_penalty=penalty,
+            truncated_reward=cfg.rollout.truncated_reward, model_error_reward=cfg.rollout.model_error_reward,
+            episode_slots=EpisodeSlots(cfg.max_concurrency), built=built, async_fallback=fallback, new_store=new_store,
+            notes=RunNotes())
+    except BaseException:
+        abandon(built, store, store_file if new_store else None)
+        raise
+
+
+def _check_processes(cfg: TrainConfig, policies: Mapping[str, Policy] | None, train: bool) -> None:
+    """Under torchrun / deepspeed: what several processes cannot do is refused, then the process group starts."""
+    if train:  # whole groups per rank (evaluation shards tasks, any number)
+        _distributed.check_divisible(cfg.tasks_per_step)
+    _distributed.check_no_launch({n: mc.serve.launch for n, mc in cfg.models.items() if mc.serve is not None})
+    _distributed.check_zero3_served(
+        [n for n, mc in cfg.models.items() if mc.trainable and mc.serve is None and (mc.update or cfg.update).zero() == 3]
+        + (["<policies passed to train_graph>"] if policies and cfg.update.zero() == 3 else []))
+    _distributed.init_process_group(use_deepspeed=_build.uses_deepspeed(cfg, policies))

@@ -1,0 +1,314 @@
+"""`train_graph(graph, env)`: agent-wise GRPO (Dr. MAS) over an existing LangGraph app.
+
+One step: sample B tasks (a seeded, resumable order) -> G concurrent rollouts each through the
+instrumented graph -> rewards (team or per agent, minus the invalid-turn penalty; an environment with
+`reward_group`, e.g. a judge, scores each group at once) -> advantages
+(`compute_advantages`, estimator by name) -> one `ModelUpdater.update` per trainable model -> new weights
+visible to the rollout backend -> metrics, periodic evaluation (avg@k, pass@k) and checkpoints.
+
+Weights reach the rollout backend in one of two ways. An embedded policy (`TransformersPolicy`) serves the
+very module the updater trains: the update runs inside `policy.updating_weights()`, which bumps its version.
+A served policy (SGLang, vLLM: anything with `sync_weights(dir, version)`) has no local model: the updater
+trains a local copy, which is written to run_dir/sync/<model>/ (Hugging Face format + tokenizer) and loaded
+into every server with version = steps done; a server that fails or reports another version stops the run.
+
+With `async.max_staleness` >= 1 the steps are pipelined (`_pipeline`): later steps' rollouts run while the
+trainer updates on this one, the trainer trains a copy of an embedded model, and the new weights reach the
+rollouts at the step boundary (`async.schedule: one_step_off`) or right after each update (`free`).
+
+The run's pieces are built once from the config (`_setup.build_run`) into a frozen `_state.RunState` (policies,
+updaters, store, app, env, run folder, ...) that every part takes; `Trainer` holds it and the loop. The parts live
+next to this module: `_build` (policies and updaters from the config), `_rollouts` (G concurrent episodes per task),
+`_scoring` (rewards, advantages, the step's metrics), `_learn` (every trained model's update, `optim.update`),
+`_checkpoints` (checkpoints, resume, weight sync), `evaluate` (avg@k, pass@k), `_pipeline` (asynchronous training),
+`optim.offpolicy` (its off-policy correction).
+
+Departures from the reference code (langfengQ/DrMAS): no duplicate padding of per-model batches before
+advantage estimation (it biases the statistics); failed episodes, bad rewards and episodes without LLM
+calls are dropped from their group and counted, never silently trained on. Like the reference, episodes
+that a limit stopped (truncated) and those the policy's output broke (model errors) are trained on, with
+the configured rewards (`rollout.truncated_reward`, `rollout.model_error_reward`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from drmas_graph.config import TrainConfig, merge_overrides
+from drmas_graph.errors import RolloutError
+from drmas_graph.policy import Policy
+from drmas_graph.traces.weave_export import WeaveExporter, start_exporter
+from drmas_graph.train.engines import _distributed
+from drmas_graph.train.loop import _checkpoints, _pipeline, _scoring
+from drmas_graph.train.loop._learn import update_models
+from drmas_graph.train.loop._rollouts import StepBatch
+from drmas_graph.train.loop._setup import RunDirInUseError, build_run, free_run_dir
+from drmas_graph.train.loop.evaluate import evaluate, reply_lines
+from drmas_graph.train.loop.metrics import RunLogger
+from drmas_graph.types import Episode
+
+__all__ = ["train_graph", "TrainResult", "Trainer", "evaluate", "RunDirInUseError"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainResult:
+    """What a training run produced."""
+
+    run_dir: Path
+    """Folder holding traces.db, metrics.jsonl, tensorboard/ and checkpoints/."""
+    history: list[dict[str, Any]] = field(default_factory=list)
+    """One metrics record per training step."""
+    evals: list[dict[str, Any]] = field(default_factory=list)
+    """One record per evaluation (step 0 = before training)."""
+    checkpoint: Path | None = None
+    """The last checkpoint written."""
+
+    def summary(self) -> str:
+        """A short table: per-agent reward (turn reward incl. invalid-turn penalties) and avg@k / pass@k,
+        at the first and the last evaluation; the training reward of the first and last step. One column
+        where there was only one (one evaluation, one step)."""
+
+        def row(label: str, *cells: Any) -> str:
+            return f"{label:<28}" + "".join(f"{c:>12}" if isinstance(c, (str, int)) else f"{c:>12.3f}" for c in cells)
+
+        lines = []
+        if self.evals:
+            ends = self.evals[:1] if len(self.evals) == 1 else [self.evals[0], self.evals[-1]]
+            last = ends[-1]
+            k, split = last["k"], last["split"]
+            lines.append(row("evaluation on " + split, *(f"step {e['step']}" for e in ends)))
+            agents = sorted({key.split("/")[0] for key in last if key.endswith("/reward")})
+            for a in agents:
+                lines.append(row("  reward " + a, *(float(e.get(f"{a}/reward", float("nan"))) for e in ends)))
+            for metric in ("avg@k", "pass@k"):
+                lines.append(row("  " + metric.replace("k", str(k)), *(float(e[metric]) for e in ends)))
+            if any(e.get("unjudged_episodes") for e in ends):  # left out of avg@k and pass@k
+                lines.append(row("  unjudged episodes", *(int(e.get("unjudged_episodes", 0)) for e in ends)))
+            lines += reply_lines(last)
+        if self.history:
+            ends = self.history[:1] if len(self.history) == 1 else [self.history[0], self.history[-1]]
+            lines.append(row("training reward (team)", *(f"step {h['step']}" for h in ends)))
+            lines.append(row("", *(float(h["reward/team_mean"]) for h in ends)))
+        lines.append(f"run folder: {self.run_dir}")
+        return "\n".join(lines)
+
+
+def train_graph(graph: Any, env: Any, config: TrainConfig | None = None, *,
+                policies: Mapping[str, Policy] | None = None, train_models: Mapping[str, Any] | None = None,
+                rollout_config: Mapping[str, Any] | None = None, **overrides: Any) -> TrainResult:
+    """Train the policies behind `graph` on `env` with agent-wise GRPO.
+
+    Args:
+        graph: the app's compiled LangGraph graph (or StateGraph builder); it is not modified.
+        env: tasks(split), reward(task, episode), optional turn_is_valid(task, turn) (see `Env`).
+        config: a `TrainConfig` (or None for defaults); `overrides` replace fields (`steps=3`,
+            `eval__k=2` for nested ones).
+        policies: agent -> Policy built in Python (instead of, or on top of, `config.models`).
+        train_models: policy name -> the Hugging Face model to train for a *served* policy given in
+            `policies` (its local copy, with the weights the servers started from; it never generates).
+            After each update it is pushed to the servers. Embedded policies train their own `.model`.
+        rollout_config: a LangGraph RunnableConfig merged into every episode's config (`configurable`,
+            `recursion_limit`, `callbacks`, ...); each episode still gets its own `configurable.thread_id`
+            (see the config's `rollout` section for limits per episode).
+
+    Served models, from a config (`models.<name>.serve`, see `ServeConfig`) or from Python:
+
+        policy = SGLangPolicy(url, tokenizer, name="qwen")          # servers started from /models/qwen
+        local = AutoModelForCausalLM.from_pretrained("/models/qwen")
+        train_graph(graph, env, cfg, policies={"solver": policy}, train_models={"qwen": local})
+    """
+    cfg = merge_overrides(config, overrides)
+    trainer = Trainer(graph, env, cfg, policies=policies, train_models=train_models, rollout_config=rollout_config)
+    try:
+        return trainer.run()
+    finally:
+        trainer.close()
+
+
+def _state_field(name: str) -> property:
+    return property(lambda self: getattr(self.state, name), doc=f"`state.{name}` (see `RunState`).")
+
+
+class Trainer:
+    """The training loop over a run built once from its config (`state`, a `RunState`); `run()` is the loop.
+    Build it through `train_graph`; `train=False` builds no updaters (evaluation, `drmas-graph check`)."""
+
+    def __init__(self, graph: Any, env: Any, cfg: TrainConfig, *, policies: Mapping[str, Policy] | None = None,
+                 train_models: Mapping[str, Any] | None = None, train: bool = True,
+                 rollout_config: Mapping[str, Any] | None = None):
+        self.state = build_run(graph, env, cfg, policies=policies, train_models=train_models, train=train,
+                               rollout_config=rollout_config)
+        """The run's pieces (policies, updaters, store, app, env, run folder); see `RunState`."""
+        self.pipeline: _pipeline.OneStepOff | None = None
+        """Asynchronous training (`async.max_staleness` >= 1); None = synchronous steps."""
+        self.weave: WeaveExporter | None = None
+        """Exports episodes and evaluations to W&B Weave (`logging.weave`), off the training thread."""
+        run = self.state
+        try:
+            if train and cfg.async_.max_staleness > 0 and run.async_fallback is None:
+                self.pipeline = _pipeline.pipeline(run, self)
+            self.start_step = _checkpoints.resume(run, self.pipeline) if cfg.resume else 0
+            if self.start_step == 0:  # adapters loaded by name must exist on the servers before the first rollout
+                for name in (n for n, p in run.model_policies.items() if getattr(p, "lora_by_name", ())):
+                    _checkpoints.sync_weights(run, name, version=0)
+            # rank 0 exports from the merged store
+            self.weave = start_exporter(cfg, run.run_dir / "traces.db") if _distributed.is_main() else None
+        except BaseException:
+            run.abandon()  # e.g. servers launched for a run that never starts
+            raise
+        # never overwrite a training run's config; under several processes rank 0 writes it
+        if _distributed.is_main() and (train or not (run.run_dir / "config.yaml").exists()):
+            cfg.to_yaml(run.run_dir / "config.yaml")
+        self.result = TrainResult(run_dir=run.run_dir)
+
+    cfg = _state_field("cfg")
+    env = _state_field("env")
+    run_dir = _state_field("run_dir")
+    store = _state_field("store")
+    app = _state_field("app")
+    agent_policies = _state_field("agent_policies")
+    model_policies = _state_field("model_policies")
+    train_models = _state_field("train_models")
+    updaters = _state_field("updaters")
+    episode_slots = _state_field("episode_slots")
+    async_fallback = _state_field("async_fallback")
+
+    @property
+    def rollout_errors(self) -> list[RolloutError]:
+        """Errors of the failed episodes of the last rollouts (`RunNotes.rollout_errors`)."""
+        return self.state.notes.rollout_errors
+
+    # ---- the loop -----------------------------------------------------------------------------
+    def run(self) -> TrainResult:
+        cfg = self.state.cfg
+        logger_cls = RunLogger if _distributed.is_main() else _distributed.NullLogger  # rank 0 writes metrics
+        logger = logger_cls(self.state.run_dir, tensorboard=cfg.logging.tensorboard, wandb=cfg.logging.wandb,
+                            progress=cfg.logging.progress, total_steps=cfg.steps, start_step=self.start_step,
+                            agents=list(self.state.agent_policies), run_name=cfg.name,
+                            config=cfg.model_dump(mode="json"))
+        try:
+            if cfg.eval.before_training and self.start_step == 0:
+                self._evaluate(0, logger)
+            for step, record in self.steps():
+                self.result.history.append(record)
+                logger.log(record)
+                logger.progress(step, record)
+                done = step + 1
+                if cfg.checkpoint_every and done % cfg.checkpoint_every == 0 and done < cfg.steps:
+                    self.save_checkpoint(done)
+                if cfg.eval.every and done % cfg.eval.every == 0 and done < cfg.steps:
+                    self._evaluate(done, logger)
+            if self.start_step < cfg.steps:  # checkpoint first: asynchronous runs save the weights step N rolls out on
+                self.save_checkpoint(cfg.steps)
+                self._evaluate(cfg.steps, logger)
+            _distributed.remove_rank_stores(self.state.run_dir, self.state.store.close)  # every rank's traces
+        finally:
+            logger.close()
+        return self.result
+
+    def steps(self) -> Iterator[tuple[int, dict[str, Any]]]:
+        """(step, metrics record) of each training step: rollout, score and update in turn, or pipelined with the
+        later steps' rollouts (`async.max_staleness` >= 1: `_pipeline.OneStepOff` or `FreeRunning`)."""
+        if self.pipeline is not None:
+            yield from self.pipeline.steps(self.start_step)
+            return
+        for step in range(self.start_step, self.state.cfg.steps):
+            record = self.learn(self.collect(step))
+            if self.state.async_fallback is not None:
+                record["async/synchronous_fallback"] = 1
+            yield step, record
+
+    def collect(self, step: int) -> StepBatch:
+        """Step `step`'s rollouts (this process's groups), scored, with advantages and the trained agents' Samples."""
+        run, group_size = self.state, self.state.cfg.group_size
+        t0 = time.perf_counter()
+        tasks = self.batch_tasks(step)
+        batch = run.roll_out(tasks, step, group_size, phase="train")
+        t1 = time.perf_counter()
+        scored, reward_errors = run.score(batch.runs, batch.counts)
+        samples, adv_stats = _scoring.samples_with_advantages(scored, run.cfg, run.trained_agents())
+        return StepBatch(step, len(tasks) * group_size, batch.counts, batch.errors, scored, reward_errors,
+                         samples, adv_stats, (t0, t1, time.perf_counter()))
+
+    def learn(self, batch: StepBatch, *, publish: bool = True) -> dict[str, Any]:
+        """Update every trained model on the batch's samples; return the step's metrics record. `publish` merges
+        every process's traces and exports the step (the pipeline does that at the next step boundary)."""
+        run, step, scored = self.state, batch.step, batch.scored
+        run.notes.rollout_errors, run.notes.reward_errors = batch.rollout_errors, batch.reward_errors
+        if not any(_distributed.gather(bool(scored))):  # every rank decides alike (one rank's loss is not fatal)
+            raise _scoring.nothing_to_train(step, batch.n_episodes, batch.rollout_errors or batch.reward_errors,
+                                            run.run_dir)
+        t0, t1, _ = batch.times
+        t2 = time.perf_counter()
+        update_metrics, sync_s = update_models(run, batch.samples, step=step, pipelined=self.pipeline is not None)
+        t3 = time.perf_counter()
+        run.store.record_training(step, [ep for _, ep, _ in scored])
+        scored, counts, adv_stats = _distributed.merge_step(scored, batch.counts, batch.adv_stats)  # every rank's
+        batch.trained = [ep for _, ep, _ in scored]
+        if publish:
+            self.publish(step)
+        record = _scoring.step_record(step, list(run.agent_policies), scored, counts, adv_stats, update_metrics,
+                                      (t0, t1, t2, t3), sync_s)
+        for warning in (_scoring.unfinished_warning(record, batch.n_episodes), run.notes.zero_signal.observe(record)):
+            if warning is not None and _distributed.is_main():
+                log.warning(warning)
+        return record
+
+    # ---- its parts ----------------------------------------------------------------------------
+    def batch_tasks(self, step: int) -> list[Any]:
+        """Tasks of a step: positions step * B ... step * B + B - 1 of `RunState.task_order`."""
+        return self.state.task_order(step * self.state.cfg.tasks_per_step, self.state.cfg.tasks_per_step)
+
+    def train_step(self, step: int) -> dict[str, Any]:
+        """One synchronous step: `collect`, then `learn`."""
+        return self.learn(self.collect(step))
+
+    def publish(self, step: int, trained: Sequence[Episode] = ()) -> None:
+        """Copy every process's traces into traces.db (rank 0; where no rank writes), then export step `step`.
+        `trained`: every process's trained episodes of the step, whose training data rank 0 writes after the copy
+        (asynchronous training copies a step's episodes from the rank files before they are trained)."""
+        _distributed.merge_traces(self.state.run_dir)
+        if trained and _distributed.world_size() > 1 and _distributed.is_main():
+            self.state.store.record_training(step, trained)
+        if self.weave is not None:
+            self.weave.submit_step(step)
+
+    def rollouts(self, tasks: Sequence[Any], step: int, group_size: int, *, phase: str
+                 ) -> tuple[list[tuple[Any, Episode]], dict[str, int]]:
+        """G rollouts per task (`RunState.roll_out`): the finished, truncated and model-error runs and the counts;
+        failed episodes are counted (and stored), their errors go to `rollout_errors`."""
+        batch = self.state.roll_out(tasks, step, group_size, phase=phase)
+        return batch.runs, batch.counts
+
+    _rollouts = rollouts  # the name before the layout change (issue 19); the repro scripts call it
+
+    def sync_weights(self, name: str, *, version: int) -> float:
+        """Push model `name`'s trained weights to its servers (`_checkpoints.sync_weights`); return the seconds."""
+        return _checkpoints.sync_weights(self.state, name, version=version)
+
+    def _evaluate(self, step: int, logger: RunLogger) -> dict[str, Any]:
+        if self.pipeline is not None:  # the rollouts in flight end, the trainer's weights reach the rollouts
+            self.pipeline.settle()
+        rollouts: list[Any] | None = [] if self.weave is not None else None
+        record = evaluate(self.state, step=step, rollouts=rollouts)
+        if self.weave is not None:
+            self.weave.submit_evaluation(record, rollouts)
+        self.result.evals.append(record)
+        logger.log({"step": step, **{f"eval/{k}": v for k, v in record.items() if k != "step"}})
+        return record
+
+    def save_checkpoint(self, step: int) -> Path:
+        self.result.checkpoint = _checkpoints.save_checkpoint(self.state, step, self.pipeline)
+        return self.result.checkpoint
+
+    def close(self) -> None:
+        if self.weave is not None:
+            self.weave.close()  # exports what is queued; never raises an export error
+        self.state.close()
