@@ -18,7 +18,7 @@ from langchain_core.outputs import ChatGeneration, ChatResult
 from pydantic import Field
 
 from graphs.math import checked_graph
-from graphs.math.checked_env import CheckedMathEnv, verdicts
+from graphs.math.checked_env import CheckedMathEnv, verdict_reward, verdicts
 from graphs.math.checked_graph import CHECKER_PROMPT
 from graphs.math.env import MathEnv, normalize_number
 from graphs.math.report import agent_rates, eval_rates, rates_table
@@ -403,10 +403,25 @@ def test_checked_graph_judges_the_planted_answer_then_the_solvers_and_revises_on
     task = Task(id="t", input={}, answer="7")
     assert verdicts(task, state) == [(False, False, True), (False, False, False), (True, True, False)]
     reward = checked_env().reward(task, type("E", (), {"final_state": state})())
-    assert reward == {"solver": 1.0, "verifier": 1.0}
-    state["transcript"][2]["text"] = "The answer is 6."  # had it approved the wrong 6: 2 of 3 verdicts right
+    # rejected the planted 8 with the right 7 (1), the solver's 6 with a wrong 5 (0.5), approved the right 7 (1)
+    assert reward == {"solver": 1.0, "verifier": pytest.approx(2.5 / 3)}
+    state["transcript"][2]["text"] = "The answer is 6."  # had it approved the wrong 6: 1 + 0 + 1
     reward = checked_env().reward(task, type("E", (), {"final_state": state})())
     assert reward == {"solver": 1.0, "verifier": pytest.approx(2 / 3)}
+
+
+@pytest.mark.parametrize("judged, reply, paid", [
+    ("7", "The answer is 7.", 1.0),   # approves a right answer
+    ("8", "The answer is 7.", 1.0),   # rejects a wrong answer with the right number
+    ("8", "The answer is 3.", 0.5),   # rejects a wrong answer, but its correction is wrong (an echo of 3 + 4)
+    (None, "The answer is 3.", 0.5),  # an unreadable solver answer is a wrong one
+    ("8", "The answer is 8.", 0.0),   # approves a wrong answer
+    ("7", "The answer is 3.", 0.0),   # rejects a right answer
+    ("8", "Yes or No", 0.0),          # no number: no verdict
+])
+def test_verdict_reward(judged, reply, paid):
+    task = Task(id="t", input={"question": "What is 3 + 4?"}, answer="7")
+    assert verdict_reward(task, {"agent": "verifier", "text": reply, "judged": judged, "planted": False}) == paid
 
 
 def test_checked_verifier_echoing_its_instruction_is_no_verdict_and_invalid():

@@ -8,9 +8,15 @@ and half wrong in both splits, with the near misses a solver makes.
 Rewards of one episode (``reward`` returns a dict, so each agent is paid for its own work):
 
 - ``solver``: 1.0 if the final answer is right, else 0.0.
-- ``verifier``: the share of its verdicts that were right. A verdict is right when it approves a right answer
-  or rejects a wrong one; a reply without a number is no verdict and counts as wrong (echoing the instruction
-  earns nothing). It judges 2 or 3 answers per episode (the planted one, then each solver answer).
+- ``verifier``: the mean of its verdicts' rewards (`verdict_reward`). Approving a right answer earns 1;
+  rejecting a wrong one earns 1 when its own number is the right answer (the correction the solver is shown is
+  right) and 0.5 when it is not; approving a wrong answer or rejecting a right one earns 0; a reply without a
+  number is no verdict and earns 0 (echoing the instruction earns nothing). It judges 2 or 3 answers per
+  episode (the planted one, then each solver answer). Why a wrong-number rejection earns only half: the
+  verifier works the sum out blind, so any wrong number "rejects" every wrong answer; paid in full, answering
+  the question's first number rejected three verdicts in four early in training (most solver answers are
+  wrong then), and that echo, learned by the model both agents share, took over the solver too (seed 0 of
+  recipe C in docs/demo.md).
 
 Invalid turns (the trainer subtracts ``invalid_penalty``): a solver or verifier reply without a number.
 """
@@ -25,7 +31,7 @@ from graphs.math.env import MathEnv, normalize_number
 from graphs.math.graph import parse_answer
 from graphs.task import Task
 
-__all__ = ["CheckedMathEnv", "Verdict", "verdicts"]
+__all__ = ["CheckedMathEnv", "Verdict", "verdict_reward", "verdicts"]
 
 Verdict = tuple[bool, bool | None, bool]
 """One verifier turn: (the judged answer is right, approved (None: no number, no verdict), planted)."""
@@ -45,6 +51,21 @@ def verdicts(task: Task, final_state: Mapping[str, Any]) -> list[Verdict]:
         right = same_number(entry["judged"], task.answer)
         out.append((right, None if check is None else same_number(check, entry["judged"]), bool(entry["planted"])))
     return out
+
+
+def verdict_reward(task: Task, entry: Mapping[str, Any]) -> float:
+    """The reward of one verifier turn (its transcript entry): 1 for approving a right answer or rejecting a
+    wrong one with the right number, 0.5 for rejecting a wrong answer with a wrong number, 0 for a wrong verdict
+    or no number."""
+    check = parse_answer(entry["text"])
+    if check is None:
+        return 0.0
+    right = same_number(entry["judged"], task.answer)
+    if same_number(check, entry["judged"]):  # approved
+        return 1.0 if right else 0.0
+    if right:
+        return 0.0
+    return 1.0 if same_number(check, task.answer) else 0.5
 
 
 class CheckedMathEnv(MathEnv):
@@ -69,11 +90,11 @@ class CheckedMathEnv(MathEnv):
                     meta={**task.meta, "planted_right": right})
 
     def reward(self, task: Task, episode: Any) -> dict[str, float]:
-        """Solver: final answer right (1/0). Verifier: share of its verdicts that were right."""
+        """Solver: final answer right (1/0). Verifier: the mean of its verdicts' rewards (`verdict_reward`)."""
         state = episode.final_state or {}
-        judged = verdicts(task, state)
-        right = [approved is not None and approved == answer_right for answer_right, approved, _ in judged]
-        return {"solver": self.score(task, state), "verifier": sum(right) / len(right) if right else 0.0}
+        verdicts(task, state)  # checks that every verifier entry names the answer it judged
+        paid = [verdict_reward(task, e) for e in state.get("transcript") or [] if e["agent"] == "verifier"]
+        return {"solver": self.score(task, state), "verifier": sum(paid) / len(paid) if paid else 0.0}
 
     def is_success(self, task: Task, episode: Any) -> bool:
         """avg@k / pass@k count the final answer only."""
