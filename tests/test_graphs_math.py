@@ -466,7 +466,7 @@ def test_agent_rates_on_hand_made_episodes():
     assert (solver.replies, solver.format_rate, solver.skill) == (6, 5 / 6, 2 / 5)
     # final answers: t1 7 right, none wrong -> 1/2; t2 4 right, 7 and 5 wrong -> 1/3; pass 1
     assert (solver.avg_k, solver.pass_k) == (pytest.approx((1 / 2 + 1 / 3) / 2), 1.0)
-    # 4 distinct; "The answer is 7." twice of 6 (as often as 5, and counted first), on t1 (right) and t2 (wrong)
+    # 4 distinct; "The answer is 7." twice of 6 (as often as 5, but on two tasks: t1 (right) and t2 (wrong))
     assert (solver.tasks, solver.distinct, solver.top_reply, solver.top_share) == (2, 4, "The answer is 7.", 2 / 6)
     assert (solver.top_tasks, solver.top_right_tasks) == (2, 1)
     assert solver.tpr is None and solver.balanced_accuracy is None

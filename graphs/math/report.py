@@ -114,7 +114,11 @@ def agent_rates(tasks: Mapping[str, Task], episodes: Iterable[Any]) -> dict[str,
     for agent, by_task in sorted(ok.items()):
         mine = replies[agent]
         parsable = [r for _, _, r in mine if r is not None]
-        top, count = Counter(text for _, text, _ in mine).most_common(1)[0] if mine else ("", 0)
+        counts = Counter(text for _, text, _ in mine)
+        spread = {text: len({t for t, x, _ in mine if x == text}) for text in counts}
+        # the most frequent reply; a tie goes to the reply given to more tasks, then to the first in text order
+        # (never to arrival order, which concurrent rollouts change from run to run)
+        top, count = min(counts.items(), key=lambda kv: (-kv[1], -spread[kv[0]], kv[0])) if mine else ("", 0)
         top_by_task: dict[str, list[bool]] = defaultdict(list)
         for task_id, text, right in mine:
             if text == top:
