@@ -4,9 +4,11 @@
         [--episodes 2] [--rounds 8] [--threads 2] [--no-trl] [--autocast]
 
 Workloads (the same samples for every path):
-- demo: one training step of `graphs/math/demo.yaml` (math graph, solver + verifier, G = 8, the demo's
-  update settings: DeepSpeed ZeRO-0, float32, micro-batches of 8), rolled out with the embedded policy in a
-  child process (its engine thread must not share this process's OpenMP teams with the timed update).
+- demo: one training step of `graphs/math/demo.yaml` (the checked math graph, solver + verifier, G = 8, the
+  demo's update settings: DeepSpeed ZeRO-0, float32, micro-batches of 8), rolled out with the embedded policy
+  in a child process (its engine thread must not share this process's OpenMP teams with the timed update).
+  The figures in docs/benchmarks.md were measured on the demo's earlier math graph (2 to 4 calls per
+  episode; the checked graph makes 3 to 5).
   Model: SmolLM2-135M-Instruct when its safetensors cache exists (`--model auto`), else a tiny random Llama.
 - multi-turn: one agent, `--rounds` (8) tool rounds per episode, `--episodes` (2) episodes of one task: turn
   k's prompt is the system prompt, the question and turns 1..k-1 (the call the agent made, the tool's

@@ -1,5 +1,6 @@
 """The math example app (graphs/math): the solver/verifier graph with scripted chat models, the parsers,
-and the environment's generator, reward and format check."""
+and the environment's generator, reward and format check; the CPU demo's checked app (`checked_graph`,
+`checked_env`) and its end-of-run table (`report`) on hand-made episodes."""
 
 from __future__ import annotations
 
@@ -16,7 +17,11 @@ from langchain_core.messages import AIMessage, BaseMessage, SystemMessage
 from langchain_core.outputs import ChatGeneration, ChatResult
 from pydantic import Field
 
+from graphs.math import checked_graph
+from graphs.math.checked_env import CheckedMathEnv, verdict_reward, verdicts
+from graphs.math.checked_graph import CHECKER_PROMPT
 from graphs.math.env import MathEnv, normalize_number
+from graphs.math.report import agent_rates, eval_rates, rates_table
 from graphs.math.graph import SOLVER_PROMPT, VERIFIER_PROMPT, build_graph, parse_answer, parse_verdict
 from graphs.task import Task, split_counts
 
@@ -37,7 +42,7 @@ class ScriptedChat(BaseChatModel):
     def _generate(self, messages: list[BaseMessage], stop: Any = None, run_manager: Any = None,
                   **kwargs: Any) -> ChatResult:
         assert isinstance(messages[0], SystemMessage) and len(messages) == 2
-        agent = {SOLVER_PROMPT: "solver", VERIFIER_PROMPT: "verifier"}[messages[0].content]
+        agent = {SOLVER_PROMPT: "solver", VERIFIER_PROMPT: "verifier", CHECKER_PROMPT: "verifier"}[messages[0].content]
         self.calls.append((agent, messages[1].content))
         reply = self.respond(agent, messages[1].content)
         return ChatResult(generations=[ChatGeneration(message=AIMessage(reply))])
@@ -358,3 +363,187 @@ def test_graph_with_a_tiny_random_policy_stays_consistent():
             assert env.score(task, state) in (0.0, 1.0)
     finally:
         policy.close()
+
+
+# --- the CPU demo's checked app: planted answers, a verifier that works the problem out, per-agent rewards ---
+
+
+def checked_env() -> CheckedMathEnv:
+    return CheckedMathEnv(seed=0, n_train=80, n_test=20, difficulty=(1.0,))
+
+
+def test_planted_answers_are_half_right_and_near_misses_otherwise():
+    env = checked_env()
+    for split in ("train", "test"):
+        tasks = env.tasks(split)
+        right = [t for t in tasks if t.input["proposed"] == t.answer]
+        assert len(right) == len(tasks) // 2 and all(t.meta["planted_right"] for t in right)
+        for task in tasks:
+            if not task.meta["planted_right"]:
+                off = int(task.input["proposed"]) - int(task.answer)
+                assert off != 0 and abs(off) <= 3 and int(task.input["proposed"]) >= 0
+    assert [t.id for t in env.tasks("test")] == [t.id for t in MathEnv(seed=0, n_train=80, n_test=20,
+                                                                         difficulty=(1.0,)).tasks("test")]
+
+
+def test_checked_graph_judges_the_planted_answer_then_the_solvers_and_revises_on_a_reject():
+    # 3 + 4, planted 8: the verifier gets 7 (reject the planted), then 5 for the solver's 6 (reject: the solver
+    # sees the checker's 5), then 7 for the solver's 7 (approve) -> end
+    llm = scripted(["The answer is 6.", "The answer is 7."], ["The answer is 7.", "5", "The answer is 7."])
+    state = checked_graph.build_graph(llm, max_rounds=2).invoke({"question": "What is 3 + 4?", "proposed": "8"})
+    assert [(t["agent"], t["round"], t.get("judged"), t.get("planted")) for t in state["transcript"]] == [
+        ("solver", 1, None, None), ("verifier", 0, "8", True), ("verifier", 1, "6", False),
+        ("solver", 2, None, None), ("verifier", 2, "7", False)]
+    assert llm.calls[1] == ("verifier", "Question: What is 3 + 4?")  # it never sees the answer it judges
+    shown = scripted(["The answer is 6."], ["The answer is 8.", "6"])
+    checked_graph.build_graph(shown, max_rounds=1, show_answer=True).invoke({"question": "Q", "proposed": "8"})
+    assert [c[1] for c in shown.calls[1:]] == ["Question: Q\nProposed answer: 8", "Question: Q\nProposed answer: 6"]
+    assert llm.calls[3][1] == "What is 3 + 4?\nYour previous answer: 6\nA checker got 5.\nTry again."
+    assert (state["answer"], state["verdict"], state["rounds"]) == ("7", "approve", 2)
+    task = Task(id="t", input={}, answer="7")
+    assert verdicts(task, state) == [(False, False, True), (False, False, False), (True, True, False)]
+    reward = checked_env().reward(task, type("E", (), {"final_state": state})())
+    # rejected the planted 8 with the right 7 (1), the solver's 6 with a wrong 5 (0.5), approved the right 7 (1)
+    assert reward == {"solver": 1.0, "verifier": pytest.approx(2.5 / 3)}
+    state["transcript"][2]["text"] = "The answer is 6."  # had it approved the wrong 6: 1 + 0 + 1
+    reward = checked_env().reward(task, type("E", (), {"final_state": state})())
+    assert reward == {"solver": 1.0, "verifier": pytest.approx(2 / 3)}
+
+
+@pytest.mark.parametrize("judged, reply, paid", [
+    ("7", "The answer is 7.", 1.0),   # approves a right answer
+    ("8", "The answer is 7.", 1.0),   # rejects a wrong answer with the right number
+    ("8", "The answer is 3.", 0.5),   # rejects a wrong answer, but its correction is wrong (an echo of 3 + 4)
+    (None, "The answer is 3.", 0.5),  # an unreadable solver answer is a wrong one
+    ("8", "The answer is 8.", 0.0),   # approves a wrong answer
+    ("7", "The answer is 3.", 0.0),   # rejects a right answer
+    ("8", "Yes or No", 0.0),          # no number: no verdict
+])
+def test_verdict_reward(judged, reply, paid):
+    task = Task(id="t", input={"question": "What is 3 + 4?"}, answer="7")
+    assert verdict_reward(task, {"agent": "verifier", "text": reply, "judged": judged, "planted": False}) == paid
+
+
+def test_checked_verifier_echoing_its_instruction_is_no_verdict_and_invalid():
+    llm = scripted(["The answer is 7."], ["The answer is 7.", "Yes or No"])
+    state = checked_graph.build_graph(llm, max_rounds=2).invoke({"question": "What is 3 + 4?", "proposed": "7"})
+    assert state["verdict"] is None and state["rounds"] == 1  # no verdict ends the episode, no extra turn
+    task = Task(id="t", input={}, answer="7")
+    assert verdicts(task, state) == [(True, True, True), (True, None, False)]
+    env = checked_env()
+    assert env.reward(task, type("E", (), {"final_state": state})()) == {"solver": 1.0, "verifier": 0.5}
+    assert not env.reply_is_valid("verifier", "Yes or No") and env.reply_is_valid("verifier", "The answer is 7.")
+    assert not env.reply_is_valid("solver", "3 + 4 = 7")
+
+
+def _episode(task_id: str, *turns: tuple[str, str, str | None, bool | None]) -> Any:
+    """A hand-made evaluation episode: (agent, reply, judged, planted) per turn."""
+    transcript = [{"agent": a, "round": 0, "text": text, **({} if a == "solver" else
+                                                              {"judged": judged, "planted": planted})}
+                  for a, text, judged, planted in turns]
+    return type("Ep", (), {"task_id": task_id, "final_state": {"transcript": transcript}})()
+
+
+def hand_made_eval() -> tuple[dict[str, Task], list[Any]]:
+    tasks = {"t1": Task(id="t1", input={}, answer="7"), "t2": Task(id="t2", input={}, answer="4")}
+    a7, a5, a4 = "The answer is 7.", "The answer is 5.", "The answer is 4."
+    episodes = [
+        _episode("t1", ("solver", a7, None, None), ("verifier", a7, "7", True), ("verifier", a7, "7", False)),
+        _episode("t1", ("solver", "I think 8", None, None), ("verifier", "Yes or No", "7", True),
+                 ("verifier", a7, None, False)),
+        _episode("t2", ("solver", a5, None, None), ("verifier", a5, "5", True), ("verifier", a4, "5", False),
+                 ("solver", a4, None, None), ("verifier", a4, "4", False)),
+        _episode("t2", ("solver", a7, None, None), ("verifier", a7, "5", True), ("verifier", a7, "7", False)),
+        _episode("t2", ("solver", a5, None, None), ("verifier", a5, "5", True)),
+    ]
+    return tasks, episodes
+
+
+def test_agent_rates_on_hand_made_episodes():
+    rates = agent_rates(*hand_made_eval())
+    solver, verifier = rates["solver"], rates["verifier"]
+    # solver replies: 7 (right), "I think 8" (no number), 5 (wrong), 4 (right), 7 (wrong on t2), 5 (wrong)
+    assert (solver.replies, solver.format_rate, solver.skill) == (6, 5 / 6, 2 / 5)
+    # final answers: t1 7 right, none wrong -> 1/2; t2 4 right, 7 and 5 wrong -> 1/3; pass 1
+    assert (solver.avg_k, solver.pass_k) == (pytest.approx((1 / 2 + 1 / 3) / 2), 1.0)
+    # 4 distinct; "The answer is 7." twice of 6 (as often as 5, but on two tasks: t1 (right) and t2 (wrong))
+    assert (solver.tasks, solver.distinct, solver.top_reply, solver.top_share) == (2, 4, "The answer is 7.", 2 / 6)
+    assert (solver.top_tasks, solver.top_right_tasks) == (2, 1)
+    assert solver.tpr is None and solver.balanced_accuracy is None
+    # verifier: 10 replies, 9 with a number; right verdicts: e1 2, e2 1 (reject of an unreadable answer),
+    # e3 2 (approved the wrong planted 5), e4 1 (approved the wrong 7), e5 0 (copied the wrong planted 5) -> 6 of 9
+    assert (verifier.replies, verifier.format_rate, verifier.skill) == (10, 9 / 10, 6 / 9)
+    # all verdicts right only in e1 -> t1 0.5, t2 0 -> avg 0.25, pass 0.5
+    assert (verifier.avg_k, verifier.pass_k) == (0.25, 0.5)
+    # "The answer is 7." 5 of 10: t1 right every time, t2 once wrong
+    assert (verifier.distinct, verifier.top_share, verifier.top_tasks, verifier.top_right_tasks) == (4, 0.5, 2, 1)
+    # right answers judged: 7, 7, 7 (echo: not approved), 4 -> TPR 3/4; wrong readable ones: 5 (approved),
+    # 5 (rejected), 5 (rejected), 7 (approved), 5 (approved) -> TNR 2/5; the unreadable solver answer is left out
+    assert (verifier.tpr, verifier.tnr) == (0.75, 0.4) and verifier.balanced_accuracy == pytest.approx(0.575)
+
+
+def test_eval_rates_reads_a_run_folder_and_the_table_shows_both_steps(tmp_path):
+    import json
+    import sqlite3
+
+    env = checked_env()
+    test = env.tasks("test")
+    (tmp_path / "config.yaml").write_text("env_kwargs: {seed: 0, n_train: 80, n_test: 20, difficulty: [1.0]}\n"
+                                          "eval: {k: 1}\n")
+    conn = sqlite3.connect(tmp_path / "traces.db")
+    conn.execute("CREATE TABLE episodes (id TEXT, task_id TEXT, group_id TEXT, final_state TEXT)")
+    right = {"transcript": [{"agent": "solver", "round": 1, "text": f"The answer is {test[0].answer}."},
+                            {"agent": "verifier", "round": 1, "text": "No", "judged": test[0].answer,
+                             "planted": False}]}
+    wrong = {"transcript": [{"agent": "solver", "round": 1, "text": "Yes"},
+                            {"agent": "verifier", "round": 1, "text": "Yes", "judged": None, "planted": False}]}
+    rows = [("a", test[0].id, f"eval:0:{test[0].id}", json.dumps(wrong)),
+            ("b", test[0].id, "train:0:x", json.dumps(right)),  # a training episode: not counted
+            ("c", test[0].id, f"eval:12:{test[0].id}", json.dumps(right))]
+    conn.executemany("INSERT INTO episodes VALUES (?, ?, ?, ?)", rows)
+    conn.commit()
+    conn.close()
+    by_step = eval_rates(tmp_path)
+    assert sorted(by_step) == [0, 12]
+    assert (by_step[0]["solver"].format_rate, by_step[12]["solver"].skill, by_step[12]["solver"].avg_k) == (0, 1, 1)
+    assert by_step[12]["verifier"].tpr == 0.0 and by_step[12]["verifier"].format_rate == 0.0
+    table = rates_table(by_step, k=1)
+    assert f"  {'avg@1':<32}{'0.000':>10}{'1.000':>10}" in table.splitlines()
+    assert "top reply of solver at step 12: 'The answer is " in table
+
+
+def test_seeds_table_gives_mean_and_range_over_runs():
+    from graphs.math.report import seeds_table
+
+    rates = agent_rates(*hand_made_eval())
+    worse = {a: r.__class__(**{**r.__dict__, "skill": r.skill - 0.5}) for a, r in rates.items()}
+    table = seeds_table({"s0": {0: worse, 12: rates}, "s1": {0: rates, 12: rates}})
+    lines = table.splitlines()
+    assert lines[0] == "2 runs (s0, s1): mean [min, max]"
+    # solver skill: first evaluation -0.1 and 0.4 -> mean 0.15; last 0.4 and 0.4
+    assert f"  {'skill':<24}{'0.150 [-0.10, 0.40]':>24}{'0.400 [0.40, 0.40]':>24}" in lines
+    assert f"  {'balanced accuracy':<24}{'0.575 [0.57, 0.57]':>24}{'0.575 [0.57, 0.57]':>24}" in lines
+
+
+def test_criteria_compare_the_first_and_last_evaluation():
+    from graphs.math.report import criteria
+
+    rates = agent_rates(*hand_made_eval())
+    better = {a: r.__class__(**{**r.__dict__, "skill": r.skill + 0.1, "avg_k": r.avg_k + 0.1,
+                                "tpr": None if r.tpr is None else r.tpr + 0.1}) for a, r in rates.items()}
+    checks = criteria({0: rates, 12: better})
+    # the hand-made top replies go to 2 of 2 tasks and are right on 1: a collapse by the rule
+    assert checks == {"avg@k rises": True, "pass@k does not fall": True, "solver skill rises": True,
+                      "solver no one-reply collapse": False, "verifier skill rises": True,
+                      "verifier no one-reply collapse": False, "verifier balanced accuracy rises": True}
+    assert not criteria({0: better, 12: rates})["verifier balanced accuracy rises"]
+
+
+def test_criteria_call_a_verifier_that_approves_everything_no_rise():
+    from graphs.math.report import criteria
+
+    rates = agent_rates(*hand_made_eval())
+    stamp = {**rates, "verifier": rates["verifier"].__class__(**{**rates["verifier"].__dict__, "tpr": 1.0, "tnr": 0.0})}
+    low = {**rates, "verifier": rates["verifier"].__class__(**{**rates["verifier"].__dict__, "tpr": 0.5, "tnr": 0.49})}
+    assert stamp["verifier"].balanced_accuracy > low["verifier"].balanced_accuracy
+    assert not criteria({0: low, 12: stamp})["verifier balanced accuracy rises"]
