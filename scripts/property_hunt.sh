@@ -20,8 +20,8 @@ while (( $(date +%s) - start < MINUTES * 60 )); do
   python -m pytest tests/property -q -x -p no:cacheprovider --hypothesis-profile=hunt --hypothesis-seed="$seed" \
     --hypothesis-show-statistics > "$log" 2>&1
   rc=$?
-  # every test's statistics say "- N passing examples, M failing examples, K invalid examples"
-  n=$(grep -oE "[0-9]+ passing examples" "$log" | awk '{s += $1} END {print s + 0}')
+  # every test's statistics say "- N passing, M failing, and K invalid test cases"
+  n=$(grep -oE "[0-9]+ passing," "$log" | awk '{s += $1} END {print s + 0}')
   apps=$((apps + n))
   echo "round $round seed $seed rc $rc apps $n total $apps elapsed $(( $(date +%s) - start ))s" | tee -a "$OUT/hunt.log"
   if (( rc != 0 )); then
