@@ -240,7 +240,7 @@ def test_ctrl_c_before_the_first_checkpoint_says_to_start_again(tmp_path, capsys
                        env_kwargs={"n_train": 4, "n_test": 2, "interrupt_at": 1})
     assert main(["train", str(cfg)]) == 130
     assert capsys.readouterr().err == (
-        f"drmas-graph: interrupted; no checkpoint was saved yet (checkpoint_every: 0); its episodes are in "
+        f"drmas-graph: interrupted; no checkpoint was saved yet (checkpoint_every: 25); its episodes are in "
         f"{tmp_path / 'run' / 'traces.db'}. Start again with `drmas-graph train {cfg} --set "
         f"run_dir={tmp_path / 'run-2'}`\n")
 

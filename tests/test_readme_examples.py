@@ -91,8 +91,20 @@ def test_the_examples_are_found():
     assert all(len(page_blocks(p)[0]) + len(page_blocks(p)[1]) == p.read_text().count("```python\n") for p in pages())
 
 
+@pytest.fixture
+def fresh_process_group():
+    """The pages' examples run as in a fresh process: without the process group (world size 1) that an earlier
+    test's DeepSpeed engine may have left behind, which would answer `world_size()` instead of the launcher's
+    variables an example sets (docs/guide/howto.md's launch checks)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    yield
+
+
 @pytest.mark.parametrize("page", PAGES_WITH_EXAMPLES, ids=lambda p: p.relative_to(ROOT).as_posix())
-def test_page_examples_run_and_print_what_they_say(page, tmp_path, monkeypatch):
+def test_page_examples_run_and_print_what_they_say(page, tmp_path, monkeypatch, fresh_process_group):
     blocks, _ = page_blocks(page)
     if any(re.search(r"^\s*(from|import) deepagents\b", b, flags=re.M) for b in blocks):
         pytest.importorskip("deepagents")

@@ -54,6 +54,11 @@ def run_workers(tmp_path: Path, case: str) -> tuple[dict, dict]:
     return result, torch.load(tmp_path / "params.pt", weights_only=True)
 
 
+def agent_grad_norms(metrics: dict) -> set[str]:
+    """The per-agent gradient norms among `metrics`' names (`agent/<a>/grad_norm`)."""
+    return {k for k in metrics if k.startswith("agent/") and k.endswith("/grad_norm")}
+
+
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:.*torch.jit.script_method.*:DeprecationWarning")
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed")
@@ -72,9 +77,12 @@ def test_two_process_zero2_update_equals_one_process_update(tmp_path):
         torch.testing.assert_close(got_params[key], value, atol=1e-5, rtol=0, msg=key)
     assert result["checksum"] == pytest.approx(want_checksum, rel=1e-6)
     got = result["metrics"]
-    assert set(got) == set(want) == set(ds_metrics)
+    # per-agent gradient norms are not readable with two agents on one model under ZeRO >= 1 or several
+    # processes (docs/reference/metrics.md): only the one-process torch update logs them
+    assert set(got) == set(ds_metrics) == set(want) - agent_grad_norms(want)
+    assert agent_grad_norms(want) == {"agent/a/grad_norm", "agent/b/grad_norm"}
     assert got["model/m/n_samples"] == 7 and got["agent/b/n_samples"] == 3
-    for key in want:  # loss, pre-clip grad norm and every per-agent metric, over both processes
+    for key in got:  # loss, pre-clip grad norm and every per-agent metric, over both processes
         assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-5), key
         assert ds_metrics[key] == pytest.approx(want[key], rel=1e-4, abs=1e-5), key
 
@@ -92,7 +100,8 @@ def test_two_processes_form_the_mini_batches_of_one_process(tmp_path):
     assert result["checksum"] == pytest.approx(want_checksum, rel=1e-6)
     got = result["metrics"]
     assert got["model/m/n_minibatches"] == want["model/m/n_minibatches"] == 2
-    for key in want:
+    assert set(got) == set(want) - agent_grad_norms(want)  # not readable under several processes
+    for key in got:
         assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-5), key
 
 

@@ -411,6 +411,8 @@ class WeaveExporter:
             episode = self._store.load_episode(summary.id)
             if summary.step is None and episode.error is None:
                 episode.error = unused_error(step)
+            elif summary.step is None and episode.error.startswith(_SCORING_ERROR):  # scoring stored why
+                episode.error = unused_error(step, episode.error[len(_SCORING_ERROR):])
             export_episode(self.client, episode, train_step=step, run=self.run)
             self.exported_episodes += 1
 
@@ -430,10 +432,18 @@ class WeaveExporter:
                           stacklevel=2)
 
 
-def unused_error(step: int) -> str:
-    """What a rollout of training step `step` that finished but was not trained on shows as its error."""
+_SCORING_ERROR = "BadRewardError: "
+"""How training stores the error of an episode whose reward was unusable (`_scoring`)."""
+
+
+def unused_error(step: int, reason: str | None = None) -> str:
+    """What a rollout of training step `step` that finished but was not trained on shows as its error: `reason`,
+    the error scoring stored for it (without its "BadRewardError: "), else a description of every such case."""
+    if reason is not None:
+        return f"BadRewardError: not trained on in step {step}: {reason}"
     return (f"BadRewardError: not trained on in step {step}: its reward was unusable (env.reward or turn_is_valid "
-            "raised, or a reward was missing or not finite); the step's bad_reward_episodes counts it")
+            "raised, a reward was missing or not finite, or the judge gave no score); the step's "
+            "bad_reward_episodes or judge_failed_episodes counts it")
 
 
 def start_exporter(cfg: Any, store_path: Path) -> WeaveExporter | None:
