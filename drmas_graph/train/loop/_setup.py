@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -44,6 +46,7 @@ def build_run(graph: Any, env: Any, cfg: TrainConfig, *, policies: Mapping[str, 
     A failure closes what was built (launched servers) and, when the store is new, removes it again."""
     rollout_config = dict(rollout_config or {})
     episode_config(rollout_config, cfg.rollout)  # refuse a shared thread_id now, not mid-run
+    _require_packages(cfg, policies, train)  # before any model is loaded
     _check_processes(cfg, policies, train)
     run_dir = Path(cfg.run_dir)
     # before any process creates its store: a second run would mix its episodes and metrics into the first's
@@ -89,6 +92,28 @@ def build_run(graph: Any, env: Any, cfg: TrainConfig, *, policies: Mapping[str, 
     except BaseException:
         abandon(built, store, store_file if new_store else None)
         raise
+
+
+def _importable(name: str) -> bool:
+    """`name` can be imported (a module set to None in sys.modules, as tests and import blockers do, cannot)."""
+    if name in sys.modules:
+        return sys.modules[name] is not None
+    return importlib.util.find_spec(name) is not None
+
+
+def _require_packages(cfg: TrainConfig, policies: Mapping[str, Policy] | None, train: bool) -> None:
+    """Refuse a config whose optional packages are missing, naming the config key, the package and the extra,
+    before any model is loaded or any file written (DeepSpeed for a `deepspeed` backend, peft for `lora`)."""
+    missing = []
+    if train and _build.uses_deepspeed(cfg, policies) and not _importable("deepspeed"):
+        missing.append("update.backend 'deepspeed' needs the deepspeed package: pip install 'drmas-graph[deepspeed]' "
+                       "(or set update.backend: torch, the same numbers without ZeRO)")
+    lora = sorted(n for n, mc in cfg.models.items() if mc.lora is not None)
+    if lora and not _importable("peft"):
+        missing.append(f"models.{lora[0]}.lora needs the peft package: pip install 'drmas-graph[lora]' (or remove "
+                       "`lora` to fine-tune the whole model)")
+    if missing:
+        raise ConfigError("; ".join(missing))
 
 
 def _check_processes(cfg: TrainConfig, policies: Mapping[str, Policy] | None, train: bool) -> None:
