@@ -310,16 +310,20 @@ def hypothesis_lines(runs: list[dict[str, Any]]) -> list[str]:
         by = {(r["estimator"], r["seed"]): run_metrics(r)[metric] for r in runs if r["app"] == app}
         d = [by[("agent", s)] - by[("episode_global", s)] for e, s in by if e == "agent" and ("episode_global", s) in by]
         m, lo, hi = t_interval(d)
-        if math.isnan(lo):
-            verdict = "not resolved (fewer than 2 pairs)"
-        elif (lo > 0 and sign > 0) or (hi < 0 and sign < 0):
-            verdict = "supported"
-        elif (hi < 0 and sign > 0) or (lo > 0 and sign < 0):
-            verdict = "contradicted"
-        else:
-            verdict = "not resolved"
-        out.append(f"hypothesis: {name} [{app}]: d = {_fmt((m, lo, hi))} over {len(d)} pairs: {verdict}")
+        out.append(f"hypothesis: {name} [{app}]: d = {_fmt((m, lo, hi))} over {len(d)} pairs: {verdict(lo, hi, sign)}")
     return out
+
+
+def verdict(lo: float, hi: float, sign: int) -> str:
+    """The pre-registered rule (v1 and v2) for a paired difference's 95% t interval [lo, hi] and the stated
+    direction `sign`: supported when it excludes 0 that way, contradicted when it excludes 0 the other way."""
+    if math.isnan(lo):
+        return "not resolved (fewer than 2 pairs)"
+    if (lo > 0 and sign > 0) or (hi < 0 and sign < 0):
+        return "supported"
+    if (hi < 0 and sign > 0) or (lo > 0 and sign < 0):
+        return "contradicted"
+    return "not resolved"
 
 
 def runs_markdown(runs: list[dict[str, Any]]) -> str:

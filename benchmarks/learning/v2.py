@@ -183,21 +183,13 @@ def paired(runs: list[dict[str, Any]], metric: str, base: str = "step_global") -
 
 
 def hypothesis_lines(runs: list[dict[str, Any]]) -> list[str]:
-    from run import _fmt, t_interval
+    from run import _fmt, t_interval, verdict
 
     out = []
     for name, metric, sign in HYPOTHESES:
         d = paired(runs, metric)
         m, lo, hi = t_interval(d)
-        if math.isnan(lo):
-            verdict = "not resolved (fewer than 2 pairs)"
-        elif (lo > 0 and sign > 0) or (hi < 0 and sign < 0):
-            verdict = "supported"
-        elif (hi < 0 and sign > 0) or (lo > 0 and sign < 0):
-            verdict = "contradicted"
-        else:
-            verdict = "not resolved"
-        out.append(f"hypothesis v2: {name}: d = {_fmt((m, lo, hi))} over {len(d)} pairs: {verdict}")
+        out.append(f"hypothesis v2: {name}: d = {_fmt((m, lo, hi))} over {len(d)} pairs: {verdict(lo, hi, sign)}")
     return out
 
 
