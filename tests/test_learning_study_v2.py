@@ -137,3 +137,26 @@ def test_v2_statistics_on_hand_worked_runs():
                         "d = 0.120 [0.070, 0.170] over 3 pairs: supported")
     assert lines[1].endswith("d = 0.000 [0.000, 0.000] over 3 pairs: not resolved")
     assert v2.manipulation_line(runs).endswith("= 2.000 [2.000, 2.000] over 3 runs (threshold 1.5): holds")
+
+
+def test_v2_runs_table_and_plot(tmp_path):
+    """--report's per-run table: one row per run, seed by seed, step_global before agent, with the run's own
+    numbers; the plot is written as a PNG."""
+    sys.path.insert(0, str(ROOT / "benchmarks/learning"))
+    import v2
+
+    norms = [(1.0, 2.0), (1.0, 2.0), (4.0, 0.0), (1.0, 0.0)]
+    runs = [_fake_run("agent", 1, 0.6, [0.9] * 4, norms), _fake_run("step_global", 1, 0.5, [2.0] * 4, norms),
+            _fake_run("agent", 0, 0.7, [1.0, 2.0, 3.0, 4.0], norms)]
+    for r, wall in zip(runs, (300.0, 330.0, 360.0)):
+        r["wall_s"] = wall
+        for step, e in zip((0, 4), r["eval"]):
+            e["step"] = step
+            e["rates"] = {**e["rates"], "solver_format_rate": 0.75, "solver_accuracy_parsed": 0.5}
+    rows = v2.runs_markdown(runs).splitlines()
+    assert len(rows) == 2 + 3
+    assert rows[2] == ("| `agent` | 0 | 6.0 min | 0.200 -> 0.500 | 0.400 -> 0.600 | 0.700 -> 0.700 (0.700 / 0.700) "
+                       "| 0.750, 0.500 | 2.500 | 1 | 4.00 |")
+    assert rows[3].startswith("| `step_global` | 1 | 5.5 min |") and rows[4].startswith("| `agent` | 1 | 5.0 min |")
+    path = v2.plots(runs, tmp_path)
+    assert path == tmp_path / "checked_math.png" and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -219,8 +219,69 @@ def table(runs: list[dict[str, Any]], estimators: list[str]) -> str:
     return "\n".join(lines)
 
 
+def runs_markdown(runs: list[dict[str, Any]]) -> str:
+    """Every run as one markdown row (the README's per-run table): held-out avg@k, pass@k and checker balanced
+    accuracy at step 0 and at the end (TPR / TNR at the end), the solver's format rate and accuracy among parsable
+    answers at the end, the manipulation quantity, spikes, the largest model gradient norm and wall time."""
+    lines = ["| arm | seed | wall | avg@k 0 -> end | pass@k 0 -> end | checker balanced accuracy 0 -> end "
+             "(TPR / TNR at end) | solver format, accuracy among parsable at end | solver E[A^2] first 4 | "
+             "spikes | max model grad norm |", "|---" * 10 + "|"]
+    for r in sorted(runs, key=lambda r: (r["seed"], ESTIMATORS.index(r["estimator"])
+                                         if r["estimator"] in ESTIMATORS else len(ESTIMATORS))):
+        first, last = r["eval"][0], r["eval"][-1]
+        fr, lr = first["rates"], last["rates"]
+        lines.append(
+            f"| `{r['estimator']}` | {r['seed']} | {r['wall_s'] / 60:.1f} min | {first['avg@k']:.3f} -> "
+            f"{last['avg@k']:.3f} | {first['pass@k']:.3f} -> {last['pass@k']:.3f} | "
+            f"{fr['checker_balanced_accuracy']:.3f} -> {lr['checker_balanced_accuracy']:.3f} "
+            f"({lr['checker_tpr']:.3f} / {lr['checker_tnr']:.3f}) | {lr['solver_format_rate']:.3f}, "
+            f"{lr['solver_accuracy_parsed']:.3f} | {manipulation(r):.3f} | {sum(spikes(r, a) for a in AGENTS)} | "
+            f"{max(s['grad_norm'] for s in r['steps']):.2f} |")
+    return "\n".join(lines)
+
+
+def plots(runs: list[dict[str, Any]], out: Path) -> Path:
+    """checked_math.png: per step, mean over seeds per arm with a 95% band, of each agent's E[A^2] (the
+    manipulation: 1 is where per-agent normalization puts it) and per-agent gradient norm; below, the two primary
+    endpoints per seed at step 0 and at the end, one line per run (the pairs a paired t test compares)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from run import _band
+
+    fig, axes = plt.subplots(3, 2, figsize=(11, 10))
+    for col, a in enumerate(AGENTS):
+        _band(axes[0][col], runs, lambda s, a=a: s["agents"][a]["adv_sq"], f"{a}: E[A^2] per step", (0.0, None))
+        axes[0][col].axhline(1.0, color="grey", lw=0.8, ls=":")
+        _band(axes[1][col], runs, lambda s, a=a: s["agents"][a]["grad_norm"],
+              f"{a}: gradient norm of its part of the loss (before clipping)", (0.0, None))
+    endpoints = [("checker balanced accuracy (held out)", lambda e: e["rates"]["checker_balanced_accuracy"]),
+                 ("avg@k (held out: the solver's answer right)", lambda e: e["avg@k"])]
+    colors = {e: f"C{i}" for i, e in enumerate(sorted({r["estimator"] for r in runs}))}
+    for col, (title, get) in enumerate(endpoints):
+        ax = axes[2][col]
+        for r in runs:
+            shift = 0.3 * (list(colors).index(r["estimator"]) - (len(colors) - 1) / 2)  # arms side by side
+            xs = [e["step"] + shift for e in r["eval"]]
+            ax.plot(xs, [get(e) for e in r["eval"]], color=colors[r["estimator"]], alpha=0.5, marker="o", ms=3)
+        for est, c in colors.items():
+            ax.plot([], [], color=c, label=est)
+        ax.set_title(f"{title}, per run", fontsize=9)
+        ax.set_xlabel("step")
+        ax.legend(fontsize=7)
+    n = len({r["seed"] for r in runs})
+    fig.suptitle(f"checked_math, study v2 ({n} seeds): rows 1-2 mean over seeds per step, band = 95% t interval "
+                 "of the mean; row 3 one line per run", fontsize=10)
+    fig.tight_layout(rect=(0, 0, 1, 0.97))
+    path = out / "checked_math.png"
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    return path
+
+
 def main(argv: list[str] | None = None) -> int:
-    from run import _in_own_process
+    from run import _in_own_process, require
 
     p = argparse.ArgumentParser(prog="run.py --v2", description=__doc__.split("\n")[0])
     mode = p.add_mutually_exclusive_group()
@@ -233,6 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--report", action="store_true", help="only print the tables and verdicts of OUT/results_v2.json")
     p.add_argument("--resume", action="store_true", help="keep OUT/results_v2.json's runs, run the missing ones")
     args = p.parse_args(argv)
+    require({"matplotlib": "demo"}, "the study's plot")  # checked now, not after hours of runs
     plan = dict(TINY if args.tiny else QUICK if args.quick else FULL)
     if args.seeds:
         plan["seeds"] = args.seeds
@@ -268,5 +330,9 @@ def main(argv: list[str] | None = None) -> int:
         print(manipulation_line(runs))
         for line in hypothesis_lines(runs):
             print(line)
-    print(f"results: {results}")
+        if args.report:
+            print("\n" + runs_markdown(runs))
+    print(f"results: {results}", flush=True)
+    if runs:
+        print(f"plot: {plots(runs, out)}")  # after the results: the numbers never wait on the plot
     return 0
