@@ -230,13 +230,14 @@ def runs_markdown(runs: list[dict[str, Any]]) -> str:
                                          if r["estimator"] in ESTIMATORS else len(ESTIMATORS))):
         first, last = r["eval"][0], r["eval"][-1]
         fr, lr = first["rates"], last["rates"]
+        m = run_metrics(r)  # the study's own definitions of the manipulation quantity, spikes and max norm
         lines.append(
             f"| `{r['estimator']}` | {r['seed']} | {r['wall_s'] / 60:.1f} min | {first['avg@k']:.3f} -> "
             f"{last['avg@k']:.3f} | {first['pass@k']:.3f} -> {last['pass@k']:.3f} | "
             f"{fr['checker_balanced_accuracy']:.3f} -> {lr['checker_balanced_accuracy']:.3f} "
             f"({lr['checker_tpr']:.3f} / {lr['checker_tnr']:.3f}) | {lr['solver_format_rate']:.3f}, "
-            f"{lr['solver_accuracy_parsed']:.3f} | {manipulation(r):.3f} | {sum(spikes(r, a) for a in AGENTS)} | "
-            f"{max(s['grad_norm'] for s in r['steps']):.2f} |")
+            f"{lr['solver_accuracy_parsed']:.3f} | {m['manipulation: solver E[A^2] first 4']:.3f} | "
+            f"{m['spikes (steps with a gradient)']} | {m['max model grad norm']:.2f} |")
     return "\n".join(lines)
 
 
@@ -258,12 +259,13 @@ def plots(runs: list[dict[str, Any]], out: Path) -> Path:
               f"{a}: gradient norm of its part of the loss (before clipping)", (0.0, None))
     endpoints = [("checker balanced accuracy (held out)", lambda e: e["rates"]["checker_balanced_accuracy"]),
                  ("avg@k (held out: the solver's answer right)", lambda e: e["avg@k"])]
-    colors = {e: f"C{i}" for i, e in enumerate(sorted({r["estimator"] for r in runs}))}
+    arms = sorted({r["estimator"] for r in runs})  # _band's order, so each arm keeps its color
+    colors = {e: f"C{i}" for i, e in enumerate(arms)}
+    shifts = {e: 0.3 * (i - (len(arms) - 1) / 2) for i, e in enumerate(arms)}  # arms side by side
     for col, (title, get) in enumerate(endpoints):
         ax = axes[2][col]
         for r in runs:
-            shift = 0.3 * (list(colors).index(r["estimator"]) - (len(colors) - 1) / 2)  # arms side by side
-            xs = [e["step"] + shift for e in r["eval"]]
+            xs = [e["step"] + shifts[r["estimator"]] for e in r["eval"]]
             ax.plot(xs, [get(e) for e in r["eval"]], color=colors[r["estimator"]], alpha=0.5, marker="o", ms=3)
         for est, c in colors.items():
             ax.plot([], [], color=c, label=est)
