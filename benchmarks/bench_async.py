@@ -44,7 +44,7 @@ from drmas_graph import SamplingParams  # noqa: E402
 from drmas_graph.cli._train import StandInChatModel  # noqa: E402
 from drmas_graph.config import TrainConfig  # noqa: E402
 from drmas_graph.testing import tiny_policy  # noqa: E402
-from drmas_graph.train.trainer import Trainer  # noqa: E402
+from drmas_graph.train.loop.trainer import Trainer  # noqa: E402
 
 MODES = {"sync": {"max_staleness": 0}, "async": {"max_staleness": 1},
          "free": {"max_staleness": 2, "schedule": "free"}}

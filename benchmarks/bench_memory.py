@@ -75,7 +75,7 @@ MODES: dict[str, Mode] = {
 def _lora(model: Any) -> Any:
     """The model wrapped with one r=16 adapter on every linear layer (what `models.<m>.lora` builds)."""
     from drmas_graph.config import LoraConfig
-    from drmas_graph.train.lora import attach_adapters
+    from drmas_graph.train.optim.lora import attach_adapters
 
     peft_model = attach_adapters(model, LoraConfig(r=16, alpha=32), ["agent"])
     peft_model.set_adapter("agent")
@@ -120,7 +120,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     """One process of one mode: build, warm up, time one update, report peak memory and tokens."""
     import torch
 
-    from drmas_graph.train.update import LossSettings, ModelUpdater, UpdateSettings
+    from drmas_graph.train.optim.update import LossSettings, ModelUpdater, UpdateSettings
 
     rank, local_rank = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
     device = f"cuda:{local_rank}" if args.device == "cuda" else "cpu"

@@ -79,7 +79,7 @@ def demo_samples(model: str, tasks: int, group: int) -> list[Any]:
     """One step of the demo's rollouts (child process): its trainable samples with advantages."""
     from drmas_graph.cli._train import build_graph_and_env
     from drmas_graph.train.loop import _scoring
-    from drmas_graph.train.trainer import Trainer
+    from drmas_graph.train.loop.trainer import Trainer
 
     cfg = _demo_config(model, tasks, group, tempfile.mkdtemp())
     graph, env = build_graph_and_env(cfg)
@@ -130,14 +130,14 @@ def multi_turn_samples(tokenizer: Any, *, episodes: int, rounds: int, seed: int 
 
 
 def _settings(cfg: Any, **changes: Any) -> Any:
-    from drmas_graph.train.update import UpdateSettings
+    from drmas_graph.train.optim.update import UpdateSettings
 
     return UpdateSettings(**{**cfg.update.model_dump(), "seed": cfg.seed, **changes})
 
 
 def _agent_settings(cfg: Any, agents: set[str]) -> dict[str, Any]:
     from drmas_graph.config import LossConfig
-    from drmas_graph.train.update import LossSettings
+    from drmas_graph.train.optim.update import LossSettings
 
     return {a: LossSettings(**(cfg.agents[a].loss if a in cfg.agents else LossConfig(micro_batch_size=8)).model_dump())
             for a in agents}
@@ -148,7 +148,7 @@ def time_path(model: Any, samples: list[Any], settings: Any, agent_settings: dic
     """(fastest of `repeats` updates after one warm-up, token positions of its training passes) of one path.
     The fastest, not the median: on a shared machine other work only ever adds time."""
     from drmas_graph.train.optim._old_logprobs import with_trainer_logprobs
-    from drmas_graph.train.update import ModelUpdater
+    from drmas_graph.train.optim.update import ModelUpdater
 
     updater = ModelUpdater(copy.deepcopy(model), name="m", settings=settings, agent_settings=agent_settings)
     times, forward = [], 0

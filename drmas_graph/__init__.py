@@ -15,18 +15,14 @@ The package is layered; each layer imports only the layers below it (`tests/test
     train/             the trainer: rollouts, rewards, advantages, the update, checkpoints, evaluation
     cli/               the `drmas-graph` command
 
-Old module paths of the flat layout (`drmas_graph.trainer`, `drmas_graph.store`, ...) still import, with a
-`DeprecationWarning` naming the new path (`_moved`).
+Each module has one import path, its place in this tree (`drmas_graph.traces.replay`,
+`drmas_graph.train.loop.trainer`).
 """
 
 from __future__ import annotations
 
 import importlib
-import sys
-import types as _stdlib_types  # `types` is the name of a submodule (drmas_graph.types)
 from typing import TYPE_CHECKING, Any
-
-from drmas_graph import _moved
 
 __version__ = "0.1.0"
 
@@ -87,33 +83,12 @@ def __getattr__(name: str) -> Any:
     if module is None:
         raise AttributeError(f"module 'drmas_graph' has no attribute {name!r}")
     value = getattr(importlib.import_module(module), name)
-    if f"{__name__}.{name}" in _moved.MOVED:  # `import drmas_graph.replay as m` binds this attribute too
-        value = _moved.FunctionAndModule(value, f"{__name__}.{name}")
     globals()[name] = value
     return value
 
 
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_EXPORTS))
-
-
-class _Package(_stdlib_types.ModuleType):
-    """The package module: an exported name never gives way to a submodule of the same name.
-
-    Importing a submodule sets it as an attribute of its package. `drmas_graph.replay` and
-    `drmas_graph.rescore` are exported functions and also old module paths (`_moved`); without this,
-    `import drmas_graph.replay` would replace the function by the module, depending on import order. The
-    exported object serves both (`_moved.FunctionAndModule`): callable, with the module's names.
-    """
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if isinstance(value, _stdlib_types.ModuleType) and name in _EXPORTS:
-            return  # the exported object (resolved lazily by __getattr__) keeps the name
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package
-_moved.install()
 
 
 if TYPE_CHECKING:  # for type checkers and IDEs

@@ -27,11 +27,11 @@ __all__ = [
 ]
 
 ESTIMATORS = ("episode_global", "step_global", "agent", "agent_turn")
-"""Advantage estimators by name (each implemented in `drmas_graph.train.advantages.ADVANTAGE_ESTIMATORS`)."""
+"""Advantage estimators by name (each implemented in `drmas_graph.train.optim.advantages.ADVANTAGE_ESTIMATORS`)."""
 LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-"""Loss aggregations by name (each implemented in `drmas_graph.train.losses.LOSS_AGGREGATIONS`)."""
+"""Loss aggregations by name (each implemented in `drmas_graph.train.optim.losses.LOSS_AGGREGATIONS`)."""
 CORRECTIONS = ("truncate", "mask", "none")
-"""Off-policy corrections by name (each implemented in `drmas_graph.train.offpolicy.CORRECTIONS`)."""
+"""Off-policy corrections by name (each implemented in `drmas_graph.train.optim.offpolicy.CORRECTIONS`)."""
 BASE_ADAPTER = "__base__"
 """peft's mixed-batch name for rows that use no LoRA adapter (so no adapter may be called that)."""
 
@@ -48,7 +48,7 @@ class SamplingConfig(_Strict):
 
 
 class LossConfig(_Strict):
-    """How one agent's samples enter the loss (`drmas_graph.train.update.LossSettings` is this model)."""
+    """How one agent's samples enter the loss (`drmas_graph.train.optim.update.LossSettings` is this model)."""
 
     clip_low: float = Field(0.2, ge=0, lt=1, description="PPO clip: ratio lower bound is 1 - clip_low.")
     clip_high: float = Field(0.2, ge=0, description="PPO clip: ratio upper bound is 1 + clip_high.")
@@ -58,7 +58,7 @@ class LossConfig(_Strict):
 
 
 class UpdateConfig(_Strict):
-    """Optimizer and loss settings of one trainable model (`drmas_graph.train.update.UpdateSettings` adds the seed)."""
+    """Optimizer and loss settings of one trainable model (`drmas_graph.train.optim.update.UpdateSettings` adds the seed)."""
 
     lr: float = Field(1e-6, ge=0, allow_inf_nan=False, description="AdamW learning rate (0 freezes the model).")
     weight_decay: float = Field(0.01, ge=0, description="AdamW weight decay.")

@@ -44,7 +44,7 @@ class SamplingParams:
     """Whether the response's logprobs feed a training update; False (evaluation) lets a backend whose logprobs
     would be those of the truncated distribution (vLLM with top-p/top-k) serve the request."""
     adapter: str | None = None
-    """LoRA adapter that generates this response (`drmas_graph.train.lora`); None = the model's own weights."""
+    """LoRA adapter that generates this response (`drmas_graph.train.optim.lora`); None = the model's own weights."""
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -283,7 +283,7 @@ class Sample:
     """Position of the call in its episode."""
     behaviour_logprobs: tuple[float, ...] | None = None
     """Logprobs of the older weights that sampled the response (asynchronous training: pi_behav of the off-policy
-    correction, `drmas_graph.train.offpolicy`); None when the trainer's own weights sampled it."""
+    correction, `drmas_graph.train.optim.offpolicy`); None when the trainer's own weights sampled it."""
 
     @staticmethod
     def from_turn(turn: Turn, advantage: float, episode_id: str = "") -> Sample:

@@ -15,8 +15,8 @@ from pathlib import Path
 
 from drmas_graph.config import TrainConfig
 from drmas_graph.train.engines import _distributed
-from drmas_graph.train.evaluate import evaluate
-from drmas_graph.train.trainer import Trainer
+from drmas_graph.train.loop.evaluate import evaluate
+from drmas_graph.train.loop.trainer import Trainer
 from tests import _graphs
 from tests._dist_train_worker import build_policy
 from tests._envs import ParityEnv

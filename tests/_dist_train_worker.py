@@ -24,7 +24,7 @@ from typing import Any
 from drmas_graph.train.engines import _distributed
 from drmas_graph.config import TrainConfig
 from drmas_graph.testing import tiny_model, tiny_tokenizer
-from drmas_graph.train.trainer import train_graph
+from drmas_graph.train.loop.trainer import train_graph
 from drmas_graph.engine.transformers_policy import TransformersPolicy
 from drmas_graph.types import SamplingParams
 from tests import _graphs

@@ -17,7 +17,7 @@ import torch
 from drmas_graph.testing import tiny_model, tiny_tokenizer
 from drmas_graph.train.engines import _distributed
 from drmas_graph.types import Sample
-from drmas_graph.train.update import LossSettings, ModelUpdater, UpdateSettings
+from drmas_graph.train.optim.update import LossSettings, ModelUpdater, UpdateSettings
 
 # Agent a: micro-batches of 2; agent b: of 1, with its own clip range.
 AGENT_SETTINGS = {"a": LossSettings(micro_batch_size=2), "b": LossSettings(micro_batch_size=1, clip_high=0.05)}

@@ -26,7 +26,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from drmas_graph.train.advantages import (
+from drmas_graph.train.optim.advantages import (
     ADVANTAGE_ESTIMATORS,
     AdvantageStats,
     compute_advantages,

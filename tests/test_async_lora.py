@@ -8,7 +8,7 @@ import torch
 pytest.importorskip("peft")
 
 from drmas_graph.train.loop import _pipeline  # noqa: E402
-from drmas_graph.train.trainer import Trainer  # noqa: E402
+from drmas_graph.train.loop.trainer import Trainer  # noqa: E402
 from tests import _graphs  # noqa: E402
 from tests._envs import ParityEnv  # noqa: E402
 from tests.test_instrument import Unreachable  # noqa: E402

@@ -15,7 +15,7 @@ from drmas_graph.served import SGLangPolicy, WeightSyncError
 from drmas_graph.testing import tiny_policy
 from drmas_graph.traces.store import TraceStore
 from drmas_graph.train.loop import _pipeline
-from drmas_graph.train.trainer import Trainer
+from drmas_graph.train.loop.trainer import Trainer
 from tests._envs import ParityEnv
 from tests.sglang_double import SGLangDouble
 from tests.test_trainer import _sampled, graph, params, small_config

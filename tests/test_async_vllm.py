@@ -11,7 +11,7 @@ import pytest
 from drmas_graph import SamplingParams
 from drmas_graph.testing import tiny_model, tiny_tokenizer
 from drmas_graph.traces.store import TraceStore
-from drmas_graph.train.trainer import Trainer
+from drmas_graph.train.loop.trainer import Trainer
 from tests import _graphs
 from tests._envs import ParityEnv
 from tests._logprobs import recompute_logprobs

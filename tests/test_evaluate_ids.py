@@ -6,7 +6,7 @@ import pytest
 
 from drmas_graph import Task
 from drmas_graph.errors import ConfigError
-from drmas_graph.train.evaluate import evaluate
+from drmas_graph.train.loop.evaluate import evaluate
 
 
 class Env:

@@ -57,7 +57,7 @@ def test_zero_signal_watch_warns_once_after_three_mostly_zero_variance_steps():
 def test_training_warns_when_most_pools_teach_nothing(tmp_path, caplog):
     cfg = write_config(tmp_path, env="tests.test_first_hour:ConstantEnv", eval={"k": 1, "n_tasks": 1,
                                                                                    "before_training": False})
-    with caplog.at_level(logging.WARNING, logger="drmas_graph.train.trainer"):
+    with caplog.at_level(logging.WARNING, logger="drmas_graph.train.loop.trainer"):
         assert main(["train", str(cfg), "--set", "steps=3"]) == 0
     warnings = [r.getMessage() for r in caplog.records if "zero variance" in r.getMessage()]
     assert len(warnings) == 1
@@ -110,7 +110,7 @@ def test_every_logged_metric_has_one_documented_name(tmp_path):
 
 
 def test_top_replies_normalizes_cuts_and_counts():
-    from drmas_graph.train.evaluate import top_replies
+    from drmas_graph.train.loop.evaluate import top_replies
 
     long = "x" * 100
     top = top_replies([("a", " The answer\n is 4. ", 1.0), ("a", "The answer is 4.", 0.0), ("a", "No", 0.5),
@@ -142,7 +142,7 @@ def test_eval_episodes_store_their_rewards(tmp_path, capsys):
 def test_a_success_threshold_above_every_team_reward_warns_once_with_the_numbers(tmp_path, caplog):
     # per agent: the verifier gets 1 - the solver's reward, so every team reward is their mean, 0.5 < 1.0
     cfg = write_config(tmp_path, env_kwargs={"n_train": 4, "n_test": 2, "per_agent": True})
-    with caplog.at_level(logging.WARNING, logger="drmas_graph.train.evaluate"):
+    with caplog.at_level(logging.WARNING, logger="drmas_graph.train.loop.evaluate"):
         assert main(["train", str(cfg)]) == 0  # evaluations at steps 0 and 1
     warnings = [r.getMessage() for r in caplog.records if "success_threshold" in r.getMessage()]
     assert warnings == [
@@ -152,7 +152,7 @@ def test_a_success_threshold_above_every_team_reward_warns_once_with_the_numbers
         "episode) method"]
     assert [e["eval/avg@k"] for e in _evals(tmp_path / "run")] == [0.0, 0.0]
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="drmas_graph.train.evaluate"):
+    with caplog.at_level(logging.WARNING, logger="drmas_graph.train.loop.evaluate"):
         assert main(["eval", str(cfg), "--set", "success_threshold=0.5"]) == 0
     assert not [r for r in caplog.records if "success_threshold" in r.getMessage()]
 
@@ -194,7 +194,7 @@ def test_training_again_into_a_used_run_folder_advises_cli_flags(tmp_path, capsy
 
 def test_the_python_api_refuses_a_used_run_folder_naming_its_fixes(tmp_path):
     from drmas_graph.testing import tiny_policy
-    from drmas_graph.train.trainer import RunDirInUseError, train_graph
+    from drmas_graph.train.loop.trainer import RunDirInUseError, train_graph
     from tests._graphs import solver_verifier
 
     (tmp_path / "run").mkdir()

@@ -14,7 +14,7 @@ from drmas_graph.config import RolloutConfig
 from drmas_graph.env import Task
 from drmas_graph.testing import scripted_policy, tiny_policy
 from drmas_graph.train.loop._rollouts import EpisodeJob, run_episodes
-from drmas_graph.train.trainer import train_graph
+from drmas_graph.train.loop.trainer import train_graph
 from tests.test_instrument import Unreachable
 from tests.test_trainer import small_config
 

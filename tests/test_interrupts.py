@@ -17,7 +17,7 @@ from langgraph.types import Command, Interrupt, interrupt
 from drmas_graph import ConfigError, EpisodeInterruptedError, SamplingParams, TraceStore, instrument
 from drmas_graph.testing import scripted_policy
 from drmas_graph.traces.replay import comparable, replay, replay_episode
-from drmas_graph.train.trainer import train_graph
+from drmas_graph.train.loop.trainer import train_graph
 from graphs.support.env import SupportEnv
 from graphs.support.graph import build_graph as support_graph
 from tests import _graphs

@@ -17,9 +17,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1] / "drmas_graph"
 
-SHARED = {"types", "errors", "config", "env", "policy", "_chat", "_structured", "_moved", "_importing"}
-"""Top-level modules every layer may import (`_moved` names modules by strings only; `_importing` is the one
-`module:attr` importer that the CLI, task files and the judge's models all use)."""
+SHARED = {"types", "errors", "config", "env", "policy", "_chat", "_structured", "_importing"}
+"""Top-level modules every layer may import (`_importing` is the one `module:attr` importer that the CLI, task
+files and the judge's models all use)."""
 FACADES = {"", "testing", "ui.__main__"}
 """The package itself, the public name of the tiny test models and `python -m drmas_graph.ui` (the command
 line's entry point): they may import anything."""
@@ -176,114 +176,53 @@ def test_every_sub_package_says_what_it_owns_and_may_import():
 
 def test_registries_match_the_names_the_config_accepts():
     from drmas_graph import config
-    from drmas_graph.train.advantages import ADVANTAGE_ESTIMATORS
-    from drmas_graph.train.losses import LOSS_AGGREGATIONS
+    from drmas_graph.train.optim.advantages import ADVANTAGE_ESTIMATORS
+    from drmas_graph.train.optim.losses import LOSS_AGGREGATIONS
 
     assert set(config.ESTIMATORS) == set(ADVANTAGE_ESTIMATORS)
     assert set(config.LOSS_AGGREGATIONS) == set(LOSS_AGGREGATIONS)
 
 
 _EVERY_NAME_AFTER_EVERY_MODULE = """
-import importlib, inspect, pkgutil, sys, types, warnings
-warnings.simplefilter("ignore", DeprecationWarning)
+import importlib, pkgutil, sys, types, warnings
+warnings.simplefilter("error", DeprecationWarning)
 import drmas_graph
-from drmas_graph import _moved
 names = [m.name for m in pkgutil.walk_packages(drmas_graph.__path__, "drmas_graph.") if not m.name.endswith("__main__")]
-for name in names + sorted(_moved.MOVED):
+for name in names:
     importlib.import_module(name)
 wrong = [n for n in drmas_graph.__all__ if isinstance(getattr(drmas_graph, n), types.ModuleType)]
 exec("from drmas_graph import " + ", ".join(drmas_graph.__all__))
 wrong += [n for n in drmas_graph.__all__ if isinstance(eval(n), types.ModuleType)]
-print(len(names), sorted(set(wrong)))
+renamed = [k for k, m in sys.modules.items() if k.startswith("drmas_graph") and m.__name__ != k]
+print(len(names), sorted(set(wrong)), renamed)
 """
 
 
 def test_every_exported_name_is_its_object_after_every_module_is_imported():
-    """`from drmas_graph import replay` is the function even after `import drmas_graph.replay` (an old module
-    path) and after every sub-module was imported, in a fresh interpreter."""
+    """`from drmas_graph import replay` is the function even after every sub-module (`drmas_graph.traces.replay`
+    among them) was imported, in a fresh interpreter, with no deprecation warning; each module is known by one
+    name (no alias of another module in `sys.modules`)."""
     out = subprocess.run([sys.executable, "-c", _EVERY_NAME_AFTER_EVERY_MODULE], capture_output=True, text=True,
                          check=True, cwd=ROOT.parent).stdout.split()
-    assert int(out[0]) > 40 and out[1:] == ["[]"]
+    assert int(out[0]) > 40 and out[1:] == ["[]", "[]"]
 
 
 @pytest.mark.parametrize("old", ["drmas_graph.trainer", "drmas_graph.store", "drmas_graph.replay",
-                                 "drmas_graph._distributed", "drmas_graph._cli_train"])
-def test_old_module_paths_are_the_moved_modules_and_say_where_they_are(old):
-    from drmas_graph import _moved
-
-    code = (f"import warnings, importlib; warnings.simplefilter('always')\n"
-            f"with warnings.catch_warnings(record=True) as caught:\n"
-            f"    alias = importlib.import_module({old!r})\n"
-            f"real = importlib.import_module({_moved.MOVED[old]!r})\n"
-            f"print(alias is real, real.__spec__.name == real.__name__, [str(w.message) for w in caught])")
+                                 "drmas_graph._distributed", "drmas_graph.train.update", "drmas_graph.train.trainer"])
+def test_a_module_has_one_import_path(old):
+    """The flat layout's paths (never released) are gone, not aliases: one module, one path."""
+    code = f"import importlib\ntry:\n    importlib.import_module({old!r})\nexcept ModuleNotFoundError as e:\n    print(e)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT.parent)
-    assert out.stdout.startswith("True True ") and f"moved to {_moved.MOVED[old]}" in out.stdout
+    assert out.stdout.strip() == f"No module named {old!r}"
 
 
-def test_names_that_left_the_old_lora_module_are_found_where_they_live_now():
-    from drmas_graph.served._lora import served_adapter
-
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        from drmas_graph.lora import served_adapter as old
-    assert old is served_adapter
-    assert any("drmas_graph.served._lora.served_adapter" in str(w.message) for w in caught)
-    with pytest.raises(ImportError):
-        from drmas_graph.lora import no_such_name  # noqa: F401
-
-
-def test_an_old_module_path_that_names_an_exported_function_is_both(tmp_path):
-    """`import drmas_graph.replay as m` binds the package's attribute `replay`: the function, which also has
-    the moved module's names (`m.replay_episode`, with a warning) and sets them on it (issue 28, rev4_w)."""
-    import inspect
-
-    import drmas_graph
-    from drmas_graph.errors import StoreNotFoundError
-    from drmas_graph.traces import replay as replay_module
-    from drmas_graph.train import rescore as rescore_module
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        import drmas_graph.replay as old
-        import drmas_graph.rescore as old_rescore
-    from drmas_graph import replay
-
-    assert old is replay is drmas_graph.replay and old.__wrapped__ is replay_module.replay
-    assert inspect.signature(old) == inspect.signature(replay_module.replay) and old.__doc__ == replay_module.replay.__doc__
-    with pytest.raises(StoreNotFoundError):  # calling it calls the function
-        old(None, tmp_path / "absent.db", "e1")
-    with pytest.warns(DeprecationWarning, match=r"^drmas_graph\.replay\.\w+: the module drmas_graph\.replay moved to "
-                                                r"drmas_graph\.traces\.replay"):
-        assert old.replay_episode is replay_module.replay_episode and old.ReplayResult is replay_module.ReplayResult
-    with pytest.warns(DeprecationWarning):
-        assert old_rescore.rescore is rescore_module.rescore and old_rescore.__wrapped__ is rescore_module.rescore
-    old.replay_episode_probe = "set through the old path"
-    try:
-        assert replay_module.replay_episode_probe == "set through the old path"
-    finally:
-        del replay_module.replay_episode_probe
-    with pytest.raises(AttributeError, match="no_such_name"):
-        old.no_such_name
-
-
-def test_public_train_module_paths_are_the_grouped_modules_without_a_warning():
-    """`drmas_graph.train.update` (and the other public module paths of train/) is the module in its group, so
-    monkeypatching through either path patches the one module; importing it warns about nothing."""
+def test_the_train_package_offers_its_seam_without_a_warning():
     import importlib
 
-    from drmas_graph import _moved
-
-    assert set(_moved.STABLE) == {f"drmas_graph.train.{m}" for m in (
-        "trainer", "update", "losses", "advantages", "offpolicy", "lora", "evaluate", "rescore", "metrics")}
     with warnings.catch_warnings():
         warnings.simplefilter("error", DeprecationWarning)
-        for public, real in _moved.STABLE.items():
-            assert importlib.import_module(public) is importlib.import_module(real), public
         from drmas_graph.train import build_policy, distributed, preflight  # the package's public seam
     assert distributed is importlib.import_module("drmas_graph.train.engines._distributed")
-    import drmas_graph.train as train  # a public name that is also a module path would be the module once imported
-
-    assert not set(train.__all__) & {public.rpartition(".")[2] for public in _moved.STABLE}
     assert build_policy.__module__ == "drmas_graph.train.loop._build" and preflight.__name__ == "preflight"
 
 

@@ -1,4 +1,4 @@
-"""LoRA per agent (drmas_graph.train.lora): each agent trains its own adapter over one frozen base model."""
+"""LoRA per agent (drmas_graph.train.optim.lora): each agent trains its own adapter over one frozen base model."""
 
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ from drmas_graph.errors import ConfigError, PolicyError
 from drmas_graph.testing import tiny_model, tiny_tokenizer
 from drmas_graph.engine.transformers_policy import TransformersPolicy
 from drmas_graph.types import Sample, SamplingParams
-from drmas_graph.train.update import LossSettings, UpdateSettings
+from drmas_graph.train.optim.update import LossSettings, UpdateSettings
 
 pytest.importorskip("peft")
-from drmas_graph.train.lora import LoraUpdater, attach_adapters, base_forward, build_updater  # noqa: E402
+from drmas_graph.train.optim.lora import LoraUpdater, attach_adapters, base_forward, build_updater  # noqa: E402
 from tests.test_trainer_served import ckpt  # noqa: E402,F401  (fixture: the base model servers start from)
 
 pytestmark = [pytest.mark.filterwarnings("ignore:.*torch.jit.script_method.*:DeprecationWarning"),
@@ -233,7 +233,7 @@ def test_config_gives_each_agent_its_own_adapter_and_checks_them(tmp_path):
 
 
 def test_train_graph_trains_one_adapter_per_agent_over_a_frozen_base(tmp_path):
-    from drmas_graph.train.trainer import Trainer
+    from drmas_graph.train.loop.trainer import Trainer
     from tests import _graphs
     from tests._envs import ParityEnv
     from tests.test_instrument import Unreachable
@@ -268,7 +268,7 @@ def test_train_graph_trains_one_adapter_per_agent_over_a_frozen_base(tmp_path):
 
 def test_a_resumed_lora_run_gives_the_weights_of_the_uninterrupted_run(tmp_path):
     """`resume: true` of a LoRA run (it crashed: the resume check read `settings`, which LoraUpdater lacked)."""
-    from drmas_graph.train.trainer import Trainer
+    from drmas_graph.train.loop.trainer import Trainer
     from tests import _graphs
     from tests._envs import ParityEnv
     from tests.test_instrument import Unreachable
@@ -299,7 +299,7 @@ def served_config(tmp_path, ckpt, serve, adapters):
 def test_sglang_serves_the_base_with_the_adapter_merged(tmp_path, ckpt):
     from transformers import AutoModelForCausalLM
 
-    from drmas_graph.train.trainer import Trainer
+    from drmas_graph.train.loop.trainer import Trainer
     from tests import _graphs
     from tests._envs import ParityEnv
     from tests.sglang_double import SGLangDouble
@@ -329,7 +329,7 @@ def test_sglang_serves_the_base_with_the_adapter_merged(tmp_path, ckpt):
 def test_sglang_with_two_adapters_and_a_served_request_for_another_adapter_are_errors(tmp_path, ckpt):
     from drmas_graph.served._lora import served_adapter
     from drmas_graph.served import SGLangPolicy
-    from drmas_graph.train.trainer import Trainer
+    from drmas_graph.train.loop.trainer import Trainer
     from tests._envs import ParityEnv
 
     cfg = served_config(tmp_path, ckpt, {"engine": "sglang", "urls": ["http://127.0.0.1:9"]},
@@ -352,7 +352,7 @@ def test_cli_eval_of_a_checkpoint_loads_the_trained_adapters(tmp_path, capsys):
     from drmas_graph.cli import main
     from drmas_graph.config import load_config
     from drmas_graph.train.loop._checkpoints import load_checkpoint_adapters
-    from drmas_graph.train.trainer import Trainer
+    from drmas_graph.train.loop.trainer import Trainer
     from tests import _graphs
     from tests._envs import ParityEnv
     from tests.test_cli_train import write_config

@@ -21,7 +21,7 @@ pytest.importorskip("peft")
 
 
 def test_vllm_serves_each_agents_adapter_by_name_and_reloads_them_after_updates(tmp_path):
-    from drmas_graph.train.trainer import Trainer
+    from drmas_graph.train.loop.trainer import Trainer
     from tests import _graphs
     from tests._envs import ParityEnv
     from tests.test_instrument import Unreachable

@@ -9,7 +9,7 @@ import torch
 from torch.testing import assert_close
 
 from drmas_graph.errors import ConfigError
-from drmas_graph.train.losses import (
+from drmas_graph.train.optim.losses import (
     agg_loss,
     entropy_from_logits,
     kl_penalty,

@@ -17,7 +17,7 @@ from drmas_graph import SamplingParams, TraceStore, UnknownAgentError, instrumen
 from drmas_graph.env import Task
 from drmas_graph.testing import scripted_policy
 from drmas_graph.traces.replay import replay
-from drmas_graph.train.trainer import train_graph
+from drmas_graph.train.loop.trainer import train_graph
 from tests.test_instrument import assert_exact
 from tests.test_trainer import small_config
 

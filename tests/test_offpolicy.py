@@ -9,11 +9,11 @@ import torch
 from drmas_graph.config import CORRECTIONS as CONFIG_CORRECTIONS
 from drmas_graph.config import TrainConfig
 from drmas_graph.errors import ConfigError
-from drmas_graph.train import offpolicy
+from drmas_graph.train.optim import offpolicy
 from drmas_graph.train.loop._pipeline import drop_stale
 from drmas_graph.train.loop._rollouts import StepBatch
-from drmas_graph.train.losses import policy_loss
-from drmas_graph.train.offpolicy import CorrectionStats, OffPolicyCorrection, importance_weights
+from drmas_graph.train.optim.losses import policy_loss
+from drmas_graph.train.optim.offpolicy import CorrectionStats, OffPolicyCorrection, importance_weights
 from drmas_graph.types import Episode, Sample, Turn
 
 L = math.log

@@ -9,8 +9,8 @@ import pytest
 from drmas_graph import SamplingParams
 from drmas_graph.testing import tiny_policy
 from drmas_graph.traces.store import TraceStore
-from drmas_graph.train.rescore import rescore
-from drmas_graph.train.trainer import Trainer, TrainResult, evaluate, train_graph
+from drmas_graph.train.loop.rescore import rescore
+from drmas_graph.train.loop.trainer import Trainer, TrainResult, evaluate, train_graph
 from tests._envs import ParityEnv, RankingEnv
 from tests.test_trainer import graph, small_config
 

@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = """
 import sys
 from pathlib import Path
-from drmas_graph.train.metrics import RunLogger
+from drmas_graph.train.loop.metrics import RunLogger
 
 logger = RunLogger(Path(sys.argv[1]), tensorboard=False, wandb=False, progress=True, total_steps=2, start_step=0,
                    agents=["solver", "verifier"], run_name="p", config={})

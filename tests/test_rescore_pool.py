@@ -8,7 +8,7 @@ import pytest
 from drmas_graph.traces import _serde
 from drmas_graph.cli import main as cli_main
 from drmas_graph.errors import ConfigError
-from drmas_graph.train.rescore import rescore
+from drmas_graph.train.loop.rescore import rescore
 from drmas_graph.traces.store import TraceStore
 from tests.test_store import make_episode
 

@@ -17,7 +17,7 @@ from drmas_graph.testing import tiny_policy
 from drmas_graph.traces.store import TraceStore
 from drmas_graph.train.loop import _scoring
 from drmas_graph.train.loop._metric_reference import is_documented
-from drmas_graph.train.trainer import Trainer, train_graph
+from drmas_graph.train.loop.trainer import Trainer, train_graph
 from tests._envs import RankingEnv, solver_chars
 from tests.test_cli_train import write_config
 from tests.test_trainer import graph, small_config

@@ -19,7 +19,7 @@ from drmas_graph.env import Task
 from drmas_graph.errors import ConfigError, RolloutError
 from drmas_graph.traces.store import TraceStore
 from drmas_graph.testing import tiny_policy
-from drmas_graph.train.trainer import Trainer, train_graph
+from drmas_graph.train.loop.trainer import Trainer, train_graph
 from tests import _graphs
 from tests._envs import ParityEnv
 from tests.test_instrument import Unreachable

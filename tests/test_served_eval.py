@@ -8,7 +8,7 @@ from drmas_graph.config import EvalConfig
 from drmas_graph.errors import ConfigError
 from drmas_graph.served import VLLMPolicy
 from drmas_graph.testing import tiny_tokenizer
-from drmas_graph.train.trainer import Trainer, evaluate
+from drmas_graph.train.loop.trainer import Trainer, evaluate
 from drmas_graph.types import Generation
 from tests._envs import ParityEnv
 from tests.test_trainer import graph, small_config

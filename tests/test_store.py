@@ -29,7 +29,7 @@ from drmas_graph.errors import (
     TraceStoreError,
 )
 from drmas_graph.env import BadRewardError
-from drmas_graph.train.rescore import rescore
+from drmas_graph.train.loop.rescore import rescore
 from drmas_graph.traces.store import SCHEMA_VERSION, TraceStore, TraceStoreWarning
 from drmas_graph.types import Episode, SamplingParams, Turn
 
@@ -593,9 +593,9 @@ def test_threads_share_one_store(store: TraceStore):
 
 def _advantages_module():
     try:
-        import drmas_graph.train.advantages as advantages
+        import drmas_graph.train.optim.advantages as advantages
     except ImportError as e:
-        pytest.skip(f"drmas_graph.train.advantages is not available yet ({e}); rescore needs compute_advantages")
+        pytest.skip(f"drmas_graph.train.optim.advantages is not available yet ({e}); rescore needs compute_advantages")
     return advantages
 
 

@@ -15,7 +15,7 @@ from drmas_graph.env import BadRewardError, score_episode
 from drmas_graph.train.loop._metric_reference import is_documented
 from drmas_graph.train.loop._scoring import samples_with_advantages, step_record
 from drmas_graph.train.optim._update_metrics import _Tally, tally_kl_start
-from drmas_graph.train.update import LossSettings, ModelUpdater
+from drmas_graph.train.optim.update import LossSettings, ModelUpdater
 from tests.test_store import make_episode
 from tests.test_update import DEEPSPEED_BACKENDS, fresh_model, reference_grad_norm, rollout, settings, snapshot  # noqa: F401 (fixture)
 
@@ -165,7 +165,7 @@ def test_measuring_per_agent_grad_norms_leaves_the_step_unchanged(rollout, monke
     s = settings(backend, n_minibatches=2)
     model_a, model_b = fresh_model(), fresh_model()
     measured = ModelUpdater(model_a, name="m", settings=s).update(rollout)
-    monkeypatch.setattr("drmas_graph.train.update.readable_grads", lambda engine: (None, 1.0))
+    monkeypatch.setattr("drmas_graph.train.optim.update.readable_grads", lambda engine: (None, 1.0))
     unmeasured = ModelUpdater(model_b, name="m", settings=s).update(rollout)
     a, b = snapshot(model_a), snapshot(model_b)
     assert all(torch.equal(a[k], b[k]) for k in a)  # bit for bit

@@ -282,7 +282,7 @@ def test_serve_launch_is_refused_under_a_multi_process_launcher(launched):
 
 def test_zero3_with_an_embedded_policy_is_refused_under_a_multi_process_launcher(launched, tmp_path):
     from drmas_graph.config import TrainConfig
-    from drmas_graph.train.trainer import Trainer
+    from drmas_graph.train.loop.trainer import Trainer
     from tests import _graphs
     from tests._envs import ParityEnv
     from tests.test_instrument import Unreachable

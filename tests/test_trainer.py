@@ -11,7 +11,7 @@ from drmas_graph.config import TrainConfig, load_config
 from drmas_graph.errors import ConfigError
 from drmas_graph.traces.store import TraceStore
 from drmas_graph.testing import tiny_policy
-from drmas_graph.train.trainer import Trainer, train_graph
+from drmas_graph.train.loop.trainer import Trainer, train_graph
 from tests import _graphs
 from tests._envs import ParityEnv
 from tests.test_instrument import Unreachable
@@ -128,7 +128,7 @@ def test_bad_rewards_failing_tasks_and_idle_agents_are_counted_not_fatal(tmp_pat
     env = RaisingRewardEnv(n_train=5)
     policy = tiny_policy(seed=0, sampling=SamplingParams(max_new_tokens=4))
     cfg = small_config(tmp_path, steps=1, tasks_per_step=5, eval={"k": 1, "n_tasks": 1, "before_training": False})
-    with caplog.at_level("WARNING", logger="drmas_graph.train.trainer"):
+    with caplog.at_level("WARNING", logger="drmas_graph.train.loop.trainer"):
         result = train_graph(_boom_graph(), env, cfg, policies={"solver": policy, "verifier": policy})
     rec = result.history[0]
     # 5 tasks x G=4: train-0 fails in the graph; train-1 (NaN), train-2 and train-3 (raising env) are bad rewards
@@ -253,7 +253,7 @@ def test_config_errors_name_the_field(tmp_path):
 
 
 def test_evaluate_avg_and_pass_at_k_per_agent_stats(tmp_path):
-    from drmas_graph.train.trainer import evaluate
+    from drmas_graph.train.loop.trainer import evaluate
 
     class HalfEnv(ParityEnv):
         def reward(self, task, episode):
@@ -333,7 +333,7 @@ def test_a_task_twice_in_one_step_is_two_groups_with_their_own_ids_whatever_the_
 
 def test_the_progress_line_and_the_warning_say_which_episodes_did_not_finish():
     from drmas_graph.train.loop._scoring import unfinished_warning
-    from drmas_graph.train.metrics import progress_status
+    from drmas_graph.train.loop.metrics import progress_status
 
     record = {"step": 3, "agent/solver/reward_mean": 0.5, "episodes": 6, "failed_episodes": 1,
               "no_llm_call_episodes": 0, "bad_reward_episodes": 0, "masked_truncated_episodes": 1,

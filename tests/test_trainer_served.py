@@ -21,7 +21,7 @@ from drmas_graph.errors import ConfigError
 from drmas_graph.served import SGLangPolicy, WeightSyncError, free_port
 from drmas_graph.traces.store import TraceStore
 from drmas_graph.testing import tiny_model, tiny_policy, tiny_tokenizer
-from drmas_graph.train.trainer import Trainer, train_graph
+from drmas_graph.train.loop.trainer import Trainer, train_graph
 from tests._envs import ParityEnv
 from tests.sglang_double import SGLangDouble
 from tests.test_trainer import graph, small_config

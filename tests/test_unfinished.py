@@ -19,7 +19,7 @@ from drmas_graph.errors import RolloutError, StructuredOutputError
 from drmas_graph.instrumentation._outcomes import note_stop
 from drmas_graph.testing import scripted_policy, tiny_policy
 from drmas_graph.traces.replay import replay
-from drmas_graph.train.trainer import Trainer
+from drmas_graph.train.loop.trainer import Trainer
 from drmas_graph.types import Episode, Turn
 from graphs.research.env import ResearchEnv
 from graphs.research.graph import build_graph as build_research

@@ -16,10 +16,10 @@ from langchain_core.messages import HumanMessage, SystemMessage
 from torch.testing import assert_close
 
 from drmas_graph.errors import ConfigError
-from drmas_graph.train.losses import policy_loss
+from drmas_graph.train.optim.losses import policy_loss
 from drmas_graph.testing import tiny_model, tiny_policy, tiny_tokenizer
 from drmas_graph.types import Sample, SamplingParams
-from drmas_graph.train.update import LossSettings, ModelUpdater, UpdateSettings
+from drmas_graph.train.optim.update import LossSettings, ModelUpdater, UpdateSettings
 
 # deepspeed's import uses torch.jit.script_method, deprecated in torch 2.13
 pytestmark = pytest.mark.filterwarnings("ignore:.*torch.jit.script_method.*:DeprecationWarning")
@@ -433,7 +433,7 @@ def test_zero_advantage_samples_are_skipped_without_changing_the_step():
     """Samples with A = 0 are not forwarded (KL/entropy off), yet the step equals forwarding them all."""
     from drmas_graph.testing import tiny_policy
     from drmas_graph.types import SamplingParams
-    from drmas_graph.train.update import ModelUpdater, UpdateSettings
+    from drmas_graph.train.optim.update import ModelUpdater, UpdateSettings
 
     def run(skip):
         policy = tiny_policy(seed=3)
@@ -731,7 +731,7 @@ def dropout_model() -> torch.nn.Module:
 
 def ratios_at_lr_0(model: torch.nn.Module, lora: bool = False, **changes) -> tuple[list[float], list[float]]:
     """(ratio_max, approx_kl) of each agent at lr 0, the old logprobs being the updater's own compute_logprobs."""
-    from drmas_graph.train.lora import LoraUpdater
+    from drmas_graph.train.optim.lora import LoraUpdater
 
     samples = synthetic_samples()
     if lora:
@@ -767,7 +767,7 @@ def test_lora_dropout_is_off_in_the_update_by_default():
     """lora.dropout applies only with update.dropout: true."""
     pytest.importorskip("peft")
     from drmas_graph.config import LoraConfig
-    from drmas_graph.train.lora import attach_adapters
+    from drmas_graph.train.optim.lora import attach_adapters
 
     def lora_model():
         model = attach_adapters(fresh_model(), LoraConfig(dropout=0.5), ["ad", "bd"])

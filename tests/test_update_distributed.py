@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from drmas_graph.train.update import ModelUpdater, UpdateSettings
+from drmas_graph.train.optim.update import ModelUpdater, UpdateSettings
 from tests._dist_worker import AGENT_SETTINGS, CASES, SETTINGS, build_model, checksum, make_samples
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -17,9 +17,9 @@ from drmas_graph.testing import tiny_model, tiny_tokenizer
 from drmas_graph.train.optim._old_logprobs import with_trainer_logprobs
 from drmas_graph.train.optim._packing import (PROBE_NODES_DEFAULT, PROBE_NODES_MIN, PackingProbes, build_tree, check_packing,
                                         pack_rows, row_nodes, sequences_of, tree_inputs)
-from drmas_graph.train.advantages import list_estimators, compute_advantages
-from drmas_graph.train.losses import list_loss_aggregations
-from drmas_graph.train.update import LossSettings, ModelUpdater, UpdateSettings
+from drmas_graph.train.optim.advantages import list_estimators, compute_advantages
+from drmas_graph.train.optim.losses import list_loss_aggregations
+from drmas_graph.train.optim.update import LossSettings, ModelUpdater, UpdateSettings
 from drmas_graph.types import Sample
 
 pytestmark = [pytest.mark.filterwarnings("ignore:.*torch.jit.script_method.*:DeprecationWarning"),
@@ -232,7 +232,7 @@ def test_packed_update_on_deepspeed(samples, stage):
 def test_packed_lora_update_takes_the_padded_step(samples):
     pytest.importorskip("peft")
     from drmas_graph.config import AgentConfig, LoraConfig
-    from drmas_graph.train.lora import attach_adapters, build_updater
+    from drmas_graph.train.optim.lora import attach_adapters, build_updater
 
     def lora_run(pack: bool):
         model = attach_adapters(build_model(), LoraConfig(r=4, alpha=8, target_modules=["q_proj", "v_proj"]),
@@ -424,7 +424,7 @@ def test_lora_packing_is_probed_with_the_kernel_it_trains_with(samples):
     no tree mask trains on padded rows."""
     pytest.importorskip("peft")
     from drmas_graph.config import LoraConfig
-    from drmas_graph.train.lora import LoraUpdater, attach_adapters
+    from drmas_graph.train.optim.lora import LoraUpdater, attach_adapters
 
     def lora(attn: str):
         model = attach_adapters(build_model(), LoraConfig(), ["solver", "verifier"])  # loaded with sdpa

@@ -8,10 +8,10 @@ import inspect
 import pytest
 
 from drmas_graph.train.optim._updater import Updater
-from drmas_graph.train.update import ModelUpdater
+from drmas_graph.train.optim.update import ModelUpdater
 
 pytest.importorskip("peft")
-from drmas_graph.train.lora import LoraUpdater  # noqa: E402
+from drmas_graph.train.optim.lora import LoraUpdater  # noqa: E402
 from tests.test_lora import lora_model, updater  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")
@@ -31,7 +31,7 @@ def test_both_updaters_have_every_method_of_the_protocol_with_its_signature(cls)
 
 def test_built_updaters_are_updaters_with_settings_name_and_n_updates():
     from drmas_graph.testing import tiny_model, tiny_tokenizer
-    from drmas_graph.train.update import UpdateSettings
+    from drmas_graph.train.optim.update import UpdateSettings
 
     lora = updater(lora_model()[0])
     plain = ModelUpdater(tiny_model(tiny_tokenizer()), name="p", settings=UpdateSettings(backend="torch"))

@@ -23,7 +23,7 @@ from drmas_graph.config import TrainConfig, config_reference  # noqa: E402
 from drmas_graph.errors import ConfigError  # noqa: E402
 from drmas_graph.traces.store import TraceStore  # noqa: E402
 from drmas_graph.testing import tiny_policy  # noqa: E402
-from drmas_graph.train.trainer import Trainer  # noqa: E402
+from drmas_graph.train.loop.trainer import Trainer  # noqa: E402
 from drmas_graph.types import Episode, Turn  # noqa: E402
 from tests._envs import ParityEnv  # noqa: E402
 from tests._weave_server import InMemoryTraceServer, make_client  # noqa: E402

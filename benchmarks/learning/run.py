@@ -149,7 +149,7 @@ def make_app(app: str, seed: int) -> tuple[Any, RecordingEnv]:
 
 
 def run_one(app: str, estimator: str, seed: int, plan: dict[str, Any], root: Path, tiny: bool) -> dict[str, Any]:
-    from drmas_graph.train.trainer import train_graph
+    from drmas_graph.train.loop.trainer import train_graph
 
     graph, env = make_app(app, seed)
     cfg = make_config(app, estimator, seed, plan, root / f"{app}-{estimator}-s{seed}", tiny)
@@ -397,7 +397,7 @@ def _band(ax: Any, runs: list[dict[str, Any]], get: Any, title: str,
 # -- difficulty tuning ------------------------------------------------------------------------------------
 def tune(apps: list[str], k: int, n_tasks: int) -> None:
     """avg@k / pass@k and app rates of the untrained model on each app's test split (the frozen settings)."""
-    from drmas_graph.train.trainer import Trainer, evaluate
+    from drmas_graph.train.loop.trainer import Trainer, evaluate
 
     for app in apps:
         graph, env = make_app(app, 0)

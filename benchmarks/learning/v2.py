@@ -95,7 +95,7 @@ def make_config(estimator: str, seed: int, plan: dict[str, Any], run_dir: Path, 
 
 
 def run_one(estimator: str, seed: int, plan: dict[str, Any], root: Path, tiny: bool) -> dict[str, Any]:
-    from drmas_graph.train.trainer import train_graph
+    from drmas_graph.train.loop.trainer import train_graph
 
     graph = build_graph(FakeListChatModel(responses=["(stand-in)"]))
     env = RecordingEnv(CheckedMathEnv(seed=0, **ENV_KWARGS))

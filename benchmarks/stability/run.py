@@ -40,7 +40,7 @@ from benchmarks._deps import require  # noqa: E402
 from drmas_graph import SamplingParams  # noqa: E402
 from drmas_graph.env import Task  # noqa: E402
 from drmas_graph.testing import tiny_policy  # noqa: E402
-from drmas_graph.train.trainer import train_graph  # noqa: E402
+from drmas_graph.train.loop.trainer import train_graph  # noqa: E402
 
 ESTIMATORS = ("episode_global", "step_global", "agent")
 DRAFTS = 6

@@ -90,7 +90,7 @@ def add_traces_commands(groups: Any) -> None:
 
 
 def _add_rescore_command(commands: Any) -> None:
-    from drmas_graph.train.rescore import POOLS
+    from drmas_graph.train.loop.rescore import POOLS
 
     p = commands.add_parser(
         "rescore", help="new rewards and advantages for a stored run from another reward function or a judge, "
@@ -124,7 +124,7 @@ def _add_rescore_command(commands: Any) -> None:
 
 
 def _cmd_rescore(args: argparse.Namespace, console: Console) -> int:
-    from drmas_graph.train.rescore import rescore
+    from drmas_graph.train.loop.rescore import rescore
 
     source, judge, tasks = "", None, None
     if args.judge:

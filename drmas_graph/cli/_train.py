@@ -118,7 +118,7 @@ def _saved(cfg: TrainConfig, config: Path) -> str:
 
 def _cmd_eval(args: argparse.Namespace, console: Console) -> int:
     from drmas_graph.train import Trainer, checkpoint_step, load_checkpoint_adapters, reply_lines
-    from drmas_graph.train.evaluate import evaluate
+    from drmas_graph.train.loop.evaluate import evaluate
     from drmas_graph.train import distributed as _distributed
 
     overrides = list(args.set)

@@ -4,7 +4,7 @@
 - `adapter_kwargs`: the forward kwargs of a batch whose rows use different adapters (peft's mixed batch).
 - `load_adapter_weights`: copy saved adapters into a model's parameters, in place.
 
-Attaching adapters and training them is `drmas_graph.train.lora`; the adapter names per agent are config
+Attaching adapters and training them is `drmas_graph.train.optim.lora`; the adapter names per agent are config
 (`drmas_graph.config.resolve_adapters`).
 """
 

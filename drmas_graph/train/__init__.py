@@ -15,10 +15,7 @@ Three groups, each a job (each group's docstring says what it may import; tests/
                checkpoints, resume) -> `evaluate` (avg@k, pass@k); `_pipeline` (asynchronous training), `_build`
                (policies and updaters from the config), `_check` (`drmas-graph check`), `rescore`, `metrics`
 
-The public module paths `drmas_graph.train.trainer`, `.update`, `.losses`, `.advantages`, `.offpolicy`, `.lora`,
-`.evaluate`, `.rescore` and `.metrics` are the modules themselves (aliases of their place in a group, `_moved`).
-The names below are this package's public seam for the command line and the judge; they load lazily
-(`evaluate` is `drmas_graph.train.evaluate.evaluate`: the name `drmas_graph.train.evaluate` is the module).
+The names below are this package's public seam for the command line and the judge; they load lazily.
 
 May import: every layer below it (shared modules, instrumentation, engine, served, traces).
 """
