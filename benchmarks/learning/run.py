@@ -51,6 +51,7 @@ from graphs.lookup.env import LookupEnv  # noqa: E402
 from graphs.lookup.graph import build_graph as build_lookup  # noqa: E402
 from graphs.verified_math.env import VerifiedMathEnv  # noqa: E402
 from graphs.verified_math.graph import build_graph as build_math  # noqa: E402
+from study_stats import band, fmt_ci, in_own_process, t_interval, verdict  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 ESTIMATORS = ("episode_global", "agent")
@@ -178,35 +179,6 @@ def run_one(app: str, estimator: str, seed: int, plan: dict[str, Any], root: Pat
 
 
 # -- statistics -------------------------------------------------------------------------------------------
-_T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
-        12: 2.179, 15: 2.131, 20: 2.086, 30: 2.042}
-
-
-def _in_own_process(fn: Any, *args: Any, **kwargs: Any) -> Any:
-    """fn(*args, **kwargs) in a fresh process (spawned, so it shares no torch state with this one): a run's two
-    models, optimizer states and KL reference go back to the system when it ends. In one process the study grew
-    by ~1 GB per run (12.4 GB after 11 runs) until the out-of-memory killer picked it."""
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
-
-    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return pool.submit(fn, *args, **kwargs).result()
-
-
-def t_interval(xs: list[float]) -> tuple[float, float, float]:
-    """Mean and two-sided 95% Student-t interval (NaNs dropped; half-width NaN for fewer than two values)."""
-    xs = [x for x in xs if not math.isnan(x)]
-    if not xs:
-        return math.nan, math.nan, math.nan
-    m = statistics.fmean(xs)
-    if len(xs) < 2:
-        return m, math.nan, math.nan
-    df = len(xs) - 1
-    t = _T95[max(k for k in _T95 if k <= df)] if df <= 30 else 1.96
-    h = t * statistics.stdev(xs) / math.sqrt(len(xs))
-    return m, m - h, m + h
-
-
 def spikes(run: dict[str, Any], agent: str, signal_only: bool = False) -> int:
     """Steps whose gradient norm exceeds SPIKE_FACTOR x the run's median (the pre-registered count). With
     `signal_only` (post hoc, not pre-registered) the median and the count use only the steps that had a
@@ -262,18 +234,13 @@ def table(runs: list[dict[str, Any]], estimators: list[str]) -> str:
         for name in names:
             cells = []
             for e in cols:
-                cells.append(_fmt(t_interval([by[(e, s)][name] for s in seeds if (e, s) in by])))
+                cells.append(fmt_ci(t_interval([by[(e, s)][name] for s in seeds if (e, s) in by])))
             for e in pairs:
                 diffs = [by[(e, s)][name] - by[("episode_global", s)][name] for s in seeds
                          if (e, s) in by and ("episode_global", s) in by]
-                cells.append(_fmt(t_interval(diffs)))
+                cells.append(fmt_ci(t_interval(diffs)))
             lines.append(f"| {name.replace('@k', f'@{k}'):<26} | " + " | ".join(f"{c:<24}" for c in cells) + " |")
     return "\n".join(lines)
-
-
-def _fmt(ci: tuple[float, float, float]) -> str:
-    m, lo, hi = ci
-    return f"{m:.3f}" if math.isnan(lo) else f"{m:.3f} [{lo:.3f}, {hi:.3f}]"
 
 
 def verdict_lines(runs: list[dict[str, Any]]) -> list[str]:
@@ -310,20 +277,8 @@ def hypothesis_lines(runs: list[dict[str, Any]]) -> list[str]:
         by = {(r["estimator"], r["seed"]): run_metrics(r)[metric] for r in runs if r["app"] == app}
         d = [by[("agent", s)] - by[("episode_global", s)] for e, s in by if e == "agent" and ("episode_global", s) in by]
         m, lo, hi = t_interval(d)
-        out.append(f"hypothesis: {name} [{app}]: d = {_fmt((m, lo, hi))} over {len(d)} pairs: {verdict(lo, hi, sign)}")
+        out.append(f"hypothesis: {name} [{app}]: d = {fmt_ci((m, lo, hi))} over {len(d)} pairs: {verdict(lo, hi, sign)}")
     return out
-
-
-def verdict(lo: float, hi: float, sign: int) -> str:
-    """The pre-registered rule (v1 and v2) for a paired difference's 95% t interval [lo, hi] and the stated
-    direction `sign`: supported when it excludes 0 that way, contradicted when it excludes 0 the other way."""
-    if math.isnan(lo):
-        return "not resolved (fewer than 2 pairs)"
-    if (lo > 0 and sign > 0) or (hi < 0 and sign < 0):
-        return "supported"
-    if (hi < 0 and sign > 0) or (lo > 0 and sign < 0):
-        return "contradicted"
-    return "not resolved"
 
 
 def runs_markdown(runs: list[dict[str, Any]]) -> str:
@@ -362,9 +317,9 @@ def plots(runs: list[dict[str, Any]], out: Path) -> list[Path]:
         fig, axes = plt.subplots(3, 2, figsize=(11, 10))
         for row, (get, title, bounds) in enumerate(panels):
             for col, a in enumerate(agents):
-                _band(axes[row][col], mine, lambda s, a=a, get=get: get(s, a), f"{app}: {title}: {a}", bounds)
+                band(axes[row][col], mine, lambda s, a=a, get=get: get(s, a), f"{app}: {title}: {a}", bounds)
         for col, rate in enumerate(rates[:2]):
-            _band(axes[2][col], mine, lambda s, r=rate: s["rates"][r], f"{app}: {rate} (training rollouts)",
+            band(axes[2][col], mine, lambda s, r=rate: s["rates"][r], f"{app}: {rate} (training rollouts)",
                   (0.0, 1.0))
         fig.suptitle(f"{app}: mean over seeds per step; band = 95% t interval of the mean (cut to the "
                      "feasible range)", fontsize=10)
@@ -374,24 +329,6 @@ def plots(runs: list[dict[str, Any]], out: Path) -> list[Path]:
         plt.close(fig)
         written.append(path)
     return written
-
-
-def _band(ax: Any, runs: list[dict[str, Any]], get: Any, title: str,
-          bounds: tuple[float | None, float | None] = (None, None)) -> None:
-    lo_b = -math.inf if bounds[0] is None else bounds[0]
-    hi_b = math.inf if bounds[1] is None else bounds[1]
-    for est in sorted({r["estimator"] for r in runs}):
-        series = [[get(s) for s in r["steps"]] for r in runs if r["estimator"] == est]
-        n = min(len(x) for x in series)
-        steps = list(range(1, n + 1))
-        cis = [t_interval([x[i] for x in series]) for i in range(n)]
-        ax.plot(steps, [c[0] for c in cis], label=est)
-        if len(series) > 1:
-            ax.fill_between(steps, [min(max(c[1], lo_b), hi_b) for c in cis],
-                            [min(max(c[2], lo_b), hi_b) for c in cis], alpha=0.2)
-    ax.set_title(title, fontsize=9)
-    ax.set_xlabel("step")
-    ax.legend(fontsize=7)
 
 
 # -- difficulty tuning ------------------------------------------------------------------------------------
@@ -468,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
             if (app, est, seed) not in done and not args.report]
     for app, est, seed in todo:
         shutil.rmtree(root / f"{app}-{est}-s{seed}", ignore_errors=True)  # a run cut off before: start it again
-        run = _in_own_process(run_one, app, est, seed, plan, root, tiny=args.tiny)
+        run = in_own_process(run_one, app, est, seed, plan, root, tiny=args.tiny)
         shutil.rmtree(root / f"{app}-{est}-s{seed}" / "checkpoints", ignore_errors=True)  # ~3 GB a run; not kept
         runs.append(run)
         print(f"{app} {est} seed {seed}: {len(run['steps'])} steps in {run['wall_s']:.0f} s, final "

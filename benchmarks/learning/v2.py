@@ -183,28 +183,28 @@ def paired(runs: list[dict[str, Any]], metric: str, base: str = "step_global") -
 
 
 def hypothesis_lines(runs: list[dict[str, Any]]) -> list[str]:
-    from run import _fmt, t_interval, verdict
+    from study_stats import fmt_ci, t_interval, verdict
 
     out = []
     for name, metric, sign in HYPOTHESES:
         d = paired(runs, metric)
         m, lo, hi = t_interval(d)
-        out.append(f"hypothesis v2: {name}: d = {_fmt((m, lo, hi))} over {len(d)} pairs: {verdict(lo, hi, sign)}")
+        out.append(f"hypothesis v2: {name}: d = {fmt_ci((m, lo, hi))} over {len(d)} pairs: {verdict(lo, hi, sign)}")
     return out
 
 
 def manipulation_line(runs: list[dict[str, Any]]) -> str:
-    from run import _fmt, t_interval
+    from study_stats import fmt_ci, t_interval
 
     values = [manipulation(r) for r in runs if r["estimator"] == "step_global"]
     m, lo, hi = t_interval(values)
     ok = "holds" if values and m >= MANIPULATION["threshold"] else "fails"
     return (f"manipulation check v2: solver E[A^2] over the first {MANIPULATION['steps']} steps under step_global = "
-            f"{_fmt((m, lo, hi))} over {len(values)} runs (threshold {MANIPULATION['threshold']}): {ok}")
+            f"{fmt_ci((m, lo, hi))} over {len(values)} runs (threshold {MANIPULATION['threshold']}): {ok}")
 
 
 def table(runs: list[dict[str, Any]], estimators: list[str]) -> str:
-    from run import _fmt, t_interval
+    from study_stats import fmt_ci, t_interval
 
     by = {(r["estimator"], r["seed"]): run_metrics(r) for r in runs}
     names = list(next(iter(by.values()))) if by else []
@@ -213,8 +213,8 @@ def table(runs: list[dict[str, Any]], estimators: list[str]) -> str:
     lines = ["| metric | " + " | ".join(cols) + "".join(f" | agent - {e}" for e in pairs) + " |",
              "|---" * (1 + len(cols) + len(pairs)) + "|"]
     for name in names:
-        cells = [_fmt(t_interval([v[name] for (e, _), v in by.items() if e == c])) for c in cols]
-        cells += [_fmt(t_interval(paired(runs, name, base=e))) for e in pairs]
+        cells = [fmt_ci(t_interval([v[name] for (e, _), v in by.items() if e == c])) for c in cols]
+        cells += [fmt_ci(t_interval(paired(runs, name, base=e))) for e in pairs]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -249,17 +249,17 @@ def plots(runs: list[dict[str, Any]], out: Path) -> Path:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from run import _band
+    from study_stats import band
 
     fig, axes = plt.subplots(3, 2, figsize=(11, 10))
     for col, a in enumerate(AGENTS):
-        _band(axes[0][col], runs, lambda s, a=a: s["agents"][a]["adv_sq"], f"{a}: E[A^2] per step", (0.0, None))
+        band(axes[0][col], runs, lambda s, a=a: s["agents"][a]["adv_sq"], f"{a}: E[A^2] per step", (0.0, None))
         axes[0][col].axhline(1.0, color="grey", lw=0.8, ls=":")
-        _band(axes[1][col], runs, lambda s, a=a: s["agents"][a]["grad_norm"],
+        band(axes[1][col], runs, lambda s, a=a: s["agents"][a]["grad_norm"],
               f"{a}: gradient norm of its part of the loss (before clipping)", (0.0, None))
     endpoints = [("checker balanced accuracy (held out)", lambda e: e["rates"]["checker_balanced_accuracy"]),
                  ("avg@k (held out: the solver's answer right)", lambda e: e["avg@k"])]
-    arms = sorted({r["estimator"] for r in runs})  # _band's order, so each arm keeps its color
+    arms = sorted({r["estimator"] for r in runs})  # band's order, so each arm keeps its color
     colors = {e: f"C{i}" for i, e in enumerate(arms)}
     shifts = {e: 0.3 * (i - (len(arms) - 1) / 2) for i, e in enumerate(arms)}  # arms side by side
     for col, (title, get) in enumerate(endpoints):
@@ -283,7 +283,8 @@ def plots(runs: list[dict[str, Any]], out: Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from run import _in_own_process, require
+    from benchmarks._deps import require
+    from study_stats import in_own_process
 
     p = argparse.ArgumentParser(prog="run.py --v2", description=__doc__.split("\n")[0])
     mode = p.add_mutually_exclusive_group()
@@ -318,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     todo = [] if args.report else [(e, s) for s in plan["seeds"] for e in args.estimators if (e, s) not in done]
     for est, seed in todo:  # seed outermost: a stopped study holds whole pairs
         shutil.rmtree(root / f"checked_math-{est}-s{seed}", ignore_errors=True)
-        run = _in_own_process(run_one, est, seed, plan, root, tiny=args.tiny)
+        run = in_own_process(run_one, est, seed, plan, root, tiny=args.tiny)
         shutil.rmtree(root / f"checked_math-{est}-s{seed}" / "checkpoints", ignore_errors=True)  # ~1.5 GB; not kept
         runs.append(run)
         print(f"checked_math {est} seed {seed}: {len(run['steps'])} steps in {run['wall_s']:.0f} s, final "
