@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from drmas_graph.config import TrainConfig
-from drmas_graph.train.engines import _distributed
+from drmas_graph.train.engines import distributed as _distributed
 from drmas_graph.train.loop.evaluate import evaluate
 from drmas_graph.train.loop.trainer import Trainer
 from tests import _graphs

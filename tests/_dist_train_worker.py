@@ -21,7 +21,7 @@ import zlib
 from pathlib import Path
 from typing import Any
 
-from drmas_graph.train.engines import _distributed
+from drmas_graph.train.engines import distributed as _distributed
 from drmas_graph.config import TrainConfig
 from drmas_graph.testing import tiny_model, tiny_tokenizer
 from drmas_graph.train.loop.trainer import train_graph

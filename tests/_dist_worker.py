@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from drmas_graph.testing import tiny_model, tiny_tokenizer
-from drmas_graph.train.engines import _distributed
+from drmas_graph.train.engines import distributed as _distributed
 from drmas_graph.types import Sample
 from drmas_graph.train.optim.update import LossSettings, ModelUpdater, UpdateSettings
 

@@ -17,7 +17,7 @@ from drmas_graph.env import BadRewardError, Task
 from drmas_graph.errors import ConfigError
 from drmas_graph.traces import _serde
 from drmas_graph.traces.store import TraceStore
-from drmas_graph.train.engines import _distributed
+from drmas_graph.train.engines import distributed as _distributed
 from drmas_graph.train.loop.rescore import rescore
 from tests.test_store import make_episode
 

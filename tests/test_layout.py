@@ -8,6 +8,7 @@ so a lazy import cannot hide a cycle or an upward dependency.
 from __future__ import annotations
 
 import ast
+import importlib
 import subprocess
 import sys
 import warnings
@@ -34,7 +35,7 @@ LAYERS = {  # layer -> the layers it may import (besides itself and the shared m
     "train.optim": {"engine", "train.engines"},
     "train.loop": {"instrumentation", "engine", "served", "traces", "train.optim", "train.engines"},
     "ui": {"instrumentation", "traces"},
-    "rewards": {"instrumentation", "train"},
+    "rewards": {"instrumentation", "engine"},
     "task_files": {"rewards"},  # a module, not a package: tasks from files, rewards from the judge
     "cli": {"instrumentation", "engine", "served", "traces", "train", "ui", "rewards", "task_files"},
 }
@@ -216,14 +217,16 @@ def test_a_module_has_one_import_path(old):
     assert out.stdout.strip() == f"No module named {old!r}"
 
 
-def test_the_train_package_offers_its_seam_without_a_warning():
-    import importlib
+def test_the_train_package_offers_the_loops_face_without_a_warning():
+    import drmas_graph.train.loop as loop
 
     with warnings.catch_warnings():
         warnings.simplefilter("error", DeprecationWarning)
-        from drmas_graph.train import build_policy, distributed, preflight  # the package's public seam
-    assert distributed is importlib.import_module("drmas_graph.train.engines._distributed")
-    assert build_policy.__module__ == "drmas_graph.train.loop._build" and preflight.__name__ == "preflight"
+        from drmas_graph.train import Trainer, preflight  # the package's public seam
+    assert Trainer is loop.Trainer and preflight is loop.preflight
+    import drmas_graph.train as train
+
+    assert train.__all__ == loop.__all__
 
 
 # ---- public seams: no private module or name of another sub-package; no `trainer: Any` ---------------------
@@ -239,9 +242,15 @@ TRAINER_ANY_PENDING: set[str] = set()
 """Functions taking `trainer: Any` waiting for a branch to merge (none)."""
 
 
+TRAIN_GROUPS = ("train.engines", "train.optim", "train.loop")
+"""train/'s groups: each an owner of its own private names, like a top-level sub-package."""
+
+
 def _owner(module: str) -> str:
-    """The sub-package a module belongs to ('' for the package itself, a top-level module's own name)."""
-    return module.split(".")[0]
+    """The sub-package a module belongs to ('' for the package itself, a top-level module's own name; one of
+    train's groups for a module inside it)."""
+    group = ".".join(module.split(".")[:2])
+    return group if group in TRAIN_GROUPS else module.split(".")[0]
 
 
 def _private_imports(module: str, path: Path, modules: dict[str, Path]) -> set[str]:
@@ -303,6 +312,64 @@ def test_the_private_import_check_finds_one(tmp_path):
         "served._base: instrumentation._intercept.ACTIVE_HANDLER", "served._base: instrumentation._threads",
         "served._base: train._build.build_policy", "served._base: train._build_policy",
         "served._base: instrumentation.instrumented._cut_at_stop"}
+
+
+TRAIN_FACE_BYPASSES: dict[str, str] = {}
+"""`importer: imported` -> why a train group reaches past another group's face (at most 3; none today)."""
+
+
+def _face(group: str) -> set[str]:
+    """The names in `__all__` of a train group's `__init__`."""
+    tree = ast.parse((ROOT / group.replace(".", "/") / "__init__.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in node.targets):
+            return set(ast.literal_eval(node.value))
+    raise AssertionError(f"drmas_graph/{group.replace('.', '/')}/__init__.py: no __all__")
+
+
+def _face_bypasses(module: str, path: Path, faces: dict[str, set[str]]) -> set[str]:
+    """`module: imported` for each import, by a module of one train group, of another group that is not a name
+    of that group's face (`from drmas_graph.train.optim import ModelUpdater`)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets = [(a.name, None) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            targets = [(node.module, a.name) for a in node.names]
+        else:
+            continue
+        for base, name in targets:
+            rel = base.removeprefix("drmas_graph.")
+            group = ".".join(rel.split(".")[:2])
+            if not base.startswith("drmas_graph.") or group not in faces or group == _owner(module):
+                continue
+            if rel != group or name not in faces[group]:
+                found.add(f"{module}: {rel}" + (f".{name}" if name else ""))
+    return found
+
+
+def test_train_groups_use_each_other_only_through_their_faces():
+    """engines/, optim/ and loop/ are boundaries: a group imports another only as `from drmas_graph.train.<group>
+    import <name in its __all__>`, so each face lists everything the others use."""
+    faces = {g: _face(g) for g in TRAIN_GROUPS}
+    found = set().union(*(_face_bypasses(m, p, faces) for m, p in _modules().items() if _owner(m) in TRAIN_GROUPS))
+    assert len(TRAIN_FACE_BYPASSES) <= 3
+    assert found == set(TRAIN_FACE_BYPASSES), ("imports past a train group's face (add the name to that group's "
+                                              "__all__ instead):\n" + "\n".join(sorted(found - set(TRAIN_FACE_BYPASSES))))
+    for group, names in faces.items():  # each face is small and every name in it resolves
+        module = importlib.import_module(f"drmas_graph.{group}")
+        assert len(names) <= 16 and all(hasattr(module, n) for n in names), group
+
+
+def test_the_face_check_finds_a_bypass(tmp_path):
+    path = tmp_path / "x.py"
+    path.write_text("from drmas_graph.train.optim.update import ModelUpdater\nfrom drmas_graph.train.optim import "
+                    "compute_advantages, _tally\nimport drmas_graph.train.engines._world\n"
+                    "from drmas_graph.train.loop import _state\nfrom drmas_graph.types import Sample\n")
+    faces = {"train.optim": {"compute_advantages"}, "train.engines": set(), "train.loop": set()}
+    assert _face_bypasses("train.loop._learn", path, faces) == {
+        "train.loop._learn: train.optim.update.ModelUpdater", "train.loop._learn: train.optim._tally",
+        "train.loop._learn: train.engines._world"}
 
 
 def _trainer_any(tree: ast.AST) -> list[str]:

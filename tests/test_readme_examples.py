@@ -99,7 +99,7 @@ def fresh_process_group(monkeypatch):
     launch checks). A group of one process and no launcher variables give the same answers either way."""
     import torch.distributed as dist
 
-    from drmas_graph.train.engines import _world
+    from drmas_graph.engine import _world
 
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() == 1:
         monkeypatch.setattr(_world, "group_initialized", lambda: False)

@@ -18,7 +18,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from drmas_graph.train.engines import _distributed, _world
+from drmas_graph.engine import _world, local_device
+from drmas_graph.train.engines import distributed as _distributed
 from drmas_graph.errors import ConfigError
 from drmas_graph.traces.store import TraceStore
 from drmas_graph.types import Episode, Turn
@@ -298,12 +299,12 @@ def test_zero3_with_an_embedded_policy_is_refused_under_a_multi_process_launcher
 
 
 def test_each_process_takes_its_own_gpu(launched):
-    assert _distributed.local_device("cuda") == "cuda"  # one process: as configured
+    assert local_device("cuda") == "cuda"  # one process: as configured
     launched(2, LOCAL_RANK="1")
-    assert _distributed.local_device("cuda") == "cuda:1" and _distributed.local_device("cpu") == "cpu"
+    assert local_device("cuda") == "cuda:1" and local_device("cpu") == "cpu"
     with pytest.raises(ConfigError, match=r"models\.m\.device: 'cuda:0' would put all 2 processes on one GPU; "
                                           r"set it to 'cuda'"):
-        _distributed.local_device("cuda:0", "models.m.device")
+        local_device("cuda:0", "models.m.device")
 
 
 def test_an_evaluation_under_a_launcher_ignores_tasks_per_step_and_hands_rank_0_every_rollout(tmp_path):
@@ -336,7 +337,7 @@ def test_one_world_size_before_and_after_the_process_group():
     as long as its process."""
     code = f"""
 import torch
-from drmas_graph.train.engines import _distributed, _engines
+from drmas_graph.train.engines import _engines, distributed as _distributed
 assert (_distributed.world_size(), _distributed.rank(), _distributed.is_main()) == (2, 1, False)
 assert (_engines._world_size(), _engines._rank()) == (2, 1)
 assert _distributed.owned(list("abcd")) == [(2, "c"), (3, "d")]

@@ -76,11 +76,11 @@ def add_train_commands(groups: Any) -> None:
 
 def _cmd_train(args: argparse.Namespace, console: Console) -> int:
     from drmas_graph.train import RunDirInUseError, free_run_dir, train_graph
-    from drmas_graph.train import distributed as _distributed
+    from drmas_graph.train.engines import distributed
 
     cfg = load_config(args.config, args.set + (["resume=true"] if args.resume else []))
     graph, env = build_graph_and_env(cfg)
-    if _distributed.is_main():  # under a launcher, rank 0 alone reports
+    if distributed.is_main():  # under a launcher, rank 0 alone reports
         console.print(f"training {cfg.name}: run folder {cfg.run_dir}", markup=False)
     try:
         result = train_graph(graph, env, cfg)
@@ -89,12 +89,12 @@ def _cmd_train(args: argparse.Namespace, console: Console) -> int:
                           f"run_dir={free_run_dir(exc.run_dir)}`, or continue this run from its last checkpoint "
                           "with `--resume`") from None
     except KeyboardInterrupt:
-        if _distributed.is_main():
+        if distributed.is_main():
             print(f"drmas-graph: interrupted; {_saved(cfg, args.config)}", file=sys.stderr)
         return 130
     finally:
-        _distributed.shutdown()
-    if _distributed.is_main():
+        distributed.shutdown()
+    if distributed.is_main():
         console.print(result.summary(), markup=False)
         run_dir = Path(cfg.run_dir)
         console.print(f"look at it: drmas-graph ui {run_dir}   (episodes: drmas-graph traces list "
@@ -119,7 +119,7 @@ def _saved(cfg: TrainConfig, config: Path) -> str:
 def _cmd_eval(args: argparse.Namespace, console: Console) -> int:
     from drmas_graph.train import Trainer, checkpoint_step, load_checkpoint_adapters, reply_lines
     from drmas_graph.train.loop.evaluate import evaluate
-    from drmas_graph.train import distributed as _distributed
+    from drmas_graph.train.engines import distributed
 
     overrides = list(args.set)
     if args.k:
@@ -136,18 +136,18 @@ def _cmd_eval(args: argparse.Namespace, console: Console) -> int:
             load_checkpoint_adapters(trainer, args.checkpoint)  # LoRA: into the models, and their servers
         for name in attached_servers(cfg, from_checkpoint):  # they serve what they held: push the checkpoint
             trainer.sync_weights(name, version=trainer.model_policies[name].version)
-            if _distributed.is_main():
+            if distributed.is_main():
                 mc = cfg.models[name]
                 console.print(f"model {name}: loaded {mc.path} into its servers {', '.join(mc.serve.urls)} (they keep "
                               "serving it after this evaluation)", markup=False)
         # a checkpoint samples with the seeds of its step's evaluation: it reproduces the run's own
         step = checkpoint_step(args.checkpoint) if args.checkpoint is not None else 0
         record = evaluate(trainer, step=step, split=args.split)  # sharded over the processes of a launcher
-        _distributed.remove_rank_stores(trainer.run_dir, trainer.store.close)
-        main = _distributed.is_main()
+        distributed.remove_rank_stores(trainer.run_dir, trainer.store.close)
+        main = distributed.is_main()
     finally:
         trainer.close()
-        _distributed.shutdown()
+        distributed.shutdown()
     if not main:
         return 0
     table = Table(title=f"{args.checkpoint or 'base models'} on {record['split']} ({record['tasks']} tasks)")

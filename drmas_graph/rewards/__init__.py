@@ -6,8 +6,8 @@ the judge's chat model from a config spec. Every judged episode keeps the judge'
 and reasons in `Episode.judgement`.
 
 May import: the shared modules, `instrumentation` (judge calls run outside every instrumented run; an embedded
-judge answers through `PolicyChatModel`) and `train` (an embedded judge's policy is built from a ModelConfig
-the way training builds one). The trainer never imports this package: it calls the environment protocol.
+judge answers through `PolicyChatModel`) and `engine` (an embedded judge's policy is built from a ModelConfig
+by `build_policy`, as training builds one). The trainer never imports this package: it calls the environment protocol.
 """
 
 from drmas_graph.errors import JudgeError

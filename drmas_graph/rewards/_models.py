@@ -139,7 +139,7 @@ def _imported_model(spec: dict[str, Any]) -> BaseChatModel:
 def _embedded_model(spec: dict[str, Any]) -> BaseChatModel:
     from drmas_graph.config import ModelConfig
     from drmas_graph.instrumentation.chat_model import PolicyChatModel
-    from drmas_graph.train import build_policy
+    from drmas_graph.engine import build_policy
 
     try:
         mc = ModelConfig(**spec)

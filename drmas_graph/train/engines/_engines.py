@@ -2,7 +2,7 @@
 
 - `_TorchEngine`: plain AdamW + ``clip_grad_norm_`` (averages gradients itself under torch.distributed).
 - `_DeepSpeedEngine`: ``deepspeed.initialize`` with a client AdamW and ZeRO stage 0/1/2.
-Both expose forward/backward/step/lr/save/load; `update.ModelUpdater` picks one from `_ENGINES` by name.
+Both expose forward/backward/step/lr/save/load; `update.ModelUpdater` picks one from `ENGINES` by name.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from drmas_graph.errors import ConfigError
-from drmas_graph.train.engines._world import rank as _rank, world_size as _world_size  # the package's one answer
+from drmas_graph.engine import rank as _rank, world_size as _world_size  # the package's one answer
 
 if TYPE_CHECKING:
     from drmas_graph.train.engines._settings import UpdateSettings
@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 # --- distributed helpers -----------------------------------------------------------------------------------
 
 
-def _all_reduce(values: list[float], op: str, device: torch.device) -> list[float]:
+def all_reduce(values: list[float], op: str, device: torch.device) -> list[float]:
     """Sum or max of ``values`` over processes (on ``device``: NCCL reduces CUDA tensors only)."""
     if _world_size() == 1:
         return values
@@ -36,7 +36,9 @@ def _all_reduce(values: list[float], op: str, device: torch.device) -> list[floa
     return tensor.tolist()
 
 
-def _barrier() -> None:
+def default_group_barrier() -> None:
+    """Wait for every rank on the default process group (the one the engines reduce gradients on: NCCL on
+    CUDA); `distributed.barrier` waits on the gloo group that carries Python objects."""
     if _world_size() > 1:
         torch.distributed.barrier()
 
@@ -373,7 +375,7 @@ class _DeepSpeedEngine:
                               "backend='deepspeed'?")
 
 
-_ENGINES: Mapping[str, Callable[[torch.nn.Module, UpdateSettings], Any]] = {
+ENGINES: Mapping[str, Callable[[torch.nn.Module, UpdateSettings], Any]] = {
     "deepspeed": _DeepSpeedEngine,
     "torch": _TorchEngine,
 }

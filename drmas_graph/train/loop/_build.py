@@ -16,10 +16,10 @@ from typing import Any
 from drmas_graph.config import AgentConfig, ModelConfig, TrainConfig, model_adapters
 from drmas_graph.errors import ConfigError
 from drmas_graph.policy import Policy
-from drmas_graph.train.engines import _distributed
+from drmas_graph.engine import build_policy, resolve_model_path
 from drmas_graph.types import SamplingParams
 
-__all__ = ["is_served", "build_policy", "build_policies", "build_updaters", "agent_sampling", "check_sampling", "load_tasks",
+__all__ = ["is_served", "build_policies", "build_updaters", "agent_sampling", "check_sampling", "load_tasks",
            "uses_deepspeed"]
 
 
@@ -80,7 +80,7 @@ def _build_model(name: str, mc: ModelConfig, seed: int, adapters: Sequence[str] 
     sc = mc.serve
     policy_cls, launch = {"sglang": (SGLangPolicy, launch_sglang), "vllm": (VLLMPolicy, launch_vllm)}[sc.engine]
     lora_kw = vllm_launch_kwargs(mc.lora, adapters) if mc.lora is not None and sc.engine == "vllm" else {}
-    servers = [launch(_resolve_path(mc.path), dtype=mc.torch_dtype(), python=sc.python, **lora_kw)] if sc.launch else []
+    servers = [launch(resolve_model_path(mc.path), dtype=mc.torch_dtype(), python=sc.python, **lora_kw)] if sc.launch else []
     served = policy_cls([s.url for s in servers] or sc.urls, policy.tokenizer, name=name, servers=servers,
                         seed=seed, timeout_s=sc.timeout_s, max_concurrency=sc.max_concurrency)
     return served, policy.model
@@ -105,7 +105,7 @@ def _attach_adapters(policy: Policy, model: Any, name: str, cfg: TrainConfig) ->
     """Wrap model `name` in one LoRA adapter per agent adapter; an embedded policy generates with it, a served
     one is told how its servers get the adapters (`served._lora.serve_adapters`)."""
     from drmas_graph.served import serve_adapters
-    from drmas_graph.train.optim.lora import attach_adapters
+    from drmas_graph.train.optim import attach_adapters
 
     mc, adapters = cfg.models[name], model_adapters(name, cfg.agents)
     peft_model = attach_adapters(model, mc.lora, adapters, seed=cfg.seed)
@@ -114,34 +114,6 @@ def _attach_adapters(policy: Policy, model: Any, name: str, cfg: TrainConfig) ->
     elif getattr(policy, "model", None) is model:
         policy.model = peft_model
     return peft_model
-
-
-def _resolve_path(path: str) -> str:
-    if path == "smollm2":
-        from drmas_graph.engine.models import smollm2_path
-
-        return str(smollm2_path())
-    return path
-
-
-def build_policy(name: str, mc: ModelConfig, seed: int) -> Policy:
-    """The embedded policy of model config `mc` (a `TransformersPolicy`, or a tiny random one for `tiny`), named
-    `name`, sampling with `seed`; what training rolls out with and a judge built from a model config runs on."""
-    from drmas_graph.engine.transformers_policy import TransformersPolicy
-
-    if mc.tiny is not None:
-        from drmas_graph.engine.tiny import tiny_policy
-
-        return tiny_policy(**{"seed": seed, "name": name, "max_batch_size": mc.max_batch_size, **mc.tiny})
-    import torch
-
-    path, gguf_file = _resolve_path(mc.path), mc.gguf_file
-    if mc.path == "smollm2":
-        gguf_file = None
-    return TransformersPolicy.from_pretrained(path, gguf_file=gguf_file, dtype=getattr(torch, mc.torch_dtype()),
-                                              device=_distributed.local_device(mc.device, f"models.{name}.device"),
-                                              name=name, seed=seed,
-                                              max_batch_size=mc.max_batch_size)
 
 
 def model_update(cfg: TrainConfig, name: str) -> Any:
@@ -154,8 +126,8 @@ def build_updaters(cfg: TrainConfig, agent_policies: Mapping[str, Policy], model
                    agent_cfgs: Mapping[str, AgentConfig], train_models: Mapping[str, Any],
                    on_model_thread: Callable[[str, Callable[[], Any]], Any]) -> dict[str, Any]:
     """One updater per trainable model with at least one trained agent, built on the model's own thread."""
-    from drmas_graph.train.engines._settings import LossSettings, UpdateSettings
-    from drmas_graph.train.optim.lora import build_updater
+    from drmas_graph.train.engines import LossSettings, UpdateSettings
+    from drmas_graph.train.optim import build_updater
 
     updaters = {}
     for name, policy in model_policies.items():

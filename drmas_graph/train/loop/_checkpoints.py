@@ -20,10 +20,10 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from drmas_graph.errors import ConfigError
-from drmas_graph.train.engines import _distributed
+from drmas_graph.train.engines import distributed
 from drmas_graph.train.loop._build import is_served
 from drmas_graph.train.loop._state import HasRunState, RunState, run_state
-from drmas_graph.train.optim.lora import load_adapters, save_for_sync
+from drmas_graph.train.optim import load_adapters, save_for_sync
 
 __all__ = ["save_checkpoint", "resume", "checkpoint_step", "push_weights", "sync_weights", "load_into_servers",
            "sync_dir", "load_checkpoint_adapters", "RolloutWeights", "has_checkpoint", "NothingToResumeError"]
@@ -65,17 +65,17 @@ def save_checkpoint(run: RunState, step: int, pipeline: RolloutWeights | None = 
     root = run.run_dir / "checkpoints"
     final = root / f"step_{step:06d}"
     tmp = root / f".tmp_step_{step:06d}"
-    main = _distributed.is_main()  # every rank saves its part (DeepSpeed); rank 0 writes the rest
+    main = distributed.is_main()  # every rank saves its part (DeepSpeed); rank 0 writes the rest
     if main:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-    _distributed.barrier()
+    distributed.barrier()
     for name, updater in run.updaters.items():
         run.on_model_thread(name, functools.partial(updater.save, tmp / name))
         if main:
             run.model_policies[name].tokenizer.save_pretrained(tmp / name / "model")
     versions = {n: p.version for n, p in run.model_policies.items()}
-    state = {"step": step, "policy_versions": versions, "world_size": _distributed.world_size()}
+    state = {"step": step, "policy_versions": versions, "world_size": distributed.world_size()}
     if pipeline is not None:  # the trained weights' version, and those the next step rolls out on
         versions.update({n: pipeline.trained_version for n in run.updaters})
         state["serving_version"] = pipeline.save_serving(tmp)
@@ -85,7 +85,7 @@ def save_checkpoint(run: RunState, step: int, pipeline: RolloutWeights | None = 
         tmp.rename(final)  # a checkpoint is complete or absent
         for old in sorted(root.glob("step_*"))[: -run.cfg.keep_checkpoints]:
             shutil.rmtree(old, ignore_errors=True)
-    _distributed.barrier()
+    distributed.barrier()
     return final
 
 
@@ -97,7 +97,7 @@ def resume(run: RunState, pipeline: RolloutWeights | None = None) -> int:
         raise NothingToResumeError(run.run_dir)
     latest = ckpts[-1]
     state = json.loads((latest / "trainer_state.json").read_text())
-    _distributed.check_resume_world(state.get("world_size"), _distributed.world_size(), {
+    distributed.check_resume_world(state.get("world_size"), distributed.world_size(), {
         n: u.settings.zero_stage for n, u in run.updaters.items() if u.settings.backend == "deepspeed"})
     for name, updater in run.updaters.items():
         run.on_model_thread(name, functools.partial(updater.load, latest / name))
@@ -154,7 +154,7 @@ def push_weights(run_dir: Path, name: str, model: Any, policy: Any, updater: Any
     tmp = final.with_name(f".tmp_{name}")
     full = getattr(updater, "full_weights", None)  # ZeRO-3: a collective gather on every process
     with full() if full is not None else contextlib.nullcontext():
-        if _distributed.is_main():  # several processes share the servers: rank 0 writes and pushes once
+        if distributed.is_main():  # several processes share the servers: rank 0 writes and pushes once
             shutil.rmtree(tmp, ignore_errors=True)
             save_for_sync(model, policy, tmp)
             policy.tokenizer.save_pretrained(tmp)
@@ -175,15 +175,15 @@ def load_into_servers(run_dir: Path, name: str, policy: Any, source: Path, *, ve
     """Load the Hugging Face folder `source` (a checkpoint's copy of what the servers served) into model `name`'s
     servers as `version`, through run_dir/sync/<name>."""
     final = sync_dir(run_dir, name)
-    if _distributed.is_main():
+    if distributed.is_main():
         shutil.rmtree(final, ignore_errors=True)
         shutil.copytree(source, final)
     _load(final, policy, version, timeout_s)
 
 
 def _load(folder: Path, policy: Any, version: int, timeout_s: float | None) -> None:
-    if _distributed.is_main():
+    if distributed.is_main():
         kwargs = {} if timeout_s is None else {"timeout_s": timeout_s}
         policy.sync_weights(str(folder), version=version, **kwargs)
-    _distributed.barrier()  # no rank rolls out again before the servers hold the new weights
+    distributed.barrier()  # no rank rolls out again before the servers hold the new weights
     policy.version = version

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 from drmas_graph.train.loop._build import is_served
 from drmas_graph.train.loop._checkpoints import sync_weights
-from drmas_graph.train.optim._old_logprobs import with_trainer_logprobs
+from drmas_graph.train.optim import with_trainer_logprobs
 from drmas_graph.train.loop._state import RunState
 from drmas_graph.types import Sample
 

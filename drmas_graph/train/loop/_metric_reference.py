@@ -10,7 +10,7 @@ import ast
 import inspect
 import re
 
-from drmas_graph.train.optim._update_metrics import AgentUpdateMetrics, UpdateMetrics
+from drmas_graph.train.optim import AgentUpdateMetrics, UpdateMetrics
 
 __all__ = ["metrics_reference", "is_documented"]
 

@@ -80,11 +80,11 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from drmas_graph.errors import ConfigError, DrmasError, PolicyError
-from drmas_graph.train.engines import _distributed
+from drmas_graph.train.engines import distributed
 from drmas_graph.train.loop import _build, _checkpoints
 from drmas_graph.train.loop._rollouts import StepBatch, slots_key
-from drmas_graph.train.optim.offpolicy import CorrectionStats, OffPolicyCorrection
-from drmas_graph.train.optim.update import ModelUpdater, _set_attn_implementation
+from drmas_graph.train.optim import (CorrectionStats, LoraUpdater, ModelUpdater, OffPolicyCorrection,
+                                     set_attn_implementation)
 
 if TYPE_CHECKING:
     from drmas_graph.config import AgentConfig, TrainConfig
@@ -119,7 +119,7 @@ def trainer_copies(cfg: TrainConfig, model_policies: Mapping[str, Policy], agent
     names = [n for n, p in model_policies.items()
              if _trained(cfg, n, p, agent_policies, agent_cfgs, train_models) and not _build.is_served(p)]
     for name in names:
-        _set_attn_implementation(train_models[name], _build.model_update(cfg, name).attn_implementation)
+        set_attn_implementation(train_models[name], _build.model_update(cfg, name).attn_implementation)
     shared = {name: _frozen_base(train_models[name], _build.model_update(cfg, name).zero()) for name in names}
     for name in names:
         module = train_models[name]
@@ -237,8 +237,6 @@ class _Served:
 
 def _model_updaters(name: str, updater: Any) -> list[ModelUpdater]:
     """The `ModelUpdater`s that train model `name`: itself, or a `LoraUpdater`'s one per adapter."""
-    from drmas_graph.train.optim.lora import LoraUpdater
-
     if isinstance(updater, ModelUpdater):
         return [updater]
     if isinstance(updater, LoraUpdater):
@@ -389,7 +387,7 @@ class OneStepOff:
     def _meet(self, u: int) -> None:
         """Before update u: every process is here; step u-1's traces are merged and exported."""
         try:
-            _distributed.barrier(timeout_s=self.timeout_s)
+            distributed.barrier(timeout_s=self.timeout_s)
         except RuntimeError as exc:
             raise AsyncTimeoutError(f"step {u}: not every process reached the step boundary within async.timeout_s="
                                     f"{self.timeout_s:g} s (its rollouts or its update hang): {exc}") from exc
@@ -434,7 +432,7 @@ class OneStepOff:
             for one in _model_updaters(name, updater):
                 for agent, stats in one.correction.pop_stats().items():
                     weights[agent] = weights.get(agent, CorrectionStats()).merge(stats)
-        parts = _distributed.gather((staleness, weights, dropped_groups, dropped_samples))
+        parts = distributed.gather((staleness, weights, dropped_groups, dropped_samples))
         all_staleness: dict[str, list[int]] = {}
         all_weights: dict[str, CorrectionStats] = {}
         for part_staleness, part_weights, _, _ in parts:
@@ -457,7 +455,7 @@ class OneStepOff:
     def save_serving(self, directory: Path) -> int:
         """Write the rollout weights into checkpoint folder `directory` (`<model>/serving`) when they are not the
         trainer's (the next step rolls out on them); return their version."""
-        if self.serving_version < self.trained_version and _distributed.is_main():
+        if self.serving_version < self.trained_version and distributed.is_main():
             for name, serving in self.servings.items():
                 serving.save(directory / name / "serving")
         return self.serving_version

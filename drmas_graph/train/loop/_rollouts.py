@@ -1,7 +1,7 @@
 """One step's episodes: G rollouts per task, concurrently, each with its own config, seed and limits.
 
 A group (the G rollouts of one task) is identified by its position b in the step's task batch: the seeds of
-its episodes are derived from b (`_seeds`), processes own contiguous blocks of positions (`_distributed.owned`),
+its episodes are derived from b (`_seeds`), processes own contiguous blocks of positions (`distributed.owned`),
 and its id (`group_ids`: pooling in advantages, traces) is unique per position, also when a step holds a task
 twice (a step that straddles the end of a small split).
 

@@ -35,7 +35,7 @@ from drmas_graph.env import (
     trainable_agent_turns,
 )
 from drmas_graph.errors import JudgeError, RolloutError
-from drmas_graph.train.optim.advantages import compute_advantages
+from drmas_graph.train.optim import compute_advantages
 from drmas_graph.train.loop.metrics import mean_std
 from drmas_graph.types import Episode, Sample
 

@@ -13,7 +13,7 @@ from drmas_graph.errors import ConfigError
 from drmas_graph.instrumentation.instrumented import InstrumentedGraph
 from drmas_graph.policy import Policy
 from drmas_graph.traces.store import TraceStore
-from drmas_graph.train.engines import _distributed
+from drmas_graph.train.engines import distributed
 from drmas_graph.train.loop import _build, _checkpoints, _pipeline
 from drmas_graph.train.loop._rollouts import EpisodeSlots, episode_config
 from drmas_graph.train.loop._state import RunNotes, RunState, abandon, on_model_thread
@@ -50,12 +50,12 @@ def build_run(graph: Any, env: Any, cfg: TrainConfig, *, policies: Mapping[str, 
     _check_processes(cfg, policies, train)
     run_dir = Path(cfg.run_dir)
     # before any process creates its store: a second run would mix its episodes and metrics into the first's
-    if train and not cfg.resume and any(_distributed.gather((run_dir / "traces.db").exists())):
+    if train and not cfg.resume and any(distributed.gather((run_dir / "traces.db").exists())):
         raise RunDirInUseError(run_dir)
-    if train and cfg.resume and not any(_distributed.gather(_checkpoints.has_checkpoint(run_dir))):
+    if train and cfg.resume and not any(distributed.gather(_checkpoints.has_checkpoint(run_dir))):
         raise _checkpoints.NothingToResumeError(run_dir)  # step 0 would append to the old run's traces
     run_dir.mkdir(parents=True, exist_ok=True)
-    store_file = _distributed.store_path(run_dir)
+    store_file = distributed.store_path(run_dir)
     new_store = not store_file.exists()
     trained: dict[str, Any] = {}
     built: list[Policy] = []
@@ -119,9 +119,9 @@ def _require_packages(cfg: TrainConfig, policies: Mapping[str, Policy] | None, t
 def _check_processes(cfg: TrainConfig, policies: Mapping[str, Policy] | None, train: bool) -> None:
     """Under torchrun / deepspeed: what several processes cannot do is refused, then the process group starts."""
     if train:  # whole groups per rank (evaluation shards tasks, any number)
-        _distributed.check_divisible(cfg.tasks_per_step)
-    _distributed.check_no_launch({n: mc.serve.launch for n, mc in cfg.models.items() if mc.serve is not None})
-    _distributed.check_zero3_served(
+        distributed.check_divisible(cfg.tasks_per_step)
+    distributed.check_no_launch({n: mc.serve.launch for n, mc in cfg.models.items() if mc.serve is not None})
+    distributed.check_zero3_served(
         [n for n, mc in cfg.models.items() if mc.trainable and mc.serve is None and (mc.update or cfg.update).zero() == 3]
         + (["<policies passed to train_graph>"] if policies and cfg.update.zero() == 3 else []))
-    _distributed.init_process_group(use_deepspeed=_build.uses_deepspeed(cfg, policies))
+    distributed.init_process_group(use_deepspeed=_build.uses_deepspeed(cfg, policies))

@@ -22,10 +22,10 @@ from drmas_graph.errors import RolloutError
 from drmas_graph.instrumentation.instrumented import InstrumentedGraph
 from drmas_graph.policy import Policy
 from drmas_graph.traces.store import TraceStore
-from drmas_graph.train.engines import _distributed
+from drmas_graph.train.engines import distributed
 from drmas_graph.train.loop import _scoring
 from drmas_graph.train.loop._rollouts import EpisodeJob, EpisodeSlots, RolloutBatch, group_ids, run_episodes
-from drmas_graph.train.optim._updater import Updater
+from drmas_graph.train.optim import Updater
 from drmas_graph.types import Episode
 
 __all__ = ["RunState", "RunNotes", "HasRunState", "run_state", "on_model_thread", "abandon"]
@@ -131,7 +131,7 @@ class RunState:
         """G rollouts per task of this process's share, concurrently (`_rollouts.run_episodes`); their errors go to
         `notes.rollout_errors`, the first one is logged."""
         ids = group_ids(tasks, phase, step)  # over the whole batch: every rank names the groups alike
-        jobs = [EpisodeJob(task, ids[b], b, j) for b, task in _distributed.owned(tasks) for j in range(group_size)]
+        jobs = [EpisodeJob(task, ids[b], b, j) for b, task in distributed.owned(tasks) for j in range(group_size)]
         batch = run_episodes(self.app, jobs, phase=phase, step=step, run_seed=self.cfg.seed,
                              max_concurrency=self.episode_slots, rollout=self.cfg.rollout,
                              base_config=self.rollout_config, env=self.env)
@@ -172,7 +172,7 @@ class RunState:
 
     def abandon(self) -> None:
         """Undo a run that never starts (`abandon`)."""
-        abandon(self.built, self.store, _distributed.store_path(self.run_dir) if self.new_store else None)
+        abandon(self.built, self.store, distributed.store_path(self.run_dir) if self.new_store else None)
 
 
 class HasRunState(Protocol):

@@ -22,7 +22,7 @@ from typing import Any
 from drmas_graph.env import BadRewardError, is_success
 from drmas_graph.errors import ConfigError
 from drmas_graph.traces.weave_export import evaluation_episode
-from drmas_graph.train.engines import _distributed
+from drmas_graph.train.engines import distributed
 from drmas_graph.train.loop import _scoring
 from drmas_graph.train.loop._state import HasRunState, RunState, run_state
 from drmas_graph.types import Episode
@@ -60,11 +60,11 @@ def evaluate(run: RunState | HasRunState, *, step: int, split: str | None = None
         state.app.sampling.clear()
         state.app.sampling.update(saved)
     # every rank takes part in sending rollouts when any rank wants them (under a launcher: rank 0's exporter)
-    local: list[Any] | None = [] if any(_distributed.gather(rollouts is not None)) else None
+    local: list[Any] | None = [] if any(distributed.gather(rollouts is not None)) else None
     successes, per_agent, replies, teams = _score(state, tasks, runs, counts, local, step)
-    successes, per_agent, counts, n_scored = _distributed.merge_eval(successes, per_agent, counts, len(teams))
+    successes, per_agent, counts, n_scored = distributed.merge_eval(successes, per_agent, counts, len(teams))
     if local is not None:
-        merged = _distributed.merge_rollouts(local, tasks, evaluation_episode)
+        merged = distributed.merge_rollouts(local, tasks, evaluation_episode)
         if rollouts is not None:
             rollouts.extend(merged)
     # per task: the share of its judged episodes that succeeded (failed episodes count as failures, unjudged
@@ -90,9 +90,9 @@ def evaluate(run: RunState | HasRunState, *, step: int, split: str | None = None
                 raise ValueError(f"env {type(state.env).__name__}.reward_metrics() returned the key {key!r}, "
                                  "which the evaluation record has for an agent; rename it")
             record[key] = value
-    for agent, top in top_replies([r for part in _distributed.gather(replies) for r in part]).items():
+    for agent, top in top_replies([r for part in distributed.gather(replies) for r in part]).items():
         record[f"{agent}/top_replies"] = top
-    _check_threshold(state, [t for part in _distributed.gather(teams) for t in part], record)
+    _check_threshold(state, [t for part in distributed.gather(teams) for t in part], record)
     return record
 
 
@@ -158,7 +158,7 @@ def _check_threshold(state: RunState, teams: list[float], record: dict[str, Any]
     `env.is_success`, avg@k and pass@k then stay 0 whatever the policies learn)."""
     threshold = state.cfg.success_threshold
     if (not teams or max(teams) >= threshold or getattr(state.env, "is_success", None) is not None
-            or state.notes.threshold_warned or not _distributed.is_main()):
+            or state.notes.threshold_warned or not distributed.is_main()):
         return
     state.notes.threshold_warned = True
     log.warning("success_threshold %g is above every team reward of the evaluation at step %d (%d episodes, "

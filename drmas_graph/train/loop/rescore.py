@@ -208,7 +208,7 @@ def _rescored(episodes: list[Episode], scores: Mapping[str, EpisodeScore], *, es
               norm_by_std: bool, eps: float) -> dict[str, Rescored]:
     """The new rewards, per-turn rewards and advantages of `episodes` (pooled by `_group_of`), with the
     judgement each episode now holds."""
-    from drmas_graph.train.optim.advantages import compute_advantages
+    from drmas_graph.train.optim import compute_advantages
 
     rewards_N: list[float] = []
     group_ids: list[str] = []

@@ -43,7 +43,7 @@ from drmas_graph.config import TrainConfig, merge_overrides
 from drmas_graph.errors import RolloutError
 from drmas_graph.policy import Policy
 from drmas_graph.traces.weave_export import WeaveExporter, start_exporter
-from drmas_graph.train.engines import _distributed
+from drmas_graph.train.engines import distributed
 from drmas_graph.train.loop import _checkpoints, _pipeline, _scoring
 from drmas_graph.train.loop._learn import update_models
 from drmas_graph.train.loop._rollouts import StepBatch
@@ -159,12 +159,12 @@ class Trainer:
                 for name in (n for n, p in run.model_policies.items() if getattr(p, "lora_by_name", ())):
                     _checkpoints.sync_weights(run, name, version=0)
             # rank 0 exports from the merged store
-            self.weave = start_exporter(cfg, run.run_dir / "traces.db") if _distributed.is_main() else None
+            self.weave = start_exporter(cfg, run.run_dir / "traces.db") if distributed.is_main() else None
         except BaseException:
             run.abandon()  # e.g. servers launched for a run that never starts
             raise
         # never overwrite a training run's config; under several processes rank 0 writes it
-        if _distributed.is_main() and (train or not (run.run_dir / "config.yaml").exists()):
+        if distributed.is_main() and (train or not (run.run_dir / "config.yaml").exists()):
             cfg.to_yaml(run.run_dir / "config.yaml")
         self.result = TrainResult(run_dir=run.run_dir)
 
@@ -188,7 +188,7 @@ class Trainer:
     # ---- the loop -----------------------------------------------------------------------------
     def run(self) -> TrainResult:
         cfg = self.state.cfg
-        logger_cls = RunLogger if _distributed.is_main() else _distributed.NullLogger  # rank 0 writes metrics
+        logger_cls = RunLogger if distributed.is_main() else distributed.NullLogger  # rank 0 writes metrics
         logger = logger_cls(self.state.run_dir, tensorboard=cfg.logging.tensorboard, wandb=cfg.logging.wandb,
                             progress=cfg.logging.progress, total_steps=cfg.steps, start_step=self.start_step,
                             agents=list(self.state.agent_policies), run_name=cfg.name,
@@ -208,7 +208,7 @@ class Trainer:
             if self.start_step < cfg.steps:  # checkpoint first: asynchronous runs save the weights step N rolls out on
                 self.save_checkpoint(cfg.steps)
                 self._evaluate(cfg.steps, logger)
-            _distributed.remove_rank_stores(self.state.run_dir, self.state.store.close)  # every rank's traces
+            distributed.remove_rank_stores(self.state.run_dir, self.state.store.close)  # every rank's traces
         finally:
             logger.close()
         return self.result
@@ -242,7 +242,7 @@ class Trainer:
         every process's traces and exports the step (the pipeline does that at the next step boundary)."""
         run, step, scored = self.state, batch.step, batch.scored
         run.notes.rollout_errors, run.notes.reward_errors = batch.rollout_errors, batch.reward_errors
-        if not any(_distributed.gather(bool(scored))):  # every rank decides alike (one rank's loss is not fatal)
+        if not any(distributed.gather(bool(scored))):  # every rank decides alike (one rank's loss is not fatal)
             raise _scoring.nothing_to_train(step, batch.n_episodes, batch.rollout_errors or batch.reward_errors,
                                             run.run_dir)
         t0, t1, _ = batch.times
@@ -250,14 +250,14 @@ class Trainer:
         update_metrics, sync_s = update_models(run, batch.samples, step=step, pipelined=self.pipeline is not None)
         t3 = time.perf_counter()
         run.store.record_training(step, [ep for _, ep, _ in scored])
-        scored, counts, adv_stats = _distributed.merge_step(scored, batch.counts, batch.adv_stats)  # every rank's
+        scored, counts, adv_stats = distributed.merge_step(scored, batch.counts, batch.adv_stats)  # every rank's
         batch.trained = [ep for _, ep, _ in scored]
         if publish:
             self.publish(step)
         record = _scoring.step_record(step, list(run.agent_policies), scored, counts, adv_stats, update_metrics,
                                       (t0, t1, t2, t3), sync_s)
         for warning in (_scoring.unfinished_warning(record, batch.n_episodes), run.notes.zero_signal.observe(record)):
-            if warning is not None and _distributed.is_main():
+            if warning is not None and distributed.is_main():
                 log.warning(warning)
         return record
 
@@ -274,8 +274,8 @@ class Trainer:
         """Copy every process's traces into traces.db (rank 0; where no rank writes), then export step `step`.
         `trained`: every process's trained episodes of the step, whose training data rank 0 writes after the copy
         (asynchronous training copies a step's episodes from the rank files before they are trained)."""
-        _distributed.merge_traces(self.state.run_dir)
-        if trained and _distributed.world_size() > 1 and _distributed.is_main():
+        distributed.merge_traces(self.state.run_dir)
+        if trained and distributed.world_size() > 1 and distributed.is_main():
             self.state.store.record_training(step, trained)
         if self.weave is not None:
             self.weave.submit_step(step)

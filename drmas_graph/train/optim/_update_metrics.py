@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from drmas_graph.train.engines._engines import _world_size
+from drmas_graph.engine import world_size
 from drmas_graph.types import Sample
 
 __all__ = ["AgentUpdateMetrics", "UpdateMetrics"]
@@ -127,9 +127,9 @@ class _Tally:
 
     def merged(self) -> _Tally:
         """The tally of all processes together (a collective call when torch.distributed runs)."""
-        if _world_size() == 1:
+        if world_size() == 1:
             return self
-        parts: list[Any] = [None] * _world_size()
+        parts: list[Any] = [None] * world_size()
         torch.distributed.all_gather_object(parts, (dict(self.sums), dict(self.weights), self.maxima))
         out = _Tally()
         for sums, weights, maxima in parts:
@@ -179,7 +179,7 @@ def readable_grads(engine: Any) -> tuple[Callable[[], list[torch.Tensor | None]]
     """(a reader of the gradients the engine's next step uses, as accumulated so far, by parameter; their loss
     scale): the torch backend's float32 masters, DeepSpeed ZeRO-0's parameters (float32 only); (None, 1.0) for
     ZeRO >= 1, whose gradients live in the optimizer's partitions, and for several processes."""
-    if _world_size() > 1:  # each process holds its own samples' part before the average: not the agent's gradient
+    if world_size() > 1:  # each process holds its own samples' part before the average: not the agent's gradient
         return None, 1.0
     masters = getattr(engine, "masters", None)
     if masters is not None:
@@ -238,7 +238,7 @@ class AgentGrads:
     def record(self, tally: _Tally, step_norm: float) -> None:
         """Add this mini-batch's norms to ``tally`` (nothing when they could not be measured, or with several
         processes, where `agent_grad_norms` gives a model of one agent the model's norm)."""
-        if _world_size() > 1:
+        if world_size() > 1:
             return
         if len(self.agents) == 1:  # one agent: the step's norm itself (all backends, exact)
             self.norms = {self.agents[0]: step_norm}

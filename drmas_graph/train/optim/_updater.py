@@ -13,7 +13,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from drmas_graph.train.engines._settings import UpdateSettings
+from drmas_graph.train.engines import UpdateSettings
 from drmas_graph.types import Sample
 
 __all__ = ["Updater"]

@@ -30,15 +30,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from drmas_graph.config import check_adapter_name
-from drmas_graph.engine import is_peft_model, load_adapter_weights
+from drmas_graph.engine import is_peft_model, load_adapter_weights, rank, world_size
 from drmas_graph.errors import ConfigError
-from drmas_graph.train.engines._engines import _world_size
+from drmas_graph.train.engines import default_group_barrier
 from drmas_graph.train.optim._packing import PackingProbes
 
 if TYPE_CHECKING:
     from drmas_graph.config import AgentConfig, LoraConfig
     from drmas_graph.types import Sample
-    from drmas_graph.train.engines._settings import LossSettings, UpdateSettings
+    from drmas_graph.train.engines import LossSettings, UpdateSettings
     from drmas_graph.train.optim._update_metrics import UpdateMetrics
 
 __all__ = ["attach_adapters", "base_forward", "build_updater", "LoraUpdater", "LoraUpdateMetrics",
@@ -218,7 +218,7 @@ class LoraUpdater:
         self.agent_adapters = {a: agent_adapters[a] for a in agent_settings}
         self.updaters: dict[str, ModelUpdater] = {}
         # one probe per module for all adapters (they share the base's attention); grown on demand in one process
-        probes = PackingProbes(name, grow=_world_size() == 1)
+        probes = PackingProbes(name, grow=world_size() == 1)
         for adapter in dict.fromkeys(self.agent_adapters.values()):
             lr = (adapter_lr or {}).get(adapter, settings.lr)
             agents = {a: s for a, s in agent_settings.items() if self.agent_adapters[a] == adapter}
@@ -282,14 +282,12 @@ class LoraUpdater:
     def save(self, directory: str | os.PathLike) -> None:
         """``directory/model/<adapter>/``: every adapter once, in peft format; ``directory/adapters/<adapter>/``:
         each updater's optimizer and RNG state (`ModelUpdater.save_state`). Collective, like `ModelUpdater.save`."""
-        from drmas_graph.train.engines._engines import _barrier, _rank
-
         directory = Path(directory)
         with self.full_weights():
-            if _rank() == 0:
+            if rank() == 0:
                 (directory / "model").mkdir(parents=True, exist_ok=True)
                 self.model.save_pretrained(directory / "model")
-        _barrier()
+        default_group_barrier()
         for adapter, updater in self.updaters.items():
             self._activate(adapter)
             updater.save_state(directory / "adapters" / adapter)

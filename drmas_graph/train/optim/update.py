@@ -67,12 +67,12 @@ from typing import Any
 
 import torch
 
-from drmas_graph.train.engines._engines import _ENGINES, _all_reduce, _barrier, _rank, _world_size
+from drmas_graph.engine import rank, world_size
+from drmas_graph.train.engines import ENGINES, LossSettings, UpdateSettings, all_reduce, default_group_barrier
 from drmas_graph.train.optim._logprobs import Batch, check_chunked_head, collate, collate_packed, response_token_stats
 from drmas_graph.train.optim._packing import (Packing, PackingProbes, max_nodes, pack_by_tokens, pack_rows, row_nodes,
                                          sequences_of)
 from drmas_graph.train.optim._reference import REFERENCES, Reference
-from drmas_graph.train.engines._settings import LossSettings, UpdateSettings
 from drmas_graph.train.optim._update_metrics import (AgentGrads, AgentUpdateMetrics, UpdateMetrics, _agent_metrics,
                                                      _Tally, _tally_samples, agent_grad_norms, readable_grads,
                                                      tally_kl_start)
@@ -80,17 +80,10 @@ from drmas_graph.errors import ConfigError
 from drmas_graph.train.optim.losses import agg_loss, kl_penalty, policy_loss
 from drmas_graph.types import Sample
 
-__all__ = [
-    "BACKENDS",
-    "ZERO_STAGES",
-    "AgentUpdateMetrics",
-    "LossSettings",
-    "ModelUpdater",
-    "UpdateMetrics",
-    "UpdateSettings",
-]
+__all__ = ["BACKENDS", "ZERO_STAGES", "AgentUpdateMetrics", "LossSettings", "ModelUpdater", "UpdateMetrics",
+           "UpdateSettings", "set_attn_implementation"]
 
-BACKENDS = tuple(_ENGINES)
+BACKENDS = tuple(ENGINES)
 OLD_LOGPROBS = ("given", "current")
 """`ModelUpdater.update(old_logprobs=...)`: the samples' recorded ones, or the update's own (on-policy)."""
 ZERO_STAGES = (0, 1, 2, 3)
@@ -179,9 +172,9 @@ class ModelUpdater:
         self._skip_zero_advantage = settings.kl_coef == 0 and settings.entropy_coef == 0
         self._autocast_dtype = _check_autocast(model, settings.autocast)
         self._lm_head = check_chunked_head(model) if settings.logprob_chunk_tokens > 0 else None
-        self._probes = probes or PackingProbes(name, grow=_world_size() == 1)
+        self._probes = probes or PackingProbes(name, grow=world_size() == 1)
         self._packing_of(model)  # probed now, with the kernel it trains with (the reason is logged at start-up)
-        self._engine = _ENGINES[settings.backend](model, settings)
+        self._engine = ENGINES[settings.backend](model, settings)
         pad_id = getattr(getattr(model, "config", None), "pad_token_id", None)
         self._pad_id = int(pad_id) if pad_id is not None else 0
         model.eval()
@@ -305,9 +298,9 @@ class ModelUpdater:
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         with self.full_weights():
-            if _rank() == 0:
+            if rank() == 0:
                 self.model.save_pretrained(directory / "model", safe_serialization=True)
-        _barrier()
+        default_group_barrier()
         self.save_state(directory)
 
     def save_state(self, directory: str | os.PathLike) -> None:
@@ -317,8 +310,8 @@ class ModelUpdater:
         directory.mkdir(parents=True, exist_ok=True)
         self._engine.save(directory)
         state = {"n_updates": self.n_updates, "torch_rng": torch.get_rng_state()}
-        torch.save(state, directory / f"updater_state_rank{_rank()}.pt")
-        _barrier()
+        torch.save(state, directory / f"updater_state_rank{rank()}.pt")
+        default_group_barrier()
 
     def load(self, directory: str | os.PathLike) -> None:
         """Restore weights (in place), optimizer state and RNG written by `save`."""
@@ -328,7 +321,7 @@ class ModelUpdater:
         """Restore what `save_state` wrote; the torch backend also copies the Hugging Face weights at ``weights``
         into the model (None: the caller restored them, as `LoraUpdater.load` does for all adapters at once)."""
         directory = Path(directory)
-        state_file = directory / f"updater_state_rank{_rank()}.pt"
+        state_file = directory / f"updater_state_rank{rank()}.pt"
         if not state_file.exists():  # a rank the saving run did not have (resumed by more processes)
             state_file = directory / "updater_state_rank0.pt"  # takes rank 0's counters and RNG state
         if not state_file.exists():
@@ -347,8 +340,8 @@ class ModelUpdater:
         packing = self._packing_of(self.model, samples)
         micro = [self._micro_batches(chunk, samples, packing=packing) for chunk in chunks]
         local_norms = [sum(self._norm_count(samples[i]) for i in chunk) for chunk in chunks]
-        norms = _all_reduce(local_norms, "SUM", self.device)
-        passes = _all_reduce([float(len(m)) for m in micro], "MAX", self.device)
+        norms = all_reduce(local_norms, "SUM", self.device)
+        passes = all_reduce([float(len(m)) for m in micro], "MAX", self.device)
         # a mini-batch empty on every process (fewer samples than processes x mini-batches) is skipped
         return [_MiniBatch(micro=[[samples[i] for i in rows] for rows in m], norm=norm, n_passes=int(n))
                 for m, norm, n in zip(micro, norms, passes) if n > 0]
@@ -361,11 +354,11 @@ class ModelUpdater:
         only, cut into ``n_minibatches`` equal parts; each process keeps its rows of each part. So P processes form
         exactly the mini-batches of one process given all the samples.
         """
-        world, rank = _world_size(), _rank()
+        world, this_rank = world_size(), rank()
         counts = [0.0] * world
-        counts[rank] = float(n_local)
-        counts = [int(c) for c in _all_reduce(counts, "SUM", self.device)]
-        offset, n_global = sum(counts[:rank]), sum(counts)
+        counts[this_rank] = float(n_local)
+        counts = [int(c) for c in all_reduce(counts, "SUM", self.device)]
+        offset, n_global = sum(counts[:this_rank]), sum(counts)
         n_minibatches = min(self.settings.n_minibatches, n_global)
         order = list(range(n_global))
         random.Random(f"{self.settings.seed}:{self.n_updates}:0").shuffle(order)  # ":0": the seed one process had
@@ -423,7 +416,7 @@ class ModelUpdater:
     # ---- training -------------------------------------------------------------------------------------
     def _train_minibatch(self, minibatch: _MiniBatch, tally: _Tally, *, first: bool, current: bool) -> float:
         """Accumulate gradients over the micro-batches, then one optimizer step; returns the grad norm."""
-        world = _world_size()
+        world = world_size()
         agent_grads = AgentGrads(*readable_grads(self._engine))  # per-agent norms (world 1): reads, changes nothing
         for k in range(minibatch.n_passes):
             is_last = k == minibatch.n_passes - 1
@@ -543,7 +536,7 @@ def _pad_rows(rows: Sequence[torch.Tensor], mask_BT: torch.Tensor) -> torch.Tens
     return out_BT
 
 
-def _set_attn_implementation(model: torch.nn.Module, attn_implementation: str | None) -> None:
+def set_attn_implementation(model: torch.nn.Module, attn_implementation: str | None) -> None:
     """Give ``model`` the attention kernel `UpdateSettings.attn_implementation` names (None: keep its own). Also
     applied to an embedded policy's own module when the trainer trains a copy (`_pipeline.trainer_copies`)."""
     if attn_implementation is None:
@@ -559,7 +552,7 @@ def _set_attn_implementation(model: torch.nn.Module, attn_implementation: str | 
 
 def _prepare_model(model: torch.nn.Module, s: UpdateSettings) -> None:
     """Apply the settings that change how the module computes: attention kernel, activation checkpointing."""
-    _set_attn_implementation(model, s.attn_implementation)
+    set_attn_implementation(model, s.attn_implementation)
     if s.gradient_checkpointing:
         enable = getattr(model, "activation_checkpointing_enable", None) or getattr(
             model, "gradient_checkpointing_enable", None)

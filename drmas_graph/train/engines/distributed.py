@@ -44,11 +44,11 @@ from typing import Any, TypeVar
 import torch
 
 from drmas_graph.errors import ConfigError, TraceStoreError
-from drmas_graph.train.engines._world import group_initialized, local_rank, rank, world_size
+from drmas_graph.engine import group_initialized, local_rank, rank, world_size
 
 __all__ = [
     "NullLogger", "barrier", "check_divisible", "check_no_launch", "check_resume_world", "gather", "init_process_group",
-    "is_main", "local_device", "local_rank", "merge_eval", "merge_rollouts", "merge_step", "merge_traces", "owned",
+    "is_main", "local_rank", "merge_eval", "merge_rollouts", "merge_step", "merge_traces", "owned",
     "rank", "shutdown", "remove_rank_stores", "store_path", "world_size",
 ]
 
@@ -66,17 +66,6 @@ _objects_group: Any = None
 def is_main() -> bool:
     """Rank 0: the process that writes the run's metrics, config and checkpoint metadata."""
     return rank() == 0
-
-
-def local_device(device: str, where: str = "device") -> str:
-    """A model's device for this process: under a multi-process launcher a bare "cuda" means this process's
-    own GPU (cuda:LOCAL_RANK); an explicit GPU index, which would put every process on one GPU, is an error."""
-    if world_size() > 1 and device.startswith("cuda"):
-        if device != "cuda":
-            raise ConfigError(f"{where}: {device!r} would put all {world_size()} processes on one GPU; "
-                              "set it to 'cuda' (each process then takes cuda:LOCAL_RANK)")
-        return f"cuda:{local_rank()}"
-    return device
 
 
 # --- the process group -----------------------------------------------------------------------------------
