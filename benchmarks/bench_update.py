@@ -86,8 +86,8 @@ def demo_samples(model: str, tasks: int, group: int) -> list[Any]:
     trainer = Trainer(graph, env, cfg, train=False)
     try:
         runs, counts = trainer.rollouts(trainer.batch_tasks(0), 0, cfg.group_size, phase="train")
-        scored, _ = trainer.state.score(runs, counts)
-        samples, _ = _scoring.samples_with_advantages(scored, cfg, list(trainer.agent_policies))
+        groups, _ = trainer.state.score(runs, counts)
+        samples, _ = _scoring.samples_with_advantages(groups, cfg, list(trainer.agent_policies))
     finally:
         trainer.close()
     if all(s.advantage == 0 for s in samples):  # a random tiny model earns no reward: nothing would train

@@ -7,10 +7,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-from drmas_graph.errors import DrmasError
+from drmas_graph.errors import ConfigError, DrmasError
 from drmas_graph.types import Episode, Turn
 
-__all__ = ["Env", "Task", "score_episode", "EpisodeScore", "fixed_reward", "BadRewardError"]
+__all__ = ["Env", "Task", "score_episode", "EpisodeScore", "Group", "group_key", "fixed_reward", "BadRewardError"]
 
 
 @dataclass(frozen=True)
@@ -104,6 +104,32 @@ class EpisodeScore:
     """Whether each turn failed the environment's validity check."""
     team: float
     """The team reward (mean over agents when the environment returned per-agent rewards)."""
+
+
+@dataclass(frozen=True)
+class Group:
+    """One GRPO group once scored: a task, its episodes that got a usable reward (in rollout order), their scores."""
+
+    task: Any
+    """The task the episodes ran on (None once gathered from another process)."""
+    id: str
+    """The group's id (`group_key`): the advantage pools are (group, agent)."""
+    episodes: tuple[Episode, ...]
+    """The episodes kept for training (failed, bad-reward and masked ones are left out)."""
+    scores: tuple[EpisodeScore, ...]
+    """`scores[i]` is `episodes[i]`'s."""
+
+    def scored(self) -> list[tuple[Episode, EpisodeScore]]:
+        """(episode, score) pairs, in order."""
+        return list(zip(self.episodes, self.scores))
+
+
+def group_key(episode: Episode) -> str:
+    """The GRPO group an episode is pooled (and judged) in: its group_id, else its task_id."""
+    group = episode.group_id if episode.group_id is not None else episode.task_id
+    if group is None:
+        raise ConfigError(f"episode {episode.id} has neither group_id nor task_id; cannot group it")
+    return group
 
 
 class _EnvReward:

@@ -8,10 +8,12 @@ import torch
 
 from drmas_graph.config import CORRECTIONS as CONFIG_CORRECTIONS
 from drmas_graph.config import TrainConfig
+from drmas_graph.env import Group
 from drmas_graph.errors import ConfigError
 from drmas_graph.train.optim import offpolicy
 from drmas_graph.train.loop._pipeline import drop_stale
 from drmas_graph.train.loop._rollouts import StepBatch
+from drmas_graph.train.loop.metrics import Stopwatch
 from drmas_graph.train.optim.losses import policy_loss
 from drmas_graph.train.optim.offpolicy import CorrectionStats, OffPolicyCorrection, importance_weights
 from drmas_graph.types import Episode, Sample, Turn
@@ -111,10 +113,11 @@ def test_drop_stale_drops_whole_groups_and_counts_them():
            Episode(id="e4", group_id="g2", turns=[_turn("a", 0, 4)])]
     samples = [Sample(prompt_ids=(1,), response_ids=(2,), old_logprobs=(-1.0,), advantage=0.5, agent=t.agent,
                       episode_id=ep.id, turn_index=t.index) for ep in eps for t in ep.turns]
-    batch = StepBatch(step=4, n_episodes=4, counts={}, rollout_errors=[], scored=[(None, ep, None) for ep in eps],
-                      reward_errors=[], samples=samples, adv_stats=None, times=(0.0, 0.0, 0.0))
+    by_group = [Group(None, "g1", tuple(eps[:2]), (None, None)), Group(None, "g2", tuple(eps[2:]), (None, None))]
+    batch = StepBatch(step=4, n_episodes=4, counts={}, rollout_errors=[], groups=by_group,
+                      reward_errors=[], samples=samples, adv_stats=None, times=Stopwatch())
     kept, groups, dropped = drop_stale(batch, 4, 2)
-    assert [ep.id for _, ep, _ in kept.scored] == ["e1", "e2"] and groups == 1 and dropped == 3
+    assert [ep.id for g in kept.groups for ep in g.episodes] == ["e1", "e2"] and groups == 1 and dropped == 3
     assert [s.episode_id for s in kept.samples] == ["e1", "e1", "e2"]
     assert drop_stale(batch, 4, 3) == (batch, 0, 0)  # staleness 3 <= 3: nothing dropped
 

@@ -124,9 +124,9 @@ def score(env, runs, **rollout):
     """`score_runs` on copies of the runs: (scored, errors, counts, the copies)."""
     runs = copy.deepcopy(runs)
     counts = {}
-    scored, errors = _scoring.score_runs(env, runs, counts, invalid_penalty=0.1, rollout=RolloutConfig(**rollout),
+    groups, errors = _scoring.score_runs(env, runs, counts, invalid_penalty=0.1, rollout=RolloutConfig(**rollout),
                                          on_error=lambda exc: None)
-    return scored, errors, counts, runs
+    return [(g.task, ep, score) for g in groups for ep, score in g.scored()], errors, counts, runs
 
 
 def test_truncated_and_masked_episodes_are_never_sent_to_reward_group(runs):

@@ -11,9 +11,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from drmas_graph.env import BadRewardError, score_episode
+from drmas_graph.env import BadRewardError, Group, group_key, score_episode
 from drmas_graph.train.loop._metric_reference import is_documented
 from drmas_graph.train.loop._scoring import samples_with_advantages, step_record
+from drmas_graph.train.loop.metrics import Stopwatch
 from drmas_graph.train.optim._update_metrics import _Tally, tally_kl_start
 from drmas_graph.train.optim.update import LossSettings, ModelUpdater
 from tests.test_store import make_episode
@@ -47,8 +48,11 @@ def _group(env_verdicts: dict[int, dict[int, float]], solver: dict[int, float], 
 
 def _record(scored, estimator: str) -> dict:
     cfg = SimpleNamespace(estimator=estimator, norm_by_std=True, adv_eps=1e-6)
-    _, stats = samples_with_advantages(scored, cfg, ["solver", "verifier"])
-    return step_record(0, ["solver", "verifier"], scored, {}, stats, {}, (0.0, 0.0, 0.0, 0.0), 0.0)
+    groups = [Group(scored[0][0], group_key(scored[0][1]), tuple(ep for _, ep, _ in scored), tuple(s for *_, s in scored))]
+    _, stats = samples_with_advantages(groups, cfg, ["solver", "verifier"])
+    times = Stopwatch()
+    times.laps.update(rollout=0.0, score=0.0, update=0.0)
+    return step_record(0, ["solver", "verifier"], groups, {}, stats, {}, times, 0.0)
 
 
 def test_turn_rewards_replace_the_agent_reward_per_sample_and_feed_the_estimators():

@@ -316,13 +316,13 @@ def test_a_task_twice_in_one_step_is_two_groups_with_their_own_ids_whatever_the_
         tasks = trainer.batch_tasks(0)
         assert [t.id for t in tasks] == ["train-1", "train-0", "train-2", "train-1"]
         runs, counts = trainer.rollouts(tasks, 0, cfg.group_size, phase="train")
-        scored, _ = trainer.state.score(runs, counts)
+        groups, _ = trainer.state.score(runs, counts)
         trained = trainer.state.trained_agents()
-        samples, stats = samples_with_advantages(scored, cfg, trained)
-        halves = samples_with_advantages(scored[:8], cfg, trained)[0] + samples_with_advantages(scored[8:], cfg, trained)[0]
+        samples, stats = samples_with_advantages(groups, cfg, trained)
+        halves = samples_with_advantages(groups[:2], cfg, trained)[0] + samples_with_advantages(groups[2:], cfg, trained)[0]
     finally:
         trainer.close()
-    episodes = [ep for _, ep, _ in scored]
+    episodes = [ep for group in groups for ep in group.episodes]
     assert [ep.group_id for ep in episodes[::4]] == ["train:0:train-1", "train:0:train-0", "train:0:train-2",
                                                      "train:0:train-1#2"]
     assert stats.n_pools == 8

@@ -43,8 +43,9 @@ from typing import Any, TypeVar
 
 import torch
 
-from drmas_graph.errors import ConfigError, TraceStoreError
 from drmas_graph.engine import group_initialized, local_rank, rank, world_size
+from drmas_graph.env import Group
+from drmas_graph.errors import ConfigError, TraceStoreError
 
 __all__ = [
     "NullLogger", "barrier", "check_divisible", "check_no_launch", "check_resume_world", "gather", "init_process_group",
@@ -203,13 +204,13 @@ def _slim(episode: Any) -> Any:
     return dataclasses.replace(episode, turns=turns, input=None, final_state=None, metadata={}, segments=[])
 
 
-def merge_step(scored: list[tuple[Any, Any, Any]], counts: dict[str, int], adv_stats: Any
-               ) -> tuple[list[tuple[Any, Any, Any]], dict[str, int], Any]:
-    """The step's (task, episode, score) triples, counts and advantage-pool stats of every rank, in rank
-    order. Tasks come back as None and episodes slimmed (`_slim`); counts and pool stats are summed."""
+def merge_step(groups: list[Group], counts: dict[str, int], adv_stats: Any) -> tuple[list[Group], dict[str, int], Any]:
+    """The step's groups, counts and advantage-pool stats of every rank, in rank order. Tasks come back as None
+    and episodes slimmed (`_slim`); counts and pool stats are summed."""
     if world_size() == 1:
-        return scored, counts, adv_stats
-    parts = gather(([(None, _slim(ep), score) for _, ep, score in scored], counts, adv_stats))
+        return groups, counts, adv_stats
+    slim = [dataclasses.replace(g, task=None, episodes=tuple(_slim(ep) for ep in g.episodes)) for g in groups]
+    parts = gather((slim, counts, adv_stats))
     merged_counts: dict[str, int] = {}
     for _, part_counts, _ in parts:
         for key, value in part_counts.items():

@@ -13,10 +13,14 @@ when most groups teach nothing. Nothing is trained; the episodes go to their own
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+from drmas_graph.env import EpisodeScore
 from drmas_graph.train.loop import _scoring
 from drmas_graph.train.loop._state import HasRunState, RunState, run_state
 from drmas_graph.train.loop.metrics import mean_std
+from drmas_graph.types import Episode
 
 __all__ = ["AgentCheck", "CheckReport", "preflight", "NO_SIGNAL_EXIT"]
 
@@ -157,21 +161,22 @@ def preflight(run: RunState | HasRunState, n_groups: int) -> CheckReport:
     tasks = state.task_order(0, n_groups)
     batch = state.roll_out(tasks, 0, cfg.group_size, phase="train")
     counts = batch.counts
-    scored, _ = state.score(batch.runs, counts)
-    _, stats = _scoring.samples_with_advantages(scored, cfg, ())
-    pools = getattr(stats, "n_pools", 0)
-    signal = pools - getattr(stats, "n_zero_variance_pools", 0) - getattr(stats, "n_singleton_pools", 0)
+    groups, _ = state.score(batch.runs, counts)
+    _, stats = _scoring.samples_with_advantages(groups, cfg, ())
+    pools = stats.n_pools if stats is not None else 0
+    signal = pools - stats.n_zero_variance_pools - stats.n_singleton_pools if stats is not None else 0
+    scored = [pair for group in groups for pair in group.scored()]
     agents = {a: _agent_check(a, scored) for a in state.agent_policies}
     return CheckReport(groups=len(tasks), group_size=cfg.group_size, episodes=len(scored), counts=dict(counts),
                        pools=pools, signal_pools=signal, agents={a: c for a, c in agents.items() if c is not None},
                        silent=tuple(a for a, c in agents.items() if c is None))
 
 
-def _agent_check(agent: str, scored: _scoring.Scored) -> AgentCheck | None:
-    rewards = [ep.rewards[agent] for _, ep, _ in scored if agent in ep.rewards]
+def _agent_check(agent: str, scored: Sequence[tuple[Episode, EpisodeScore]]) -> AgentCheck | None:
+    rewards = [ep.rewards[agent] for ep, _ in scored if agent in ep.rewards]
     if not rewards:
         return None
-    turns = [(ep, i, sc) for _, ep, sc in scored for i, t in enumerate(ep.turns) if t.agent == agent]
+    turns = [(ep, i, sc) for ep, sc in scored for i, t in enumerate(ep.turns) if t.agent == agent]
     by_group: dict[str, list[float]] = defaultdict(list)
     for ep, i, sc in turns:
         by_group[ep.group_id].append(sc.turn_rewards[i])

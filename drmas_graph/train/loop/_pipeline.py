@@ -251,19 +251,20 @@ def _model_updaters(name: str, updater: Any) -> list[ModelUpdater]:
 def drop_stale(batch: StepBatch, update: int, max_staleness: int) -> tuple[StepBatch, int, int]:
     """The batch without the groups that have a trained sample sampled more than `max_staleness` versions before
     update `update` (staleness = update - the turn's policy_version), the groups dropped and their samples."""
-    version, group = _sample_versions(batch), {ep.id: ep.group_id for _, ep, _ in batch.scored}
+    version = _sample_versions(batch)
+    group = {ep.id: g.id for g in batch.groups for ep in g.episodes}
     stale = {group[s.episode_id] for s in batch.samples if update - version[(s.episode_id, s.turn_index)] > max_staleness}
     if not stale:
         return batch, 0, 0
-    scored = [row for row in batch.scored if row[1].group_id not in stale]
-    kept_ids = {ep.id for _, ep, _ in scored}
+    groups = [g for g in batch.groups if g.id not in stale]
+    kept_ids = {ep.id for g in groups for ep in g.episodes}
     samples = [s for s in batch.samples if s.episode_id in kept_ids]
-    return dataclasses.replace(batch, scored=scored, samples=samples), len(stale), len(batch.samples) - len(samples)
+    return dataclasses.replace(batch, groups=groups, samples=samples), len(stale), len(batch.samples) - len(samples)
 
 
 def _sample_versions(batch: StepBatch) -> dict[tuple[str, int], int]:
     """(episode id, turn index) -> the weights version that sampled the turn."""
-    return {(ep.id, t.index): int(t.policy_version or 0) for _, ep, _ in batch.scored for t in ep.turns}
+    return {(ep.id, t.index): int(t.policy_version or 0) for g in batch.groups for ep in g.episodes for t in ep.turns}
 
 
 # --- the loop -----------------------------------------------------------------------------------------------
@@ -317,8 +318,7 @@ class OneStepOff:
             if u + 1 < steps:
                 self._start(u + 1)
             record = self._learn(u, batch)
-            _, t1, t2 = batch.times
-            record.update({"async/wait_s": wait_s, "async/install_s": install_s, "time/score_s": t2 - t1,
+            record.update({"async/wait_s": wait_s, "async/install_s": install_s, "time/score_s": batch.times.laps["score"],
                            "time/step_s": time.perf_counter() - t0})
             yield u, record
         self._publish()
@@ -496,8 +496,7 @@ class FreeRunning(OneStepOff):
             record = self._learn(u, batch)
             install_s = self._install(u + 1)  # the last one too: a checkpoint then holds one version
             self._launch()
-            _, r1, r2 = batch.times
-            record.update({"async/wait_s": wait_s, "async/install_s": install_s, "time/score_s": r2 - r1,
+            record.update({"async/wait_s": wait_s, "async/install_s": install_s, "time/score_s": batch.times.laps["score"],
                            "async/steps_in_flight": float(in_flight),
                            "time/step_s": time.perf_counter() - t0})
             yield u, record

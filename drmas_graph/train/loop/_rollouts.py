@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from drmas_graph.config import RolloutConfig
+from drmas_graph.env import BadRewardError, Group
 from drmas_graph.errors import ConfigError, NoLLMCallError, RolloutError
 from drmas_graph.instrumentation import (
     LIMITS,
@@ -60,7 +61,9 @@ from drmas_graph.instrumentation import (
     episode_seed,
     limit_metadata,
 )
-from drmas_graph.types import Episode, new_id
+from drmas_graph.train.loop.metrics import Stopwatch
+from drmas_graph.train.optim import AdvantageStats
+from drmas_graph.types import Episode, Sample, new_id
 
 __all__ = ["EpisodeJob", "EpisodeSlots", "RolloutBatch", "StepBatch", "episode_config", "group_ids", "run_episodes",
            "slots_key"]
@@ -117,16 +120,16 @@ class StepBatch:
     """Episodes by kind (`RolloutBatch.counts`, plus the scoring's bad-reward and masked counts)."""
     rollout_errors: list[RolloutError]
     """Errors of this process's dropped episodes, in job order."""
-    scored: list[Any]
-    """(task, episode, score) of every episode with a usable reward (`_scoring.Scored`)."""
-    reward_errors: list[Any]
+    groups: list[Group]
+    """This process's groups, each with its episodes that got a usable reward and their scores."""
+    reward_errors: list[BadRewardError]
     """Errors of the bad-reward episodes."""
-    samples: list[Any]
+    samples: list[Sample]
     """The trained agents' `Sample`s, with advantages."""
-    adv_stats: Any
-    """The advantage estimator's pool statistics."""
-    times: tuple[float, float, float]
-    """perf_counter at the start of the rollouts, at their end, and after scoring and advantages."""
+    adv_stats: AdvantageStats | None
+    """The advantage estimator's pool statistics (None: no policy-served turn)."""
+    times: Stopwatch
+    """The step's phases so far: `rollout`, `score` (with the advantages); `learn` adds `update`."""
     trained: list[Episode] = field(default_factory=list)
     """Every process's trained episodes (slimmed, with rewards and advantages): filled by `Trainer.learn`."""
 

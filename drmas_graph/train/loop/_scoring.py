@@ -2,14 +2,15 @@
 
 - `score_episodes`: the one scoring path (training, evaluation, check, rescore): a reward per episode, checked,
   minus the invalid-turn penalty, or a `BadRewardError` (the episode gets its `error`, the caller leaves it out).
-- `score_runs`: the reward of every kept episode (minus the invalid-turn penalty): the environment's for a
-  finished one, `rollout.truncated_reward` / `rollout.model_error_reward` for one that did not finish
+- `score_runs`: the step's `Group`s: the reward of every kept episode (minus the invalid-turn penalty): the
+  environment's for a finished one, `rollout.truncated_reward` / `rollout.model_error_reward` for one that did not finish
   (`score_episode`); a truncated episode `rollout.mask_truncated` names is dropped and counted, so is one
   whose reward is unusable (None, NaN, the env raised, or its judge gave no score: `judge_failed_episodes`).
 - `group_rewards`: the rewards of an environment with `reward_group`, one call per group, groups concurrently;
   `reward_metrics`: the environment's counters (`reward_metrics()`), checked, for the step or eval record.
-- `samples_with_advantages`: advantages of every policy-served turn (`compute_advantages`, estimator by name)
-  and one `Sample` per turn of a trained agent.
+- `turn_advantages`: the advantage of every turn (`compute_advantages`, estimator by name), from rows built in
+  one place for training and `rescore`; `samples_with_advantages`: those of a step's groups and one `Sample` per
+  turn of a trained agent.
 - `step_record`: the metrics of one training step, per agent (truncated and model-error episodes and their
   share of the samples included); `unfinished_warning`: one line when most episodes did not finish;
   `ZeroSignalWatch`: one line when most advantage pools had zero variance for several steps in a row.
@@ -19,7 +20,6 @@ from __future__ import annotations
 
 import logging
 import numbers
-import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -30,34 +30,34 @@ from drmas_graph.env import (
     ENV_REWARD,
     BadRewardError,
     EpisodeScore,
+    Group,
     fixed_reward,
+    group_key,
     score_episode,
     trainable_agent_turns,
 )
 from drmas_graph.errors import JudgeError, RolloutError
-from drmas_graph.train.optim import compute_advantages
-from drmas_graph.train.loop.metrics import mean_std
+from drmas_graph.train.optim import AdvantageStats, compute_advantages
+from drmas_graph.train.loop.metrics import Stopwatch, mean_std
 from drmas_graph.types import Episode, Sample
 
-__all__ = ["score_runs", "score_episodes", "group_rewards", "reward_metrics", "failure_metric", "masked", "samples_with_advantages",
-           "step_record", "unfinished_metrics", "unfinished_warning", "nothing_to_train", "ZeroSignalWatch"]
+__all__ = ["score_runs", "score_episodes", "group_rewards", "reward_metrics", "failure_metric", "masked",
+           "turn_advantages", "samples_with_advantages", "step_record", "unfinished_metrics", "unfinished_warning", "nothing_to_train", "ZeroSignalWatch"]
 
 log = logging.getLogger(__name__)
-
-Scored = list[tuple[Any, Episode, EpisodeScore]]
-"""(task, episode, score) of every episode that got a usable reward."""
-
 
 GROUP_THREADS = 16
 """At most this many groups are scored at once by an environment's `reward_group` (one thread each)."""
 
 
 def score_runs(env: Any, runs: list[tuple[Any, Episode]], counts: dict[str, Any], *, invalid_penalty: float,
-               rollout: RolloutConfig, on_error: Callable[[BadRewardError], None]) -> tuple[Scored, list[BadRewardError]]:
-    """Score a training step's runs (`score_episodes`); bad-reward and judge-failed episodes (they got their
-    `error`) are counted in `counts` (`bad_reward_episodes`, `judge_failed_episodes`), reported to `on_error` and
-    left out of the returned list; so are (counted, not reported) truncated episodes that `rollout.mask_truncated`
-    drops. Then the environment's `reward_metrics()` go into `counts`."""
+               rollout: RolloutConfig, on_error: Callable[[BadRewardError], None]
+               ) -> tuple[list[Group], list[BadRewardError]]:
+    """Score a training step's runs (`score_episodes`) into their groups, in run order; bad-reward and
+    judge-failed episodes (they got their `error`) are counted in `counts` (`bad_reward_episodes`,
+    `judge_failed_episodes`), reported to `on_error` and left out of their group; so are (counted, not reported)
+    truncated episodes that `rollout.mask_truncated` drops. Then the environment's `reward_metrics()` go into
+    `counts`."""
     scored, errors = [], []
     counts.update(bad_reward_episodes=0, judge_failed_episodes=0, masked_truncated_episodes=0)
     kept = []
@@ -77,7 +77,18 @@ def score_runs(env: Any, runs: list[tuple[Any, Episode]], counts: dict[str, Any]
         episode.rewards, episode.turn_rewards = score.rewards, score.turn_rewards
         scored.append((task, episode, score))
     counts.update(reward_metrics(env))
-    return scored, errors
+    return _groups(scored), errors
+
+
+def _groups(scored: Sequence[tuple[Any, Episode, EpisodeScore]]) -> list[Group]:
+    """(task, episode, score) rows as `Group`s, in the rows' order (a step's runs hold each group's episodes
+    together, so the groups' episodes in turn are the rows)."""
+    by_id: dict[str, tuple[Any, list[Episode], list[EpisodeScore]]] = {}
+    for task, episode, score in scored:
+        _, episodes, scores = by_id.setdefault(group_key(episode), (task, [], []))
+        episodes.append(episode)
+        scores.append(score)
+    return [Group(task, group_id, tuple(episodes), tuple(scores)) for group_id, (task, episodes, scores) in by_id.items()]
 
 
 def score_episodes(env: Any, runs: Sequence[tuple[Any, Episode]], *, invalid_penalty: float,
@@ -200,54 +211,75 @@ def masked(episode: Episode, mask_truncated: bool | Sequence[str]) -> bool:
     return mask_truncated is True or (not isinstance(mask_truncated, bool) and episode.truncated_by in mask_truncated)
 
 
-def samples_with_advantages(scored: Scored, cfg: TrainConfig, trained_agents: Sequence[str]
-                            ) -> tuple[list[Sample], Any]:
-    """Advantages for every policy-served turn (written to `episode.advantages`); Samples for the turns of
-    trained agents, and the estimator's statistics."""
-    rows = []  # (episode, turn position, turn, reward, group, agent-turn index)
-    for _, episode, score in scored:
+def turn_advantages(scored: Sequence[tuple[Episode, EpisodeScore]], *, estimator: str, norm_by_std: bool,
+                    eps: float) -> tuple[list[list[float]], AdvantageStats | None]:
+    """The advantage of every turn of each (episode, score), 0.0 where no policy served the turn, and the pools'
+    statistics (None when no turn was policy-served). Training and `rescore` build their rows here: a row is a
+    policy-served turn, R_i its turn reward, its group `group_key(episode)`, its agent the turn's, its turn id how
+    many turns its agent had before it in the episode; `compute_advantages` does the rest."""
+    advantages_E = [[0.0] * len(episode.turns) for episode, _ in scored]
+    rows = []  # (episode position, turn position)
+    rewards_N, group_ids, agent_ids, episode_ids, turn_ids = [], [], [], [], []
+    for e, (episode, score) in enumerate(scored):
         agent_turns = trainable_agent_turns(episode.turns)
         for i, turn in enumerate(episode.turns):
             if turn.trainable:
-                rows.append((episode, i, turn, score.turn_rewards[i], episode.group_id, agent_turns[i]))
-    for _, episode, _ in scored:
-        episode.advantages = [0.0] * len(episode.turns)
+                rows.append((e, i))
+                rewards_N.append(score.turn_rewards[i])
+                group_ids.append(group_key(episode))
+                agent_ids.append(turn.agent)
+                episode_ids.append(episode.id)
+                turn_ids.append(agent_turns[i])
     if not rows:
-        return [], None
-    adv_N, stats = compute_advantages(
-        [r[3] for r in rows], group_ids=[r[4] for r in rows], agent_ids=[r[2].agent for r in rows],
-        episode_ids=[r[0].id for r in rows], turn_ids=[r[5] for r in rows], estimator=cfg.estimator,
-        norm_by_std=cfg.norm_by_std, eps=cfg.adv_eps, return_stats=True)
+        return advantages_E, None
+    adv_N, stats = compute_advantages(rewards_N, group_ids=group_ids, agent_ids=agent_ids, episode_ids=episode_ids,
+                                      turn_ids=turn_ids, estimator=estimator, norm_by_std=norm_by_std, eps=eps,
+                                      return_stats=True)
+    for (e, i), adv in zip(rows, adv_N.tolist()):
+        advantages_E[e][i] = adv
+    return advantages_E, stats
+
+
+def samples_with_advantages(groups: Sequence[Group], cfg: TrainConfig, trained_agents: Sequence[str]
+                            ) -> tuple[list[Sample], AdvantageStats | None]:
+    """Advantages for every policy-served turn of the groups' episodes (written to `episode.advantages`); Samples
+    for the turns of trained agents, and the estimator's statistics."""
+    scored = [pair for group in groups for pair in group.scored()]
+    advantages, stats = turn_advantages(scored, estimator=cfg.estimator, norm_by_std=cfg.norm_by_std,
+                                        eps=cfg.adv_eps)
     trained = set(trained_agents)
     samples = []
-    for (episode, i, turn, *_), adv in zip(rows, adv_N.tolist()):
-        episode.advantages[i] = adv
-        if turn.agent in trained:
-            samples.append(Sample.from_turn(turn, adv, episode.id))
+    for (episode, _), advantages_T in zip(scored, advantages):
+        episode.advantages = advantages_T
+        samples += [Sample.from_turn(turn, adv, episode.id) for turn, adv in zip(episode.turns, advantages_T)
+                    if turn.trainable and turn.agent in trained]
     return samples, stats
 
 
-def step_record(step: int, agents: Sequence[str], scored: Scored, counts: dict[str, int], adv_stats: Any,
-                update_metrics: dict[str, float], t: tuple[float, float, float, float],
+def step_record(step: int, agents: Sequence[str], groups: Sequence[Group], counts: dict[str, int],
+                adv_stats: AdvantageStats | None, update_metrics: dict[str, float], times: Stopwatch,
                 sync_s: float) -> dict[str, Any]:
-    """The metrics of one step: counts, time split, team reward, and per agent reward, advantage, calls,
-    invalid rate and response length; then the updaters' metrics."""
-    t0, t1, t2, t3 = t
+    """The metrics of one step: counts, time split (`times`: the laps rollout, score and update, whose `sync_s`
+    seconds pushed weights), team reward, and per agent reward, advantage, calls, invalid rate and response length;
+    then the updaters' metrics."""
+    scored = [pair for group in groups for pair in group.scored()]
+    rollout_s = times.laps["rollout"]
     record: dict[str, Any] = {"step": step, **counts, "episodes": len(scored),
-                              "time/rollout_s": t1 - t0, "time/score_s": t2 - t1, "time/update_s": t3 - t2 - sync_s,
-                              "time/sync_s": sync_s, "time/step_s": time.perf_counter() - t0}
-    episodes = [ep for _, ep, _ in scored]
+                              "time/rollout_s": rollout_s, "time/score_s": times.laps["score"],
+                              "time/update_s": times.laps["update"] - sync_s, "time/sync_s": sync_s,
+                              "time/step_s": times.total()}
+    episodes = [ep for ep, _ in scored]
     n_tokens = sum(len(turn.response_ids) for ep in episodes for turn in ep.turns)
-    record["rollout/tokens_per_s"] = n_tokens / max(t1 - t0, 1e-9)
-    record["reward/team_mean"] = mean_std([s.team for *_, s in scored])[0]
-    record["adv/zero_variance_pools"] = getattr(adv_stats, "n_zero_variance_pools", 0)
-    record["adv/pools"] = getattr(adv_stats, "n_pools", 0)
+    record["rollout/tokens_per_s"] = n_tokens / max(rollout_s, 1e-9)
+    record["reward/team_mean"] = mean_std([s.team for _, s in scored])[0]
+    record["adv/zero_variance_pools"] = adv_stats.n_zero_variance_pools if adv_stats is not None else 0
+    record["adv/pools"] = adv_stats.n_pools if adv_stats is not None else 0
     record.update(unfinished_metrics(agents, episodes))
     for agent in agents:
         rewards = [ep.rewards[agent] for ep in episodes if agent in ep.rewards]
         turns = [(ep, i) for ep in episodes for i, turn in enumerate(ep.turns) if turn.agent == agent]
         served = [(ep.turns[i], ep.advantages[i]) for ep, i in turns if ep.turns[i].trainable]  # have an advantage
-        invalid = [sc.invalid[i] for _, ep, sc in scored for i, turn in enumerate(ep.turns) if turn.agent == agent]
+        invalid = [sc.invalid[i] for ep, sc in scored for i, turn in enumerate(ep.turns) if turn.agent == agent]
         record[f"agent/{agent}/reward_mean"], record[f"agent/{agent}/reward_std"] = mean_std(rewards)
         record[f"agent/{agent}/advantage_mean"], record[f"agent/{agent}/advantage_std"] = mean_std(
             [adv for _, adv in served], ddof=0)

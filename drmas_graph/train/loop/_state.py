@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from drmas_graph.config import AgentConfig, TrainConfig
-from drmas_graph.env import BadRewardError
+from drmas_graph.env import BadRewardError, Group
 from drmas_graph.errors import RolloutError
 from drmas_graph.instrumentation.instrumented import InstrumentedGraph
 from drmas_graph.policy import Policy
@@ -142,17 +142,17 @@ class RunState:
         return batch
 
     def score(self, runs: list[tuple[Any, Episode]], counts: dict[str, int]
-              ) -> tuple[_scoring.Scored, list[BadRewardError]]:
+              ) -> tuple[list[Group], list[BadRewardError]]:
         """`_scoring.score_runs` with this run's env, penalty and rollout settings; an episode left out for its
         reward (bad reward, judge failure) gets its error and judgement in the store now (those of the trained
         episodes go with their rewards, `record_training`)."""
-        scored, errors = _scoring.score_runs(self.env, runs, counts, invalid_penalty=self.invalid_penalty,
+        groups, errors = _scoring.score_runs(self.env, runs, counts, invalid_penalty=self.invalid_penalty,
                                              rollout=self.cfg.rollout, on_error=self._log_reward_failure)
-        kept = {ep.id for _, ep, _ in scored}
+        kept = {ep.id for group in groups for ep in group.episodes}
         for _, episode in runs:
             if episode.id not in kept and (episode.judgement is not None or episode.error is not None):
                 self.store.update_training(episode.id, step=None, judgement=episode.judgement, error=episode.error)
-        return scored, errors
+        return groups, errors
 
     def _log_reward_failure(self, exc: BadRewardError) -> None:
         """The first env.reward / reward_group / turn_is_valid exception of the run, with its traceback, and the

@@ -16,7 +16,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-__all__ = ["RunLogger", "mean_std", "progress_status"]
+__all__ = ["RunLogger", "Stopwatch", "mean_std", "progress_status"]
 
 
 def mean_std(values: list[float], ddof: int = 1) -> tuple[float, float]:
@@ -29,6 +29,31 @@ def mean_std(values: list[float], ddof: int = 1) -> tuple[float, float]:
     if n < 2:
         return mu, 0.0
     return mu, math.sqrt(sum((v - mu) ** 2 for v in values) / (n - ddof))
+
+
+class Stopwatch:
+    """A step's phases, timed: `lap(phase)` ends the phase that ran since the last lap (or the start), `skip()`
+    leaves out the time since the last lap (a step waiting between its phases), `total()` is the time since the
+    start. The step record's `time/...` metrics are its laps."""
+
+    def __init__(self) -> None:
+        self.start = self._last = time.perf_counter()
+        self.laps: dict[str, float] = {}
+        """Phase -> its seconds."""
+
+    def lap(self, phase: str) -> float:
+        """End `phase` now; its seconds."""
+        now = time.perf_counter()
+        self.laps[phase], self._last = now - self._last, now
+        return self.laps[phase]
+
+    def skip(self) -> None:
+        """Start the next phase now (the time since the last lap is no phase's)."""
+        self._last = time.perf_counter()
+
+    def total(self) -> float:
+        """Seconds since the start."""
+        return time.perf_counter() - self.start
 
 
 def progress_status(agents: list[str], record: dict[str, Any]) -> str:

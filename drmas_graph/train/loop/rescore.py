@@ -9,10 +9,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from drmas_graph.env import BadRewardError, EpisodeScore, Task
+from drmas_graph.env import BadRewardError, EpisodeScore, Task, group_key
 from drmas_graph.errors import ConfigError
 from drmas_graph.traces.store import TraceStore
-from drmas_graph.train.loop._scoring import score_episodes
+from drmas_graph.train.loop._scoring import score_episodes, turn_advantages
 from drmas_graph.types import Episode
 
 __all__ = ["Rescored", "RescoreResult", "rescore", "POOLS", "pooled_episode_ids"]
@@ -126,7 +126,7 @@ def rescore(
     groups: dict[str, list[Episode]] = {}
     for episode in episodes:
         episode.judgement = None  # the stored verdict is not the new rewards': only the new judge's is kept
-        groups.setdefault(_group_of(episode), []).append(episode)
+        groups.setdefault(group_key(episode), []).append(episode)
     for members in groups.values():  # a group in the order training scored it (the store holds finishing order)
         if all(isinstance(e.metadata.get("group_index"), int) for e in members):
             members.sort(key=lambda e: e.metadata["group_index"])
@@ -206,54 +206,15 @@ class _RewardFn:
 
 def _rescored(episodes: list[Episode], scores: Mapping[str, EpisodeScore], *, estimator: str,
               norm_by_std: bool, eps: float) -> dict[str, Rescored]:
-    """The new rewards, per-turn rewards and advantages of `episodes` (pooled by `_group_of`), with the
-    judgement each episode now holds."""
-    from drmas_graph.train.optim import compute_advantages
-
-    rewards_N: list[float] = []
-    group_ids: list[str] = []
-    agent_ids: list[str] = []
-    episode_ids: list[str] = []
-    turn_ids: list[int] = []
-    for episode in episodes:
-        turn_rewards = scores[episode.id].turn_rewards
-        calls_so_far: dict[str, int] = {}
-        for turn, reward in zip(episode.turns, turn_rewards):
-            k = calls_so_far.get(turn.agent, 0)
-            calls_so_far[turn.agent] = k + 1
-            if turn.trainable:
-                rewards_N.append(reward)
-                group_ids.append(_group_of(episode))
-                agent_ids.append(turn.agent)
-                episode_ids.append(episode.id)
-                turn_ids.append(k)
-
-    advantages_N = (
-        compute_advantages(
-            rewards_N, group_ids=group_ids, agent_ids=agent_ids, episode_ids=episode_ids, turn_ids=turn_ids,
-            estimator=estimator, norm_by_std=norm_by_std, eps=eps,
-        ).tolist()
-        if rewards_N
-        else []
-    )  # fmt: skip
-    next_advantage = iter(advantages_N)
+    """The new rewards, per-turn rewards and advantages of `episodes` (pooled by `group_key`, rows built as
+    training builds them: `_scoring.turn_advantages`), with the judgement each episode now holds."""
+    scored = [(episode, scores[episode.id]) for episode in episodes]
+    advantages, _ = turn_advantages(scored, estimator=estimator, norm_by_std=norm_by_std, eps=eps)
     return {
-        episode.id: Rescored(
-            rewards=scores[episode.id].rewards,
-            turn_rewards=list(scores[episode.id].turn_rewards),
-            advantages=[next(next_advantage) if t.trainable else 0.0 for t in episode.turns],
-            judgement=episode.judgement,
-        )
-        for episode in episodes
+        episode.id: Rescored(rewards=score.rewards, turn_rewards=list(score.turn_rewards), advantages=advantages_T,
+                             judgement=episode.judgement)
+        for (episode, score), advantages_T in zip(scored, advantages)
     }
-
-
-def _group_of(episode: Episode) -> str:
-    """The GRPO group an episode is pooled (and judged) in: its group_id, else its task_id."""
-    group = episode.group_id if episode.group_id is not None else episode.task_id
-    if group is None:
-        raise ConfigError(f"episode {episode.id} has neither group_id nor task_id; cannot group it")
-    return group
 
 
 def _judge_name(judge: Any) -> str:

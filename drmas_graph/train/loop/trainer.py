@@ -33,7 +33,6 @@ the configured rewards (`rollout.truncated_reward`, `rollout.model_error_reward`
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,7 +48,7 @@ from drmas_graph.train.loop._learn import update_models
 from drmas_graph.train.loop._rollouts import StepBatch
 from drmas_graph.train.loop._setup import RunDirInUseError, build_run, free_run_dir
 from drmas_graph.train.loop.evaluate import evaluate, reply_lines
-from drmas_graph.train.loop.metrics import RunLogger
+from drmas_graph.train.loop.metrics import RunLogger, Stopwatch
 from drmas_graph.types import Episode
 
 __all__ = ["train_graph", "TrainResult", "Trainer", "evaluate", "RunDirInUseError"]
@@ -228,34 +227,35 @@ class Trainer:
     def collect(self, step: int) -> StepBatch:
         """Step `step`'s rollouts (this process's groups), scored, with advantages and the trained agents' Samples."""
         run, group_size = self.state, self.state.cfg.group_size
-        t0 = time.perf_counter()
+        times = Stopwatch()
         tasks = self.batch_tasks(step)
         batch = run.roll_out(tasks, step, group_size, phase="train")
-        t1 = time.perf_counter()
-        scored, reward_errors = run.score(batch.runs, batch.counts)
-        samples, adv_stats = _scoring.samples_with_advantages(scored, run.cfg, run.trained_agents())
-        return StepBatch(step, len(tasks) * group_size, batch.counts, batch.errors, scored, reward_errors,
-                         samples, adv_stats, (t0, t1, time.perf_counter()))
+        times.lap("rollout")
+        groups, reward_errors = run.score(batch.runs, batch.counts)
+        samples, adv_stats = _scoring.samples_with_advantages(groups, run.cfg, run.trained_agents())
+        times.lap("score")
+        return StepBatch(step, len(tasks) * group_size, batch.counts, batch.errors, groups, reward_errors,
+                         samples, adv_stats, times)
 
     def learn(self, batch: StepBatch, *, publish: bool = True) -> dict[str, Any]:
         """Update every trained model on the batch's samples; return the step's metrics record. `publish` merges
         every process's traces and exports the step (the pipeline does that at the next step boundary)."""
-        run, step, scored = self.state, batch.step, batch.scored
+        run, step, groups, times = self.state, batch.step, batch.groups, batch.times
         run.notes.rollout_errors, run.notes.reward_errors = batch.rollout_errors, batch.reward_errors
-        if not any(distributed.gather(bool(scored))):  # every rank decides alike (one rank's loss is not fatal)
+        episodes = [ep for group in groups for ep in group.episodes]
+        if not any(distributed.gather(bool(episodes))):  # every rank decides alike (one rank's loss is not fatal)
             raise _scoring.nothing_to_train(step, batch.n_episodes, batch.rollout_errors or batch.reward_errors,
                                             run.run_dir)
-        t0, t1, _ = batch.times
-        t2 = time.perf_counter()
+        times.skip()  # a pipelined step waited for its update
         update_metrics, sync_s = update_models(run, batch.samples, step=step, pipelined=self.pipeline is not None)
-        t3 = time.perf_counter()
-        run.store.record_training(step, [ep for _, ep, _ in scored])
-        scored, counts, adv_stats = distributed.merge_step(scored, batch.counts, batch.adv_stats)  # every rank's
-        batch.trained = [ep for _, ep, _ in scored]
+        times.lap("update")
+        run.store.record_training(step, episodes)
+        groups, counts, adv_stats = distributed.merge_step(groups, batch.counts, batch.adv_stats)  # every rank's
+        batch.trained = [ep for group in groups for ep in group.episodes]
         if publish:
             self.publish(step)
-        record = _scoring.step_record(step, list(run.agent_policies), scored, counts, adv_stats, update_metrics,
-                                      (t0, t1, t2, t3), sync_s)
+        record = _scoring.step_record(step, list(run.agent_policies), groups, counts, adv_stats, update_metrics,
+                                      times, sync_s)
         for warning in (_scoring.unfinished_warning(record, batch.n_episodes), run.notes.zero_signal.observe(record)):
             if warning is not None and distributed.is_main():
                 log.warning(warning)

@@ -12,11 +12,11 @@ May import: `train.engines` and the layers below train (shared modules, engine);
 from drmas_graph.train.optim._old_logprobs import with_trainer_logprobs
 from drmas_graph.train.optim._update_metrics import AgentUpdateMetrics, UpdateMetrics
 from drmas_graph.train.optim._updater import Updater
-from drmas_graph.train.optim.advantages import compute_advantages
+from drmas_graph.train.optim.advantages import AdvantageStats, compute_advantages
 from drmas_graph.train.optim.lora import LoraUpdater, attach_adapters, build_updater, load_adapters, save_for_sync
 from drmas_graph.train.optim.offpolicy import CorrectionStats, OffPolicyCorrection
 from drmas_graph.train.optim.update import ModelUpdater, set_attn_implementation
 
-__all__ = ["AgentUpdateMetrics", "CorrectionStats", "LoraUpdater", "ModelUpdater", "OffPolicyCorrection",
+__all__ = ["AdvantageStats", "AgentUpdateMetrics", "CorrectionStats", "LoraUpdater", "ModelUpdater", "OffPolicyCorrection",
            "UpdateMetrics", "Updater", "attach_adapters", "build_updater", "compute_advantages", "load_adapters",
            "save_for_sync", "set_attn_implementation", "with_trainer_logprobs"]
