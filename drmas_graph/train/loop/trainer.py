@@ -287,8 +287,6 @@ class Trainer:
         batch = self.state.roll_out(tasks, step, group_size, phase=phase)
         return batch.runs, batch.counts
 
-    _rollouts = rollouts  # the name before the layout change (issue 19); the repro scripts call it
-
     def sync_weights(self, name: str, *, version: int) -> float:
         """Push model `name`'s trained weights to its servers (`_checkpoints.sync_weights`); return the seconds."""
         return _checkpoints.sync_weights(self.state, name, version=version)
