@@ -33,7 +33,7 @@ def main(outdir: Path) -> None:
     try:
         rollouts = [] if _distributed.is_main() else None
         record = evaluate(trainer, step=0, rollouts=rollouts)
-        _distributed.remove_rank_stores(trainer.run_dir, trainer.store.close)
+        _distributed.remove_rank_stores(trainer.state.run_dir, trainer.state.store.close)
     finally:
         trainer.close()
     if _distributed.is_main():

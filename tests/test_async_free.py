@@ -67,7 +67,7 @@ class HoldStepOne:
 
     def attach(self, trainer) -> None:
         self.trainer = trainer
-        tasks = {s: {t.input["question"] for t in trainer.batch_tasks(s)} for s in range(trainer.cfg.steps)}
+        tasks = {s: {t.input["question"] for t in trainer.batch_tasks(s)} for s in range(trainer.state.cfg.steps)}
         self.questions = tasks[1]
         assert all(not (self.questions & q) for s, q in tasks.items() if s != 1)
         learn = trainer.learn
@@ -183,7 +183,7 @@ def test_max_concurrency_bounds_the_episodes_of_every_step_in_flight(tmp_path):
 
     result, _, trainer = run_free(tmp_path, "bounded", steps=3, conc=3, app=gated_graph(api))
     assert inside["most"] == 3  # a bound per step would let up to 3 steps x 3 episodes in
-    assert len(result.history) == 3 and trainer.episode_slots.free == 3
+    assert len(result.history) == 3 and trainer.state.episode_slots.free == 3
     assert [h["async/dropped_groups"] for h in result.history] == [0, 0, 0]
 
 
@@ -228,7 +228,7 @@ def test_served_policy_gets_pushes_while_other_steps_roll_out(tmp_path, ckpt):  
     gate.attach(trainer)
     try:
         result = trainer.run()
-        local = {k: v.clone() for k, v in trainer.train_models["m"].state_dict().items()}
+        local = {k: v.clone() for k, v in trainer.state.train_models["m"].state_dict().items()}
     finally:
         trainer.close()
         double.stop()

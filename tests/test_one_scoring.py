@@ -55,8 +55,8 @@ def test_evaluation_leaves_unjudged_episodes_out_and_counts_and_logs_each(tmp_pa
     try:
         with caplog.at_level(logging.WARNING, logger="drmas_graph.train"):
             record = evaluate(trainer, step=0, rollouts=rows)
-        stored = {s.id: s for s in trainer.store.episodes()}
-        failed = [trainer.store.load_episode(s.id) for s in trainer.store.episodes(failed=True)]
+        stored = {s.id: s for s in trainer.state.store.episodes()}
+        failed = [trainer.state.store.load_episode(s.id) for s in trainer.state.store.episodes(failed=True)]
     finally:
         trainer.close()
     judged = [(task, ep, success) for task, ep, score, success in rows if score is not None]

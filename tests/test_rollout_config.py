@@ -259,7 +259,7 @@ def test_a_sync_node_blocked_in_a_tool_costs_its_episode_not_the_step(tmp_path, 
         trainer.close()
     assert elapsed < 60  # a hang bound (the tool blocks for 120 s), not a speed measurement
     assert [task.id for task, _ in runs] == ["train-0"] and counts["failed_episodes"] == 1
-    (error,) = trainer.rollout_errors
+    (error,) = trainer.state.notes.rollout_errors
     assert isinstance(error, StuckEpisodeError) and "'train-1'" in str(error)
     assert "left behind" in caplog.text
     (stuck,) = _stored(tmp_path, outcome="failed")

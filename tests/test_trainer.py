@@ -269,7 +269,7 @@ def test_evaluate_avg_and_pass_at_k_per_agent_stats(tmp_path):
     assert record["solver/reward"] == 0.5 and record["solver/invalid_rate"] == 0.0
     assert record["verifier/response_length"] == 4.0  # max_new_tokens, the tiny model never stops
     # evaluation sampling does not leak into training sampling
-    assert "solver" not in trainer.app.sampling and policy.sampling.temperature == 1.0
+    assert "solver" not in trainer.state.app.sampling and policy.sampling.temperature == 1.0
 
 
 def test_distinct_policies_with_one_name_are_refused_naming_both_agents(tmp_path):

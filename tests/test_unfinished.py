@@ -145,7 +145,7 @@ def _one_step(graph, env, cfg, policies, monkeypatch):
     """(the step's record, model name -> the Samples its updater received) of one training step."""
     trainer = Trainer(graph, env, cfg, policies=policies)
     seen = {}
-    for name, updater in trainer.updaters.items():
+    for name, updater in trainer.state.updaters.items():
         def update(samples, _real=updater.update, _name=name, **kwargs):
             seen[_name] = list(samples)
             return _real(samples, **kwargs)
@@ -265,7 +265,7 @@ def test_a_connection_error_of_a_model_that_is_not_trained_is_dropped_and_counte
     finally:
         trainer.close()
     assert record["failed_episodes"] == 2 and record["episodes"] == 2 and record["model_error_episodes"] == 0
-    assert all("Connection error" in str(e) for e in trainer.rollout_errors)
+    assert all("Connection error" in str(e) for e in trainer.state.notes.rollout_errors)
     with TraceStore(tmp_path / "run" / "traces.db", readonly=True) as store:
         failed = [store.load_episode(s.id) for s in store.episodes(outcome="failed")]
     assert len(failed) == 2 and all(ep.error.startswith("OpenAIConnectionError: Connection error") for ep in failed)

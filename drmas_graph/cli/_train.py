@@ -135,7 +135,7 @@ def _cmd_eval(args: argparse.Namespace, console: Console) -> int:
         if args.checkpoint is not None:
             load_checkpoint_adapters(trainer, args.checkpoint)  # LoRA: into the models, and their servers
         for name in attached_servers(cfg, from_checkpoint):  # they serve what they held: push the checkpoint
-            trainer.sync_weights(name, version=trainer.model_policies[name].version)
+            trainer.sync_weights(name, version=trainer.state.model_policies[name].version)
             if distributed.is_main():
                 mc = cfg.models[name]
                 console.print(f"model {name}: loaded {mc.path} into its servers {', '.join(mc.serve.urls)} (they keep "
@@ -143,7 +143,7 @@ def _cmd_eval(args: argparse.Namespace, console: Console) -> int:
         # a checkpoint samples with the seeds of its step's evaluation: it reproduces the run's own
         step = checkpoint_step(args.checkpoint) if args.checkpoint is not None else 0
         record = evaluate(trainer, step=step, split=args.split)  # sharded over the processes of a launcher
-        distributed.remove_rank_stores(trainer.run_dir, trainer.store.close)
+        distributed.remove_rank_stores(trainer.state.run_dir, trainer.state.store.close)
         main = distributed.is_main()
     finally:
         trainer.close()

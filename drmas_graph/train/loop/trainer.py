@@ -131,10 +131,6 @@ def train_graph(graph: Any, env: Any, config: TrainConfig | None = None, *,
         trainer.close()
 
 
-def _state_field(name: str) -> property:
-    return property(lambda self: getattr(self.state, name), doc=f"`state.{name}` (see `RunState`).")
-
-
 class Trainer:
     """The training loop over a run built once from its config (`state`, a `RunState`); `run()` is the loop.
     Build it through `train_graph`; `train=False` builds no updaters (evaluation, `drmas-graph check`)."""
@@ -166,23 +162,6 @@ class Trainer:
         if distributed.is_main() and (train or not (run.run_dir / "config.yaml").exists()):
             cfg.to_yaml(run.run_dir / "config.yaml")
         self.result = TrainResult(run_dir=run.run_dir)
-
-    cfg = _state_field("cfg")
-    env = _state_field("env")
-    run_dir = _state_field("run_dir")
-    store = _state_field("store")
-    app = _state_field("app")
-    agent_policies = _state_field("agent_policies")
-    model_policies = _state_field("model_policies")
-    train_models = _state_field("train_models")
-    updaters = _state_field("updaters")
-    episode_slots = _state_field("episode_slots")
-    async_fallback = _state_field("async_fallback")
-
-    @property
-    def rollout_errors(self) -> list[RolloutError]:
-        """Errors of the failed episodes of the last rollouts (`RunNotes.rollout_errors`)."""
-        return self.state.notes.rollout_errors
 
     # ---- the loop -----------------------------------------------------------------------------
     def run(self) -> TrainResult:
@@ -283,7 +262,7 @@ class Trainer:
     def rollouts(self, tasks: Sequence[Any], step: int, group_size: int, *, phase: str
                  ) -> tuple[list[tuple[Any, Episode]], dict[str, int]]:
         """G rollouts per task (`RunState.roll_out`): the finished, truncated and model-error runs and the counts;
-        failed episodes are counted (and stored), their errors go to `rollout_errors`."""
+        failed episodes are counted (and stored), their errors go to `state.notes.rollout_errors`."""
         batch = self.state.roll_out(tasks, step, group_size, phase=phase)
         return batch.runs, batch.counts
 
