@@ -186,26 +186,28 @@ def test_registries_match_the_names_the_config_accepts():
 
 _EVERY_NAME_AFTER_EVERY_MODULE = """
 import importlib, pkgutil, sys, types, warnings
-warnings.simplefilter("error", DeprecationWarning)
-import drmas_graph
-names = [m.name for m in pkgutil.walk_packages(drmas_graph.__path__, "drmas_graph.") if not m.name.endswith("__main__")]
-for name in names:
-    importlib.import_module(name)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always", DeprecationWarning)
+    import drmas_graph
+    names = [m.name for m in pkgutil.walk_packages(drmas_graph.__path__, "drmas_graph.") if not m.name.endswith("__main__")]
+    for name in names:
+        importlib.import_module(name)
+ours = [str(w.message) for w in caught if "drmas_graph" in str(w.message)]
 wrong = [n for n in drmas_graph.__all__ if isinstance(getattr(drmas_graph, n), types.ModuleType)]
 exec("from drmas_graph import " + ", ".join(drmas_graph.__all__))
 wrong += [n for n in drmas_graph.__all__ if isinstance(eval(n), types.ModuleType)]
 renamed = [k for k, m in sys.modules.items() if k.startswith("drmas_graph") and m.__name__ != k]
-print(len(names), sorted(set(wrong)), renamed)
+print(len(names), sorted(set(wrong)), renamed, ours)
 """
 
 
 def test_every_exported_name_is_its_object_after_every_module_is_imported():
     """`from drmas_graph import replay` is the function even after every sub-module (`drmas_graph.traces.replay`
-    among them) was imported, in a fresh interpreter, with no deprecation warning; each module is known by one
-    name (no alias of another module in `sys.modules`)."""
+    among them) was imported, in a fresh interpreter, with no deprecation warning naming drmas_graph (third-party
+    ones are not ours to judge); each module is known by one name (no alias of another module in `sys.modules`)."""
     out = subprocess.run([sys.executable, "-c", _EVERY_NAME_AFTER_EVERY_MODULE], capture_output=True, text=True,
                          check=True, cwd=ROOT.parent).stdout.split()
-    assert int(out[0]) > 40 and out[1:] == ["[]", "[]"]
+    assert int(out[0]) > 40 and out[1:] == ["[]", "[]", "[]"]
 
 
 @pytest.mark.parametrize("old", ["drmas_graph.trainer", "drmas_graph.store", "drmas_graph.replay",
