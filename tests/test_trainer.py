@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from drmas_graph import SamplingParams
+from drmas_graph import SamplingParams, Task
 from drmas_graph.config import TrainConfig, load_config
 from drmas_graph.errors import ConfigError
 from drmas_graph.traces.store import TraceStore
@@ -324,11 +324,24 @@ def test_a_task_twice_in_one_step_is_two_groups_with_their_own_ids_whatever_the_
         trainer.close()
     episodes = [ep for _, ep, _ in scored]
     assert [ep.group_id for ep in episodes[::4]] == ["train:0:train-1", "train:0:train-0", "train:0:train-2",
-                                                     "train:0:train-1#2"]
+                                                     "train:0#2:train-1"]
     assert stats.n_pools == 8
     assert [ep.metadata["seed"] for ep in episodes] == [episode_seed(cfg.seed, "train", 0, b, j)
                                                         for b in range(4) for j in range(4)]
     assert [s.advantage for s in halves] == [s.advantage for s in samples]
+
+
+def test_group_ids_cannot_collide_whatever_the_task_ids():
+    """rev6_d: a step holding 'q' twice and a task 'q#2' (or '2:q', '#2:q') once: every position's group is its own
+    (the second 'q' was 'train:0:q#2' before, the plain group id of task 'q#2')."""
+    from drmas_graph.train.loop._rollouts import group_ids
+
+    tasks = [Task(id=i, input=None) for i in ("q", "q#2", "q", "2:q", "#2:q", "q", "0#2:q")]
+    ids = group_ids(tasks, "train", 0)
+    assert ids == ["train:0:q", "train:0:q#2", "train:0#2:q", "train:0:2:q", "train:0:#2:q", "train:0#3:q",
+                   "train:0:0#2:q"]
+    assert len(set(ids)) == len(ids)
+    assert [g.split(":", 2)[2] for g in ids] == [t.id for t in tasks]  # the task id is all after the second ':'
 
 
 def test_the_progress_line_and_the_warning_say_which_episodes_did_not_finish():

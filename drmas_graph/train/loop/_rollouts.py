@@ -132,13 +132,16 @@ class StepBatch:
 
 
 def group_ids(tasks: Sequence[Any], phase: str, step: int) -> list[str]:
-    """The group id of each position of a step's task batch: 'phase:step:task_id', with '#k' appended for the
-    k-th (k >= 2) occurrence of a task the batch holds more than once; each group is one GRPO pool."""
+    """The group id of each position of a step's task batch: 'phase:step:task_id', and 'phase:step#k:task_id'
+    for the k-th (k >= 2) occurrence of a task the batch holds more than once; each group is one GRPO pool.
+    Collision-free for any task ids: the task id is all that follows the second ':', and the field before it
+    is the bare step number only in a first occurrence."""
     seen: dict[str, int] = {}
     out = []
     for task in tasks:
         seen[task.id] = seen.get(task.id, 0) + 1
-        out.append(f"{phase}:{step}:{task.id}" + (f"#{seen[task.id]}" if seen[task.id] > 1 else ""))
+        occurrence = f"#{seen[task.id]}" if seen[task.id] > 1 else ""
+        out.append(f"{phase}:{step}{occurrence}:{task.id}")
     return out
 
 
