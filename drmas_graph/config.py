@@ -176,7 +176,7 @@ class AgentConfig(_Strict):
 class EvalConfig(_Strict):
     every: int = Field(0, ge=0, description="Evaluate every N steps (and before the first and after the last); 0 = only at the end.")
     split: str = Field("test", description="Task split evaluated.")
-    n_tasks: int | None = Field(None, description="Evaluate the first N tasks of the split; null = all.")
+    n_tasks: int | None = Field(None, ge=1, description="Evaluate the first N tasks of the split (at least 1); null = all.")
     k: int = Field(4, ge=1, description="Samples per task for avg@k and pass@k.")
     temperature: float = Field(0.6, ge=0, description="Evaluation sampling temperature (the paper: 0.6).")
     top_p: float = Field(0.95, gt=0, le=1, description="Evaluation nucleus mass (the paper: 0.95).")

@@ -88,7 +88,8 @@ class TrainResult:
             for a in agents:
                 lines.append(row("  reward " + a, *(float(e.get(f"{a}/reward", float("nan"))) for e in ends)))
             for metric in ("avg@k", "pass@k"):
-                lines.append(row("  " + metric.replace("k", str(k)), *(float(e[metric]) for e in ends)))
+                lines.append(row("  " + metric.replace("k", str(k)),  # '-': no task had a judged episode
+                                 *(float(e[metric]) if metric in e else "-" for e in ends)))
             if any(e.get("unjudged_episodes") for e in ends):  # left out of avg@k and pass@k
                 lines.append(row("  unjudged episodes", *(int(e.get("unjudged_episodes", 0)) for e in ends)))
             lines += reply_lines(last)
