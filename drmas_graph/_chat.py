@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
-import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,7 +22,8 @@ from langchain_core.utils.function_calling import convert_to_openai_tool
 
 from drmas_graph.errors import ConfigError
 
-__all__ = ["to_chat_dicts", "with_system_note", "normalize_tools", "ParsedResponse", "TOOL_PARSERS", "get_tool_parser"]
+__all__ = ["to_chat_dicts", "with_system_note", "normalize_tools", "ParsedResponse", "TOOL_PARSERS", "get_tool_parser",
+           "tool_call_id"]
 
 
 def _text(content: Any) -> str:
@@ -99,8 +100,18 @@ class ParsedResponse:
 _HERMES_RE = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 
 
-def _call_id() -> str:
-    return "call_" + uuid.uuid4().hex[:24]
+_ID_ALPHABET = "0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
+TOOL_CALL_ID_CHARS = 9
+"""Tool-call ids are 9 alphanumeric characters: what Mistral's chat templates require (they raise on any other
+length), and a valid id for every other template and API."""
+
+
+def tool_call_id(*parts: Any) -> str:
+    """The id of a tool call, derived from what it is (the reply that made it, its place among the reply's calls):
+    the same reply gets the same ids in every run, so a template that renders them (Mistral's) gives the next
+    call the same prompt, hence the same sampling seed. Base 62 of a SHA-256 digest: 62^9 ~ 1.4e16 values."""
+    n = int.from_bytes(hashlib.sha256(json.dumps(parts, default=str).encode()).digest()[:8], "big")
+    return "".join(_ID_ALPHABET[(n // 62**i) % 62] for i in range(TOOL_CALL_ID_CHARS))
 
 
 def parse_hermes(text: str) -> ParsedResponse:
@@ -108,7 +119,7 @@ def parse_hermes(text: str) -> ParsedResponse:
     if "<tool_call>" not in text:
         return ParsedResponse(content=text.strip())
     calls, invalid = [], []
-    for raw in _HERMES_RE.findall(text):
+    for position, raw in enumerate(_HERMES_RE.findall(text)):
         try:
             obj = json.loads(raw)
             name, args = obj["name"], obj.get("arguments", obj.get("parameters", {}))
@@ -116,9 +127,9 @@ def parse_hermes(text: str) -> ParsedResponse:
                 args = json.loads(args)
             if not isinstance(name, str) or not isinstance(args, dict):
                 raise TypeError("name must be a string and arguments an object")
-            calls.append({"name": name, "args": args, "id": _call_id(), "type": "tool_call"})
+            calls.append({"name": name, "args": args, "id": tool_call_id(text, position), "type": "tool_call"})
         except (ValueError, KeyError, TypeError) as exc:
-            invalid.append({"name": None, "args": raw, "id": _call_id(), "error": f"{type(exc).__name__}: {exc}",
+            invalid.append({"name": None, "args": raw, "id": tool_call_id(text, position), "error": f"{type(exc).__name__}: {exc}",
                             "type": "invalid_tool_call"})
     content = _HERMES_RE.sub("", text).strip()
     return ParsedResponse(content=content, tool_calls=calls, invalid_tool_calls=invalid)
