@@ -194,6 +194,7 @@ def reply_lines(record: dict[str, Any]) -> list[str]:
     lines = []
     for key, top in record.items():
         if key.endswith("/top_replies"):
-            lines.append(f"most frequent replies of {key.split('/')[0]} (step {record['step']}, {record['split']}):")
+            agent = key[:-len("/top_replies")]  # an agent's name may hold '/' (a node inside a subgraph)
+            lines.append(f"most frequent replies of {agent} (step {record['step']}, {record['split']}):")
             lines += [f"  {r['count']:>4}x  reward {r['reward']:.2f}  {r['reply']!r}" for r in top]
     return lines

@@ -84,7 +84,7 @@ class TrainResult:
             last = ends[-1]
             k, split = last["k"], last["split"]
             lines.append(row("evaluation on " + split, *(f"step {e['step']}" for e in ends)))
-            agents = sorted({key.split("/")[0] for key in last if key.endswith("/reward")})
+            agents = sorted({key[:-len("/reward")] for key in last if key.endswith("/reward")})  # names may hold '/' 
             for a in agents:
                 lines.append(row("  reward " + a, *(float(e.get(f"{a}/reward", float("nan"))) for e in ends)))
             for metric in ("avg@k", "pass@k"):
