@@ -719,6 +719,20 @@ def test_keyset_pages_walk_the_whole_order_both_ways(tmp_path, where):
                     assert [s.id for s in back.rows] == pages[pages.index(before) - 1]
 
 
+def test_ties_of_an_agents_reward_stay_in_the_order_written_when_rewards_are_rewritten(tmp_path):
+    """Suspected in issue 48: sorted by an agent's reward, ties fell to the rewards rows' rowids, the order rewards
+    were recorded: rewriting e01's rewards (a rescore) moved it from first to last of the solver's 0.25s, and
+    from page 1 to page 2."""
+    with query_store(tmp_path) as store:
+        where = EpisodeFilter(agent="checker")
+        before = walk(store, where, "reward", False, 5)
+        store.update_training("e01", step=None, rewards={"solver": 0.25, "checker": 1.0})
+        assert walk(store, where, "reward", False, 5) == before and before[0][0] == "e01"
+        ties = [s.id for s in store.query(EpisodeFilter(agent="solver", min_reward=0.25, max_reward=0.25),
+                                          sort="reward", limit=None).rows]
+        assert ties == ["e01", "e06", "e11", "e16"]
+
+
 def test_query_filters(tmp_path):
     with query_store(tmp_path) as store:
         def ids(**kw):
