@@ -303,8 +303,9 @@ class _Segment:
 def _segments(f: EpisodeFilter, absent: set[tuple[str, str]], sort: str) -> list[_Segment]:
     """The parts of the order of `sort` over the episodes `f` selects. Each is read along an index: the sort
     column's (its entries end with the episode's rowid, the tie-break), or with an agent's reward the rewards
-    table's (agent, reward) index, whose ties SQLite orders by the episode's rowid too (the order written; a
-    rewards row's own rowid changes when a run rewrites the reward, which moved an episode between pages)."""
+    table's (agent, reward) index, whose ties fall to the rewards row's rowid: the order the agent's rewards were
+    first recorded (`TraceStore.update_training` keeps a row when it rewrites the reward, so a rescore moves no
+    episode between pages)."""
     if sort not in SORTS:
         raise ConfigError(f"unknown sort key {sort!r}; valid: {', '.join(SORTS)}")
     bounded = f.min_reward is not None or f.max_reward is not None
@@ -323,7 +324,8 @@ def _segments(f: EpisodeFilter, absent: set[tuple[str, str]], sort: str) -> list
         return [_Segment(False, "e.rowid", "e.rowid", source, source_params, where, params)]
     where, params = f.sql(absent, reward, sorted_by_index=True)
     key = plus + (_reward_sql(f.agent, join) if sort == "reward" else SORTS[sort])
-    segments = [_Segment(False, key, "e.rowid", source, source_params, [*where, f"{key} IS NOT NULL"], params)]
+    tie = "r.rowid" if sort == "reward" and join else "e.rowid"
+    segments = [_Segment(False, key, tie, source, source_params, [*where, f"{key} IS NOT NULL"], params)]
     if not (sort == "reward" and bounded):  # bounds leave out the episodes without a reward
         null_key = _reward_sql(f.agent, False) if sort == "reward" else key
         null_params = [f.agent] if "?" in null_key else []
