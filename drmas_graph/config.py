@@ -215,7 +215,8 @@ class WeaveConfig(_Strict):
 
 class LoggingConfig(_Strict):
     progress: bool = Field(True, description="Show progress: a bar (step, reward per agent, ETA) on a terminal, "
-                           "else one plain line per step (step, reward per agent, time).")
+                           "else one plain line per step (step, reward per agent, time); an evaluation's episodes "
+                           "as they end (done / total, elapsed, ETA: on the bar, else a line at each tenth).")
     tensorboard: bool = Field(True, description="Write TensorBoard scalars under run_dir/tensorboard (needs the tensorboard package).")
     wandb: bool = Field(False, description="Log to Weights & Biases (needs wandb and a login).")
     weave: WeaveConfig | None = Field(None, description="Export episodes and LLM calls to W&B Weave (off a background thread); null = off.")

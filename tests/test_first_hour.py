@@ -23,6 +23,7 @@ def test_check_reports_the_reward_spread_per_agent(tmp_path, capsys):
     assert main(["check", str(cfg), "--groups", "3", "--set", "group_size=4"]) == 0
     out = capsys.readouterr().out
     assert "3 groups x 4 episodes on the base models: 12 scored" in out
+    assert "check, 3 groups: 12/12 episodes  elapsed " in out  # progress, also without a terminal
     assert "episodes: 0 truncated by a limit, 0 model errors, 0 failed, 0 bad rewards" in out
     rows = {line.split()[0]: line.split() for line in out.splitlines() if line.startswith(("solver ", "verifier "))}
     # per agent: rewards are 0/1 (solver) and 1 - solver's (verifier); max_new_tokens 4 cuts every reply

@@ -277,6 +277,9 @@ class NullLogger:
     def progress(self, step: int, record: dict[str, Any]) -> None:
         pass
 
+    def episodes(self, label: str) -> None:
+        return None
+
     def close(self) -> None:
         pass
 

@@ -148,14 +148,14 @@ class CheckReport:
         return rows
 
 
-def preflight(run: RunState | HasRunState, n_groups: int) -> CheckReport:
+def preflight(run: RunState | HasRunState, n_groups: int, progress: Any = None) -> CheckReport:
     """Roll out the first `n_groups` tasks of the training order (`RunState.task_order`) as training step 0 would,
     score them like training does (`RunState.score`), store their rewards (no training step), and report per agent
-    (see `CheckReport`); `run` is a `RunState` or a `Trainer`."""
+    (see `CheckReport`); `run` is a `RunState` or a `Trainer`. `progress(done, total)`: called as episodes end."""
     state = run_state(run)
     cfg = state.cfg
     tasks = state.task_order(0, n_groups)
-    batch = state.roll_out(tasks, 0, cfg.group_size, phase="train")
+    batch = state.roll_out(tasks, 0, cfg.group_size, phase="train", progress=progress)
     counts = batch.counts
     scored, _ = state.score(batch.runs, counts)
     for _, episode, score in scored:  # the store shows what each episode earned (`traces list`, the UI)

@@ -39,11 +39,11 @@ REPLY_CHARS = 80
 
 
 def evaluate(run: RunState | HasRunState, *, step: int, split: str | None = None,
-             rollouts: list[Any] | None = None) -> dict[str, Any]:
+             rollouts: list[Any] | None = None, progress: Any = None) -> dict[str, Any]:
     """avg@k and pass@k of the current policies on a split, with evaluation sampling; `run` is a `RunState` or a
     `Trainer`. `rollouts`, when given, receives (task, episode, score or None, success) for every finished rollout
     of every process, in rank order; the episodes of other processes arrive as `evaluation_episode` keeps them
-    (the Weave export's part)."""
+    (the Weave export's part). `progress(done, total)`: called as this process's episodes end."""
     state = run_state(run)
     ec = state.cfg.eval
     split = split or ec.split
@@ -55,7 +55,7 @@ def evaluate(run: RunState | HasRunState, *, step: int, split: str | None = None
                                                  train_logprobs=False)  # never trained on: truncation is fine
         for a, policy in state.agent_policies.items()})
     try:
-        batch = state.roll_out(tasks, step, ec.k, phase="eval")
+        batch = state.roll_out(tasks, step, ec.k, phase="eval", progress=progress)
         runs, counts = batch.runs, batch.counts
     finally:
         state.app.sampling.clear()

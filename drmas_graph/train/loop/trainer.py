@@ -298,7 +298,8 @@ class Trainer:
         if self.pipeline is not None:  # the rollouts in flight end, the trainer's weights reach the rollouts
             self.pipeline.settle()
         rollouts: list[Any] | None = [] if self.weave is not None else None
-        record = evaluate(self.state, step=step, rollouts=rollouts)
+        label = "evaluation before training" if step == 0 else f"evaluation after step {step}"
+        record = evaluate(self.state, step=step, rollouts=rollouts, progress=logger.episodes(label))
         if self.weave is not None:
             self.weave.submit_evaluation(record, rollouts)
         self.result.evals.append(record)
