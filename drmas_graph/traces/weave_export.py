@@ -422,7 +422,7 @@ class WeaveExporter:
         "train:<step>:<task id>" ("train:<step>#<k>:<task id>" for a task's k-th group in the step); only rollouts
         stored since this exporter started count."""
         return [s for s in self._store.episodes(group_prefix=f"train:{step}") if s.step is None
-                and s.group_id[len(f"train:{step}")] in ":#" and s.created >= self._started]
+                and s.group_id[len(f"train:{step}"):][:1] in (":", "#") and s.created >= self._started]
 
     def _failed(self, exc: BaseException) -> None:
         self.errors += 1
