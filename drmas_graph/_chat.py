@@ -135,12 +135,44 @@ def parse_hermes(text: str) -> ParsedResponse:
     return ParsedResponse(content=content, tool_calls=calls, invalid_tool_calls=invalid)
 
 
+_MISTRAL_MARK = "[TOOL_CALLS]"
+
+
+def parse_mistral(text: str) -> ParsedResponse:
+    """Mistral style (what its chat templates render): `[TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]`.
+    The marker is a special token, which decoding drops, so a reply that opens with such a list is one too; an
+    unmarked list whose items are not all calls is content, a marked one that does not parse an invalid call."""
+    body = text.strip()
+    head, marked, rest = body.partition(_MISTRAL_MARK)
+    listed = rest.strip() if marked else body
+    try:
+        items, end = json.JSONDecoder().raw_decode(listed) if listed.startswith("[") else (None, 0)
+        calls = []
+        for position, item in enumerate(items if isinstance(items, list) else ()):
+            args = item.get("arguments", {}) if isinstance(item, dict) else None
+            args = json.loads(args) if isinstance(args, str) else args
+            if not isinstance(item.get("name"), str) or not isinstance(args, dict):
+                raise TypeError("each call needs a string name and object arguments")
+            calls.append({"name": item["name"], "args": args, "id": tool_call_id(text, position), "type": "tool_call"})
+        if not calls:
+            raise TypeError("no call in the list")
+    except (ValueError, TypeError, AttributeError) as exc:
+        if not marked:
+            return ParsedResponse(content=body)
+        invalid = {"name": None, "args": rest.strip(), "id": tool_call_id(text, 0), "error": f"{type(exc).__name__}: "
+                   f"{exc}", "type": "invalid_tool_call"}
+        return ParsedResponse(content=head.strip(), invalid_tool_calls=[invalid])
+    before = head.strip() + " " if marked else ""  # unmarked: `head` is the whole reply
+    return ParsedResponse(content=(before + listed[end:].strip()).strip(), tool_calls=calls)
+
+
 def parse_none(text: str) -> ParsedResponse:
     """No tool calling: the whole text is the content."""
     return ParsedResponse(content=text.strip())
 
 
-TOOL_PARSERS: dict[str, Callable[[str], ParsedResponse]] = {"hermes": parse_hermes, "none": parse_none}
+TOOL_PARSERS: dict[str, Callable[[str], ParsedResponse]] = {"hermes": parse_hermes, "mistral": parse_mistral,
+                                                             "none": parse_none}
 
 
 def get_tool_parser(name: str) -> Callable[[str], ParsedResponse]:

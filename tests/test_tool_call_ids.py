@@ -79,3 +79,37 @@ def test_ids_depend_on_the_reply_and_the_calls_place_only():
     parsed, _ = apply_spec(spec, None, '{"value": 3}', parse_hermes, "node 'agent'")
     assert parsed.tool_calls[0]["id"] == tool_call_id('{"value": 3}', 0)
     assert re.fullmatch(r"[0-9A-Za-z]{9}", parsed.tool_calls[0]["id"])
+
+
+MISTRAL_CALL = '[TOOL_CALLS] [{"name": "add", "arguments": {"a": 1, "b": 2}}]'
+
+
+def test_a_tool_calling_agent_replying_in_mistrals_format_runs_with_the_mistral_parser():
+    """tool_parser='mistral' reads the calls a Mistral model writes ([TOOL_CALLS] + a JSON list; the marker is a
+    special token decoding may drop), and the template renders them back with the 9-character id."""
+    def mistral_replies(prompt: str) -> str:
+        return "The answer is 3." if "[TOOL_RESULTS]" in prompt else MISTRAL_CALL
+
+    policy = scripted_policy(mistral_replies, chat_template=MISTRAL_TEMPLATE, tool_parser="mistral")
+    episode = instrument(tool_agent(), {"agent": policy}).rollout({"messages": [HumanMessage("What is 1 + 2?")]},
+                                                                   metadata={"seed": 7})
+    assert episode.error is None, episode.error
+    messages = episode.final_state["messages"]
+    call = messages[1].tool_calls[0]
+    assert (call["name"], call["args"], call["id"]) == ("add", {"a": 1, "b": 2}, tool_call_id(MISTRAL_CALL, 0))
+    assert messages[2].content == "3" and messages[-1].content == "The answer is 3."
+    prompt = policy.decode(episode.turns[1].prompt_ids)
+    assert f'[TOOL_RESULTS] {{"content": 3, "call_id": "{call["id"]}"}}[/TOOL_RESULTS]' in prompt
+
+
+def test_the_mistral_parser_reads_unmarked_lists_and_leaves_other_json_as_content():
+    from drmas_graph._chat import parse_mistral
+
+    unmarked = '[{"name": "add", "arguments": "{\\"a\\": 1, \\"b\\": 2}"}] then more'
+    parsed = parse_mistral(unmarked)
+    assert [(c["name"], c["args"]) for c in parsed.tool_calls] == [("add", {"a": 1, "b": 2})]
+    assert parsed.content == "then more" and parsed.tool_calls[0]["id"] == tool_call_id(unmarked, 0)
+    assert parse_mistral("[1, 2, 3]").content == "[1, 2, 3]" and not parse_mistral("[1, 2, 3]").tool_calls
+    bad = parse_mistral('sure [TOOL_CALLS] [{"name": 3}]')
+    assert bad.content == "sure" and not bad.tool_calls and bad.invalid_tool_calls[0]["args"] == '[{"name": 3}]'
+    assert bad.invalid_tool_calls[0]["error"] == "TypeError: each call needs a string name and object arguments"
