@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
-import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,7 +22,8 @@ from langchain_core.utils.function_calling import convert_to_openai_tool
 
 from drmas_graph.errors import ConfigError
 
-__all__ = ["to_chat_dicts", "with_system_note", "normalize_tools", "ParsedResponse", "TOOL_PARSERS", "get_tool_parser"]
+__all__ = ["to_chat_dicts", "with_system_note", "normalize_tools", "ParsedResponse", "TOOL_PARSERS", "get_tool_parser",
+           "tool_call_id"]
 
 
 def _text(content: Any) -> str:
@@ -99,8 +100,18 @@ class ParsedResponse:
 _HERMES_RE = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 
 
-def _call_id() -> str:
-    return "call_" + uuid.uuid4().hex[:24]
+_ID_ALPHABET = "0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
+TOOL_CALL_ID_CHARS = 9
+"""Tool-call ids are 9 alphanumeric characters: what Mistral's chat templates require (they raise on any other
+length), and a valid id for every other template and API."""
+
+
+def tool_call_id(*parts: Any) -> str:
+    """The id of a tool call, derived from what it is (the reply that made it, its place among the reply's calls):
+    the same reply gets the same ids in every run, so a template that renders them (Mistral's) gives the next
+    call the same prompt, hence the same sampling seed. Base 62 of a SHA-256 digest: 62^9 ~ 1.4e16 values."""
+    n = int.from_bytes(hashlib.sha256(json.dumps(parts, default=str).encode()).digest()[:8], "big")
+    return "".join(_ID_ALPHABET[(n // 62**i) % 62] for i in range(TOOL_CALL_ID_CHARS))
 
 
 def parse_hermes(text: str) -> ParsedResponse:
@@ -108,7 +119,7 @@ def parse_hermes(text: str) -> ParsedResponse:
     if "<tool_call>" not in text:
         return ParsedResponse(content=text.strip())
     calls, invalid = [], []
-    for raw in _HERMES_RE.findall(text):
+    for position, raw in enumerate(_HERMES_RE.findall(text)):
         try:
             obj = json.loads(raw)
             name, args = obj["name"], obj.get("arguments", obj.get("parameters", {}))
@@ -116,12 +127,43 @@ def parse_hermes(text: str) -> ParsedResponse:
                 args = json.loads(args)
             if not isinstance(name, str) or not isinstance(args, dict):
                 raise TypeError("name must be a string and arguments an object")
-            calls.append({"name": name, "args": args, "id": _call_id(), "type": "tool_call"})
+            calls.append({"name": name, "args": args, "id": tool_call_id(text, position), "type": "tool_call"})
         except (ValueError, KeyError, TypeError) as exc:
-            invalid.append({"name": None, "args": raw, "id": _call_id(), "error": f"{type(exc).__name__}: {exc}",
+            invalid.append({"name": None, "args": raw, "id": tool_call_id(text, position), "error": f"{type(exc).__name__}: {exc}",
                             "type": "invalid_tool_call"})
     content = _HERMES_RE.sub("", text).strip()
     return ParsedResponse(content=content, tool_calls=calls, invalid_tool_calls=invalid)
+
+
+_MISTRAL_MARK = "[TOOL_CALLS]"
+
+
+def parse_mistral(text: str) -> ParsedResponse:
+    """Mistral style (what its chat templates render): `[TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]`.
+    The marker is a special token, which decoding drops, so a reply that opens with such a list is one too; an
+    unmarked list whose items are not all calls is content, a marked one that does not parse an invalid call."""
+    body = text.strip()
+    head, marked, rest = body.partition(_MISTRAL_MARK)
+    listed = rest.strip() if marked else body
+    try:
+        items, end = json.JSONDecoder().raw_decode(listed) if listed.startswith("[") else (None, 0)
+        calls = []
+        for position, item in enumerate(items if isinstance(items, list) else ()):
+            args = item.get("arguments", {}) if isinstance(item, dict) else None
+            args = json.loads(args) if isinstance(args, str) else args
+            if not isinstance(item.get("name"), str) or not isinstance(args, dict):
+                raise TypeError("each call needs a string name and object arguments")
+            calls.append({"name": item["name"], "args": args, "id": tool_call_id(text, position), "type": "tool_call"})
+        if not calls:
+            raise TypeError("no call in the list")
+    except (ValueError, TypeError, AttributeError) as exc:
+        if not marked:
+            return ParsedResponse(content=body)
+        invalid = {"name": None, "args": rest.strip(), "id": tool_call_id(text, 0), "error": f"{type(exc).__name__}: "
+                   f"{exc}", "type": "invalid_tool_call"}
+        return ParsedResponse(content=head.strip(), invalid_tool_calls=[invalid])
+    before = head.strip() + " " if marked else ""  # unmarked: `head` is the whole reply
+    return ParsedResponse(content=(before + listed[end:].strip()).strip(), tool_calls=calls)
 
 
 def parse_none(text: str) -> ParsedResponse:
@@ -129,7 +171,8 @@ def parse_none(text: str) -> ParsedResponse:
     return ParsedResponse(content=text.strip())
 
 
-TOOL_PARSERS: dict[str, Callable[[str], ParsedResponse]] = {"hermes": parse_hermes, "none": parse_none}
+TOOL_PARSERS: dict[str, Callable[[str], ParsedResponse]] = {"hermes": parse_hermes, "mistral": parse_mistral,
+                                                             "none": parse_none}
 
 
 def get_tool_parser(name: str) -> Callable[[str], ParsedResponse]:

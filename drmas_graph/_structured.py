@@ -22,11 +22,10 @@ from __future__ import annotations
 
 import json
 import re
-import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from drmas_graph._chat import ParsedResponse
+from drmas_graph._chat import ParsedResponse, tool_call_id
 from drmas_graph.errors import InvalidReplyError, StructuredOutputError
 
 __all__ = ["output_spec", "instruction", "apply_spec", "InvalidReplyError"]
@@ -155,7 +154,7 @@ def apply_spec(spec: dict, model_class: Any, text: str, parse: Callable[[str], P
         if args is None:
             raise InvalidReplyError(f"{where}: the call forces a call of tool {' or '.join(map(repr, wanted))}, "
                                         f"but the policy's reply is not one: {head!r}. The turn is recorded.")
-        call = {"name": spec["name"], "args": args, "id": "call_" + uuid.uuid4().hex[:24], "type": "tool_call"}
+        call = {"name": spec["name"], "args": args, "id": tool_call_id(text, 0), "type": "tool_call"}
         return ParsedResponse(content="", tool_calls=[call]), {}
     obj = _json_object(text)
     if obj is None:

@@ -176,7 +176,7 @@ class AgentConfig(_Strict):
 class EvalConfig(_Strict):
     every: int = Field(0, ge=0, description="Evaluate every N steps (and before the first and after the last); 0 = only at the end.")
     split: str = Field("test", description="Task split evaluated.")
-    n_tasks: int | None = Field(None, description="Evaluate the first N tasks of the split; null = all.")
+    n_tasks: int | None = Field(None, ge=1, description="Evaluate the first N tasks of the split (at least 1); null = all.")
     k: int = Field(4, ge=1, description="Samples per task for avg@k and pass@k.")
     temperature: float = Field(0.6, ge=0, description="Evaluation sampling temperature (the paper: 0.6).")
     top_p: float = Field(0.95, gt=0, le=1, description="Evaluation nucleus mass (the paper: 0.95).")
@@ -215,7 +215,8 @@ class WeaveConfig(_Strict):
 
 class LoggingConfig(_Strict):
     progress: bool = Field(True, description="Show progress: a bar (step, reward per agent, ETA) on a terminal, "
-                           "else one plain line per step (step, reward per agent, time).")
+                           "else one plain line per step (step, reward per agent, time); an evaluation's episodes "
+                           "as they end (done / total, elapsed, ETA: on the bar, else a line at each tenth).")
     tensorboard: bool = Field(True, description="Write TensorBoard scalars under run_dir/tensorboard (needs the tensorboard package).")
     wandb: bool = Field(False, description="Log to Weights & Biases (needs wandb and a login).")
     weave: WeaveConfig | None = Field(None, description="Export episodes and LLM calls to W&B Weave (off a background thread); null = off.")

@@ -88,6 +88,24 @@ def test_the_policy_gets_the_configured_kernel_and_exact_behaviour_logprobs(tmp_
         assert step1[f"agent/{agent}/is_weight_mean"] == pytest.approx(1.0, abs=1e-6)
 
 
+def test_async_metrics_with_several_minibatches_read_the_sampling_policys_logprobs(tmp_path):
+    """rev6_f: one step off with n_minibatches 2, the update's old logprobs are the proximal policy's (v(u),
+    recomputed). Step 1 was sampled by v0, the start weights: its kl_start must be that of v0 to itself (~0, it
+    read v1's: 0.027), and every sample is stale, so there is no rollout-vs-trainer numerics gap to report
+    (logprob_mismatch and rollout_logprob_gap measured v0 -> v1 before); step 0 (sampled by v0, trained by v0)
+    keeps both, at float noise."""
+    result, _, _, _ = run_async(tmp_path, "kl", steps=2, update={"lr": 1e-2, "backend": "torch", "n_minibatches": 2,
+                                                                   "kl_start_metric": True})
+    step0, step1 = result.history
+    with TraceStore(tmp_path / "kl" / "traces.db", readonly=True) as store:
+        assert {t.policy_version for ref in store.episodes(step=1) for t in store.load_episode(ref.id).turns} == {0}
+    for agent in ("solver", "verifier"):
+        assert abs(step1[f"agent/{agent}/kl_start"]) < 1e-6 and abs(step0[f"agent/{agent}/kl_start"]) < 1e-6
+        assert step0[f"agent/{agent}/logprob_mismatch"] < 1e-5 and step0[f"agent/{agent}/rollout_logprob_gap"] < 1e-5
+        assert f"agent/{agent}/logprob_mismatch" not in step1 and f"agent/{agent}/rollout_logprob_gap" not in step1
+        assert 0.5 < step1[f"agent/{agent}/is_weight_mean"] < 1.5
+
+
 def test_the_next_steps_rollouts_run_during_the_update(tmp_path):
     """Update u waits until step u+1's rollouts have started: a synchronous loop would never get there (the test
     would time out), the pipelined one does."""

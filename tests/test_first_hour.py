@@ -23,6 +23,7 @@ def test_check_reports_the_reward_spread_per_agent(tmp_path, capsys):
     assert main(["check", str(cfg), "--groups", "3", "--set", "group_size=4"]) == 0
     out = capsys.readouterr().out
     assert "3 groups x 4 episodes on the base models: 12 scored" in out
+    assert "check, 3 groups: 12/12 episodes  elapsed " in out  # progress, also without a terminal
     assert "episodes: 0 truncated by a limit, 0 model errors, 0 failed, 0 bad rewards" in out
     rows = {line.split()[0]: line.split() for line in out.splitlines() if line.startswith(("solver ", "verifier "))}
     # per agent: rewards are 0/1 (solver) and 1 - solver's (verifier); max_new_tokens 4 cuts every reply
@@ -32,6 +33,18 @@ def test_check_reports_the_reward_spread_per_agent(tmp_path, capsys):
     assert "sample reply of solver: '" in out and "sample reply of verifier: '" in out
     assert str(tmp_path / "run" / "check" / "base-g3") in out
     assert not (tmp_path / "run" / "traces.db").exists()  # the run folder stays free for training
+    # its episodes' rewards are stored (issue 48: `traces list` showed '-'), matching the report's means
+    from drmas_graph.traces.store import TraceStore
+
+    with TraceStore(tmp_path / "run" / "check" / "base-g3" / "traces.db", readonly=True) as store:
+        summaries = store.episodes()
+        episodes = [store.load_episode(s.id) for s in summaries]
+    assert len(episodes) == 12 and all(s.step is None and s.reward is not None for s in summaries)
+    assert all(set(ep.rewards) == {"solver", "verifier"} and len(ep.turn_rewards) == len(ep.turns) for ep in episodes)
+    assert sum(ep.rewards["solver"] for ep in episodes) / 12 == pytest.approx(float(rows["solver"][1]), abs=5e-4)
+    assert main(["traces", "list", str(tmp_path / "run" / "check" / "base-g3" / "traces.db")]) == 0
+    listed = [ln.split("│") for ln in capsys.readouterr().out.splitlines() if "train:0:" in ln]
+    assert len(listed) == 12 and {cells[8].strip() for cells in listed} == {"0.5"}  # the team mean: 1 in all
 
 
 def test_check_without_any_learning_signal_exits_3_and_says_what_to_change(tmp_path, capsys):

@@ -79,3 +79,15 @@ def test_the_summary_shows_unjudged_episodes_only_when_there_are_some():
     summary = TrainResult(run_dir="run", evals=evals).summary()
     assert f"{'  unjudged episodes':<28}{0:>12}{3:>12}" in summary.splitlines()
     assert "unjudged" not in TrainResult(run_dir="run", evals=evals[:1]).summary()
+
+
+def test_the_summary_names_agents_whose_name_holds_a_slash():
+    """rev6_c: an agent 'team/solve' (a node inside a subgraph) was read as 'team': a row 'reward team nan' and its
+    replies labelled 'team'."""
+    top = [{"reply": "4", "count": 2, "reward": 1.0}]
+    record = {"step": 1, "split": "test", "k": 1, "avg@k": 1.0, "pass@k": 1.0, "team/solve/reward": 1.0,
+              "team/solve/invalid_rate": 0.0, "tools/model/reward": 0.5, "team/solve/top_replies": top}
+    lines = TrainResult(run_dir="run", evals=[record]).summary().splitlines()
+    assert [ln for ln in lines if ln.startswith("  reward ")] == [f"{'  reward team/solve':<28}{1.0:>12.3f}",
+                                                                   f"{'  reward tools/model':<28}{0.5:>12.3f}"]
+    assert "most frequent replies of team/solve (step 1, test):" in lines

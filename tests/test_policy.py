@@ -218,3 +218,44 @@ def test_run_on_worker_inside_updating_weights_serves_a_request_that_arrived_mea
     gen = request.result(timeout=60)
     assert out["call"] == f"{policy.name}-batcher"
     assert gen.policy_version == 1 and len(gen.token_ids) == 3  # served after the update, on its weights
+
+
+def test_a_prompt_past_the_context_fails_alone_and_generation_stops_where_the_context_ends():
+    """rev6_a: GPT-2 (learned positions, n_positions 64): an 80-token prompt decoded with a 10-token one made
+    both fail (IndexError for the whole batch); now only it fails, naming the context. A rotary model (Llama,
+    max_position_embeddings 24) decoded on past its positions silently; now a 20-token prompt gets 4 tokens
+    ('length'), and a 30-token prompt is refused."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from drmas_graph.engine.tiny import tiny_model, tiny_tokenizer
+    from drmas_graph.engine.transformers_policy import TransformersPolicy
+
+    tok = tiny_tokenizer()
+    torch.manual_seed(0)
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=len(tok), n_positions=64, n_embd=32, n_layer=1, n_head=2,
+                                      eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)).eval()
+    policy = TransformersPolicy(gpt2, tok, name="gpt2-tiny", batch_wait_s=0.3, max_batch_wait_s=1.0)
+    try:
+        short = policy.submit(list(range(10, 20)), SamplingParams(max_new_tokens=4, seed=1))
+        too_long = policy.submit(list(range(10, 90)), SamplingParams(max_new_tokens=4, seed=2))
+        assert len(short.result(timeout=120).token_ids) == 4
+        with pytest.raises(PolicyError) as err:
+            too_long.result(timeout=120)
+        assert str(err.value) == ("policy 'gpt2-tiny': the prompt has 80 tokens, more than the model's context of 64 "
+                                  "positions: shorten the prompt (the messages the node sends) or serve a model with "
+                                  "a longer context")
+        at_edge = policy.generate(list(range(10, 70)), SamplingParams(max_new_tokens=8, seed=3, stop_token_ids=()))
+        assert (len(at_edge.token_ids), at_edge.finish_reason) == (4, "length")  # positions 60..63, no IndexError
+    finally:
+        policy.close()
+    llama = tiny_model(tok)
+    llama.config.max_position_embeddings = 24
+    rotary = TransformersPolicy(llama, tok, name="llama-24")
+    try:
+        assert rotary.context_size == 24
+        gen = rotary.generate(list(range(10, 30)), SamplingParams(max_new_tokens=10, temperature=0.0))
+        assert (len(gen.token_ids), gen.finish_reason) == (4, "length")  # positions 20..23
+        with pytest.raises(PolicyError, match="the prompt has 30 tokens, more than the model's context of 24"):
+            rotary.generate(list(range(10, 40)), SamplingParams(max_new_tokens=2))
+    finally:
+        rotary.close()

@@ -66,3 +66,44 @@ def test_on_a_terminal_the_rich_bar_stays(tmp_path):
     out = b"".join(chunks).decode(errors="replace")
     assert "━" in out and "step 2/2" in out and "reward solver=1.00" in out  # the bar, its text and status
     assert "elapsed" not in out  # no plain lines
+
+
+TRAIN_SCRIPT = """
+import sys
+from drmas_graph import SamplingParams
+from drmas_graph.testing import tiny_policy
+from drmas_graph.train.loop.trainer import train_graph
+from tests._envs import ParityEnv
+from tests.test_trainer import graph
+
+policy = tiny_policy(seed=0, sampling=SamplingParams(max_new_tokens=2))
+train_graph(graph(), ParityEnv(n_train=2, n_test=3), policies={"solver": policy, "verifier": policy}, steps=1,
+            tasks_per_step=1, group_size=2, run_dir=sys.argv[1] + "/run", update={"backend": "torch"},
+            eval={"k": 2, "before_training": True}, logging={"tensorboard": False, "progress": True})
+"""
+
+
+def test_without_a_terminal_an_evaluation_shows_its_episodes_as_they_end(tmp_path):
+    """Issue 48: the first evaluation printed nothing for minutes when stdout was a file or a pipe. Its 6 episodes
+    (3 tasks x k 2) now print a line at each tenth: 1..6 of 6, with an estimate while some are left."""
+    proc = subprocess.run([sys.executable, "-c", TRAIN_SCRIPT, str(tmp_path)], cwd=ROOT, env=_env(),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(("evaluation", "step "))]
+    before = [ln for ln in lines if ln.startswith("evaluation before training")]
+    assert [re.match(r"evaluation before training: (\d)/6 episodes", ln).group(1) for ln in before] == list("123456")
+    assert all(re.fullmatch(r"evaluation before training: \d/6 episodes  elapsed \d+\.\d s  ETA \d+\.\d s", ln)
+               for ln in before[:-1])
+    assert re.fullmatch(r"evaluation before training: 6/6 episodes  elapsed \d+\.\d s", before[-1])
+    assert lines.index(before[-1]) < lines.index(next(ln for ln in lines if ln.startswith("step 1/1")))
+    assert any(ln.startswith("evaluation after step 1: 6/6 episodes") for ln in lines)
+
+
+def test_episode_progress_prints_a_line_at_each_tenth(capsys):
+    from drmas_graph.train.loop.metrics import EpisodeProgress
+
+    progress = EpisodeProgress("evaluation after step 2")
+    for done in range(1, 49):
+        progress(done, 48)
+    lines = capsys.readouterr().out.splitlines()
+    assert [int(ln.split(": ")[1].split("/")[0]) for ln in lines] == [5, 10, 15, 20, 24, 29, 34, 39, 44, 48]

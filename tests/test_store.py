@@ -719,6 +719,23 @@ def test_keyset_pages_walk_the_whole_order_both_ways(tmp_path, where):
                     assert [s.id for s in back.rows] == pages[pages.index(before) - 1]
 
 
+def test_ties_of_an_agents_reward_stay_in_the_order_written_when_rewards_are_rewritten(tmp_path):
+    """Suspected in issue 48: sorted by an agent's reward, ties fall to the rewards rows' rowids (index order), and
+    update_training deleted and re-inserted an episode's rows: rewriting e01's rewards (a rescore) moved it from
+    first to last of its ties, from page 1 to page 2. Rewritten rows now keep their rowids."""
+    with query_store(tmp_path) as store:
+        where = EpisodeFilter(agent="checker")
+        before = walk(store, where, "reward", False, 5)
+        store.update_training("e01", step=None, rewards={"solver": 0.25, "checker": 1.0})
+        assert walk(store, where, "reward", False, 5) == before and before[0][0] == "e01"
+        store.update_training("e06", step=None, rewards={"solver": 0.25})  # the checker's reward goes: last
+        assert store.load_episode("e06").rewards == {"solver": 0.25}
+        assert [i for p in walk(store, where, "reward", False, 5) for i in p][-5:] == ["e00", "e06", "e07", "e14", "e21"]
+        ties = [s.id for s in store.query(EpisodeFilter(agent="solver", min_reward=0.25, max_reward=0.25),
+                                          sort="reward", limit=None).rows]
+        assert ties == ["e01", "e06", "e11", "e16"]
+
+
 def test_query_filters(tmp_path):
     with query_store(tmp_path) as store:
         def ids(**kw):

@@ -402,3 +402,48 @@ def test_two_processes_train_free_running(tmp_path):
         versions = rows(a_dir, f"SELECT DISTINCT t.policy_version FROM turns t JOIN episodes e ON t.episode_id = e.id "
                                f"WHERE e.step = {step}")
         assert all(max(0, step - 2) <= v <= step for (v,) in versions), (step, versions)
+
+
+def test_a_merge_reads_a_snapshot_and_later_merges_bring_what_a_rank_wrote_since(tmp_path, monkeypatch):
+    """Suspected in issue 48 (async.schedule free, several processes): rank 1's background threads go on writing
+    while rank 0 merges, and a judgement, an error or an evaluation's rewards written into an episode after a merge
+    copied it never reached traces.db (merges copied only episodes traces.db lacked). Rank 1 now snapshots its
+    store (an episode written after the snapshot waits for the next merge, never half-read), and a later merge
+    copies those late writes, without replacing anything rank 0 wrote."""
+    main, other = TraceStore(tmp_path / "traces.db"), TraceStore(tmp_path / "traces.rank1.db")
+    scored, failed, evaluated, trained = (_episode(g) for g in ("train:1:a", "train:1:b", "eval:1:c", "train:1:d"))
+    for ep in (scored, failed, evaluated, trained):
+        other.write_episode(ep)
+    monkeypatch.setattr(_distributed, "world_size", lambda: 2)
+    monkeypatch.setattr(_distributed, "barrier", lambda **kw: None)
+    monkeypatch.setattr(_distributed, "is_main", lambda: False)
+    monkeypatch.setattr(_distributed, "rank", lambda: 1)
+    assert _distributed.merge_traces(tmp_path) == 0  # rank 1: its snapshot
+    late = _episode("train:2:e")
+    other.write_episode(late)  # after the snapshot: a background rollout of a later step
+    monkeypatch.setattr(_distributed, "is_main", lambda: True)
+    monkeypatch.setattr(_distributed, "rank", lambda: 0)
+    assert _distributed.merge_traces(tmp_path) == 4 and late.id not in {e.id for e in main.episodes()}
+    # rank 1 scores step 1 after the merge; rank 0 records the trained one's training data itself
+    other.update_training(scored.id, step=None, judgement={"mode": "group", "scores": [1.0]})
+    other.update_training(failed.id, step=None, error="JudgeError: no usable score after 3 attempts")
+    other.update_training(evaluated.id, step=None, rewards={"a": 0.5}, turn_rewards=[0.5])
+    trained.rewards, trained.turn_rewards, trained.advantages = {"a": 1.0}, [1.0], [0.25]
+    main.record_training(1, [trained])
+    other.update_training(trained.id, step=None, rewards={"a": 0.0}, turn_rewards=[0.0])  # never replaces rank 0's
+    monkeypatch.setattr(_distributed, "is_main", lambda: False)
+    monkeypatch.setattr(_distributed, "rank", lambda: 1)
+    _distributed.merge_traces(tmp_path)
+    monkeypatch.setattr(_distributed, "is_main", lambda: True)
+    monkeypatch.setattr(_distributed, "rank", lambda: 0)
+    assert _distributed.merge_traces(tmp_path) == 1  # the late episode
+    assert main.load_episode(scored.id).judgement == {"mode": "group", "scores": [1.0]}
+    assert main.load_episode(failed.id).error == "JudgeError: no usable score after 3 attempts"
+    copied = main.load_episode(evaluated.id)
+    assert copied.rewards == {"a": 0.5} and copied.turn_rewards == [0.5] and main.summary(evaluated.id).reward == 0.5
+    kept = main.load_episode(trained.id)
+    assert kept.rewards == {"a": 1.0} and kept.turn_rewards == [1.0] and kept.advantages == [0.25]
+    other.close()
+    _distributed.remove_rank_stores(tmp_path, other.close)
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith("traces.rank")] and len(main) == 5
+    main.close()

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from drmas_graph import SamplingParams
+from drmas_graph import SamplingParams, Task
 from drmas_graph.config import TrainConfig, load_config
 from drmas_graph.errors import ConfigError
 from drmas_graph.traces.store import TraceStore
@@ -324,11 +324,24 @@ def test_a_task_twice_in_one_step_is_two_groups_with_their_own_ids_whatever_the_
         trainer.close()
     episodes = [ep for group in groups for ep in group.episodes]
     assert [ep.group_id for ep in episodes[::4]] == ["train:0:train-1", "train:0:train-0", "train:0:train-2",
-                                                     "train:0:train-1#2"]
+                                                     "train:0#2:train-1"]
     assert stats.n_pools == 8
     assert [ep.metadata["seed"] for ep in episodes] == [episode_seed(cfg.seed, "train", 0, b, j)
                                                         for b in range(4) for j in range(4)]
     assert [s.advantage for s in halves] == [s.advantage for s in samples]
+
+
+def test_group_ids_cannot_collide_whatever_the_task_ids():
+    """rev6_d: a step holding 'q' twice and a task 'q#2' (or '2:q', '#2:q') once: every position's group is its own
+    (the second 'q' was 'train:0:q#2' before, the plain group id of task 'q#2')."""
+    from drmas_graph.train.loop._rollouts import group_ids
+
+    tasks = [Task(id=i, input=None) for i in ("q", "q#2", "q", "2:q", "#2:q", "q", "0#2:q")]
+    ids = group_ids(tasks, "train", 0)
+    assert ids == ["train:0:q", "train:0:q#2", "train:0#2:q", "train:0:2:q", "train:0:#2:q", "train:0#3:q",
+                   "train:0:0#2:q"]
+    assert len(set(ids)) == len(ids)
+    assert [g.split(":", 2)[2] for g in ids] == [t.id for t in tasks]  # the task id is all after the second ':'
 
 
 def test_the_progress_line_and_the_warning_say_which_episodes_did_not_finish():
@@ -345,3 +358,33 @@ def test_the_progress_line_and_the_warning_say_which_episodes_did_not_finish():
     assert warning.startswith("step 3: 5 of 8 episodes did not finish: 3 truncated (max_llm_calls 2, timeout_s 1;")
     assert "2 model errors (by agent: solver 2;" in warning
     assert unfinished_warning({**record, "model_error_episodes": 1}, 8) is None  # 4 of 8: not more than half
+
+
+def test_resume_restores_the_runs_notes(tmp_path):
+    """Suspected in issue 48: resume started the run's notes over (a zero-signal streak of 2 steps warned again
+    only 3 steps after the resume; once-per-run warnings came again). They are in trainer_state.json now."""
+    from drmas_graph.train.loop import _checkpoints
+
+    policy = tiny_policy(seed=0, sampling=SamplingParams(max_new_tokens=2))
+    cfg = small_config(tmp_path, steps=2, eval={"k": 1, "n_tasks": 1, "before_training": False})
+    first = Trainer(graph(), ParityEnv(n_train=3), cfg, policies={"solver": policy, "verifier": policy})
+    try:
+        notes = first.state.notes
+        notes.logged_failures.add("judge_failed_episodes")
+        notes.threshold_warned = True
+        for step in (0, 1):
+            assert notes.zero_signal.observe({"step": step, "adv/zero_variance_pools": 3, "adv/pools": 4}) is None
+        first.save_checkpoint(1)
+    finally:
+        first.close()
+    cfg = small_config(tmp_path, steps=2, resume=True, eval={"k": 1, "n_tasks": 1, "before_training": False})
+    second = Trainer(graph(), ParityEnv(n_train=3), cfg, policies={"solver": policy, "verifier": policy})
+    try:
+        assert _checkpoints.resume(second.state) == 1
+        notes = second.state.notes
+        assert notes.logged_failures == {"judge_failed_episodes"} and notes.threshold_warned
+        assert notes.zero_signal.streak == [(0, 3, 4), (1, 3, 4)]
+        warning = notes.zero_signal.observe({"step": 2, "adv/zero_variance_pools": 4, "adv/pools": 4})
+        assert warning is not None and "(step 0: 3/4, step 1: 3/4, step 2: 4/4;" in warning
+    finally:
+        second.close()

@@ -490,6 +490,25 @@ def test_charts_colour_runs_style_agents_and_smooth(tmp_path):
     app.close()
 
 
+def test_agents_whose_name_holds_a_slash_are_lines_of_the_per_agent_charts(tmp_path):
+    """rev6_c: 'agent/team/solve/reward_mean' got a chart of its own; the run's agents (from its trace store) say
+    'team/solve' is one agent, a line in 'reward_mean per agent' next to 'team'."""
+    from drmas_graph.ui._data import Run
+    from drmas_graph.ui._pages import ChartOptions, chart_series
+
+    folder = tmp_path / "sub"
+    folder.mkdir()
+    with TraceStore(folder / "traces.db") as store:
+        store.write_episode(Episode(id="e", task_id="t", turns=[make_turn("team/solve", 0), make_turn("team", 1)]))
+    with (folder / "metrics.jsonl").open("w") as f:
+        f.write(json.dumps({"step": 0, "agent/team/solve/reward_mean": 0.5, "agent/team/reward_mean": 0.25,
+                            "eval/team/solve/reward": 1.0, "model/tiny/grad_norm": 2.0}) + "\n")
+    charts = chart_series([Run("sub", folder)], {"sub": 0}, ChartOptions())
+    assert sorted(charts) == ["agent/*/reward_mean", "eval/*/reward", "model/*/grad_norm"]
+    assert sorted(s.label for s in charts["agent/*/reward_mean"]) == ["sub / team", "sub / team/solve"]
+    assert [s.label for s in charts["eval/*/reward"]] == ["sub / team/solve"]
+
+
 def test_exports_of_metrics_and_of_the_episode_list(app, run_dir):
     response = app.handle("/runs/myrun/export/metrics.json", {})
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

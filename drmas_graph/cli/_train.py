@@ -166,6 +166,7 @@ def _cmd_eval(args: argparse.Namespace, console: Console) -> int:
 
 def _cmd_check(args: argparse.Namespace, console: Console) -> int:
     from drmas_graph.train import NO_SIGNAL_EXIT, Trainer, preflight
+    from drmas_graph.train.loop.metrics import EpisodeProgress
 
     if args.groups < 1:
         raise ConfigError(f"--groups must be at least 1 (got {args.groups})")
@@ -175,7 +176,7 @@ def _cmd_check(args: argparse.Namespace, console: Console) -> int:
         graph, env = build_graph_and_env(cfg)
         trainer = Trainer(graph, env, cfg, train=False)
     try:
-        report = preflight(trainer, args.groups)
+        report = preflight(trainer, args.groups, progress=EpisodeProgress(f"check, {args.groups} groups"))
     finally:
         trainer.close()
     for line in report.lines():

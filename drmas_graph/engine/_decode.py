@@ -28,7 +28,19 @@ from drmas_graph.engine._cpu_linear import PackedLinear, packed_linear_available
 from drmas_graph.engine._sampling import RowParams, sample_rows, vocab_hash
 from drmas_graph.types import Generation, SamplingParams
 
-__all__ = ["Request", "DecodeBatch", "StopMatcher", "EngineStats", "PromptCache"]
+__all__ = ["Request", "DecodeBatch", "StopMatcher", "EngineStats", "PromptCache", "context_size"]
+
+
+def context_size(model: Any) -> int | None:
+    """The positions a model can attend over, from its config (`max_position_embeddings`: Llama, Qwen, ...;
+    `n_positions` / `n_ctx`: GPT-2); None when the config names none. Learned positions fail past it (an index
+    error), rotary ones decode on without an error into positions the model never trained on."""
+    config = getattr(model, "config", None)
+    for key in ("max_position_embeddings", "n_positions", "n_ctx"):
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
 
 
 @dataclass
@@ -129,6 +141,8 @@ class _Row:
     stop_ids: frozenset[int]
     matcher: StopMatcher | None
     version: int
+    max_new: int
+    """max_new_tokens, or fewer where the model's context ends first (finish reason 'length' there)."""
     out_ids: list[int] = field(default_factory=list)
     out_lp: list[float] = field(default_factory=list)
 
@@ -140,7 +154,7 @@ class _Row:
             return "stop"
         if self.matcher is not None and self.matcher.feed(self.out_ids):
             return "stop"
-        if len(self.out_ids) >= self.req.params.max_new_tokens:
+        if len(self.out_ids) >= self.max_new:
             return "length"
         return None
 
@@ -232,8 +246,11 @@ class DecodeBatch:
 
     def __init__(self, model: Any, tokenizer: Any, *, pad_id: int, eos_ids: Sequence[int], cache_kwarg: str,
                  stats: EngineStats, prompt_cache_size: int = 0, packed_cpu_linear: bool = False,
-                 row_kwargs: Callable[[list[str | None]], dict[str, Any]] | None = None) -> None:
+                 row_kwargs: Callable[[list[str | None]], dict[str, Any]] | None = None,
+                 context_size: int | None = None) -> None:
         self.model = model
+        self.context_size = context_size
+        """Positions the model has (`context_size`): a row stops ('length') before feeding a token past them."""
         self.row_kwargs = row_kwargs or (lambda adapters: {})
         """Extra forward kwargs for rows that use the given LoRA adapters (None = the model's own weights)."""
         self.tokenizer = tokenizer
@@ -319,7 +336,8 @@ class DecodeBatch:
     def _new_row(self, req: Request, version: int) -> _Row:
         p = req.params
         matcher = StopMatcher(self.tokenizer, p.stop) if p.stop else None
-        return _Row(req, self.eos_ids | frozenset(p.stop_token_ids), matcher, version)
+        room = p.max_new_tokens if self.context_size is None else self.context_size - len(req.prompt_ids)
+        return _Row(req, self.eos_ids | frozenset(p.stop_token_ids), matcher, version, min(p.max_new_tokens, room))
 
     def _decode(self) -> tuple[torch.Tensor, torch.Tensor]:
         B = len(self.rows)

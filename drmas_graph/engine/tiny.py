@@ -93,7 +93,7 @@ def tiny_model(tokenizer: Any, *, seed: int = 0, arch: str = "llama", hidden_siz
     config = configs[arch](
         vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=hidden_size * 2,
         num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
-        max_position_embeddings=4096, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        max_position_embeddings=32768, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
         bos_token_id=None, tie_word_embeddings=False,
     )
     torch.manual_seed(seed)

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from drmas_graph.engine._adapters import adapter_kwargs, is_peft_model
-from drmas_graph.engine._decode import DecodeBatch, EngineStats, Request
+from drmas_graph.engine._decode import DecodeBatch, EngineStats, Request, context_size
 from drmas_graph.engine._sampling import RowParams, sample_rows, vocab_hash
 from drmas_graph.errors import PolicyError
 from drmas_graph.policy import Policy
@@ -131,6 +131,9 @@ class TransformersPolicy(Policy):
         self._weights_lock = threading.RLock()
         self._worker: threading.Thread | None = None
         self._pad_id = self._pick_pad_id()
+        self.context_size = context_size(model)
+        """The model's positions (config `max_position_embeddings`, GPT-2's `n_positions`), None if unknown: a
+        longer prompt is refused, and generation stops ('length') where the context ends."""
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, *, gguf_file: str | None = None,
@@ -150,6 +153,12 @@ class TransformersPolicy(Policy):
         if not prompt_ids:
             raise PolicyError(f"policy {self.name!r}: empty prompt")
         future: concurrent.futures.Future = concurrent.futures.Future()
+        if self.context_size is not None and len(prompt_ids) > self.context_size:  # fails this request only
+            future.set_exception(PolicyError(
+                f"policy {self.name!r}: the prompt has {len(prompt_ids)} tokens, more than the model's context of "
+                f"{self.context_size} positions: shorten the prompt (the messages the node sends) or serve a model "
+                "with a longer context"))
+            return future
         with self._state_lock:
             seed = params.seed if params.seed is not None else self._seed_rng.randrange(2**63)
             self._ensure_worker()
@@ -283,7 +292,8 @@ class TransformersPolicy(Policy):
         engine = DecodeBatch(self.model, self.tokenizer, pad_id=self._pad_id, eos_ids=self.eos_token_ids,
                              cache_kwarg=self._cache_kwarg(), stats=self.stats,
                              prompt_cache_size=self.prompt_cache_size, packed_cpu_linear=self.packed_cpu_linear,
-                             row_kwargs=lambda adapters: adapter_kwargs(self.model, adapters, policy=self.name))
+                             row_kwargs=lambda adapters: adapter_kwargs(self.model, adapters, policy=self.name),
+                             context_size=self.context_size)
         pending: deque[Request] = deque()
         stop = holding = False
         try:

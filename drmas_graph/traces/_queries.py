@@ -303,7 +303,9 @@ class _Segment:
 def _segments(f: EpisodeFilter, absent: set[tuple[str, str]], sort: str) -> list[_Segment]:
     """The parts of the order of `sort` over the episodes `f` selects. Each is read along an index: the sort
     column's (its entries end with the episode's rowid, the tie-break), or with an agent's reward the rewards
-    table's (agent, reward) index, whose ties fall to the rewards row's rowid (the order rewards were recorded)."""
+    table's (agent, reward) index, whose ties fall to the rewards row's rowid: the order the agent's rewards were
+    first recorded (`TraceStore.update_training` keeps a row when it rewrites the reward, so a rescore moves no
+    episode between pages)."""
     if sort not in SORTS:
         raise ConfigError(f"unknown sort key {sort!r}; valid: {', '.join(SORTS)}")
     bounded = f.min_reward is not None or f.max_reward is not None

@@ -338,9 +338,12 @@ class TraceStore:
                 "UPDATE episodes SET rewards = ?, reward = ? WHERE id = ?",
                 (_serde.to_json(dict(rewards), "rewards"), _serde.mean(rewards.values()), episode_id),
             )
-            conn.execute("DELETE FROM rewards WHERE episode_id = ?", (episode_id,))
+            # rows kept where the agent keeps a reward (their rowids order the ties of `query` by that reward)
+            conn.execute(f"DELETE FROM rewards WHERE episode_id = ? AND agent NOT IN ({','.join('?' * len(rewards))})",
+                         (episode_id, *rewards))
             conn.executemany(
-                "INSERT INTO rewards (episode_id, agent, reward) VALUES (?, ?, ?)",
+                "INSERT INTO rewards (episode_id, agent, reward) VALUES (?, ?, ?) "
+                "ON CONFLICT (episode_id, agent) DO UPDATE SET reward = excluded.reward",
                 [(episode_id, agent, float(r)) for agent, r in rewards.items()],
             )
         for name, column, values in (
@@ -383,7 +386,7 @@ class TraceStore:
         """One page of the episodes `where` selects (all of them without a filter), sorted by `sort` (a key of
         `SORTS`: created (the order written), step, reward (the filter's agent's own reward when it names
         one), turns, tokens, task, group; episodes without the value come last, then ties by the order
-        written), at most `limit` (None: every one). Pages are keyset pages, as fast deep as at the start:
+        written; of an agent's reward, by the order its rewards were first recorded), at most `limit` (None: every one). Pages are keyset pages, as fast deep as at the start:
         ``after=page.next`` is the next page, ``before=page.previous`` the one before.
 
             page = store.query(EpisodeFilter(agent="solver", min_reward=0.5), sort="reward", descending=True)

@@ -419,9 +419,10 @@ class WeaveExporter:
     def _unused(self, step: int) -> list[Any]:
         """The rollouts of training step `step` that it did not train on: failed runs (their error stored) and
         finished runs whose reward failed (no error stored). The trainer names a step's groups
-        "train:<step>:<task id>"; only rollouts stored since this exporter started count."""
-        return [s for s in self._store.episodes(group_prefix=f"train:{step}:") if s.step is None
-                and s.created >= self._started]
+        "train:<step>:<task id>" ("train:<step>#<k>:<task id>" for a task's k-th group in the step); only rollouts
+        stored since this exporter started count."""
+        return [s for s in self._store.episodes(group_prefix=f"train:{step}") if s.step is None
+                and s.group_id[len(f"train:{step}"):][:1] in (":", "#") and s.created >= self._started]
 
     def _failed(self, exc: BaseException) -> None:
         self.errors += 1

@@ -218,6 +218,14 @@ class Run:
                 self._store = TraceStore(self.store_path, readonly=True)
             return self._store
 
+    def agents(self) -> tuple[str, ...]:
+        """The agents that made calls in the run's stored episodes (none before its trace store exists): the
+        charts take a metric key's agent whole by them, '/' included ('agent/team/solve/reward_mean')."""
+        try:
+            return self.store().facets().agents
+        except StoreNotFoundError:
+            return ()
+
     def episode_page(self, query: EpisodeQuery) -> EpisodeList:
         """The episodes matching `query`, sorted, one page of them, how many match in all and their replies."""
         store = self.store()

@@ -37,12 +37,18 @@ _TITLES = {"agent/*/ratio_max": "importance weight (max ratio) per agent", "mode
            "eval/*/reward": "evaluation reward per agent"}
 
 
-def _chart_key(key: str) -> tuple[str, str]:
-    """metric key -> (chart pattern, series part): 'agent/solve/reward_mean' -> ('agent/*/reward_mean', 'solve')."""
-    parts = key.split("/")
-    if len(parts) == 3 and parts[0] in ("agent", "model", "eval"):
-        return f"{parts[0]}/*/{parts[2]}", parts[1]
-    return key, ""
+def _chart_key(key: str, agents: Sequence[str] = ()) -> tuple[str, str]:
+    """metric key -> (chart pattern, series part): 'agent/solve/reward_mean' -> ('agent/*/reward_mean', 'solve');
+    a name of `agents` (the run's, which may hold '/': 'team/solve') is the part whole."""
+    head, _, rest = key.partition("/")
+    if head not in ("agent", "model", "eval"):
+        return key, ""
+    for name in sorted(agents, key=len, reverse=True):  # the longest name: 'team/solve' before 'team'
+        metric = rest[len(name) + 1:]
+        if rest.startswith(name + "/") and metric and "/" not in metric:
+            return f"{head}/*/{metric}", name
+    parts = rest.split("/")
+    return (f"{head}/*/{parts[1]}", parts[0]) if len(parts) == 2 else (key, "")
 
 
 @dataclass(frozen=True)
@@ -77,6 +83,7 @@ def chart_series(runs: Sequence[Run], colours: Mapping[str, int], options: Chart
     found: list[tuple[str, Run, str, list[dict[str, Any]], str]] = []
     for run in runs:
         records = run.metrics()
+        agents = run.agents()
         keys: dict[str, None] = {}
         for record in records:
             keys.update(dict.fromkeys(k for k, v in record.items()
@@ -84,7 +91,7 @@ def chart_series(runs: Sequence[Run], colours: Mapping[str, int], options: Chart
         for key in keys:
             if key in ("time", "step") or key.endswith(("/split", "/k", "/tasks")):
                 continue
-            pattern, part = _chart_key(key)
+            pattern, part = _chart_key(key, agents)
             parts.add(part)
             found.append((pattern, run, part, records, key))
     dashes = {part: i for i, part in enumerate(sorted(parts - {""}))} | {"": 0}  # by name: the same in each chart

@@ -267,6 +267,9 @@ class NullLogger:
     def progress(self, step: int, record: dict[str, Any]) -> None:
         pass
 
+    def episodes(self, label: str) -> None:
+        return None
+
     def close(self) -> None:
         pass
 
@@ -282,20 +285,24 @@ def store_path(run_dir: Path) -> Path:
 def merge_traces(run_dir: Path) -> int:
     """Rank 0 copies the episodes it lacks from every run_dir/traces.rank*.db into run_dir/traces.db.
 
-    Call it where no rank writes (step end). Each rank r > 0 first moves its write-ahead log into its file
-    (`_checkpoint`), so rank 0 reads plain database files and never shares SQLite's WAL index with another
-    process (which SQLite does not support across machines); files no running rank owns (left by a killed
-    run with more processes) rank 0 checkpoints itself. Returns the episodes copied (0 on other ranks).
+    Call it at a step boundary. Each rank r > 0 first writes a snapshot of its store (`_snapshot`: SQLite's
+    backup, one read transaction, so the rollouts and scoring its background threads go on writing under
+    asynchronous training neither block it nor tear it), so rank 0 reads plain database files and never shares
+    SQLite's WAL index with another process (which SQLite does not support across machines); files no running
+    rank owns (left by a killed run with more processes) rank 0 checkpoints itself. What a rank writes into an
+    episode after it was copied (its scoring: an error, a judgement) is copied by a later merge
+    (`_merge_late_writes`). Returns the episodes copied (0 on other ranks).
     """
     if not is_main():
-        _checkpoint(store_path(run_dir))
+        _snapshot(store_path(run_dir))
     barrier()
     copied = 0
     if is_main():
         for path in sorted(run_dir.glob(_RANK_STORE_GLOB)):
             if _file_rank(path) >= world_size():
                 _checkpoint(path)
-            copied += _merge_store(run_dir / "traces.db", path)
+            source = path if _file_rank(path) >= world_size() else Path(f"{path}{_SNAPSHOT_SUFFIX}")
+            copied += _merge_store(run_dir / "traces.db", source)
     barrier()
     return copied
 
@@ -311,7 +318,7 @@ def remove_rank_stores(run_dir: Path, close_own: Callable[[], None]) -> None:
         for path in sorted(run_dir.glob(_RANK_STORE_GLOB)):
             _checkpoint(path)  # its writer has closed it
             _merge_store(run_dir / "traces.db", path)
-            for suffix in ("", "-wal", "-shm"):
+            for suffix in ("", "-wal", "-shm", _SNAPSHOT_SUFFIX):
                 Path(f"{path}{suffix}").unlink(missing_ok=True)
     barrier()
 
@@ -319,6 +326,23 @@ def remove_rank_stores(run_dir: Path, close_own: Callable[[], None]) -> None:
 def _file_rank(path: Path) -> int:
     """r of traces.rank<r>.db."""
     return int(path.name[len("traces.rank"):-len(".db")])
+
+
+_SNAPSHOT_SUFFIX = ".merge"
+"""traces.rank<r>.db.merge: the snapshot of rank r's store that rank 0 merges from (not matched by the glob)."""
+
+
+def _snapshot(path: Path) -> None:
+    """A consistent copy of the store at `path` in `path` + `_SNAPSHOT_SUFFIX` (SQLite's online backup, all pages
+    in one step: one read transaction, while this process's other connections may write)."""
+    source = sqlite3.connect(str(path), timeout=60.0)
+    target = sqlite3.connect(f"{path}{_SNAPSHOT_SUFFIX}")
+    try:
+        source.backup(target)
+        target.execute("PRAGMA journal_mode=DELETE")  # every page in the file itself, for an immutable reader
+    finally:
+        target.close()
+        source.close()
 
 
 def _checkpoint(path: Path) -> None:
@@ -337,9 +361,28 @@ def _columns(conn: sqlite3.Connection, schema: str, table: str) -> list[str]:
     return [row[1] for row in conn.execute(f"PRAGMA {schema}.table_info({table})")]
 
 
+def _merge_late_writes(conn: sqlite3.Connection) -> None:
+    """Into episodes copied by an earlier merge, what their process wrote since (asynchronous training scores a
+    step's episodes on a background thread, after a merge may have copied them): an error (a bad reward, a judge
+    failure), a judgement, and the rewards of an episode not trained on (rank 0 records the training data of the
+    trained ones itself). Only values the target lacks: nothing rank 0 wrote is replaced."""
+    for column in ("error", "judgement"):
+        conn.execute(f"UPDATE main.episodes AS m SET {column} = s.{column} FROM src.episodes AS s "
+                     f"WHERE s.id = m.id AND m.{column} IS NULL AND s.{column} IS NOT NULL")
+    conn.execute("CREATE TEMP TABLE late_rewards AS SELECT m.id FROM main.episodes AS m JOIN src.episodes AS s "
+                 "ON s.id = m.id WHERE m.step IS NULL AND m.reward IS NULL AND s.reward IS NOT NULL")
+    conn.execute("UPDATE main.episodes AS m SET rewards = s.rewards, reward = s.reward FROM src.episodes AS s "
+                 "WHERE s.id = m.id AND m.id IN (SELECT id FROM temp.late_rewards)")
+    conn.execute("INSERT OR REPLACE INTO main.rewards (episode_id, agent, reward) SELECT episode_id, agent, reward "
+                 "FROM src.rewards WHERE episode_id IN (SELECT id FROM temp.late_rewards)")
+    conn.execute("UPDATE main.turns AS m SET turn_reward = s.turn_reward FROM src.turns AS s WHERE s.episode_id = "
+                 "m.episode_id AND s.position = m.position AND m.episode_id IN (SELECT id FROM temp.late_rewards)")
+    conn.execute("DROP TABLE temp.late_rewards")
+
+
 def _merge_store(target: Path, source: Path) -> int:
     """Copy the episodes (with their turns and rewards) of `source` that `target` lacks, in one transaction.
-    `source` is read as an immutable file: no lock, no WAL (its writer checkpointed it and waits)."""
+    `source` is read as an immutable file: no lock, no WAL (a rank's snapshot, or a file whose writer is gone)."""
     conn = sqlite3.connect(target.resolve().as_uri(), uri=True, timeout=60.0, isolation_level=None)
     try:
         conn.execute("ATTACH DATABASE ? AS src", (source.resolve().as_uri() + "?immutable=1",))
@@ -353,6 +396,7 @@ def _merge_store(target: Path, source: Path) -> int:
                              f"WHERE {key} IN (SELECT id FROM temp.new_ids) ORDER BY rowid")
             copied = conn.execute("SELECT count(*) FROM temp.new_ids").fetchone()[0]
             conn.execute("DROP TABLE temp.new_ids")
+            _merge_late_writes(conn)
             conn.execute("COMMIT")
         except BaseException:
             if conn.in_transaction:

@@ -7,7 +7,7 @@ sampling), scores them with the training rewards (`env.reward_group` when the en
 reports per agent the reward's spread, the share of its groups with zero variance, how often its turns were
 invalid (environment check or broken format) and its replies hit `max_new_tokens`, and one sample reply, then
 the environment's `reward_metrics()` (a judge's calls and tokens); `CheckReport.warnings` says what to change
-when most groups teach nothing. Nothing is trained; the episodes go to their own trace store.
+when most groups teach nothing. Nothing is trained; the episodes go to their own trace store, with their rewards.
 """
 
 from __future__ import annotations
@@ -152,20 +152,23 @@ class CheckReport:
         return rows
 
 
-def preflight(run: RunState | HasRunState, n_groups: int) -> CheckReport:
+def preflight(run: RunState | HasRunState, n_groups: int, progress: Any = None) -> CheckReport:
     """Roll out the first `n_groups` tasks of the training order (`RunState.task_order`) as training step 0 would,
-    score them like training does (`RunState.score`), and report per agent (see `CheckReport`); `run` is a
-    `RunState` or a `Trainer`."""
+    score them like training does (`RunState.score`), store their rewards (no training step), and report per agent
+    (see `CheckReport`); `run` is a `RunState` or a `Trainer`. `progress(done, total)`: called as episodes end."""
     state = run_state(run)
     cfg = state.cfg
     tasks = state.task_order(0, n_groups)
-    batch = state.roll_out(tasks, 0, cfg.group_size, phase="train")
+    batch = state.roll_out(tasks, 0, cfg.group_size, phase="train", progress=progress)
     counts = batch.counts
     groups, _ = state.score(batch.runs, counts)
+    scored = [pair for group in groups for pair in group.scored()]
+    for episode, score in scored:  # the store shows what each episode earned (`traces list`, the UI)
+        state.store.update_training(episode.id, step=None, rewards=score.rewards, turn_rewards=score.turn_rewards,
+                                    judgement=episode.judgement)
     _, stats = _scoring.samples_with_advantages(groups, cfg, ())
     pools = stats.n_pools if stats is not None else 0
     signal = pools - stats.n_zero_variance_pools - stats.n_singleton_pools if stats is not None else 0
-    scored = [pair for group in groups for pair in group.scored()]
     agents = {a: _agent_check(a, scored) for a in state.agent_policies}
     return CheckReport(groups=len(tasks), group_size=cfg.group_size, episodes=len(scored), counts=dict(counts),
                        pools=pools, signal_pools=signal, agents={a: c for a, c in agents.items() if c is not None},

@@ -2,7 +2,8 @@
 
 A checkpoint is `run_dir/checkpoints/step_N/` (complete or absent: written to a temporary folder, then
 renamed): per model its updater's state (Hugging Face model + tokenizer, optimizer, RNG) and
-`trainer_state.json` (step, policy versions, world size). `resume` restores the latest one. In asynchronous
+`trainer_state.json` (step, policy versions, world size, the run's notes: once-per-run warnings given, the zero-signal
+streak). `resume` restores the latest one. In asynchronous
 training it also holds the weights the next step rolls out on (`<model>/serving`, version `serving_version`;
 see `_pipeline`).
 """
@@ -75,7 +76,10 @@ def save_checkpoint(run: RunState, step: int, pipeline: RolloutWeights | None = 
         if main:
             run.model_policies[name].tokenizer.save_pretrained(tmp / name / "model")
     versions = {n: p.version for n, p in run.model_policies.items()}
-    state = {"step": step, "policy_versions": versions, "world_size": distributed.world_size()}
+    notes = run.notes  # what the run remembers across steps: its once-per-run warnings, the zero-signal streak
+    state = {"step": step, "policy_versions": versions, "world_size": distributed.world_size(),
+             "notes": {"logged_failures": sorted(notes.logged_failures), "threshold_warned": notes.threshold_warned,
+                       "zero_signal_streak": notes.zero_signal.streak}}
     if pipeline is not None:  # the trained weights' version, and those the next step rolls out on
         versions.update({n: pipeline.trained_version for n in run.updaters})
         state["serving_version"] = pipeline.save_serving(tmp)
@@ -109,6 +113,10 @@ def resume(run: RunState, pipeline: RolloutWeights | None = None) -> int:
         run.model_policies[name].version = version
     if pipeline is not None:
         pipeline.restore(latest, int(state["step"]), state.get("serving_version"))
+    notes = state.get("notes", {})  # checkpoints written before notes were saved have none
+    run.notes.logged_failures.update(notes.get("logged_failures", ()))
+    run.notes.threshold_warned = run.notes.threshold_warned or bool(notes.get("threshold_warned"))
+    run.notes.zero_signal.streak = [tuple(s) for s in notes.get("zero_signal_streak", ())]
     return int(state["step"])
 
 

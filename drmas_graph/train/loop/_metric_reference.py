@@ -97,8 +97,10 @@ EVAL = [
     ("eval/tasks", "Tasks evaluated."),
     ("eval/avg@k", "Mean over tasks of the share of its judged episodes that succeeded (team reward >= "
                    "success_threshold, or env.is_success); episodes the judge gave no score are left out, and so "
-                   "are tasks without any judged episode."),
-    ("eval/pass@k", "Share of tasks (with a judged episode) with at least one success among k."),
+                   "are tasks without any judged episode; not logged when no task has one (the judge scored "
+                   "nothing, an empty split)."),
+    ("eval/pass@k", "Share of tasks (with a judged episode) with at least one success among k; not logged when "
+                    "no task has one."),
     ("eval/failed_episodes", "Episodes that failed or made no LLM call (they count as failures)."),
     ("eval/bad_reward_episodes", "Episodes whose reward was unusable (they count as failures)."),
     ("eval/judge_failed_episodes", "Episodes the judge gave no score (left out of avg@k and pass@k; each is "

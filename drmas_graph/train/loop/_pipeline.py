@@ -360,13 +360,15 @@ class OneStepOff:
                 "stuck past rollout.timeout_s, or a server that stopped answering); stopping") from None
 
     def _produce(self, step: int) -> StepBatch:
-        """`Trainer.collect(step)`, with the behaviour logprobs of the stale samples (sampled before v(step))."""
+        """`Trainer.collect(step)`, with the behaviour logprobs of the stale samples (sampled before v(step)), those
+        with advantage 0 too: the update replaces their old logprobs by the proximal ones, and `kl_start` reads the
+        sampling policy's from `behaviour_logprobs`."""
         batch = self.loop.collect(step)
         version = _sample_versions(batch)
         for name, serving in self.servings.items():
             policy = self.run.model_policies[name]
             rows = [i for i, s in enumerate(batch.samples) if self.run.agent_policies[s.agent] is policy
-                    and s.advantage != 0.0 and version[(s.episode_id, s.turn_index)] < step]  # A = 0: no gradient
+                    and version[(s.episode_id, s.turn_index)] < step]
             if not rows:
                 continue
             behaviour = self._behaviour(serving, [batch.samples[i] for i in rows])

@@ -45,7 +45,7 @@ import logging
 import queue
 import sys
 import threading
-from collections.abc import AsyncIterator, Coroutine, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -135,13 +135,16 @@ class StepBatch:
 
 
 def group_ids(tasks: Sequence[Any], phase: str, step: int) -> list[str]:
-    """The group id of each position of a step's task batch: 'phase:step:task_id', with '#k' appended for the
-    k-th (k >= 2) occurrence of a task the batch holds more than once; each group is one GRPO pool."""
+    """The group id of each position of a step's task batch: 'phase:step:task_id', and 'phase:step#k:task_id'
+    for the k-th (k >= 2) occurrence of a task the batch holds more than once; each group is one GRPO pool.
+    Collision-free for any task ids: the task id is all that follows the second ':', and the field before it
+    is the bare step number only in a first occurrence."""
     seen: dict[str, int] = {}
     out = []
     for task in tasks:
         seen[task.id] = seen.get(task.id, 0) + 1
-        out.append(f"{phase}:{step}:{task.id}" + (f"#{seen[task.id]}" if seen[task.id] > 1 else ""))
+        occurrence = f"#{seen[task.id]}" if seen[task.id] > 1 else ""
+        out.append(f"{phase}:{step}{occurrence}:{task.id}")
     return out
 
 
@@ -285,18 +288,26 @@ def slots_key(phase: str, step: int) -> tuple[str, int]:
 
 def run_episodes(app: Any, jobs: Sequence[EpisodeJob], *, phase: str, step: int, run_seed: int,
                  max_concurrency: int | EpisodeSlots, rollout: RolloutConfig,
-                 base_config: Mapping[str, Any] | None = None, env: Any = None) -> RolloutBatch:
+                 base_config: Mapping[str, Any] | None = None, env: Any = None,
+                 on_done: Callable[[int], None] | None = None) -> RolloutBatch:
     """Run `jobs` through the instrumented graph `app`, at most `max_concurrency` at a time (an `EpisodeSlots`:
     shared with other calls running at once, in which this one is named (phase, step)). The environment's optional
-    `resume` / `next_input` hooks continue an episode's thread (interrupts, conversations)."""
+    `resume` / `next_input` hooks continue an episode's thread (interrupts, conversations). `on_done(n)`, when
+    given, hears how many jobs have ended (finished or failed) each time one ends (progress)."""
+    ended = 0
     slots = max_concurrency if isinstance(max_concurrency, EpisodeSlots) else EpisodeSlots(max_concurrency)
     key = slots_key(phase, step)
 
     async def main() -> list[Episode | RolloutError]:
         async def one(job: EpisodeJob) -> Episode | RolloutError:
+            nonlocal ended
             async with slots.slot(key):
-                return await _run_one(app, job, phase=phase, step=step, run_seed=run_seed, rollout=rollout,
-                                      base_config=base_config, env=env)
+                outcome = await _run_one(app, job, phase=phase, step=step, run_seed=run_seed, rollout=rollout,
+                                         base_config=base_config, env=env)
+            ended += 1
+            if on_done is not None:
+                on_done(ended)
+            return outcome
 
         return await asyncio.gather(*(one(job) for job in jobs))
 

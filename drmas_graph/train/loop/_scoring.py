@@ -323,8 +323,8 @@ def unfinished_warning(record: dict[str, Any], n_episodes: int) -> str | None:
         parts.append(f"{truncated} truncated ({limits}; raise the limit in the config's `rollout` "
                      "section if episodes legitimately need more)")
     if model_errors:
-        agents = ", ".join(f"{k.split('/')[1]} {int(v)}" for k, v in record.items()
-                           if k.endswith("/model_error_episodes") and v)
+        agents = ", ".join(f"{k[len('agent/'):-len('/model_error_episodes')]} {int(v)}" for k, v in record.items()
+                           if k.startswith("agent/") and k.endswith("/model_error_episodes") and v)
         parts.append(f"{model_errors} model errors (by agent: {agents}; the policy's output broke the app, e.g. "
                      "not the JSON its structured-output call asked for)")
     return (f"step {record['step']}: {truncated + model_errors} of {n_episodes} episodes did not finish: "

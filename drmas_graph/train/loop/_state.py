@@ -127,14 +127,16 @@ class RunState:
             out.append(self.train_tasks[order[i]])
         return out
 
-    def roll_out(self, tasks: Sequence[Any], step: int, group_size: int, *, phase: str) -> RolloutBatch:
+    def roll_out(self, tasks: Sequence[Any], step: int, group_size: int, *, phase: str,
+                 progress: Callable[[int, int], None] | None = None) -> RolloutBatch:
         """G rollouts per task of this process's share, concurrently (`_rollouts.run_episodes`); their errors go to
-        `notes.rollout_errors`, the first one is logged."""
+        `notes.rollout_errors`, the first one is logged. `progress(done, total)` hears each episode that ends."""
         ids = group_ids(tasks, phase, step)  # over the whole batch: every rank names the groups alike
         jobs = [EpisodeJob(task, ids[b], b, j) for b, task in distributed.owned(tasks) for j in range(group_size)]
         batch = run_episodes(self.app, jobs, phase=phase, step=step, run_seed=self.cfg.seed,
                              max_concurrency=self.episode_slots, rollout=self.cfg.rollout,
-                             base_config=self.rollout_config, env=self.env)
+                             base_config=self.rollout_config, env=self.env,
+                             on_done=None if progress is None else lambda done: progress(done, len(jobs)))
         if batch.errors:
             log.warning("%s step %d: %d of %d episodes failed; the first: %s", phase, step, len(batch.errors),
                         len(jobs), batch.errors[0])

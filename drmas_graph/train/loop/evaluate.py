@@ -7,7 +7,8 @@ training; an environment with `reward_group` scores each task's k episodes in on
 failed episodes, and those without a usable reward (`bad_reward_episodes`), count as failures; an episode the
 judge gave no score (`judge_failed_episodes`) is left out of avg@k and pass@k (as training leaves it out of the
 update), counted in `unjudged_episodes` and logged, and a task none of whose episodes was judged is left out of
-both (scoring is `_scoring.score_episodes`, training's). The environment's `reward_metrics()` join the record. The record also holds, per agent, its most frequent replies
+both (scoring is `_scoring.score_episodes`, training's); with no task left (the judge scored nothing, an empty
+split) the record has no avg@k and no pass@k, never a 0 that was not measured. The environment's `reward_metrics()` join the record. The record also holds, per agent, its most frequent replies
 (`top_replies`: whitespace-normalized, cut to 80 characters, with their count and mean turn reward), and
 every scored episode's rewards go to the trace store (`traces list` shows them). Under a launcher each process evaluates its share of the tasks
 and the counts are merged; the rollouts a caller asks for (rank 0's Weave export) come from every process.
@@ -38,11 +39,11 @@ REPLY_CHARS = 80
 
 
 def evaluate(run: RunState | HasRunState, *, step: int, split: str | None = None,
-             rollouts: list[Any] | None = None) -> dict[str, Any]:
+             rollouts: list[Any] | None = None, progress: Any = None) -> dict[str, Any]:
     """avg@k and pass@k of the current policies on a split, with evaluation sampling; `run` is a `RunState` or a
     `Trainer`. `rollouts`, when given, receives (task, episode, score or None, success) for every finished rollout
     of every process, in rank order; the episodes of other processes arrive as `evaluation_episode` keeps them
-    (the Weave export's part)."""
+    (the Weave export's part). `progress(done, total)`: called as this process's episodes end."""
     state = run_state(run)
     ec = state.cfg.eval
     split = split or ec.split
@@ -54,7 +55,7 @@ def evaluate(run: RunState | HasRunState, *, step: int, split: str | None = None
                                                  train_logprobs=False)  # never trained on: truncation is fine
         for a, policy in state.agent_policies.items()})
     try:
-        batch = state.roll_out(tasks, step, ec.k, phase="eval")
+        batch = state.roll_out(tasks, step, ec.k, phase="eval", progress=progress)
         runs, counts = batch.runs, batch.counts
     finally:
         state.app.sampling.clear()
@@ -68,12 +69,17 @@ def evaluate(run: RunState | HasRunState, *, step: int, split: str | None = None
         if rollouts is not None:
             rollouts.extend(merged)
     # per task: the share of its judged episodes that succeeded (failed episodes count as failures, unjudged
-    # ones are left out); a task none of whose episodes was judged is left out of avg@k and pass@k
+    # ones are left out); a task none of whose episodes was judged is left out of avg@k and pass@k, and with no
+    # task left (the judge scored nothing, an empty split) the record has neither: nothing was measured
     judged = {t: ec.k - s.count(None) for t, s in successes.items()}
     per_task = [sum(x is True for x in s) / judged[t] for t, s in successes.items() if judged[t] > 0]
-    record = {"step": step, "split": split, "k": ec.k, "tasks": len(tasks),
-              "avg@k": sum(per_task) / len(per_task) if per_task else 0.0,
-              "pass@k": sum(any(x is True for x in s) for s in successes.values()) / len(per_task) if per_task else 0.0,
+    measured = {"avg@k": sum(per_task) / len(per_task),
+                "pass@k": sum(any(x is True for x in s) for s in successes.values()) / len(per_task)} if per_task else {}
+    if not per_task:
+        log.warning("evaluation at step %d on split %r: no task has a judged episode (%d tasks, %d unjudged "
+                    "episodes): no avg@k or pass@k logged", step, split, len(tasks),
+                    sum(s.count(None) for s in successes.values()))
+    record = {"step": step, "split": split, "k": ec.k, "tasks": len(tasks), **measured,
               "failed_episodes": counts["failed_episodes"] + counts["no_llm_call_episodes"],
               "bad_reward_episodes": counts["bad_reward_episodes"],
               "judge_failed_episodes": counts["judge_failed_episodes"],
@@ -188,6 +194,7 @@ def reply_lines(record: dict[str, Any]) -> list[str]:
     lines = []
     for key, top in record.items():
         if key.endswith("/top_replies"):
-            lines.append(f"most frequent replies of {key.split('/')[0]} (step {record['step']}, {record['split']}):")
+            agent = key[:-len("/top_replies")]  # an agent's name may hold '/' (a node inside a subgraph)
+            lines.append(f"most frequent replies of {agent} (step {record['step']}, {record['split']}):")
             lines += [f"  {r['count']:>4}x  reward {r['reward']:.2f}  {r['reply']!r}" for r in top]
     return lines

@@ -5,6 +5,11 @@ otherwise (CI logs, `nohup`, a pipe), where the bar would show nothing until it 
 step on stdout, flushed at once:
 
     step 3/10  reward solver=0.50 verifier=0.25  step 2.4 s  elapsed 7.1 s
+
+An evaluation (and `drmas-graph check`) shows its episodes as they end (`EpisodeProgress`): on the bar's status,
+or a plain line at each tenth of them:
+
+    evaluation at step 0: 12/48 episodes  elapsed 30.2 s  ETA 90.6 s
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-__all__ = ["RunLogger", "Stopwatch", "mean_std", "progress_status"]
+__all__ = ["EpisodeProgress", "RunLogger", "Stopwatch", "mean_std", "progress_status"]
 
 
 def mean_std(values: list[float], ddof: int = 1) -> tuple[float, float]:
@@ -70,6 +75,31 @@ def progress_status(agents: list[str], record: dict[str, Any]) -> str:
         if record.get(key):
             status += f"  {name} {record[key]}/{total}"
     return status
+
+
+class EpisodeProgress:
+    """`progress(done, total)` of a batch of episodes: a plain line on stdout (flushed) each time `done` passes a
+    tenth of `total` (and at the last), with the time since the first call and an estimate of what is left; or,
+    given `show`, the same text handed to it (the bar's status)."""
+
+    def __init__(self, label: str, show: Any = None) -> None:
+        self.label, self.show = label, show
+        self._started: float | None = None
+        self._shown = 0
+
+    def text(self, done: int, total: int) -> str:
+        elapsed = time.perf_counter() - (self._started or time.perf_counter())
+        eta = f"  ETA {elapsed / done * (total - done):.1f} s" if 0 < done < total else ""
+        return f"{self.label}: {done}/{total} episodes  elapsed {elapsed:.1f} s{eta}"
+
+    def __call__(self, done: int, total: int) -> None:
+        if self._started is None:
+            self._started = time.perf_counter()
+        if self.show is not None:
+            self.show(self.text(done, total))
+        elif done == total or done * 10 // max(total, 1) > self._shown * 10 // max(total, 1):
+            self._shown = done
+            print(self.text(done, total), flush=True)
 
 
 class RunLogger:
@@ -153,6 +183,15 @@ class RunLogger:
                   f"elapsed {time.perf_counter() - self._started:.1f} s", flush=True)
         elif self._progress is not None:
             self._progress.update(self._task, completed=step + 1, status=status)
+
+    def episodes(self, label: str) -> EpisodeProgress | None:
+        """Progress of a batch of episodes outside the steps (an evaluation) where progress is on: lines, or the
+        bar's status."""
+        if self._lines:
+            return EpisodeProgress(label)
+        if self._progress is not None:
+            return EpisodeProgress(label, lambda text: self._progress.update(self._task, status=text))
+        return None
 
     def close(self) -> None:
         if self._progress is not None:

@@ -83,11 +83,12 @@ class TrainResult:
             last = ends[-1]
             k, split = last["k"], last["split"]
             lines.append(row("evaluation on " + split, *(f"step {e['step']}" for e in ends)))
-            agents = sorted({key.split("/")[0] for key in last if key.endswith("/reward")})
+            agents = sorted({key[:-len("/reward")] for key in last if key.endswith("/reward")})  # names may hold '/' 
             for a in agents:
                 lines.append(row("  reward " + a, *(float(e.get(f"{a}/reward", float("nan"))) for e in ends)))
             for metric in ("avg@k", "pass@k"):
-                lines.append(row("  " + metric.replace("k", str(k)), *(float(e[metric]) for e in ends)))
+                lines.append(row("  " + metric.replace("k", str(k)),  # '-': no task had a judged episode
+                                 *(float(e[metric]) if metric in e else "-" for e in ends)))
             if any(e.get("unjudged_episodes") for e in ends):  # left out of avg@k and pass@k
                 lines.append(row("  unjudged episodes", *(int(e.get("unjudged_episodes", 0)) for e in ends)))
             lines += reply_lines(last)
@@ -274,7 +275,8 @@ class Trainer:
         if self.pipeline is not None:  # the rollouts in flight end, the trainer's weights reach the rollouts
             self.pipeline.settle()
         rollouts: list[Any] | None = [] if self.weave is not None else None
-        record = evaluate(self.state, step=step, rollouts=rollouts)
+        label = "evaluation before training" if step == 0 else f"evaluation after step {step}"
+        record = evaluate(self.state, step=step, rollouts=rollouts, progress=logger.episodes(label))
         if self.weave is not None:
             self.weave.submit_evaluation(record, rollouts)
         self.result.evals.append(record)

@@ -24,7 +24,8 @@ __all__ = ["with_trainer_logprobs"]
 def with_trainer_logprobs(samples: Sequence[Sample], recomputed: Sequence[Any]) -> tuple[list[Sample], dict[str, float]]:
     """`samples` with `old_logprobs` replaced by `recomputed` (1-D tensors from `ModelUpdater.compute_logprobs`;
     None for a sample the updater does not forward, whose ratio never matters), and per agent the token mean
-    of |rollout - trainer| as `agent/<a>/rollout_logprob_gap`."""
+    of |rollout - trainer| as `agent/<a>/rollout_logprob_gap`, over the samples the trainer's weights sampled
+    (a stale one's, `behaviour_logprobs` set, would measure the policy's change, not the numerics)."""
     gaps: dict[str, list[float]] = {}
     out = []
     for s, lp in zip(samples, recomputed, strict=True):
@@ -32,6 +33,7 @@ def with_trainer_logprobs(samples: Sequence[Sample], recomputed: Sequence[Any]) 
             out.append(s)
             continue
         new = tuple(float(x) for x in lp.tolist())
-        gaps.setdefault(s.agent, []).extend(abs(a - b) for a, b in zip(s.old_logprobs, new))
+        if s.behaviour_logprobs is None:
+            gaps.setdefault(s.agent, []).extend(abs(a - b) for a, b in zip(s.old_logprobs, new))
         out.append(dataclasses.replace(s, old_logprobs=new))
     return out, {f"agent/{a}/rollout_logprob_gap": sum(g) / max(len(g), 1) for a, g in gaps.items()}

@@ -37,9 +37,10 @@ class AgentUpdateMetrics:
     """Largest importance ratio seen."""
     entropy: float | None
     """Mean entropy of the sampling distribution softmax(logits / T) (only when entropy_coef > 0)."""
-    logprob_mismatch: float
+    logprob_mismatch: float | None
     """Mean |old_logprob - logprob| on the first mini-batch before any step, old_logprob being the samples'
-    recorded one (the rollout's, or the trainer's recomputation): rollout vs trainer numerics."""
+    recorded one (the rollout's, or the trainer's recomputation): rollout vs trainer numerics. Stale samples
+    (asynchronous training: older weights sampled them) are left out; None when every sample is stale."""
     kl_ref: float | None = None
     """Mean k3 KL to the reference model (only when kl_coef > 0)."""
     rollout_logprob_gap: float | None = None
@@ -158,8 +159,10 @@ def _agent_metrics(tally: _Tally, agent: str, with_kl: bool, with_entropy: bool,
         n_samples=int(tally.sums[("agent", agent, "n_samples")]), pg_loss=mean("pg_loss"),
         clip_frac=mean("clip_frac"), dual_clip_frac=mean("dual_clip_frac"), approx_kl=mean("approx_kl"),
         ratio_max=tally.maxima.get(("agent", agent, "ratio_max"), 0.0), entropy=mean("entropy") if with_entropy else None,
-        logprob_mismatch=mean("logprob_mismatch"), kl_ref=mean("kl_ref") if with_kl else None,
-        rollout_logprob_gap=mean("rollout_logprob_gap") if rollout_gap else None,
+        logprob_mismatch=mean("logprob_mismatch") if ("agent", agent, "logprob_mismatch") in tally.weights else None,
+        kl_ref=mean("kl_ref") if with_kl else None,
+        rollout_logprob_gap=mean("rollout_logprob_gap") if ("agent", agent, "rollout_logprob_gap") in tally.weights
+        and rollout_gap else None,
         grad_norm=grad_norm, kl_start=mean("kl_start") if with_start else None,
     )
 
@@ -251,9 +254,11 @@ class AgentGrads:
 
 def tally_kl_start(tally: _Tally, samples: Sequence[Sample], start_logprobs: Mapping[int, torch.Tensor]) -> None:
     """Add each sample's k3 KL terms to the start weights (`AgentUpdateMetrics.kl_start`): start_logprobs holds
-    id(sample) -> the start weights' logprobs of its response tokens ({} when the metric is off)."""
+    id(sample) -> the start weights' logprobs of its response tokens ({} when the metric is off). logp_sample is
+    the sampling policy's: `behaviour_logprobs` of a stale sample (its `old_logprobs` are the proximal policy's)."""
     for s in samples:
         if id(s) in start_logprobs and len(s.response_ids):
-            d_T = start_logprobs[id(s)].double().cpu() - torch.as_tensor(s.old_logprobs, dtype=torch.float64)
+            sampled = s.behaviour_logprobs if s.behaviour_logprobs is not None else s.old_logprobs
+            d_T = start_logprobs[id(s)].double().cpu() - torch.as_tensor(sampled, dtype=torch.float64)
             k3_T = (torch.exp(d_T.clamp(-20.0, 20.0)) - d_T - 1.0).clamp(-10.0, 10.0)  # as losses.kl_penalty
             tally.add(("agent", s.agent, "kl_start"), float(k3_T.mean()), weight=float(len(s.response_ids)))

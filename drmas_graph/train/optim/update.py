@@ -454,7 +454,7 @@ class ModelUpdater:
             kl_BT = kl_penalty(logprobs_BT, ref_BT, "low_var_kl")
             loss = loss + s.kl_coef * agg_loss(kl_BT, batch.mask_BT, s.loss_agg, norm_len=s.norm_len)
         n_micro = float(batch.n_tokens if self._by_tokens else len(samples))
-        self._tally_micro_batch(tally, batch, stats, logprobs_BT, entropy_BT, kl_BT, n_micro, first, current)
+        self._tally_micro_batch(tally, batch, stats, logprobs_BT, entropy_BT, kl_BT, n_micro, first, current, samples)
         if loss_settings.loss_weight == 0:
             return loss * 0.0
         return loss * (loss_settings.loss_weight * n_micro / max(norm, 1.0))
@@ -468,11 +468,11 @@ class ModelUpdater:
 
     def _tally_micro_batch(self, tally: _Tally, batch: Batch, stats: Any, logprobs_BT: torch.Tensor,
                            entropy_BT: torch.Tensor | None, kl_BT: torch.Tensor | None, n_micro: float,
-                           first: bool, current: bool) -> None:
+                           first: bool, current: bool, samples: Sequence[Sample]) -> None:
         agent, n_tokens, mask_BT = batch.agent, float(batch.n_tokens), batch.mask_BT
 
-        def token_mean(values_BT: torch.Tensor) -> float:
-            return float(values_BT.detach()[mask_BT].mean()) if n_tokens else 0.0
+        def token_mean(values_BT: torch.Tensor, where_BT: torch.Tensor = mask_BT) -> float:
+            return float(values_BT.detach()[where_BT].mean()) if where_BT.any() else 0.0
 
         tally.add(("agent", agent, "pg_loss"), stats.pg_loss, weight=n_micro)
         for name in ("clip_frac", "dual_clip_frac", "approx_kl"):
@@ -484,11 +484,11 @@ class ModelUpdater:
         tally.count(("model", "forward_tokens"), float(batch.n_positions))
         if kl_BT is not None:
             tally.add(("agent", agent, "kl_ref"), token_mean(kl_BT), weight=n_tokens)
-        if first:  # the samples' recorded old logprobs (rollout's or recomputed) against the trainer's first pass
-            gap = token_mean((logprobs_BT.detach() - batch.old_logprobs_BT).abs())
-            tally.add(("agent", agent, "logprob_mismatch"), gap, weight=n_tokens)
-            if current:  # the recorded ones are the rollout's: the gap the trainer reports when it recomputes
-                tally.add(("agent", agent, "rollout_logprob_gap"), gap, weight=n_tokens)
+        fresh_BT = mask_BT & torch.tensor([s.behaviour_logprobs is None for s in samples], device=mask_BT.device)[:, None]
+        if first and (n_fresh := float(fresh_BT.sum())):  # recorded old logprobs vs the trainer's first pass (a stale
+            gap = token_mean((logprobs_BT - batch.old_logprobs_BT).abs(), fresh_BT)  # sample's: the policy's change)
+            for name in ("logprob_mismatch", "rollout_logprob_gap") if current else ("logprob_mismatch",):
+                tally.add(("agent", agent, name), gap, weight=n_fresh)  # current: the recorded ones are the rollout's
 
     @contextlib.contextmanager
     def _training_mode(self) -> Iterator[None]:
