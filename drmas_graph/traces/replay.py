@@ -146,6 +146,9 @@ class AsyncOnlyGraphError(ConfigError):
 class _ReplayHandler:
     """CallHandler that answers each call from the recording while the calls' requests agree."""
 
+    offline = True
+    """Replay never sends a request: an LLM API request it cannot answer is refused (`instrumentation._http`)."""
+
     def __init__(self, recorded: Episode, live: EpisodeRecorder | None, continue_live: bool,
                  agent_of: Callable[[CallSite], str]) -> None:
         self.by_key = {(t.call_key, t.node_call_index): t for t in recorded.turns}
