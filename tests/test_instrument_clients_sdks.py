@@ -1,0 +1,277 @@
+"""Issue 47: the Anthropic SDK, the OpenAI Responses and Completions APIs, LiteLLM and raw requests/aiohttp
+POSTs inside a node are served by the node's agent's policy, answered in their own protocol, attributed
+like LangChain calls (globs, subgraphs, an agent named on the request), and never leave the process."""
+
+import asyncio
+import json
+import os
+import warnings
+
+import pytest
+from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
+from langgraph.graph import END, START, StateGraph
+
+from drmas_graph import instrument
+from drmas_graph.testing import scripted_policy
+from tests._no_network import no_network  # noqa: F401 - a fixture
+from tests.test_instrument_clients import LC_MESSAGES, MESSAGES, S, fake_keys, two_nodes  # noqa: F401
+
+os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # litellm must not fetch its price list at import
+
+ADD = {"name": "add", "description": "Add two numbers",
+       "input_schema": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}
+CALL = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
+
+
+def one_node(fn, name="writer"):
+    g = StateGraph(S)
+    g.add_node(name, fn)
+    g.add_edge(START, name)
+    g.add_edge(name, END)
+    return g.compile()
+
+
+def test_anthropic_messages_sync_with_tools_and_a_tool_result(no_network):
+    import anthropic
+
+    client = anthropic.Anthropic(max_retries=0)
+    history = [{"role": "user", "content": "Add 2 and 3."},
+               {"role": "assistant", "content": [{"type": "text", "text": "Calling."},
+                                                 {"type": "tool_use", "id": "toolu_1", "name": "add",
+                                                  "input": {"a": 2, "b": 3}}]},
+               {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "5"}]}]
+
+    def writer(state):
+        first = client.messages.create(model="claude-x", max_tokens=40, system="You add.",
+                                       messages=history[:1], tools=[ADD])
+        second = client.messages.create(model="claude-x", max_tokens=30, system="You add.", messages=history,
+                                        tools=[ADD])
+        return {"out": (first, second)}
+
+    policy = scripted_policy(["Calling. " + CALL, "It is 5."])
+    episode = instrument(one_node(writer), {"writer": policy}, strict=True).rollout({"q": "x"})
+    first, second = episode.final_state["out"]
+    assert first.stop_reason == "tool_use" and [b.type for b in first.content] == ["text", "tool_use"]
+    assert first.content[0].text == "Calling." and (first.content[1].name, first.content[1].input) == ("add", {"a": 2, "b": 3})
+    assert first.content[1].id == episode.turns[0].tool_calls[0]["id"]
+    assert second.content[0].text == "It is 5." and second.stop_reason == "end_turn"
+    turn = episode.turns[1]
+    assert second.usage.input_tokens == len(turn.prompt_ids) and second.usage.output_tokens == len(turn.response_ids)
+    lc = [SystemMessage("You add."), HumanMessage("Add 2 and 3."),
+          AIMessage("Calling.", tool_calls=[{"name": "add", "args": {"a": 2, "b": 3}, "id": "toolu_1"}]),
+          ToolMessage("5", tool_call_id="toolu_1")]
+    assert list(turn.prompt_ids) == policy.render(lc, [ADD])  # a LangChain call of these messages, tools bound
+    assert first.content and episode.turns[0].sampling.max_new_tokens == 40
+    assert no_network == []
+    policy.close()
+
+
+def test_anthropic_async_stream_and_forced_tool_choice(no_network):
+    import anthropic
+
+    client = anthropic.AsyncAnthropic(max_retries=0)
+
+    async def writer(state):
+        async with client.messages.stream(model="claude-x", max_tokens=50, messages=[{"role": "user", "content": "hi"}],
+                                          tools=[ADD], tool_choice={"type": "tool", "name": "add"}) as stream:
+            message = await stream.get_final_message()
+        return {"out": message}
+
+    policy = scripted_policy(['{"a": 1, "b": 4}'])
+    episode = asyncio.run(instrument(one_node(writer), {"writer": policy}, strict=True).arollout({"q": "x"}))
+    message = episode.final_state["out"]
+    assert [(b.type, b.name, b.input) for b in message.content] == [("tool_use", "add", {"a": 1, "b": 4})]
+    assert message.stop_reason == "tool_use" and message.usage.output_tokens == len(episode.turns[0].response_ids)
+    assert episode.turns[0].response_format == {"type": "tool", "name": "add", "schema": ADD["input_schema"]}
+    assert no_network == []
+    policy.close()
+
+
+def test_openai_responses_api_json_and_stream(no_network):
+    import openai
+
+    client = openai.OpenAI(max_retries=0)
+    tools = [{"type": "function", "name": "add", "description": "Add two numbers", "parameters": ADD["input_schema"]}]
+
+    def writer(state):
+        plain = client.responses.create(model="gpt-x", instructions="You write.", input="Write about cats.")
+        called = client.responses.create(model="gpt-x", input=[{"role": "user", "content": "add 2 3"}], tools=tools)
+        events = list(client.responses.create(model="gpt-x", input="Write about cats.", instructions="You write.",
+                                              stream=True))
+        return {"out": (plain.output_text, [(o.type, o.name, o.arguments) for o in called.output], events)}
+
+    policy = scripted_policy(["Cats purr.", CALL, "Cats nap."])
+    episode = instrument(one_node(writer), {"writer": policy}, strict=True).rollout({"q": "x"})
+    text, calls, events = episode.final_state["out"]
+    assert text == "Cats purr." and calls == [("function_call", "add", '{"a": 2, "b": 3}')]
+    assert list(episode.turns[0].prompt_ids) == policy.render(LC_MESSAGES)
+    assert events[-1].type == "response.completed" and events[-1].response.output_text == "Cats nap."
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == "Cats nap."
+    assert events[-1].response.usage.output_tokens == len(episode.turns[2].response_ids)
+    assert no_network == []
+    policy.close()
+
+
+def test_legacy_completions_prompt_in_text_out(no_network):
+    import openai
+
+    client = openai.OpenAI(max_retries=0)
+
+    def writer(state):
+        return {"out": client.completions.create(model="gpt-3.5-turbo-instruct", prompt="Once upon", max_tokens=8)}
+
+    policy = scripted_policy([" a time"])
+    episode = instrument(one_node(writer), {"writer": policy}, strict=True).rollout({"q": "x"})
+    reply, turn = episode.final_state["out"], episode.turns[0]
+    assert reply.choices[0].text == "a time"  # the policy's reply (its leading space is trimmed like a chat reply)
+    assert list(turn.prompt_ids) == policy.tokenizer.encode("Once upon", add_special_tokens=False)  # no template
+    assert turn.sampling.max_new_tokens == 8 and reply.usage.prompt_tokens == len(turn.prompt_ids)
+    assert no_network == []
+    policy.close()
+
+
+def test_litellm_completion_and_acompletion(no_network):
+    import litellm
+
+    def writer(state):
+        sync = litellm.completion(model="gpt-4o-mini", messages=MESSAGES, num_retries=0)
+        other = asyncio.run(litellm.acompletion(model="anthropic/claude-3-5-haiku-latest", messages=MESSAGES,
+                                                max_tokens=20, num_retries=0))
+        return {"out": (sync.choices[0].message.content, other.choices[0].message.content)}
+
+    policy = scripted_policy(["from openai", "from anthropic"])
+    episode = instrument(one_node(writer), {"writer": policy}, strict=True).rollout({"q": "x"})
+    assert episode.final_state["out"] == ("from openai", "from anthropic")
+    first, second = episode.turns
+    assert list(first.prompt_ids) == list(second.prompt_ids) == policy.render(LC_MESSAGES)
+    assert second.sampling.max_new_tokens == 20
+    assert no_network == []
+    policy.close()
+
+
+def test_raw_requests_and_aiohttp_posts_are_served(no_network):
+    import aiohttp
+    import requests
+
+    body = {"model": "m", "messages": MESSAGES}
+
+    async def with_aiohttp():
+        async with aiohttp.ClientSession() as session:
+            async with session.post("https://api.groq.com/openai/v1/chat/completions", json=body) as resp:
+                resp.raise_for_status()
+                return (await resp.json())["choices"][0]["message"]["content"]
+
+    def writer(state):
+        raw = requests.post("https://api.together.xyz/v1/chat/completions", json=body, timeout=5)
+        return {"out": (raw.status_code, raw.json()["choices"][0]["message"]["content"], asyncio.run(with_aiohttp()))}
+
+    policy = scripted_policy(["via requests", "via aiohttp"])
+    episode = instrument(one_node(writer), {"writer": policy}, strict=True).rollout({"q": "x"})
+    assert episode.final_state["out"] == (200, "via requests", "via aiohttp")
+    assert [t.agent for t in episode.turns] == ["writer", "writer"]
+    assert no_network == []
+    policy.close()
+
+
+def test_agent_named_on_the_request_and_node_globs_inside_a_subgraph(no_network):
+    """`X-Drmas-Agent` routes like `drmas_agent` metadata; a call inside a subgraph node has its node path,
+    matched by an `agents` glob, as a LangChain call there is."""
+    import openai
+
+    client = openai.OpenAI(max_retries=0)
+
+    def draft(state):
+        a = client.chat.completions.create(model="m", messages=MESSAGES).choices[0].message.content
+        b = client.chat.completions.create(model="m", messages=MESSAGES,
+                                           extra_headers={"X-Drmas-Agent": "critic"}).choices[0].message.content
+        return {"out": [a, b]}
+
+    outer = StateGraph(S)
+    outer.add_node("team", one_node(draft, "draft"))
+    outer.add_edge(START, "team")
+    outer.add_edge("team", END)
+    writer, critic = scripted_policy(["a draft"], name="w"), scripted_policy(["a critique"], name="c", seed=1)
+    app = instrument(outer.compile(), {"writer": writer, "critic": critic}, agents={"team/*": "writer"}, strict=True)
+    episode = app.rollout({"q": "x"})
+    assert episode.final_state["out"] == ["a draft", "a critique"]
+    assert [(t.agent, t.node, t.policy) for t in episode.turns] == [("writer", "team/draft", "w"),
+                                                                      ("critic", "team/draft", "c")]
+    assert no_network == []
+    writer.close()
+    critic.close()
+
+
+def test_a_template_that_drops_tools_is_reported():
+    """A chat template without tool support renders no schema: a warning in training, an error in strict mode."""
+    import openai
+
+    from drmas_graph import StrictModeError
+
+    client = openai.OpenAI(max_retries=0)
+    tools = [{"type": "function", "function": {"name": "lookup_weather", "parameters": {"type": "object"}}}]
+
+    def writer(state):
+        return {"out": client.chat.completions.create(model="m", messages=MESSAGES, tools=tools).choices[0].message.content}
+
+    no_tools = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    policy = scripted_policy(["ok"], chat_template=no_tools)
+    with pytest.warns(UserWarning, match=r"agent 'writer' \(node 'writer'\): the chat template of policy "
+                                         r"'scripted-s0' does not render the bound tool\(s\) \['lookup_weather'\]"):
+        instrument(one_node(writer), {"writer": policy}).rollout({"q": "x"})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per policy and tool
+        instrument(one_node(writer), {"writer": policy}).rollout({"q": "x"})
+    with pytest.raises(Exception) as info:
+        instrument(one_node(writer), {"writer": policy}, strict=True).rollout({"q": "x"})
+    assert isinstance(info.value.__cause__, StrictModeError) and "['lookup_weather']" in str(info.value.__cause__)
+    policy.close()
+
+
+def test_app_models_lets_a_deliberate_call_through(no_network):
+    import httpx
+
+    from drmas_graph import app_models
+    from tests._no_network import NetworkUsed
+
+    def writer(state):
+        with app_models():  # a judge: the app's own API, whatever the client
+            with pytest.raises(NetworkUsed):
+                httpx.post("https://api.openai.com/v1/chat/completions", json={"model": "m", "messages": MESSAGES})
+        return {"out": "judged"}
+
+    policy = scripted_policy(["x"])
+    app = instrument(two_nodes(writer), {"planner": policy, "writer": policy}, strict=True)
+    episode = app.rollout({"q": "x"})
+    assert episode.final_state["out"] == "judged" and len(no_network) == 1 and episode.error is None
+    policy.close()
+
+
+def test_a_plain_thread_outside_the_run_is_refused_in_strict_mode(no_network):
+    import threading
+
+    import openai
+
+    from drmas_graph import StrictModeError
+
+    client = openai.OpenAI(max_retries=0)
+    seen = []
+
+    def writer(state):
+        def work():
+            try:
+                client.chat.completions.create(model="m", messages=MESSAGES)
+            except Exception as exc:  # noqa: BLE001 - the test looks at it
+                seen.append(exc)
+        thread = threading.Thread(target=work)
+        thread.start()
+        thread.join()
+        return {"out": "x"}
+
+    policy = scripted_policy(["plan"])
+    with pytest.raises(Exception) as info:
+        instrument(two_nodes(writer), {"planner": policy, "writer": policy}, strict=True).rollout({"q": "x"})
+    assert isinstance(seen[0], StrictModeError) and "https://api.openai.com/v1/chat/completions" in str(seen[0])
+    assert "outside the context of every instrumented run" in str(info.value.__cause__)
+    assert no_network == []
+    policy.close()
