@@ -217,7 +217,7 @@ def test_not_strict_warns_and_records_the_unserved_request(no_network):
                                                  r"https://api.openai.com/v1/models"):
         episode = app.rollout({"q": "plan"})
     assert episode.metadata["unserved_calls"] == [
-        {"node": "writer", "client": "httpx", "url": "https://api.openai.com/v1/models"}]
+        {"node": "writer", "client": "httpx", "url": "https://api.openai.com/v1/models", "refused": False}]
     assert len(no_network) >= 1  # it did try to go out: warned, not silent
     policy.close()
 

@@ -275,3 +275,41 @@ def test_a_plain_thread_outside_the_run_is_refused_in_strict_mode(no_network):
     assert "outside the context of every instrumented run" in str(info.value.__cause__)
     assert no_network == []
     policy.close()
+
+
+def test_check_prints_the_calls_served_per_agent_and_names_the_unserved_ones(tmp_path, capsys, no_network):
+    from drmas_graph.cli import main
+    from tests._sdk_graphs import GEMINI
+    from tests.test_cli_train import write_config
+
+    cfg = write_config(tmp_path, graph="tests._sdk_graphs:sdk_solver_gemini_verifier",
+                       agents={"solver": {"model": "tiny", "sampling": {"max_new_tokens": 4}},
+                               "verifier": {"model": "tiny", "sampling": {"max_new_tokens": 4}}})
+    status = main(["check", str(cfg), "--groups", "2", "--set", "group_size=2"])
+    out = capsys.readouterr().out
+    assert status == 3, out  # training runs strict: every episode's Gemini request was refused, so it failed
+    assert "LLM calls served per agent: solver 4, verifier 0" in out
+    assert f"unserved LLM API requests: node 'verifier', 4 x httpx {GEMINI} (refused, strict mode)" in out
+    assert ("warning: agent 'verifier' has a policy but served no LLM call: it would not be trained. Likely cause: "
+            f"its node 'verifier' calls its model with httpx at {GEMINI}, in a shape drmas-graph does not serve") in out
+    assert (f"warning: node 'verifier' sent 4 LLM API request(s) with httpx to {GEMINI} that no policy served; "
+            "drmas-graph refused them (strict mode). It serves OpenAI Chat Completions") in out
+    assert no_network == []  # refused before any socket
+
+
+def test_check_names_an_agent_whose_node_is_named_otherwise():
+    from drmas_graph.train.loop._calls import CallCheck
+
+    sent = CallCheck(served={"judge": 3}, app_answered={}, unserved={("judge", "requests", "https://x.ai/v2/chat", False): 2},
+                     agent_of_node={"judge": "judge"})
+    assert sent.lines()[1] == "unserved LLM API requests: node 'judge', 2 x requests https://x.ai/v2/chat (sent to the remote API)"
+    assert sent.warnings()[0].startswith("node 'judge' sent 2 LLM API request(s) with requests to https://x.ai/v2/chat "
+                                         "that no policy served; drmas-graph let them go to the remote API unserved")
+    calls = CallCheck(served={"writer": 0}, app_answered={"write": 6}, unserved={})
+    assert calls.lines() == ["LLM calls served per agent: writer 0",
+                             "answered by the app's own model (agents without a policy): write 6"]
+    assert calls.warnings() == [
+        "agent 'writer' has a policy but served no LLM call: it would not be trained. Likely cause: the calls came "
+        "from agent(s) ['write'], which have no policy, so the app's own model answered them. Fix: if 'writer' is "
+        "meant to be one of them, name its policy after that node (agents: {'write': ...} in the config) or map the "
+        "node to it with instrument(..., agents={'<node glob>': 'writer'})"]

@@ -32,8 +32,10 @@ _SEAM = {  # public name -> the module that defines it; loaded on first use
     "episode_seed": "drmas_graph.instrumentation._seeds",
     "EpisodeInterruptedError": "drmas_graph.instrumentation._segments",
     "continuation_from_env": "drmas_graph.instrumentation._segments",
+    "UNSERVED_KEY": "drmas_graph.instrumentation._wire",
 }
-"""The names train/'s rollouts use: an episode's limits and their backstop, its sampling seed, interrupts."""
+"""The names train/'s rollouts use: an episode's limits and their backstop, its sampling seed, interrupts, and
+the episode metadata key of its LLM API requests that no policy served (`check` reports them)."""
 
 
 def __getattr__(name: str) -> _Any:

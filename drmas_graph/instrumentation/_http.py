@@ -184,15 +184,16 @@ def _unserved(handler: Any, client: str, method: str, url: str) -> None:
     if getattr(handler, "offline", False):
         raise StrictModeError(f"{what}; replay never sends a request. Record the call through a client drmas-graph "
                               "serves, or wrap the deliberate call in drmas_graph.app_models().")
-    if _strict(handler):
+    strict = _strict(handler)
+    note = getattr(handler, "note_unserved", None)
+    if note is not None:
+        note({"node": node, "client": client, "url": url, "refused": strict})
+    if strict:
         error = StrictModeError(f"{what}; strict=True refuses it. Call the model through a served API, or wrap "
                                 "a deliberate call (a judge) in drmas_graph.app_models().")
         if hasattr(handler, "refused"):
             handler.refused(error)  # the episode fails even if the app catches the error
         raise error
-    note = getattr(handler, "note_unserved", None)
-    if note is not None:
-        note({"node": node, "client": client, "url": url})
     warnings.warn(UnservedCallWarning(f"{what}; it is sent to the remote API unserved and unrecorded."), stacklevel=4)
 
 
@@ -204,16 +205,16 @@ def _unattributed(client: str, url: str) -> None:
             "the graph run without the instrumented wrapper. Fix: make the call from the node's own thread, a "
             "concurrent.futures.ThreadPoolExecutor or loop.run_in_executor, or wrap a deliberate call in "
             "drmas_graph.app_models().")
-    strict = [r for r in runs if _strict(r)]
+    strict = any(_strict(r) for r in runs)
+    for run in runs if len(runs) == 1 else ():  # unambiguous: the one active episode made it
+        note = getattr(run, "note_unserved", None)
+        if note is not None:
+            note({"node": "<outside any run>", "client": client, "url": url, "refused": strict})
     if strict:
         error = StrictModeError(what)
         if len(runs) == 1 and hasattr(runs[0], "refused"):
             runs[0].refused(error)
         raise error
-    for run in runs if len(runs) == 1 else ():
-        note = getattr(run, "note_unserved", None)
-        if note is not None:
-            note({"node": "<outside any run>", "client": client, "url": url})
     warnings.warn(UnservedCallWarning(what + " It is sent unserved."), stacklevel=4)
 
 

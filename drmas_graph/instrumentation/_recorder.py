@@ -63,7 +63,7 @@ class _EpisodeRecorder:
             self.refusal = self.refusal or error
 
     def note_unserved(self, request: dict[str, str]) -> None:
-        """An LLM API request of this episode went out unserved ({node, client, url}; not strict: warned)."""
+        """An LLM API request of this episode that no policy served ({node, client, url, refused})."""
         with self._lock:
             self.episode.metadata.setdefault(UNSERVED_KEY, []).append(dict(request))
 

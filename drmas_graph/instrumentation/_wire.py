@@ -42,7 +42,8 @@ AGENT_HEADER = "x-drmas-agent"
 """Request header naming the agent of a call (case-insensitive), like `drmas_agent` run metadata."""
 
 UNSERVED_KEY = "unserved_calls"
-"""`Episode.metadata` key: the LLM API requests of the episode that went out unserved ({node, client, url})."""
+"""`Episode.metadata` key: the LLM API requests of the episode that no policy served ({node, client, url,
+refused}: refused in strict mode, else sent to the remote API with a warning)."""
 
 LLM_HOSTS = ("api.openai.com", "api.anthropic.com", "generativelanguage.googleapis.com", "api.mistral.ai",
              "api.groq.com", "api.together.xyz", "openrouter.ai")
