@@ -49,6 +49,7 @@ from drmas_graph.instrumentation._intercept import (
     node_path,
 )
 from drmas_graph.instrumentation._intercept import install as install_chat_hooks
+from drmas_graph.instrumentation.endpoint import is_endpoint_url
 from drmas_graph.instrumentation._wire import UNSERVED_KEY, WireCall, is_llm_url, parse_request
 from drmas_graph.instrumentation._wire_replies import decode, encode
 
@@ -157,6 +158,8 @@ def _site(call: WireCall, client: str, url: str) -> CallSite:
 def _plan(client: str, method: str, url: str, headers: Mapping[str, str], body: bytes | None) -> _Plan | None:
     """The plan for a request made while `_watching()`; None: send it as it is (after a warning if it is an
     LLM API request that no run can serve). Raises `StrictModeError` for one a strict run refuses."""
+    if is_endpoint_url(url):  # the run's own local endpoint serves it, with the agent its URL names
+        return None
     handler = ACTIVE_HANDLER.get()
     if handler is None:  # a thread outside every run, while runs are active
         if is_llm_url(url):
