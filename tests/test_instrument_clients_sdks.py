@@ -155,20 +155,34 @@ def test_raw_requests_and_aiohttp_posts_are_served(no_network):
 
     body = {"model": "m", "messages": MESSAGES}
 
+    def deltas(lines):
+        chunks = [json.loads(line[len("data: "):]) for line in lines if line.startswith("data: {")]
+        return "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+
     async def with_aiohttp():
         async with aiohttp.ClientSession() as session:
             async with session.post("https://api.groq.com/openai/v1/chat/completions", json=body) as resp:
                 resp.raise_for_status()
-                return (await resp.json())["choices"][0]["message"]["content"]
+                whole = (await resp.json())["choices"][0]["message"]["content"]
+            async with session.post("https://api.groq.com/openai/v1/chat/completions",
+                                    json={**body, "stream": True}) as resp:
+                lines = [line.decode().strip() async for line in resp.content]
+        return whole, deltas(lines)
 
     def writer(state):
         raw = requests.post("https://api.together.xyz/v1/chat/completions", json=body, timeout=5)
-        return {"out": (raw.status_code, raw.json()["choices"][0]["message"]["content"], asyncio.run(with_aiohttp()))}
+        streamed = requests.post("https://api.together.xyz/v1/chat/completions", json={**body, "stream": True},
+                                 stream=True, timeout=5)
+        assert streamed.headers["content-type"] == "text/event-stream"
+        text = deltas(streamed.iter_lines(decode_unicode=True))
+        return {"out": (raw.status_code, raw.json()["choices"][0]["message"]["content"], text,
+                        *asyncio.run(with_aiohttp()))}
 
-    policy = scripted_policy(["via requests", "via aiohttp"])
+    policy = scripted_policy(["via requests", "streamed by requests", "via aiohttp", "streamed by aiohttp"])
     episode = instrument(one_node(writer), {"writer": policy}, strict=True).rollout({"q": "x"})
-    assert episode.final_state["out"] == (200, "via requests", "via aiohttp")
-    assert [t.agent for t in episode.turns] == ["writer", "writer"]
+    assert episode.final_state["out"] == (200, "via requests", "streamed by requests", "via aiohttp",
+                                          "streamed by aiohttp")
+    assert [t.agent for t in episode.turns] == ["writer"] * 4
     assert no_network == []
     policy.close()
 

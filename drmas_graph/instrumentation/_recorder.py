@@ -105,7 +105,7 @@ class _EpisodeRecorder:
         with policy.announce():
             if site.prompt is None:
                 prompt_ids = policy.render(site.messages, site.tools, spec)
-                check_tools_rendered(policy, prompt_ids, site.tools, where, self.strict)
+                check_tools_rendered(policy, prompt_ids, site, spec, where, self.strict)
             else:  # a text prompt (the legacy Completions API): the model reads it as it is
                 prompt_ids = list(policy.tokenizer.encode(site.prompt, add_special_tokens=False))
             own = self.app.agent_for_node(site.node) == agent  # the node's own agent: seeds without the agent
@@ -241,30 +241,35 @@ class _Recorder(_EpisodeRecorder):
             return await super().ahandle(site, original)
 
 
-_UNRENDERED: weakref.WeakKeyDictionary[Policy, set[str]] = weakref.WeakKeyDictionary()
-"""Per policy, the tools already reported as missing from its rendered prompts (a warning once per tool)."""
+_RENDERS_TOOLS: weakref.WeakKeyDictionary[Policy, bool] = weakref.WeakKeyDictionary()
+"""Per policy: whether its chat template renders bound tools at all (found at its first call with tools)."""
+_REPORTED: weakref.WeakKeyDictionary[Policy, set[str]] = weakref.WeakKeyDictionary()
+"""Per policy, the tools already warned about (a warning once per tool)."""
 
 
-def check_tools_rendered(policy: Policy, prompt_ids: Sequence[int], tools: Sequence[dict], where: str,
+def check_tools_rendered(policy: Policy, prompt_ids: Sequence[int], site: CallSite, spec: dict | None, where: str,
                          strict: bool) -> None:
-    """Tools bound to a call whose names the policy's chat template left out of the prompt (templates without
-    tool support drop them without a word): a `StrictModeError` in strict mode, else a warning (once per
-    policy and tool). The model would never see the tool it is meant to call."""
-    if not tools:
+    """Tools bound to a call that the policy's chat template leaves out of the prompt (a template without tool
+    support drops them without a word; found once per policy by rendering the call without its tools): a
+    `StrictModeError` in strict mode, else a warning (once per policy and tool). The model would never see the
+    tool it is meant to call."""
+    if not site.tools:
         return
-    text = policy.tokenizer.decode(list(prompt_ids))
-    missing = [name for name in (t.get("function", t).get("name") for t in tools) if name and name not in text]
-    if not missing:
+    renders = _RENDERS_TOOLS.get(policy)
+    if renders is None:
+        renders = _RENDERS_TOOLS[policy] = list(prompt_ids) != policy.render(site.messages, None, spec)
+    if renders:
         return
+    names = [t.get("function", t).get("name") for t in site.tools]
     message = (f"{where}: the chat template of policy {policy.name!r} does not render the bound tool(s) "
-               f"{missing}: the prompt the model sees has no schema for them, so it cannot learn to call them. "
+               f"{names}: the prompt the model sees has no schema for them, so it cannot learn to call them. "
                "Give the policy a chat template that renders `tools` (Policy(chat_template=...), e.g. the "
                "model's tool-use template) or a model whose template does.")
     if strict:
         raise StrictModeError(message + " (strict=True)")
-    seen = _UNRENDERED.setdefault(policy, set())
-    if not set(missing) <= seen:
-        seen.update(missing)
+    seen = _REPORTED.setdefault(policy, set())
+    if not set(names) <= seen:
+        seen.update(names)
         warnings.warn(message, UserWarning, stacklevel=5)
 
 
