@@ -311,3 +311,48 @@ def test_agent_without_policy_is_answered_by_the_api_and_replay_does_not_ask_it_
     assert "agent 'writer', which has no policy (strict=True)" in str(info.value.__cause__)
     assert len(received) == 1
     policy.close()
+
+
+def test_replay_refuses_an_llm_request_it_cannot_answer(tmp_path, no_network):
+    """Recorded without strict: the Gemini request was warned about (and stopped at the socket here). Replay
+    refuses it before any socket: it never sends a request."""
+    import httpx
+
+    from drmas_graph import replay
+    from drmas_graph.errors import UnservedCallWarning
+
+    outcomes = []
+
+    def writer(state):
+        try:
+            httpx.post(GEMINI, json={"contents": []})
+        except Exception as exc:  # noqa: BLE001 - the app shrugs it off; the test looks at it
+            outcomes.append(type(exc).__name__)
+        return {"out": "done"}
+
+    policy = scripted_policy(["plan"])
+    store = TraceStore(tmp_path / "traces")
+    graph = two_nodes(writer)
+    with pytest.warns(UnservedCallWarning):
+        episode = instrument(graph, {"planner": policy, "writer": policy}, store=store).rollout({"q": "plan"})
+    assert outcomes == ["NetworkUsed"] and len(no_network) == 1
+    result = replay(graph, store, episode.id)
+    assert outcomes == ["NetworkUsed", "StrictModeError"] and len(no_network) == 1
+    assert result.divergences == [] and result.final_state["out"] == "done"
+    policy.close()
+
+
+def test_a_responses_request_that_needs_server_state_is_refused_by_name(no_network):
+    import openai
+
+    client = openai.OpenAI(max_retries=0)
+
+    def writer(state):
+        return {"out": client.responses.create(model="m", input="more", previous_response_id="resp_1").output_text}
+
+    policy = scripted_policy(["plan"])
+    with pytest.raises(Exception) as info:
+        instrument(two_nodes(writer), {"planner": policy, "writer": policy}).rollout({"q": "plan"})
+    assert "previous_response_id='resp_1' refers to state stored on OpenAI's servers" in str(info.value.__cause__)
+    assert no_network == []
+    policy.close()

@@ -182,6 +182,10 @@ def _completions(data: dict, agent: str | None, url: str) -> WireCall:
 
 # ---- OpenAI Responses ---------------------------------------------------------------------------------
 def _responses(data: dict, agent: str | None) -> WireCall:
+    for key in ("previous_response_id", "conversation", "prompt"):
+        if data.get(key):
+            raise ConfigError(f"responses: {key}={data[key]!r} refers to state stored on OpenAI's servers, which a "
+                              "policy does not have; send the whole conversation in `input` instead")
     messages: list[BaseMessage] = []
     if data.get("instructions"):
         messages.append(SystemMessage(str(data["instructions"])))
