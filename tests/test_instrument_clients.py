@@ -356,3 +356,42 @@ def test_a_responses_request_that_needs_server_state_is_refused_by_name(no_netwo
     assert "previous_response_id='resp_1' refers to state stored on OpenAI's servers" in str(info.value.__cause__)
     assert no_network == []
     policy.close()
+
+
+def test_send_fanout_and_a_thread_pool_keep_the_node_instance(no_network):
+    """SDK calls in `Send` instances and in a thread pool a node uses get the call keys a LangChain call there
+    gets: 'worker[i]' per Send, the node's own key inside its pool."""
+    import concurrent.futures
+    import operator
+    from typing import Annotated
+
+    import openai
+    from langgraph.types import Send
+
+    client = openai.OpenAI(max_retries=0)
+
+    class F(TypedDict, total=False):
+        items: list
+        out: Annotated[list, operator.add]
+        item: str
+
+    def ask(text):
+        return client.chat.completions.create(model="m", messages=[{"role": "user", "content": text}]
+                                              ).choices[0].message.content
+
+    def worker(state):
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            extra = list(pool.map(ask, [state["item"] + "!"]))
+        return {"out": [ask(state["item"])] + extra}
+
+    g = StateGraph(F)
+    g.add_node("worker", worker)
+    g.add_conditional_edges(START, lambda s: [Send("worker", {"item": i}) for i in s["items"]], ["worker"])
+    g.add_edge("worker", END)
+    policy = scripted_policy(lambda prompt: "ok")
+    episode = instrument(g.compile(), {"worker": policy}, strict=True).rollout({"items": ["a", "b", "c"]})
+    assert sorted((t.call_key, t.node_call_index) for t in episode.turns) == [
+        (f"worker[{i}]", n) for i in range(3) for n in range(2)]
+    assert {t.agent for t in episode.turns} == {"worker"} and len(episode.final_state["out"]) == 6
+    assert no_network == []
+    policy.close()
