@@ -327,3 +327,23 @@ def test_check_names_an_agent_whose_node_is_named_otherwise():
         "from agent(s) ['write'], which have no policy, so the app's own model answered them. Fix: if 'writer' is "
         "meant to be one of them, name its policy after that node (agents: {'write': ...} in the config) or map the "
         "node to it with instrument(..., agents={'<node glob>': 'writer'})"]
+
+
+def test_a_dropped_tool_warns_in_a_training_rollout_even_when_strict():
+    """Training runs strict; its episodes carry their phase: the dropped tool warns and training goes on."""
+    import openai
+
+    client = openai.OpenAI(max_retries=0)
+    tools = [{"type": "function", "function": {"name": "lookup_tide", "parameters": {"type": "object"}}}]
+
+    def writer(state):
+        return {"out": client.chat.completions.create(model="m", messages=MESSAGES, tools=tools).choices[0].message.content}
+
+    no_tools = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    policy = scripted_policy(["ok"], chat_template=no_tools, name="no-tools-template")
+    with pytest.warns(UserWarning, match=r"does not render the bound tool\(s\) \['lookup_tide'\]"):
+        episode = instrument(one_node(writer), {"writer": policy}, strict=True).rollout(
+            {"q": "x"}, metadata={"phase": "train", "step": 0})
+    assert episode.final_state["out"] == "ok"
+    policy.close()

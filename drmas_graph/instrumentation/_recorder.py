@@ -105,7 +105,10 @@ class _EpisodeRecorder:
         with policy.announce():
             if site.prompt is None:
                 prompt_ids = policy.render(site.messages, site.tools, spec)
-                check_tools_rendered(policy, prompt_ids, site, spec, where, self.strict)
+                # an error in a strict run of the app; a warning in training (its episodes carry their phase),
+                # which goes on without the tools rather than fail every episode
+                refuse = self.strict and "phase" not in self.episode.metadata
+                check_tools_rendered(policy, prompt_ids, site, spec, where, refuse)
             else:  # a text prompt (the legacy Completions API): the model reads it as it is
                 prompt_ids = list(policy.tokenizer.encode(site.prompt, add_special_tokens=False))
             own = self.app.agent_for_node(site.node) == agent  # the node's own agent: seeds without the agent
@@ -252,7 +255,7 @@ def check_tools_rendered(policy: Policy, prompt_ids: Sequence[int], site: CallSi
     """Tools bound to a call that the policy's chat template leaves out of the prompt (a template without tool
     support drops them without a word; found once per policy by rendering the call without its tools): a
     `StrictModeError` in strict mode, else a warning (once per policy and tool). The model would never see the
-    tool it is meant to call."""
+    tool it is meant to call. `strict`: raise instead of warning."""
     if not site.tools:
         return
     renders = _RENDERS_TOOLS.get(policy)
