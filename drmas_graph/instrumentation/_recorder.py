@@ -108,7 +108,11 @@ class _EpisodeRecorder:
                 # an error in a strict run of the app; a warning in training (its episodes carry their phase),
                 # which goes on without the tools rather than fail every episode
                 refuse = self.strict and "phase" not in self.episode.metadata
-                check_tools_rendered(policy, prompt_ids, site, spec, where, refuse)
+                try:
+                    check_tools_rendered(policy, prompt_ids, site, spec, where, refuse)
+                except StrictModeError as exc:
+                    self.refused(exc)  # the episode fails even if the app catches the error
+                    raise
             else:  # a text prompt (the legacy Completions API): the model reads it as it is
                 prompt_ids = list(policy.tokenizer.encode(site.prompt, add_special_tokens=False))
             own = self.app.agent_for_node(site.node) == agent  # the node's own agent: seeds without the agent
