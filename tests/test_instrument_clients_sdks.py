@@ -112,20 +112,27 @@ def test_openai_responses_api_json_and_stream(no_network):
     policy.close()
 
 
-def test_legacy_completions_prompt_in_text_out(no_network):
+def test_legacy_completions_prompt_in_text_out(tmp_path, no_network):
     import openai
+
+    from drmas_graph import TraceStore, replay
 
     client = openai.OpenAI(max_retries=0)
 
     def writer(state):
-        return {"out": client.completions.create(model="gpt-3.5-turbo-instruct", prompt="Once upon", max_tokens=8)}
+        reply = client.completions.create(model="gpt-3.5-turbo-instruct", prompt="Once upon", max_tokens=8)
+        return {"out": [reply.choices[0].text, reply.usage.prompt_tokens]}
 
     policy = scripted_policy([" a time"])
-    episode = instrument(one_node(writer), {"writer": policy}, strict=True).rollout({"q": "x"})
-    reply, turn = episode.final_state["out"], episode.turns[0]
-    assert reply.choices[0].text == "a time"  # the policy's reply (its leading space is trimmed like a chat reply)
+    store = TraceStore(tmp_path / "traces")
+    graph = one_node(writer)
+    episode = instrument(graph, {"writer": policy}, strict=True, store=store).rollout({"q": "x"})
+    (text, prompt_tokens), turn = episode.final_state["out"], episode.turns[0]
+    assert text == " a time" == turn.response_text  # the text as generated
     assert list(turn.prompt_ids) == policy.tokenizer.encode("Once upon", add_special_tokens=False)  # no template
-    assert turn.sampling.max_new_tokens == 8 and reply.usage.prompt_tokens == len(turn.prompt_ids)
+    assert turn.sampling.max_new_tokens == 8 and prompt_tokens == len(turn.prompt_ids)
+    result = replay(graph, store, episode.id)
+    assert result.divergences == [] and result.final_state["out"] == [" a time", prompt_tokens]
     assert no_network == []
     policy.close()
 

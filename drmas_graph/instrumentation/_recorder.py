@@ -189,7 +189,8 @@ class _EpisodeRecorder:
             failure.turn_index = index
             if RAW_BRANCH_TAG not in site.tags:
                 raise failure
-        return ChatResult(generations=[ChatGeneration(message=message)])
+        # the reply as generated (cut at a stop string, not stripped): a legacy Completions answer's text
+        return ChatResult(generations=[ChatGeneration(message=message, generation_info={"text": reply})])
 
     def _message_id(self, index: int) -> str:
         return f"drmas-{self.episode.id}-{index}"

@@ -52,6 +52,9 @@ def _arguments(call: dict) -> str:
 def encode(call: WireCall, results: list[ChatResult]) -> tuple[str, bytes]:
     """(content type, body) of the answer to `call` made of the handler's `results` (one per choice)."""
     messages = [r.generations[0].message for r in results]
+    if call.protocol == COMPLETIONS:  # text out as generated (a chat reply's content is stripped, tools parsed)
+        messages = [m.model_copy(update={"content": (r.generations[0].generation_info or {}).get("text", m.content)})
+                    for m, r in zip(messages, results)]
     encoder = {CHAT: _chat, COMPLETIONS: _completions, RESPONSES: _responses, ANTHROPIC: _anthropic}[call.protocol]
     if not call.stream:
         return JSON, json.dumps(encoder(call, messages)).encode()

@@ -286,7 +286,8 @@ def _recorded_answer(turn: Turn, site: CallSite) -> ChatResult:
                              policy_version=turn.policy_version, agent=turn.agent, index=turn.index,
                              n_prompt=len(turn.prompt_ids), n_response=len(turn.response_ids),
                              message_id=turn.message_id, additional_kwargs=extra)
-    return ChatResult(generations=[ChatGeneration(message=message)])
+    info = {"text": text} if turn.trainable else None  # the recorder's (`_recorder._served`)
+    return ChatResult(generations=[ChatGeneration(message=message, generation_info=info)])
 
 
 @dataclass
