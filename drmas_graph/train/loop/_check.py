@@ -112,7 +112,7 @@ class CheckReport:
                 out.append(f"agent {agent!r}: {a.invalid_rate:.0%} of its turns were invalid (format errors "
                            f"{a.format_error_rate:.0%}); each costs invalid_penalty")
         out += [f"agent {a!r} acted in no scored episode: it would not be trained (does the graph reach it?)"
-                for a in self.silent if self.calls is None]
+                for a in self.silent if self.calls is None or self.calls.served.get(a, 0) > 0]
         if self.calls is not None:
             out += self.calls.warnings()
         unfinished = self.counts.get("truncated_episodes", 0) + self.counts.get("model_error_episodes", 0)
