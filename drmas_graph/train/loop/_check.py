@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 from drmas_graph.train.loop import _scoring
+from drmas_graph.train.loop._calls import CallCheck, calls_of
 from drmas_graph.train.loop._state import HasRunState, RunState, run_state
 from drmas_graph.train.loop.metrics import mean_std
 
@@ -79,6 +80,8 @@ class CheckReport:
     """Per agent that acted, by name."""
     silent: tuple[str, ...] = ()
     """Agents with a policy that acted in no scored episode."""
+    calls: CallCheck | None = None
+    """Which LLM calls the episodes made and who answered them (`calls_of`)."""
 
     @property
     def reward_metrics(self) -> dict[str, float]:
@@ -109,7 +112,9 @@ class CheckReport:
                 out.append(f"agent {agent!r}: {a.invalid_rate:.0%} of its turns were invalid (format errors "
                            f"{a.format_error_rate:.0%}); each costs invalid_penalty")
         out += [f"agent {a!r} acted in no scored episode: it would not be trained (does the graph reach it?)"
-                for a in self.silent]
+                for a in self.silent if self.calls is None or self.calls.served.get(a, 0) > 0]
+        if self.calls is not None:
+            out += self.calls.warnings()
         unfinished = self.counts.get("truncated_episodes", 0) + self.counts.get("model_error_episodes", 0)
         failed = sum(self.counts.get(k, 0)
                      for k in ("failed_episodes", "bad_reward_episodes", "judge_failed_episodes"))
@@ -141,6 +146,8 @@ class CheckReport:
                         f"{a.format_error_rate:>8.0%}{a.truncated_reply_rate:>9.0%}")
         for agent, a in self.agents.items():
             rows.append(f"sample reply of {agent}: {a.sample_reply!r}")
+        if self.calls is not None:
+            rows += self.calls.lines()
         scoring = [f"{k} {v:g}" for k, v in self.reward_metrics.items()]
         if scoring:
             rows.append("scoring (the environment's reward_metrics): " + ", ".join(scoring))
@@ -165,9 +172,11 @@ def preflight(run: RunState | HasRunState, n_groups: int, progress: Any = None) 
     pools = getattr(stats, "n_pools", 0)
     signal = pools - getattr(stats, "n_zero_variance_pools", 0) - getattr(stats, "n_singleton_pools", 0)
     agents = {a: _agent_check(a, scored) for a in state.agent_policies}
+    episodes = [ep for _, ep in batch.runs] + [e.episode for e in batch.errors if e.episode is not None]
     return CheckReport(groups=len(tasks), group_size=cfg.group_size, episodes=len(scored), counts=dict(counts),
                        pools=pools, signal_pools=signal, agents={a: c for a, c in agents.items() if c is not None},
-                       silent=tuple(a for a, c in agents.items() if c is None))
+                       silent=tuple(a for a, c in agents.items() if c is None),
+                       calls=calls_of(episodes, list(state.agent_policies), state.app.agent_for_node))
 
 
 def _agent_check(agent: str, scored: _scoring.Scored) -> AgentCheck | None:
