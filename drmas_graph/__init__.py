@@ -31,6 +31,8 @@ _EXPORTS: dict[str, str] = {
     "instrument": "drmas_graph.instrumentation.instrumented",
     "InstrumentedGraph": "drmas_graph.instrumentation.instrumented",
     "app_models": "drmas_graph.instrumentation.instrumented",
+    "llm_base_url": "drmas_graph.instrumentation.endpoint",
+    "llm_env": "drmas_graph.instrumentation.endpoint",
     "Policy": "drmas_graph.policy",
     "TransformersPolicy": "drmas_graph.engine.transformers_policy",
     # core types
@@ -113,6 +115,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs
         UnknownAgentError,
         UnservedCallWarning,
     )
+    from drmas_graph.instrumentation.endpoint import llm_base_url, llm_env
     from drmas_graph.instrumentation.instrumented import InstrumentedGraph, app_models, instrument
     from drmas_graph.policy import Policy
     from drmas_graph.traces.replay import Divergence, ReplayResult, areplay, replay

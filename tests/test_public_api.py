@@ -59,6 +59,7 @@ def test_docs_training_example_runs(tmp_path, monkeypatch):
 _NOT_PUBLIC = {  # private control flow: raised and caught inside one module, never seen by a caller
     "drmas_graph.traces.replay._StopReplay": "replay's own stop at a divergence, caught by `_serving`",
     "drmas_graph.rewards._judge._CallFailed": "a judge model call that raised or timed out, retried by the judge",
+    "drmas_graph.instrumentation._http._ErrorReply": "the app's own API answered an HTTP error, handed on as it came",
 }
 _NOT_PUBLIC_PENDING: set[str] = set()  # drmas_graph.train exports AsyncTimeoutError
 _REPLACES_EXCEPTION = {  # they stand for any exception, so no narrower stdlib type
@@ -66,6 +67,7 @@ _REPLACES_EXCEPTION = {  # they stand for any exception, so no narrower stdlib t
     "drmas_graph.traces.weave_export.EpisodeError": "an episode's recorded failure, whatever raised it, on its Weave call",
     "drmas_graph.traces.weave_export.JudgementError": "the judge's recorded failure, whatever raised it, on its call",
     "drmas_graph.traces.replay._StopReplay": "control flow", "drmas_graph.rewards._judge._CallFailed": "any model error",
+    "drmas_graph.instrumentation._http._ErrorReply": "control flow",
 }
 
 
@@ -122,10 +124,10 @@ def test_the_instrumentation_seams_are_its_own_objects():
     """What replay, the served policies and the judge use of instrumentation (issue 39): public names bound to
     the very objects the instrumentation runs with, so a replay and an instrumented run share one hook."""
     from drmas_graph import instrumentation
-    from drmas_graph.instrumentation import _intercept, _outcomes, _recorder, _segments, _threads, replaying
+    from drmas_graph.instrumentation import _http, _intercept, _outcomes, _recorder, _segments, _threads, replaying
     from drmas_graph.served._base import current_route_key
 
-    assert replaying.ACTIVE_HANDLER is _intercept.ACTIVE_HANDLER and replaying.install is _intercept.install
+    assert replaying.ACTIVE_HANDLER is _intercept.ACTIVE_HANDLER and replaying.install is _http.install
     assert replaying.CallSite is _intercept.CallSite and replaying.note_stop is _outcomes.note_stop
     assert replaying.EpisodeRecorder is _recorder._EpisodeRecorder and replaying.cut_at_stop is _recorder._cut_at_stop
     assert replaying.fork_config is _threads.fork_config and replaying.pending_interrupts is _segments.pending_interrupts

@@ -92,9 +92,9 @@ def run(samples: list[Sample], *, model=None, agent_settings=AGENTS, old_logprob
     return metrics, grads, params
 
 
-def assert_same_step(a, b, start: dict | None = None, *, grads: bool = True) -> None:
-    """Two updates took the same step: loss and grad norm rel 1e-5; each gradient tensor rel 1e-5 of its
-    largest entry. Parameters after the first AdamW step, p = w0 (1 - lr wd) - lr u with u = g / (|g| + eps):
+def assert_same_step(a, b, start: dict | None = None, *, grads: bool = True, grad_rtol: float = 1e-5) -> None:
+    """Two updates took the same step: loss and grad norm rel 1e-5; each gradient tensor rel `grad_rtol` (1e-5)
+    of its largest entry. Parameters after the first AdamW step, p = w0 (1 - lr wd) - lr u with u = g / (|g| + eps):
     where |u| > 0.9999 on both sides (|g| > 1e-4 = 1e4 eps) u agrees to 1e-5 beyond the float32 resolution
     of p (2 ulp(w0) / lr: 2.4e-4 for a norm weight of 1 at lr 1e-3); near |g| ~ eps = 1e-8 the ratio
     amplifies the float roundoff of any other summation order (as a different micro-batch size does), so
@@ -105,7 +105,7 @@ def assert_same_step(a, b, start: dict | None = None, *, grads: bool = True) -> 
     if grads:
         assert set(ga) == set(gb) and ga
         for k in ga:
-            torch.testing.assert_close(gb[k], ga[k], rtol=0, atol=1e-5 * ga[k].abs().max().item() + 1e-12, msg=k)
+            torch.testing.assert_close(gb[k], ga[k], rtol=0, atol=grad_rtol * ga[k].abs().max().item() + 1e-12, msg=k)
     if start is not None:
         n_full = n_all = 0
         for k, w0 in start.items():
@@ -192,8 +192,11 @@ def test_packed_update_takes_the_padded_step(estimator, agg):
                                      {"n_minibatches": 2}])
 def test_packed_update_takes_the_padded_step_with(samples, changes):
     first_step = "n_minibatches" not in changes  # two AdamW steps: u is no longer g / (|g| + eps)
+    # With two mini-batches the gradients compared are the second one's, taken at weights after a first AdamW
+    # step, where u = g / (|g| + eps) amplified the packed/padded summation roundoff (see assert_same_step):
+    # measured 1.09e-5 of the largest entry on an AMD EPYC machine (the test failed there at 1e-5), 1e-4 allowed.
     assert_same_step(run(samples, pack_prefixes=False, **changes), run(samples, **changes),
-                     initial_params() if first_step else None)
+                     initial_params() if first_step else None, grad_rtol=1e-5 if first_step else 1e-4)
 
 
 @pytest.mark.parametrize("micro", [1, 2, 16])

@@ -180,7 +180,7 @@ def _cmd_check(args: argparse.Namespace, console: Console) -> int:
     finally:
         trainer.close()
     for line in report.lines():
-        console.print(line, markup=False)
+        console.print(line, markup=False, soft_wrap=True)  # a URL or a fix stays on its line, whole
     console.print(f"episodes: {cfg.run_dir}", markup=False)
     return 0 if report.has_signal else NO_SIGNAL_EXIT
 

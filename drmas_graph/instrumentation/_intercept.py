@@ -51,15 +51,16 @@ from drmas_graph._chat import normalize_tools
 from drmas_graph.errors import StrictModeError, UnservedCallWarning
 
 __all__ = ["CallSite", "CallHandler", "ACTIVE_HANDLER", "APP_MODELS", "install", "node_path", "call_key",
-           "active_run", "register_run", "unregister_run", "app_models", "interrupt_node", "active_handler"]
+           "active_run", "register_run", "unregister_run", "app_models", "interrupt_node", "active_handler",
+           "POLICY_REQUESTS", "policy_requests", "active_runs"]
 
 
 @dataclass(frozen=True)
 class CallSite:
     """Everything known about one intercepted chat-model call."""
 
-    model: BaseChatModel
-    """The application's chat model object (called for non-trainable agents)."""
+    model: BaseChatModel | None
+    """The application's chat model object; None for a request caught at the HTTP layer (`_http`)."""
     messages: list[BaseMessage]
     """The prompt."""
     stop: list[str] | None
@@ -79,6 +80,12 @@ class CallSite:
     """The model call's keyword arguments (`tool_choice`, `response_format`, ...), as bound by the caller."""
     tags: tuple[str, ...] = ()
     """The call's run tags (`map:key:raw`: the raw branch of `with_structured_output(include_raw=True)`)."""
+    client: str = "langchain"
+    """What made the call: 'langchain' (a chat model), else the HTTP client ('httpx', 'requests', 'aiohttp')."""
+    url: str | None = None
+    """The request's URL, for a call caught at the HTTP layer."""
+    prompt: str | None = None
+    """A prompt given as text (the legacy Completions API): encoded as is, without the chat template."""
 
     @property
     def agent_name(self) -> str | None:
@@ -109,6 +116,21 @@ without a policy, `app_models()`)."""
 ACTIVE_HANDLER: ContextVar[CallHandler | None] = ContextVar("drmas_graph_active_handler", default=None)
 """The `CallHandler` serving chat-model calls in this context: None outside instrumented runs, `APP_MODELS`
 inside `app_models()`."""
+
+
+POLICY_REQUESTS: ContextVar[bool] = ContextVar("drmas_graph_policy_requests", default=False)
+"""True while a policy generates: its own HTTP requests (a vLLM or SGLang server, an OpenAI-compatible
+endpoint a user's Policy calls) go out as they are, never back into the run's call handler."""
+
+
+@contextlib.contextmanager
+def policy_requests() -> Iterator[None]:
+    """HTTP requests made in this context are a policy's own (see `POLICY_REQUESTS`)."""
+    token = POLICY_REQUESTS.set(True)
+    try:
+        yield
+    finally:
+        POLICY_REQUESTS.reset(token)
 
 
 def active_handler() -> CallHandler | None:
@@ -262,8 +284,8 @@ _install_lock = threading.Lock()
 
 
 def install() -> None:
-    """Wrap the BaseChatModel methods and ThreadPoolExecutor.submit once (idempotent). Behaviour outside a
-    run is unchanged."""
+    """Wrap the BaseChatModel methods and ThreadPoolExecutor.submit once (idempotent); `_http.install` adds the
+    HTTP clients. Behaviour outside a run is unchanged."""
     global _installed
     with _install_lock:
         if _installed:

@@ -8,6 +8,8 @@ import contextlib
 import dataclasses
 import threading
 import time
+import warnings
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -17,8 +19,9 @@ from langchain_core.runnables import ensure_config
 
 from drmas_graph._chat import ParsedResponse, _text
 from drmas_graph.instrumentation import _task_paths
-from drmas_graph.instrumentation._intercept import CallSite
+from drmas_graph.instrumentation._intercept import CallSite, policy_requests
 from drmas_graph.instrumentation._limits import enforce_limits
+from drmas_graph.instrumentation._wire import UNSERVED_KEY
 from drmas_graph.instrumentation._seeds import prompt_digest, seeded
 from drmas_graph._structured import InvalidReplyError, apply_spec, output_spec
 from drmas_graph.errors import StrictModeError
@@ -26,7 +29,7 @@ from drmas_graph.policy import Policy
 from drmas_graph.types import Episode, Generation, SamplingParams, Turn
 
 __all__ = ["_EpisodeRecorder", "_Recorder", "served_message", "_cut_at_stop", "structured_parts", "RAW_BRANCH_TAG",
-           "enclosing_node", "own_site"]
+           "enclosing_node", "own_site", "check_tools_rendered", "capped"]
 
 RAW_BRANCH_TAG = "map:key:raw"
 """Run tag of the model call inside `with_structured_output(..., include_raw=True)` (LangChain runs it as the
@@ -58,6 +61,11 @@ class _EpisodeRecorder:
     def refused(self, error: StrictModeError) -> None:
         with self._lock:
             self.refusal = self.refusal or error
+
+    def note_unserved(self, request: dict[str, str]) -> None:
+        """An LLM API request of this episode that no policy served ({node, client, url, refused})."""
+        with self._lock:
+            self.episode.metadata.setdefault(UNSERVED_KEY, []).append(dict(request))
 
     def _begin(self, site: CallSite) -> tuple[int, int]:
         with self._lock:
@@ -95,9 +103,21 @@ class _EpisodeRecorder:
         where = f"agent {agent!r} (node {site.node or '<outside any node>'!r})"
         spec, model_class = output_spec(site.kwargs, site.tools, where)
         with policy.announce():
-            prompt_ids = policy.render(site.messages, site.tools, spec)
+            if site.prompt is None:
+                prompt_ids = policy.render(site.messages, site.tools, spec)
+                # an error in a strict run of the app; a warning in training (its episodes carry their phase),
+                # which goes on without the tools rather than fail every episode
+                refuse = self.strict and "phase" not in self.episode.metadata
+                try:
+                    check_tools_rendered(policy, prompt_ids, site, spec, where, refuse)
+                except StrictModeError as exc:
+                    self.refused(exc)  # the episode fails even if the app catches the error
+                    raise
+            else:  # a text prompt (the legacy Completions API): the model reads it as it is
+                prompt_ids = list(policy.tokenizer.encode(site.prompt, add_special_tokens=False))
             own = self.app.agent_for_node(site.node) == agent  # the node's own agent: seeds without the agent
-            params = seeded(self.app._sampling_for(agent, policy, site.stop), self.episode.metadata, site.call_key,
+            params = seeded(capped(self.app._sampling_for(agent, policy, site.stop), site.kwargs),
+                            self.episode.metadata, site.call_key,
                             *self._prompt_occurrence(site.call_key, agent, prompt_ids), None if own else agent)
         return prompt_ids, params, (spec, model_class, where)
 
@@ -121,7 +141,8 @@ class _EpisodeRecorder:
             self._add(self._untrained_turn(site, agent, index, nci, result, time.perf_counter() - start))
             return result
         prompt_ids, params, structured = self._prepare(site, agent, policy)
-        generation = policy.generate(prompt_ids, params)
+        with policy_requests():  # a policy's own HTTP requests (a vLLM server) are not calls of the app
+            generation = policy.generate(prompt_ids, params)
         return self._served(site, agent, policy, index, nci, prompt_ids, params, generation, start, structured)
 
     async def ahandle(self, site: CallSite, original: Callable[[], Any]) -> ChatResult:
@@ -134,7 +155,8 @@ class _EpisodeRecorder:
             self._add(self._untrained_turn(site, agent, index, nci, result, time.perf_counter() - start))
             return result
         prompt_ids, params, structured = self._prepare(site, agent, policy)
-        generation = await policy.agenerate(prompt_ids, params)
+        with policy_requests():
+            generation = await policy.agenerate(prompt_ids, params)
         return self._served(site, agent, policy, index, nci, prompt_ids, params, generation, start, structured)
 
     def _served(self, site: CallSite, agent: str, policy: Policy, index: int, nci: int, prompt_ids: list[int],
@@ -167,7 +189,8 @@ class _EpisodeRecorder:
             failure.turn_index = index
             if RAW_BRANCH_TAG not in site.tags:
                 raise failure
-        return ChatResult(generations=[ChatGeneration(message=message)])
+        # the reply as generated (cut at a stop string, not stripped): a legacy Completions answer's text
+        return ChatResult(generations=[ChatGeneration(message=message, generation_info={"text": reply})])
 
     def _message_id(self, index: int) -> str:
         return f"drmas-{self.episode.id}-{index}"
@@ -224,6 +247,47 @@ class _Recorder(_EpisodeRecorder):
     async def ahandle(self, site: CallSite, original: Callable[[], Any]) -> ChatResult:
         with self._under_way():
             return await super().ahandle(site, original)
+
+
+_RENDERS_TOOLS: weakref.WeakKeyDictionary[Policy, bool] = weakref.WeakKeyDictionary()
+"""Per policy: whether its chat template renders bound tools at all (found at its first call with tools)."""
+_REPORTED: weakref.WeakKeyDictionary[Policy, set[str]] = weakref.WeakKeyDictionary()
+"""Per policy, the tools already warned about (a warning once per tool)."""
+
+
+def check_tools_rendered(policy: Policy, prompt_ids: Sequence[int], site: CallSite, spec: dict | None, where: str,
+                         strict: bool) -> None:
+    """Tools bound to a call that the policy's chat template leaves out of the prompt (a template without tool
+    support drops them without a word; found once per policy by rendering the call without its tools): a
+    `StrictModeError` in strict mode, else a warning (once per policy and tool). The model would never see the
+    tool it is meant to call. `strict`: raise instead of warning."""
+    if not site.tools:
+        return
+    renders = _RENDERS_TOOLS.get(policy)
+    if renders is None:
+        renders = _RENDERS_TOOLS[policy] = list(prompt_ids) != policy.render(site.messages, None, spec)
+    if renders:
+        return
+    names = [t.get("function", t).get("name") for t in site.tools]
+    message = (f"{where}: the chat template of policy {policy.name!r} does not render the bound tool(s) "
+               f"{names}: the prompt the model sees has no schema for them, so it cannot learn to call them. "
+               "Give the policy a chat template that renders `tools` (Policy(chat_template=...), e.g. the "
+               "model's tool-use template) or a model whose template does.")
+    if strict:
+        raise StrictModeError(message + " (strict=True)")
+    seen = _REPORTED.setdefault(policy, set())
+    if not set(names) <= seen:
+        seen.update(names)
+        warnings.warn(message, UserWarning, stacklevel=5)
+
+
+def capped(params: SamplingParams, kwargs: dict[str, Any]) -> SamplingParams:
+    """`params` with `max_new_tokens` at most the call's own `max_tokens` (an SDK's `max_tokens`,
+    `max_completion_tokens`, `max_output_tokens`; `llm.bind(max_tokens=...)`)."""
+    cap = kwargs.get("max_tokens")
+    if isinstance(cap, int) and not isinstance(cap, bool) and 0 < cap < params.max_new_tokens:
+        return params.replace(max_new_tokens=cap)
+    return params
 
 
 def enclosing_node() -> str:

@@ -27,7 +27,8 @@ from langchain_core.outputs import ChatResult
 from langchain_core.runnables import Runnable
 
 from drmas_graph.instrumentation import _threads
-from drmas_graph.instrumentation._intercept import ACTIVE_HANDLER, CallSite, app_models, install, register_run, unregister_run
+from drmas_graph.instrumentation._intercept import ACTIVE_HANDLER, CallSite, app_models, register_run, unregister_run
+from drmas_graph.instrumentation._http import install
 from drmas_graph.instrumentation._limits import Backstop
 from drmas_graph.instrumentation._outcomes import note_stop
 from drmas_graph.instrumentation._routing import AgentRouter, under_node

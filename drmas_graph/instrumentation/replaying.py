@@ -20,7 +20,8 @@ from __future__ import annotations
 from typing import Any
 
 from drmas_graph.instrumentation import _threads
-from drmas_graph.instrumentation._intercept import ACTIVE_HANDLER, CallHandler, CallSite, active_handler, install
+from drmas_graph.instrumentation._intercept import ACTIVE_HANDLER, CallHandler, CallSite, active_handler
+from drmas_graph.instrumentation._http import install
 from drmas_graph.instrumentation._outcomes import note_stop
 from drmas_graph.instrumentation._recorder import RAW_BRANCH_TAG
 from drmas_graph.instrumentation._recorder import _cut_at_stop as cut_at_stop

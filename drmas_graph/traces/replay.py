@@ -146,6 +146,9 @@ class AsyncOnlyGraphError(ConfigError):
 class _ReplayHandler:
     """CallHandler that answers each call from the recording while the calls' requests agree."""
 
+    offline = True
+    """Replay never sends a request: an LLM API request it cannot answer is refused (`instrumentation._http`)."""
+
     def __init__(self, recorded: Episode, live: EpisodeRecorder | None, continue_live: bool,
                  agent_of: Callable[[CallSite], str]) -> None:
         self.by_key = {(t.call_key, t.node_call_index): t for t in recorded.turns}
@@ -283,7 +286,8 @@ def _recorded_answer(turn: Turn, site: CallSite) -> ChatResult:
                              policy_version=turn.policy_version, agent=turn.agent, index=turn.index,
                              n_prompt=len(turn.prompt_ids), n_response=len(turn.response_ids),
                              message_id=turn.message_id, additional_kwargs=extra)
-    return ChatResult(generations=[ChatGeneration(message=message)])
+    info = {"text": text} if turn.trainable else None  # the recorder's (`_recorder._served`)
+    return ChatResult(generations=[ChatGeneration(message=message, generation_info=info)])
 
 
 @dataclass

@@ -20,7 +20,7 @@ run config's `configurable` or LangGraph's `context=` (`Call.source`); a node ma
 node runs its subgraph as a separately instrumented app (`build(..., nest=)`: the instrumenting is the test's,
 this module never imports drmas_graph); an `invoke` subgraph may keep its memory on the thread
 (`Node.memory`: compiled with `checkpointer=True`). Several rollouts of one thread and replays in another
-process are the tests' (`test_generated_apps.py`).
+process are the tests' (`test_generated_apps.py`). Issue 47: a call site's calls may go through the OpenAI SDK.
 """
 
 from __future__ import annotations
@@ -52,6 +52,8 @@ from langgraph.runtime import get_runtime
 from langgraph.types import CachePolicy, RetryPolicy, Send, interrupt
 from pydantic import BaseModel, create_model
 
+from tests.property.clients import ask_sdk
+
 KNOWN_DEFECTS: dict[str, bool] = {
     "rev4_p": False,  # a node runs a subgraph / agent more than once (in turn or via .batch): wrong path, agent
     "rev4_q": False,  # a node runs a subgraph / agent in a ThreadPoolExecutor: the node is lost
@@ -81,6 +83,7 @@ INVOKE_MODES = ("once", "seq", "batch", "pool")
 RUN_METHODS = ("rollout", "invoke", "ainvoke", "stream", "astream", "astream_events", "batch")
 """How the app is run (rev5_h: a streamed run stored no final state). Only `rollout` answers interrupts."""
 SOURCES = ("", "configurable", "context")
+CLIENTS = ("langchain", "openai", "openai-stream")  # by the site's number, not drawn: the drawn apps stay the same
 """Where a call's prompt takes a per-run value from besides the state (rev5_a): nowhere, the run config's
 `configurable['persona']`, or LangGraph's `context=` (`Runtime.context.user`)."""
 PERSONA, USER = "a pirate", "bob"
@@ -114,6 +117,8 @@ class Call:
     """What the node writes besides its reply: one of VALUE_KINDS."""
     source: str = ""
     """One of SOURCES: a per-run value the prompt reads."""
+    client: str = "langchain"
+    """One of CLIENTS: the app's LangChain model, or the OpenAI SDK (`clients.ask_sdk`)."""
 
 
 @dataclass(frozen=True)
@@ -205,9 +210,11 @@ def apps(draw: Any, need: str | None = None) -> App:
         kind = draw(st.sampled_from(kinds))
         schema = draw(st.sampled_from(SCHEMAS_DRAWN)) if kind == "structured" else ""
         method = draw(st.sampled_from(("tool", "json_schema"))) if kind == "structured" else ""
-        return Call(f"s{next(sites)}", kind, draw(st.sampled_from(PROMPTS)), schema, method,
+        number = next(sites)
+        return Call(f"s{number}", kind, draw(st.sampled_from(PROMPTS)), schema, method,
                     draw(st.sampled_from(values)) if value else "str",
-                    draw(st.sampled_from(SOURCES)) if source and kind != "agent" else "")
+                    draw(st.sampled_from(SOURCES)) if source and kind != "agent" else "",
+                    CLIENTS[number % len(CLIENTS)] if kind != "agent" else "langchain")
 
     if draw(st.integers(0, 4)) == 0:  # a Functional API app
         tasks = tuple(call(("llm", "structured"), source=False) for _ in range(draw(st.integers(1, 3))))
@@ -448,6 +455,8 @@ def _fan(worker: str, k: int) -> Any:
 def ask(call: Call, model: AppModel, human: str) -> str:
     """Make the call site's LLM call; a structured answer comes back as its JSON."""
     messages = [SystemMessage(f"site {call.site}: {call.prompt}"), HumanMessage(human)]
+    if call.client != "langchain":
+        return ask_sdk(call, messages, SCHEMAS)
     if call.kind != "structured":
         return model.invoke(messages).content
     schema = SCHEMAS[call.schema]

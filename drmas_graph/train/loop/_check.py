@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from drmas_graph.env import EpisodeScore
 from drmas_graph.train.loop import _scoring
+from drmas_graph.train.loop._calls import CallCheck, calls_of
 from drmas_graph.train.loop._state import HasRunState, RunState, run_state
 from drmas_graph.train.loop.metrics import mean_std
 from drmas_graph.types import Episode
@@ -83,6 +84,8 @@ class CheckReport:
     """Per agent that acted, by name."""
     silent: tuple[str, ...] = ()
     """Agents with a policy that acted in no scored episode."""
+    calls: CallCheck | None = None
+    """Which LLM calls the episodes made and who answered them (`calls_of`)."""
 
     @property
     def reward_metrics(self) -> dict[str, float]:
@@ -113,7 +116,9 @@ class CheckReport:
                 out.append(f"agent {agent!r}: {a.invalid_rate:.0%} of its turns were invalid (format errors "
                            f"{a.format_error_rate:.0%}); each costs invalid_penalty")
         out += [f"agent {a!r} acted in no scored episode: it would not be trained (does the graph reach it?)"
-                for a in self.silent]
+                for a in self.silent if self.calls is None or self.calls.served.get(a, 0) > 0]
+        if self.calls is not None:
+            out += self.calls.warnings()
         unfinished = self.counts.get("truncated_episodes", 0) + self.counts.get("model_error_episodes", 0)
         failed = sum(self.counts.get(k, 0)
                      for k in ("failed_episodes", "bad_reward_episodes", "judge_failed_episodes"))
@@ -145,6 +150,8 @@ class CheckReport:
                         f"{a.format_error_rate:>8.0%}{a.truncated_reply_rate:>9.0%}")
         for agent, a in self.agents.items():
             rows.append(f"sample reply of {agent}: {a.sample_reply!r}")
+        if self.calls is not None:
+            rows += self.calls.lines()
         scoring = [f"{k} {v:g}" for k, v in self.reward_metrics.items()]
         if scoring:
             rows.append("scoring (the environment's reward_metrics): " + ", ".join(scoring))
@@ -170,9 +177,11 @@ def preflight(run: RunState | HasRunState, n_groups: int, progress: Any = None) 
     pools = stats.n_pools if stats is not None else 0
     signal = pools - stats.n_zero_variance_pools - stats.n_singleton_pools if stats is not None else 0
     agents = {a: _agent_check(a, scored) for a in state.agent_policies}
+    episodes = [ep for _, ep in batch.runs] + [e.episode for e in batch.errors if e.episode is not None]
     return CheckReport(groups=len(tasks), group_size=cfg.group_size, episodes=len(scored), counts=dict(counts),
                        pools=pools, signal_pools=signal, agents={a: c for a, c in agents.items() if c is not None},
-                       silent=tuple(a for a, c in agents.items() if c is None))
+                       silent=tuple(a for a, c in agents.items() if c is None),
+                       calls=calls_of(episodes, list(state.agent_policies), state.app.agent_for_node))
 
 
 def _agent_check(agent: str, scored: Sequence[tuple[Episode, EpisodeScore]]) -> AgentCheck | None:
