@@ -5,7 +5,8 @@ waiting request and keeps collecting for a short quiet period (`batch_wait_s` af
 most `max_batch_wait_s` in all, longer while callers have announced a request they are still rendering).
 While rows decode, requests that arrive join the batch at the next step and finished rows leave at once
 (`_decode.DecodeBatch`): prompts are left-padded into one KV cache, identical prompts admitted together
-are prefilled once and share their cache rows, and sampling runs on the model's device for all rows in one
+are prefilled once and share their cache rows, a prompt that continues a recent prompt or reply (the next
+turn) prefills only its new suffix, and sampling runs on the model's device for all rows in one
 batched operation whose noise is keyed by (request seed, token position) (`_sampling`), so what a request
 samples never depends on what else is in the batch.
 
@@ -100,8 +101,9 @@ class TransformersPolicy(Policy):
         max_batch_size: most requests decoded together (later arrivals wait for a free slot).
         batch_wait_s: quiet period: an idle batcher stops collecting when no request arrived for this long.
         max_batch_wait_s: an idle batcher never waits longer than this for a batch to fill.
-        prompt_cache_size: recently prefilled prompts whose KV rows are kept for identical later prompts
-            (GRPO group members that arrive a step late); 0 turns the cache off.
+        prompt_cache_size: recent prompts and finished rows whose KV rows are kept: an identical later
+            prompt (a GRPO group member that arrives a step late) reuses them all, a prompt sharing a prefix
+            (an episode's next turn) prefills only its suffix on them; 0 turns the cache off.
         packed_cpu_linear: on CPU, run the linear layers of generation on oneDNN with packed weights
             (`_cpu_linear`; several times faster decoding, one more copy of the weights in memory).
     """
