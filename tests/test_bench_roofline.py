@@ -31,7 +31,8 @@ def test_bench_roofline_quick_json_is_consistent(tmp_path):
                                           "bfloat16": 2 * r["model"]["params_read_per_step"]}
     bw = r["bandwidth"]
     assert bw["roofline_GBps"] == max(bw["copy_GBps"], bw["triad_GBps"]) > 0
-    assert [(x["dtype"], x["batch"]) for x in r["runs"]] == [(d, b) for d in ("float32", "bfloat16") for b in (1, 8, 16)]
+    want = [(d, b) for d in ("float32", "bfloat16") for b in (1, 8, 16)]
+    assert [(x["dtype"], x["batch"]) for x in r["runs"]] == want
     for x in r["runs"]:
         steps = x["decode_steps"]
         assert steps == x["new_tokens"] - 1 == 8

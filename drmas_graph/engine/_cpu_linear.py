@@ -10,8 +10,9 @@ forward is the same `F.linear` unless a `PackedLinear` is active on the calling 
 around the engine's own forward passes). While active, a CPU float32 layer without autograd (bfloat16 too
 where the CPU has oneDNN's bf16 kernels; elsewhere bf16 layers keep the plain op) runs on the packed copy
 of its weight, repacked whenever the weight changed in place (its version counter or storage moved, as
-`load_state_dict` and optimizer steps do) and after `for_version` saw a new policy version. Training, other threads and any other caller of the model get the plain op. The packed copies
-cost about one more copy of the linear weights in memory.
+`load_state_dict` and optimizer steps do) and after `for_version` saw a new policy version. Training,
+other threads and any other caller of the model get the plain op. The packed copies cost about one more
+copy of the linear weights in memory.
 
 (An earlier version was a torch function mode; it intercepts every torch call of the forward pass, which
 cost 5-7% of a decode step on SmolLM2-135M. Here only the linear layers pay one thread-local lookup.)

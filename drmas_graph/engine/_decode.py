@@ -431,7 +431,8 @@ class DecodeBatch:
             logits_MV, cache, mask_ML = self._forward_prompts(misses)
         fresh = self._forward_suffixes(partial) if partial else {}
         self.stats.prefill_rows += len(misses) + len(partial)
-        self.stats.prefill_tokens += sum(len(p[1]) for p in misses) + sum(len(p[1]) - k for p, (_, k) in partial.items())
+        self.stats.prefill_tokens += (sum(len(p[1]) for p in misses)
+                                      + sum(len(p[1]) - k for p, (_, k) in partial.items()))
         self.stats.batches += 1
         self.stats.requests += len(reqs)
         self.stats.shared_prefill_rows += len(reqs) - len(prompts)
