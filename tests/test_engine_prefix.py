@@ -92,3 +92,41 @@ def test_longest_prefix_takes_the_longest_shared_run_of_the_same_adapter():
     assert cache.longest_prefix((None, base[:MIN_PREFIX - 1] + (0, 0)), version=0) is None  # too short to pay
     assert cache.get((None, base[:MIN_PREFIX + 4] + (7, 8)), version=0) is None  # a finished row has no logits
     assert cache.longest_prefix((None, prompt), version=1) is None and not cache.entries  # new weights
+
+
+def test_agents_on_lora_adapters_reuse_only_their_own_adapters_prefixes():
+    """Two agents with one system prompt on one conversation, each on its LoRA adapter: the KV rows of a
+    prefix depend on the adapter, so each agent's prompts reuse its own earlier rows only."""
+    pytest.importorskip("peft")
+    from drmas_graph.config import LoraConfig
+    from drmas_graph.engine.transformers_policy import TransformersPolicy
+    from drmas_graph.testing import tiny_model, tiny_tokenizer
+    from drmas_graph.train.lora import attach_adapters
+
+    tokenizer = tiny_tokenizer()
+    lora = LoraConfig(r=4, alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])
+    model = attach_adapters(tiny_model(tokenizer, seed=0), lora, ["solver", "verifier"])
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # non-zero B matrices: a fresh adapter equals the base model
+        for name, p in model.named_parameters():
+            if "lora_B." in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+    cached = TransformersPolicy(model, tokenizer, name="m", seed=0)
+    full = TransformersPolicy(model, tokenizer, name="m", seed=0, prompt_cache_size=0)
+    try:
+        msgs = [SystemMessage(SYSTEM), HumanMessage("What is 3 + 4?")]
+        for turn in range(3):
+            for agent in ("solver", "verifier"):
+                prompt = cached.render(msgs)
+                params = SamplingParams(max_new_tokens=8, seed=10 * turn, adapter=agent)
+                got, want = cached.generate(prompt, params), full.generate(prompt, params)
+                assert got.token_ids == want.token_ids, (turn, agent)
+                torch.testing.assert_close(torch.tensor(got.logprobs), torch.tensor(want.logprobs),
+                                           atol=LOGPROB_ATOL, rtol=0)
+                msgs += [AIMessage(tokenizer.decode(got.token_ids, skip_special_tokens=True)),
+                         HumanMessage(f"{agent} spoke; go on.")]
+        # each agent's first prompt misses: the verifier's shares a prefix with the solver's rows, not its KV
+        assert cached.stats.partial_prefix_hits == 4 and cached.stats.prefill_rows == 6
+    finally:
+        cached.close()
+        full.close()
