@@ -175,6 +175,7 @@ class _Switchable(_IgnoreEOS):
             engine.prompt_cache.entries.clear()
             self._reset = False
         engine.prompt_cache.size = self.prompt_cache_size if self.use_cache else 0
+        engine.prefix_reuse = self.use_cache
         return super()._engine_step(engine, admit)
 
 

@@ -24,7 +24,7 @@ def cached_and_full():
     from drmas_graph.testing import tiny_policy
 
     kw = dict(seed=0, batch_wait_s=0.2, max_batch_wait_s=1.0)
-    cached, full = tiny_policy(**kw), tiny_policy(**kw, prompt_cache_size=0)
+    cached, full = tiny_policy(**kw, prefix_reuse=True), tiny_policy(**kw, prompt_cache_size=0)
     yield cached, full
     cached.close()
     full.close()
@@ -54,6 +54,26 @@ def test_multi_turn_episodes_with_the_prefix_cache_sample_as_with_full_prefills(
     assert s.prefill_tokens + s.reused_prompt_tokens == f.prefill_tokens  # every prompt token computed or reused
     assert s.prefill_tokens < 0.5 * f.prefill_tokens
     print(f"{sampling}: max |logprob difference| {max_diff:.3g}, bit-identical: {identical}")
+
+
+def test_prefix_reuse_is_off_by_default():
+    """Off unless asked (not bit-identical, and a hit depends on arrival order): the next turn's prompt is
+    prefilled whole, while an identical prompt still reuses the cache."""
+    from drmas_graph.testing import tiny_policy
+
+    policy = tiny_policy(seed=0)
+    try:
+        msgs = [SystemMessage(SYSTEM), HumanMessage("What is 2 + 2?")]
+        params = SamplingParams(max_new_tokens=8, seed=1)
+        first = policy.generate(policy.render(msgs), params)
+        policy.generate(policy.render(msgs), params)  # identical prompt: a whole-prompt hit
+        msgs += [AIMessage(policy.tokenizer.decode(first.token_ids, skip_special_tokens=True)), HumanMessage("Sure?")]
+        policy.generate(policy.render(msgs), params)
+        assert policy.stats.prefix_cache_hits == 1
+        assert policy.stats.partial_prefix_hits == 0
+        assert policy.stats.reused_prompt_tokens == len(policy.render(msgs[:2]))
+    finally:
+        policy.close()
 
 
 def test_a_weight_update_drops_the_cached_prefixes(cached_and_full):
@@ -111,7 +131,7 @@ def test_agents_on_lora_adapters_reuse_only_their_own_adapters_prefixes():
         for name, p in model.named_parameters():
             if "lora_B." in name:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
-    cached = TransformersPolicy(model, tokenizer, name="m", seed=0)
+    cached = TransformersPolicy(model, tokenizer, name="m", seed=0, prefix_reuse=True)
     full = TransformersPolicy(model, tokenizer, name="m", seed=0, prompt_cache_size=0)
     try:
         msgs = [SystemMessage(SYSTEM), HumanMessage("What is 3 + 4?")]

@@ -304,8 +304,8 @@ class DecodeBatch:
     """The active rows of the embedded engine and their shared KV cache (used by one worker thread)."""
 
     def __init__(self, model: Any, tokenizer: Any, *, pad_id: int, eos_ids: Sequence[int], cache_kwarg: str,
-                 stats: EngineStats, prompt_cache_size: int = 0, packed_cpu_linear: bool = False,
-                 row_kwargs: Callable[[list[str | None]], dict[str, Any]] | None = None,
+                 stats: EngineStats, prompt_cache_size: int = 0, prefix_reuse: bool = False,
+                 packed_cpu_linear: bool = False, row_kwargs: Callable[[list[str | None]], dict[str, Any]] | None = None,
                  context_size: int | None = None) -> None:
         self.model = model
         self.context_size = context_size
@@ -320,6 +320,9 @@ class DecodeBatch:
         self.stats = stats
         self._vocab_hash: torch.Tensor | None = None
         self.prompt_cache = PromptCache(prompt_cache_size)
+        self.prefix_reuse = prefix_reuse
+        """Prefill only the suffix of a prompt that shares a prefix with a cached prompt or finished row (off by
+        default: not bit-identical to a full prefill, and whether a prompt hits depends on arrival order)."""
         use_packed = packed_cpu_linear and self.device.type == "cpu" and packed_linear_available()
         self.linear_mode = PackedLinear() if use_packed else None
         if use_packed:
@@ -396,7 +399,7 @@ class DecodeBatch:
 
     def _cache_finished_row(self, i: int, row: _Row) -> None:
         """Keep a finished row's KV rows (its prompt and reply but the last token) for a next turn's prompt."""
-        if self.prompt_cache.size <= 0 or not _mergeable(self.cache):
+        if not self.prefix_reuse or self.prompt_cache.size <= 0 or not _mergeable(self.cache):
             return
         ids = row.req.prompt_ids + row.out_ids[:-1]
         self.prompt_cache.put((row.req.params.adapter, tuple(ids)), _prompt_kv(self.cache, i, len(ids)), None,
@@ -424,7 +427,7 @@ class DecodeBatch:
         row_of_N = [distinct.setdefault((r.params.adapter, tuple(r.prompt_ids)), len(distinct)) for r in reqs]
         prompts = list(distinct)
         hits = {p: e for p in prompts if (e := self.prompt_cache.get(p, version)) is not None}
-        partial = {p: m for p in prompts if p not in hits
+        partial = {p: m for p in prompts if self.prefix_reuse and p not in hits
                    and (m := self.prompt_cache.longest_prefix(p, version)) is not None}
         misses = [p for p in prompts if p not in hits and p not in partial]
         if misses:
