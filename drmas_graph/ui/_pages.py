@@ -68,7 +68,11 @@ class ChartOptions:
         smooth = number_param(params, "smooth", float) or 0.0
         if not 0 <= smooth < 1:
             raise ConfigError(f"parameter smooth={smooth}: give a weight from 0 (no smoothing) to 0.99")
-        return ChartOptions(smooth, number_param(params, "from_step", int), number_param(params, "to_step", int))
+        first, last = number_param(params, "from_step", int), number_param(params, "to_step", int)
+        if first is not None and last is not None and first > last:
+            raise ConfigError(f"parameters from_step={first} and to_step={last}: no step is in that range; give "
+                              "from_step <= to_step")
+        return ChartOptions(smooth, first, last)
 
     def params(self) -> dict[str, str]:
         """The URL parameters of these options (defaults left out)."""
@@ -79,7 +83,6 @@ class ChartOptions:
 def chart_series(runs: Sequence[Run], colours: Mapping[str, int], options: ChartOptions) -> dict[str, list[Series]]:
     """Chart pattern -> its series over `runs`: colour by run (`colours`), line style by agent or model name."""
     charts: dict[str, list[Series]] = {}
-    parts: set[str] = set()
     found: list[tuple[str, Run, str, list[dict[str, Any]], str]] = []
     for run in runs:
         records = run.metrics()
@@ -92,13 +95,18 @@ def chart_series(runs: Sequence[Run], colours: Mapping[str, int], options: Chart
             if key in ("time", "step") or key.endswith(("/split", "/k", "/tasks")):
                 continue
             pattern, part = _chart_key(key, agents)
-            parts.add(part)
             found.append((pattern, run, part, records, key))
-    dashes = {part: i for i, part in enumerate(sorted(parts - {""}))} | {"": 0}  # by name: the same in each chart
+    # a line style per part of each family ('agent/*', 'model/*', 'eval/*'), by name: the same in each chart of
+    # the family, distinct within it (one style list over every family's parts ran past DASHES and reused one)
+    families: dict[str, set[str]] = {}
+    for pattern, _, part, _, _ in found:
+        families.setdefault(pattern.partition("/")[0], set()).add(part)
+    dashes = {(head, part): i for head, names in families.items() for i, part in enumerate(sorted(names - {""}))}
     for pattern, run, part, records, key in found:
         label = f"{run.name} / {part}" if part else run.name
         charts.setdefault(pattern, []).append(Series(
-            label, points(records, key, (options.from_step, options.to_step)), colours.get(run.name, 0), dashes[part]))
+            label, points(records, key, (options.from_step, options.to_step)), colours[run.name],
+            dashes.get((pattern.partition("/")[0], part), 0)))
     return charts
 
 
