@@ -128,6 +128,16 @@ def test_bad_parameters_are_400_naming_them(app):
     assert get(app, "/runs/myrun/episodes?min_reward=nan")[0] == 400
 
 
+def test_filtered_and_sorted_by_an_agents_reward_the_reward_column_is_that_agents(app):
+    """solver's reward i / 100, checker's 1.0: the team mean of plain028 is 0.64; the column showed it."""
+    body = get(app, "/runs/myrun/episodes?agent=solver&sort=reward&desc=1&min_reward=0.27&max_reward=0.29")[1]
+    assert listed(body) == ["plain029", "plain028", "plain027"]
+    assert re.findall(r'<td class="reward">([^<]*)</td>', body) == ["0.29", "0.28", "0.27"]
+    assert "solver&#39;s reward ▼</a>" in body
+    body = get(app, "/runs/myrun/episodes?sort=reward&desc=1&min_reward=0.64&max_reward=0.642")[1]
+    assert re.findall(r'<td class="reward">([^<]*)</td>', body) == ["0.64"] and ">reward ▼</a>" in body
+
+
 def test_zero_page_size_and_top_and_a_reversed_step_range_are_a_styled_400(app):
     """per_page=0 and top=0 fell back to 50 and 10 silently; from_step > to_step said 'no metrics logged yet'."""
     status, body = get(app, "/runs/myrun/episodes?per_page=0")
@@ -610,3 +620,10 @@ def test_group_page_shows_rewards_stats_and_the_judges_attempts_in_its_order(app
     # -0.5, 0, 0, 0, 1, 1, 1, 1 -> mean 0.4375, std 0.6232
     assert cells("solver") == ["solver", "4", "0.5", "0.5774", "8", "0.4375", "0.6232"]
     assert cells("checker") == ["checker", "4", "1", "0", "4", "1", "0"]
+    assert "4 episodes of task t9, in the order the judge saw them (their place in the group):" in body
+
+
+def test_the_group_page_names_a_judge_only_where_one_ran(app):
+    """write_run's group g0 (no judge, no group_index) said 'in the order the judge saw them'."""
+    body = get(app, "/runs/myrun/group?id=g0")[1]
+    assert "4 episodes of task t0, in the order they were written:" in body and "judge" not in body

@@ -308,7 +308,8 @@ def _group_order(episode: Episode, written: int) -> tuple[int, int]:
 
 
 def group_view(run: Run, group_id: str) -> dict[str, Any]:
-    """Template values of a GRPO group: its episodes side by side in the order the judge saw them, each one's and
+    """Template values of a GRPO group: its episodes side by side in their place in the group (the order the judge,
+    if one ran, saw them; `order` says which), each one's and
     each turn's reward and advantage, the judge's attempt number and reason, and each agent's mean and std."""
     store = run.store()
     summaries = store.episodes(group_id=group_id)
@@ -317,9 +318,13 @@ def group_view(run: Run, group_id: str) -> dict[str, Any]:
     agents: dict[str, None] = {}
     for episode in episodes:
         agents.update(dict.fromkeys(episode.agents))
-    return {"group_id": group_id, "episodes": episodes, "agents": list(agents),
+    judged = {e.id: judge_attempt(e) for e in episodes}
+    placed = any(isinstance(e.metadata.get("group_index"), int) for e in episodes)
+    order = ("in the order the judge saw them (their place in the group)" if any(judged.values()) else
+             "in their place in the group" if placed else "in the order they were written")
+    return {"group_id": group_id, "episodes": episodes, "agents": list(agents), "order": order,
             "steps": {s.id: s.step for s in summaries}, "stats": group_stats(episodes),
-            "judged": {e.id: judge_attempt(e) for e in episodes},
+            "judged": judged,
             "positions": {e.id: e.metadata.get("group_index") for e in episodes}}
 
 
