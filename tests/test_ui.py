@@ -138,6 +138,28 @@ def test_filtered_and_sorted_by_an_agents_reward_the_reward_column_is_that_agent
     assert re.findall(r'<td class="reward">([^<]*)</td>', body) == ["0.64"] and ">reward ▼</a>" in body
 
 
+def test_the_final_states_messages_show_as_role_content_and_tool_calls(app, run_dir):
+    """A final state holding LangChain messages (a ToolNode app's): the page showed their Python reprs
+    (content='...' additional_kwargs={} ...)."""
+    from langchain_core.messages import AIMessage, ToolMessage
+
+    call = {"name": "lookup", "args": {"sku": "T-1"}, "id": "call_a1", "type": "tool_call"}
+    state = {"messages": [HumanMessage("Price of T-1?"), AIMessage("", tool_calls=[call]),
+                          ToolMessage("4 EUR", tool_call_id="call_a1", name="lookup"), AIMessage("It costs 4 EUR.")]}
+    with TraceStore(run_dir / "traces.db") as store:
+        store.write_episode(Episode(id="tools", task_id="t0", turns=[make_turn("solver", 0)], final_state=state))
+    body = get(app, "/runs/myrun/episodes/tools")[1]
+    shown = json.loads(re.search(r'<pre class="json" id="final-state">(.*?)</pre>', body, re.S).group(1)
+                       .replace("&#34;", '"').replace("&quot;", '"').replace("&#39;", "'"))
+    assert shown == {"messages": [
+        {"role": "user", "content": "Price of T-1?"},
+        {"role": "assistant", "content": "", "tool_calls": [{"name": "lookup", "args": {"sku": "T-1"},
+                                                             "id": "call_a1"}]},
+        {"role": "tool", "name": "lookup", "content": "4 EUR", "tool_call_id": "call_a1"},
+        {"role": "assistant", "content": "It costs 4 EUR."}]}
+    assert "additional_kwargs" not in body
+
+
 def test_zero_page_size_and_top_and_a_reversed_step_range_are_a_styled_400(app):
     """per_page=0 and top=0 fell back to 50 and 10 silently; from_step > to_step said 'no metrics logged yet'."""
     status, body = get(app, "/runs/myrun/episodes?per_page=0")

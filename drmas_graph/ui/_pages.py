@@ -186,7 +186,30 @@ def _content_text(content: Any) -> str:
 
 
 def _json(value: Any) -> str:
-    return json.dumps(value, indent=2, ensure_ascii=False, default=str, sort_keys=False)
+    return json.dumps(value, indent=2, ensure_ascii=False, default=_readable, sort_keys=False)
+
+
+_ROLES = {"human": "user", "ai": "assistant"}
+"""A LangChain message type's chat role where they differ (system, tool: the same)."""
+
+
+def _readable(value: Any) -> Any:
+    """A value JSON cannot hold, as the page shows it: a LangChain message as its role, name, content, tool calls
+    (name, args, id) and tool_call_id (was its Python repr); anything else as str()."""
+    from langchain_core.messages import BaseMessage
+
+    if not isinstance(value, BaseMessage):
+        return str(value)
+    out: dict[str, Any] = {"role": _ROLES.get(value.type, value.type)}
+    if value.name:
+        out["name"] = value.name
+    out["content"] = value.content
+    calls = getattr(value, "tool_calls", None)
+    if calls:
+        out["tool_calls"] = [{"name": c["name"], "args": c["args"], "id": c.get("id")} for c in calls]
+    if getattr(value, "tool_call_id", None):
+        out["tool_call_id"] = value.tool_call_id
+    return out
 
 
 @dataclass(frozen=True)
