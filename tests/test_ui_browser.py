@@ -219,7 +219,7 @@ def test_error_pages_are_styled(server, page):
     page.screenshot(path=str(SHOTS / "error.png"))
 
 
-def test_overlaid_runs_are_drawn_in_distinct_colours_and_styles(tmp_path):
+def test_overlaid_runs_are_drawn_in_distinct_colours_and_styles(tmp_path, page):
     """What the browser draws (computed stroke and dash of each line): nine runs given, the first and the ninth
     overlaid (the same colour before: place among every run % 8), the ninth with seven agents (the dash styles,
     numbered over every agent and model, wrapped past six)."""
@@ -237,15 +237,11 @@ def test_overlaid_runs_are_drawn_in_distinct_colours_and_styles(tmp_path):
     server = make_server(app, "127.0.0.1", 0)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
-        with playwright.sync_playwright() as p:
-            browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
-            page = browser.new_page(viewport={"width": 1280, "height": 860})
-            page.goto(f"http://127.0.0.1:{server.server_port}/?run=r8&run=r0")
-            figure = page.locator("#charts figure", has=page.locator("figcaption", has_text="reward_mean per agent"))
-            drawn = figure.locator("polyline.line").evaluate_all(
-                "lines => lines.map(l => [getComputedStyle(l).stroke, getComputedStyle(l).strokeDasharray])")
-            page.screenshot(path=str(SHOTS / "overlaid.png"))
-            browser.close()
+        page.goto(f"http://127.0.0.1:{server.server_port}/?run=r8&run=r0")
+        figure = page.locator("#charts figure", has=page.locator("figcaption", has_text="reward_mean per agent"))
+        drawn = figure.locator("polyline.line").evaluate_all(
+            "lines => lines.map(l => [getComputedStyle(l).stroke, getComputedStyle(l).strokeDasharray])")
+        page.screenshot(path=str(SHOTS / "overlaid.png"))
     finally:
         server.shutdown()
         server.server_close()

@@ -38,7 +38,8 @@ def mean_std(values: list[float], ddof: int = 1) -> tuple[float, float]:
 
 def progress_status(agents: list[str], record: dict[str, Any]) -> str:
     """The progress bar's text for a step: reward per agent, then the episodes that did not finish (truncated,
-    model errors) when there were any: 'reward solver=0.50 judge=0.25  truncated 3/8  model errors 1/8'."""
+    model errors) or got no reward (unjudged: the judge gave none; failed; bad rewards) when there were any:
+    'reward solver=0.50 judge=0.25  truncated 3/8  model errors 1/8  unjudged 4/8'."""
     parts = [f"{a}={record[f'agent/{a}/reward_mean']:.2f}" for a in agents
              if isinstance(record.get(f"agent/{a}/reward_mean"), float)
              and not math.isnan(record[f"agent/{a}/reward_mean"])]
@@ -46,7 +47,9 @@ def progress_status(agents: list[str], record: dict[str, Any]) -> str:
     total = sum(record.get(k, 0) for k in ("episodes", "failed_episodes", "no_llm_call_episodes",
                                            "bad_reward_episodes", "judge_failed_episodes",
                                            "masked_truncated_episodes"))
-    for key, name in (("truncated_episodes", "truncated"), ("model_error_episodes", "model errors")):
+    for key, name in (("truncated_episodes", "truncated"), ("model_error_episodes", "model errors"),
+                      ("judge_failed_episodes", "unjudged"), ("failed_episodes", "failed"),
+                      ("bad_reward_episodes", "bad rewards")):
         if record.get(key):
             status += f"  {name} {record[key]}/{total}"
     return status
