@@ -84,7 +84,8 @@ class TrainResult:
             ends = self.evals[:1] if len(self.evals) == 1 else [self.evals[0], self.evals[-1]]
             last = ends[-1]
             k, split = last["k"], last["split"]
-            lines.append(row("evaluation on " + split, *(f"step {e['step']}" for e in ends)))
+            lines.append(row("evaluation on " + split, *("before" if e["step"] == 0 else f"step {e['step'] - 1} done"
+                                                          for e in ends)))  # numbered as the training steps
             agents = sorted({key[:-len("/reward")] for key in last if key.endswith("/reward")})  # names may hold '/' 
             for a in agents:
                 lines.append(row("  reward " + a, *(float(e.get(f"{a}/reward", float("nan"))) for e in ends)))
@@ -104,6 +105,12 @@ class TrainResult:
                 lines += [row("  " + label, *(int(h.get(key, 0)) for h in ends)) for key, label in counts]
         lines.append(f"run folder: {self.run_dir}")
         return "\n".join(lines)
+
+
+def _after(steps_done: int) -> str:
+    """When an evaluation ran, numbered as training steps are (from 0, as metrics.jsonl's `step`, errors and the
+    trace store): 'before' training, 'after step 2' (its record's `step` counts the steps done: 3)."""
+    return "before" if steps_done == 0 else f"after step {steps_done - 1}"
 
 
 def train_graph(graph: Any, env: Any, config: TrainConfig | None = None, *,
@@ -316,7 +323,7 @@ class Trainer:
         if self.pipeline is not None:  # the rollouts in flight end, the trainer's weights reach the rollouts
             self.pipeline.settle()
         rollouts: list[Any] | None = [] if self.weave is not None else None
-        label = "evaluation before training" if step == 0 else f"evaluation after step {step}"
+        label = "evaluation before training" if step == 0 else f"evaluation {_after(step)}"
         record = evaluate(self.state, step=step, rollouts=rollouts, progress=logger.episodes(label))
         if self.weave is not None:
             self.weave.submit_evaluation(record, rollouts)
