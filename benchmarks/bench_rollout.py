@@ -17,6 +17,13 @@ does the same work; the embedded engine records logprobs, vLLM is asked for them
 does: on CPU, torch ops on a second OS thread slow the engine's decoding for the rest of the process
 (GNU OpenMP's spin-wait is cut once two thread teams exceed the cores; see `transformers_policy`).
 
+- multiturn (`--only multiturn`; not in the default set): `--episodes` conversations of `--turns` turns
+  each (a system prompt, a question, then each reply and a follow-up question appended), `--turn-tokens`
+  tokens per reply; every turn's prompts are sent at once. The embedded engine with its prefix cache (a
+  prompt prefills only what follows the KV rows of an earlier prompt or finished row) vs with the cache
+  off (every turn prefills its whole conversation). Both draw the same replies (same seeds; exact), so they
+  do the same work; the cache is emptied before each timed run.
+
 Systems alternate inside each of `--repeats` rounds (after one warm-up each); medians of tokens/s and the
 ratios are printed. The vLLM CPU server (the vLLM venv: $DRMAS_VLLM_PYTHON or ./.venv-vllm) is started
 with its OpenMP threads bound to the same `--threads` cores the torch runs use; it is skipped with
@@ -154,6 +161,65 @@ def _with_packed(fn):
         return fn()
 
 
+class _Switchable(_IgnoreEOS):
+    """The embedded engine whose prompt cache can be turned off, and is emptied, between runs."""
+
+    use_cache = True
+    _reset = False
+
+    def start(self, use_cache: bool) -> None:
+        self.use_cache, self._reset = use_cache, True
+
+    def _engine_step(self, engine, admit):
+        if self._reset:
+            engine.prompt_cache.entries.clear()
+            self._reset = False
+        engine.prompt_cache.size = self.prompt_cache_size if self.use_cache else 0
+        engine.prefix_reuse = self.use_cache
+        return super()._engine_step(engine, admit)
+
+
+def run_multiturn(policy: _Switchable, use_cache: bool, args, seed0: int) -> int:
+    """`--episodes` conversations of `--turns` turns; returns the tokens generated."""
+    policy.start(use_cache)
+    tok = policy.tokenizer
+    convs = [[{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"What is {e} + {2 * e + 3}?"}]
+             for e in range(args.episodes)]
+    for t in range(args.turns):
+        prompts = [tok.encode(tok.apply_chat_template(c, tokenize=False, add_generation_prompt=True),
+                              add_special_tokens=False) for c in convs]
+        futures = [policy.submit(p, SamplingParams(temperature=1.0, max_new_tokens=args.turn_tokens,
+                                                   seed=seed0 + 100 * t + e)) for e, p in enumerate(prompts)]
+        for c, f in zip(convs, futures):
+            reply = tok.decode(f.result().token_ids, skip_special_tokens=True)
+            c += [{"role": "assistant", "content": reply}, {"role": "user", "content": f"Check step {t + 1}."}]
+    return args.episodes * args.turns * args.turn_tokens
+
+
+def measure_multiturn(args, model, tokenizer) -> dict[str, float]:
+    policy = _Switchable(model, tokenizer, name="embedded", max_batch_size=args.max_batch, seed=0)
+    try:
+        seeds = iter(range(0, 10**9, 10**4))
+        rounds: dict[str, list] = {"cache on": [], "cache off": []}
+        for r in range(args.repeats + 1):  # round 0: warm-up
+            seed0 = next(seeds)
+            for name, on in (("cache on", True), ("cache off", False)):
+                before = (policy.stats.prefill_tokens, policy.stats.reused_prompt_tokens)
+                time.sleep(args.settle_s)
+                wall, tokens = _timed(lambda: run_multiturn(policy, on, args, seed0))
+                prefilled = policy.stats.prefill_tokens - before[0]
+                reused = policy.stats.reused_prompt_tokens - before[1]
+                if r:
+                    rounds[name].append(wall)
+                print(f"  round {r or 'warm-up'} {name:9s} {wall:6.2f} s, {tokens / wall:6.1f} tok/s, prompt tokens "
+                      f"prefilled {prefilled}, reused {reused}", flush=True)
+    finally:
+        policy.close()
+    on, off = (statistics.median(rounds[k]) for k in ("cache on", "cache off"))
+    print(f"multiturn: median {on:.2f} s with the prefix cache, {off:.2f} s without: {off / on:.2f}x")
+    return {"cache on": on, "cache off": off}
+
+
 # ---- measurement -------------------------------------------------------------------------------
 def _timed(fn) -> tuple[float, int]:
     t0 = time.perf_counter()
@@ -203,7 +269,10 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--max-batch", type=int, default=32, help="engine slots (embedded max_batch_size, vLLM max-num-seqs)")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--only", choices=["equal", "ragged"], default=None)
+    ap.add_argument("--only", choices=["equal", "ragged", "multiturn"], default=None)
+    ap.add_argument("--episodes", type=int, default=8, help="multiturn workload: conversations")
+    ap.add_argument("--turns", type=int, default=4, help="multiturn workload: turns per conversation")
+    ap.add_argument("--turn-tokens", type=int, default=24, help="multiturn workload: tokens per reply")
     ap.add_argument("--no-vllm", action="store_true")
     ap.add_argument("--settle-s", type=float, default=2.0, help="idle seconds before each timed run")
     args = ap.parse_args()
@@ -217,6 +286,11 @@ def main() -> None:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(args.device).eval()
         if _PACKED is not None:
             PackedLinear.install(model)  # what the engine does on CPU; gen+onednn uses it too
+        if args.only == "multiturn":
+            print(f"model {path} ({args.dtype}, {args.device}), torch threads {torch.get_num_threads()}, "
+                  f"load {os.getloadavg()[0]:.1f}", flush=True)
+            measure_multiturn(args, model, tokenizer)
+            return
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         policy = _IgnoreEOS(model, tokenizer, name="embedded", max_batch_size=args.max_batch, seed=0)
         server = None if (args.no_vllm or args.device != "cpu") else start_vllm(path, args.threads, args.max_batch)

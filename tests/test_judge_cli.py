@@ -54,7 +54,7 @@ def test_the_summary_has_one_column_when_evaluation_ran_once(tmp_path):
     ev = {"step": 2, "split": "test", "k": 2, "solver/reward": 0.5, "avg@k": 0.25, "pass@k": 0.5}
     once = TrainResult(run_dir=tmp_path, evals=[ev], history=[{"step": 0, "reward/team_mean": 0.375}])
     assert once.summary().splitlines() == [
-        "evaluation on test                step 2",
+        "evaluation on test           step 1 done",
         "  reward solver                    0.500",
         "  avg@2                            0.250",
         "  pass@2                           0.500",
@@ -64,7 +64,7 @@ def test_the_summary_has_one_column_when_evaluation_ran_once(tmp_path):
     twice = TrainResult(run_dir=tmp_path, evals=[{**ev, "step": 0, "avg@k": 0.125}, ev],
                         history=[{"step": 0, "reward/team_mean": 0.375}, {"step": 1, "reward/team_mean": 1}])
     assert twice.summary().splitlines()[:6] == [
-        "evaluation on test                step 0      step 2",
+        "evaluation on test                before step 1 done",
         "  reward solver                    0.500       0.500",
         "  avg@2                            0.125       0.250",
         "  pass@2                           0.500       0.500",

@@ -73,6 +73,7 @@ def _served_judge(mode: str, bodies: list[dict]) -> Judge:
                                                    "total_tokens": 960}})
 
     model = ChatOpenAI(base_url="http://127.0.0.1:8000/v1", model="Qwen/Qwen2.5-7B-Instruct", api_key="EMPTY",
+                       max_retries=0,
                        http_client=httpx.Client(transport=httpx.MockTransport(server)))
     return Judge(model, RUBRIC, mode=mode)
 

@@ -43,8 +43,10 @@ def test_without_a_terminal_every_step_prints_one_plain_line_at_once(tmp_path):
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert len(lines) == 4 and lines[1] == "MARK after step 0" and lines[3] == "MARK after step 1"  # no bar
-    assert re.fullmatch(r"step 1/2  reward solver=0\.50 verifier=0\.25  step 1\.2 s  elapsed \d+\.\d s", lines[0])
-    assert re.fullmatch(r"step 2/2  reward solver=1\.00  step 2\.2 s  elapsed \d+\.\d s", lines[2])  # NaN left out
+    assert re.fullmatch(r"step 0 \(1/2\)  reward solver=0\.50 verifier=0\.25  step 1\.2 s  elapsed \d+\.\d s",
+                        lines[0])
+    assert re.fullmatch(r"step 1 \(2/2\)  reward solver=1\.00  step 2\.2 s  elapsed \d+\.\d s",
+                        lines[2])  # NaN left out
 
 
 def test_on_a_terminal_the_rich_bar_stays(tmp_path):
@@ -64,7 +66,7 @@ def test_on_a_terminal_the_rich_bar_stays(tmp_path):
     assert proc.wait(timeout=120) == 0, proc.stderr.read()
     os.close(master)
     out = b"".join(chunks).decode(errors="replace")
-    assert "━" in out and "step 2/2" in out and "reward solver=1.00" in out  # the bar, its text and status
+    assert "━" in out and "2/2 steps" in out and "step 1  reward solver=1.00" in out  # the bar, its text and status
     assert "elapsed" not in out  # no plain lines
 
 
@@ -95,8 +97,8 @@ def test_without_a_terminal_an_evaluation_shows_its_episodes_as_they_end(tmp_pat
     assert all(re.fullmatch(r"evaluation before training: \d/6 episodes  elapsed \d+\.\d s  ETA \d+\.\d s", ln)
                for ln in before[:-1])
     assert re.fullmatch(r"evaluation before training: 6/6 episodes  elapsed \d+\.\d s", before[-1])
-    assert lines.index(before[-1]) < lines.index(next(ln for ln in lines if ln.startswith("step 1/1")))
-    assert any(ln.startswith("evaluation after step 1: 6/6 episodes") for ln in lines)
+    assert lines.index(before[-1]) < lines.index(next(ln for ln in lines if ln.startswith("step 0 (1/1)")))
+    assert any(ln.startswith("evaluation after step 0: 6/6 episodes") for ln in lines)
 
 
 def test_episode_progress_prints_a_line_at_each_tenth(capsys):

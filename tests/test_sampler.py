@@ -377,3 +377,23 @@ def test_packed_weights_follow_an_update_that_leaves_the_tensor_version_counters
                 p.data.add_(noise[name])
         assert [p._version for p in policy.model.parameters()] == versions
     assert_same_generation(packed.generate(prompt, params), plain.generate(prompt, params))
+
+
+def test_a_bfloat16_model_generates_with_packed_linear_layers_as_without():
+    """oneDNN packs bf16 weights only on CPUs with its bf16 kernels (AVX-512 BW/VL/DQ or AVX-NE-CONVERT);
+    on others (AVX2) packing raised, so a bf16 policy failed every request. Such layers keep the plain op."""
+    from drmas_graph.testing import tiny_policy
+
+    packed, plain = tiny_policy(seed=0), tiny_policy(seed=0, packed_cpu_linear=False)
+    try:
+        for policy in (packed, plain):
+            policy.model.to(torch.bfloat16)
+        prompt = packed.render([HumanMessage("What is 6 + 1?")])
+        for params in (SamplingParams(max_new_tokens=12, temperature=0.0), SamplingParams(max_new_tokens=12, seed=3)):
+            a, b = packed.generate(prompt, params), plain.generate(prompt, params)
+            assert len(a.token_ids) == 12 and a.token_ids == b.token_ids
+            # bf16 oneDNN and bf16 MKL kernels accumulate in different orders: logits differ in the last bits
+            torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=0.05, rtol=0)
+    finally:
+        packed.close()
+        plain.close()

@@ -156,6 +156,27 @@ def test_a_step_whose_every_episode_fails_stops_the_run_with_the_first_error(tmp
     assert isinstance(first.__cause__, ValueError)  # the graph's own exception, chained
     assert policy.version == 0  # no update ran on an empty batch
     assert not (tmp_path / "run" / "checkpoints").exists()
+    # what the failed step measured is in metrics.jsonl and the summary (it wrote nothing before issue 48)
+    lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["episodes"], r["failed_episodes"]) for r in lines] == [(0, 0, 4)]
+    assert lines[0]["time/rollout_s"] > 0
+    summary = info.value.result.summary().splitlines()
+    assert summary[:2] == ["training reward (team)" + " " * 6 + "      step 0", " " * 28 + "           -"]
+    assert summary[2:6] == [f"  {label:<26}{n:>12}" for label, n in (
+        ("episodes with a reward", 0), ("unjudged episodes", 0), ("failed episodes", 4), ("bad-reward episodes", 0))]
+
+
+def test_the_progress_line_and_summary_show_unjudged_and_failed_episodes(tmp_path):
+    from drmas_graph.train.loop.metrics import progress_status
+    from drmas_graph.train.loop.trainer import TrainResult
+
+    record = {"step": 1, "episodes": 4, "judge_failed_episodes": 3, "failed_episodes": 1, "reward/team_mean": 0.5,
+              "agent/solver/reward_mean": 0.5}
+    assert progress_status(["solver"], record) == "reward solver=0.50  unjudged 3/8  failed 1/8"
+    summary = TrainResult(tmp_path, history=[{**record, "step": 0, "judge_failed_episodes": 0}, record]).summary()
+    assert summary.splitlines()[2:6] == [f"  {label:<26}{a:>12}{b:>12}" for label, a, b in (
+        ("episodes with a reward", 4, 4), ("unjudged episodes", 0, 3), ("failed episodes", 1, 1),
+        ("bad-reward episodes", 0, 0))]
 
 
 def test_kill_and_resume_gives_the_same_batches_and_weights(tmp_path):
@@ -353,7 +374,7 @@ def test_the_progress_line_and_the_warning_say_which_episodes_did_not_finish():
               "truncated_episodes": 3, "truncated/max_llm_calls": 2, "truncated/timeout_s": 1,
               "truncated/recursion_limit": 0, "model_error_episodes": 2, "agent/solver/model_error_episodes": 2,
               "agent/judge/model_error_episodes": 0}
-    assert progress_status(["solver"], record) == "reward solver=0.50  truncated 3/8  model errors 2/8"
+    assert progress_status(["solver"], record) == "reward solver=0.50  truncated 3/8  model errors 2/8  failed 1/8"
     warning = unfinished_warning(record, 8)
     assert warning.startswith("step 3: 5 of 8 episodes did not finish: 3 truncated (max_llm_calls 2, timeout_s 1;")
     assert "2 model errors (by agent: solver 2;" in warning

@@ -7,6 +7,7 @@ import hashlib
 import http.client
 import json
 import re
+import shlex
 import threading
 import urllib.parse
 from collections.abc import Iterator
@@ -125,6 +126,75 @@ def test_bad_parameters_are_400_naming_them(app):
     assert status == 400 and "step=&#39;two&#39; is not an integer" in body
     assert get(app, "/runs/myrun/episodes?sort=id;drop")[0] == 400
     assert get(app, "/runs/myrun/episodes?min_reward=nan")[0] == 400
+
+
+def test_filtered_and_sorted_by_an_agents_reward_the_reward_column_is_that_agents(app):
+    """solver's reward i / 100, checker's 1.0: the team mean of plain028 is 0.64; the column showed it."""
+    body = get(app, "/runs/myrun/episodes?agent=solver&sort=reward&desc=1&min_reward=0.27&max_reward=0.29")[1]
+    assert listed(body) == ["plain029", "plain028", "plain027"]
+    assert re.findall(r'<td class="reward">([^<]*)</td>', body) == ["0.29", "0.28", "0.27"]
+    assert "solver&#39;s reward ▼</a>" in body
+    body = get(app, "/runs/myrun/episodes?sort=reward&desc=1&min_reward=0.64&max_reward=0.642")[1]
+    assert re.findall(r'<td class="reward">([^<]*)</td>', body) == ["0.64"] and ">reward ▼</a>" in body
+
+
+def test_the_final_states_messages_show_as_role_content_and_tool_calls(app, run_dir):
+    """A final state holding LangChain messages (a ToolNode app's): the page showed their Python reprs
+    (content='...' additional_kwargs={} ...)."""
+    from langchain_core.messages import AIMessage, ToolMessage
+
+    call = {"name": "lookup", "args": {"sku": "T-1"}, "id": "call_a1", "type": "tool_call"}
+    state = {"messages": [HumanMessage("Price of T-1?"), AIMessage("", tool_calls=[call]),
+                          ToolMessage("4 EUR", tool_call_id="call_a1", name="lookup"), AIMessage("It costs 4 EUR.")]}
+    with TraceStore(run_dir / "traces.db") as store:
+        store.write_episode(Episode(id="tools", task_id="t0", turns=[make_turn("solver", 0)], final_state=state))
+    body = get(app, "/runs/myrun/episodes/tools")[1]
+    shown = json.loads(re.search(r'<pre class="json" id="final-state">(.*?)</pre>', body, re.S).group(1)
+                       .replace("&#34;", '"').replace("&quot;", '"').replace("&#39;", "'"))
+    assert shown == {"messages": [
+        {"role": "user", "content": "Price of T-1?"},
+        {"role": "assistant", "content": "", "tool_calls": [{"name": "lookup", "args": {"sku": "T-1"},
+                                                             "id": "call_a1"}]},
+        {"role": "tool", "name": "lookup", "content": "4 EUR", "tool_call_id": "call_a1"},
+        {"role": "assistant", "content": "It costs 4 EUR."}]}
+    assert "additional_kwargs" not in body
+
+
+def test_zero_page_size_and_top_and_a_reversed_step_range_are_a_styled_400(app):
+    """per_page=0 and top=0 fell back to 50 and 10 silently; from_step > to_step said 'no metrics logged yet'."""
+    status, body = get(app, "/runs/myrun/episodes?per_page=0")
+    assert status == 400 and styled(body) and "parameter per_page=0: valid page sizes are" in body
+    status, body = get(app, "/runs/myrun/answers?top=0")
+    assert status == 400 and styled(body) and "parameter top=0: valid values are" in body
+    status, body = get(app, "/?from_step=5&to_step=2")
+    assert status == 400 and styled(body) and "from_step=5 and to_step=2: no step is in that range" in body
+    assert "No metrics logged yet" not in body
+    status, body = get(app, "/?from_step=7")  # a range past every logged step says so
+    assert status == 200 and "No metric logged at steps 7..: widen the step range." in body
+
+
+def test_overlaid_runs_never_share_a_colour_and_agents_never_share_a_style(tmp_path):
+    """Nine runs given, the first and the ninth overlaid: each had colour (place among every run) % 8 = 0. One
+    run with seven agents and two models: the line styles, numbered over every part, wrapped past six."""
+    folders = []
+    for i in range(9):
+        folder = tmp_path / f"r{i}"
+        folder.mkdir()
+        agents = [f"agent{j}" for j in range(7)] if i == 8 else ["solver"]
+        with (folder / "metrics.jsonl").open("w") as f:
+            for step in range(2):
+                record = {"step": step, "model/m1/grad_norm": 1.0, "model/m2/grad_norm": 2.0}
+                record.update({f"agent/{a}/reward_mean": step / (j + 2) for j, a in enumerate(agents)})
+                f.write(json.dumps(record) + "\n")
+        folders.append(folder)
+    app = UiApp(folders)
+    for url in ("/?run=r0&run=r8", "/chart?metric=agent/*/reward_mean&run=r8&run=r0"):
+        status, body = get(app, url)
+        drawn = chart(body, "reward_mean per agent")
+        lines = re.findall(r'<polyline class="line" points="[^"]+" fill="none" stroke="(#\w+)"'
+                           r'(?: stroke-dasharray="([^"]+)")?', drawn)
+        assert status == 200 and len(lines) == 8 and len(set(lines)) == 8, lines
+        assert {colour for colour, _ in lines} == {"#1f77b4", "#d62728"}  # r0 blue, r8 red, in either URL order
 
 
 def test_group_and_episode_pages_show_the_stored_values(app):
@@ -539,8 +609,10 @@ def test_runs_page_shows_top_replies_as_a_table_and_links_tensorboard(app, run_d
     table = body.split('data-step="3" data-agent="solver">')[1].split("</table>")[0]
     assert re.findall(r'<td class="reply-text">([^<]*)</td><td>(\d+)</td><td>([^<]*)</td>', table) == \
         [("4", "3", "1"), ("&lt;b&gt;5&lt;/b&gt;", "1", "0")]
-    assert f'<a class="tensorboard" href="{(run_dir / "tensorboard").as_uri()}">' in body
-    assert f"tensorboard --logdir {run_dir / 'tensorboard'}" in body
+    # the command to run (a browser refuses a file:// link from an http:// page), shell-quoted
+    assert "file://" not in body and "tensorboard/</a>" not in body
+    assert f'<code class="tensorboard" title="run this in a terminal, then open the address it prints">' \
+           f"tensorboard --logdir {shlex.quote(str(run_dir / 'tensorboard'))}</code>" in body
 
 
 def test_group_page_shows_rewards_stats_and_the_judges_attempts_in_its_order(app, run_dir):
@@ -570,3 +642,10 @@ def test_group_page_shows_rewards_stats_and_the_judges_attempts_in_its_order(app
     # -0.5, 0, 0, 0, 1, 1, 1, 1 -> mean 0.4375, std 0.6232
     assert cells("solver") == ["solver", "4", "0.5", "0.5774", "8", "0.4375", "0.6232"]
     assert cells("checker") == ["checker", "4", "1", "0", "4", "1", "0"]
+    assert "4 episodes of task t9, in the order the judge saw them (their place in the group):" in body
+
+
+def test_the_group_page_names_a_judge_only_where_one_ran(app):
+    """write_run's group g0 (no judge, no group_index) said 'in the order the judge saw them'."""
+    body = get(app, "/runs/myrun/group?id=g0")[1]
+    assert "4 episodes of task t0, in the order they were written:" in body and "judge" not in body

@@ -5,6 +5,7 @@ what is on the page asserted (and that it fits the window), error pages, a scree
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import threading
@@ -216,3 +217,34 @@ def test_error_pages_are_styled(server, page):
         assert page.evaluate("document.styleSheets.length") == 1  # the stylesheet loaded
         assert "Traceback" not in page.content()
     page.screenshot(path=str(SHOTS / "error.png"))
+
+
+def test_overlaid_runs_are_drawn_in_distinct_colours_and_styles(tmp_path, page):
+    """What the browser draws (computed stroke and dash of each line): nine runs given, the first and the ninth
+    overlaid (the same colour before: place among every run % 8), the ninth with seven agents (the dash styles,
+    numbered over every agent and model, wrapped past six)."""
+    folders = []
+    for i in range(9):
+        folders.append(tmp_path / f"r{i}")
+        folders[-1].mkdir()
+        agents = [f"agent{j}" for j in range(7)] if i == 8 else ["solver"]
+        with (folders[-1] / "metrics.jsonl").open("w") as f:
+            for step in range(2):
+                record = {"step": step, "model/m1/grad_norm": 1.0, "model/m2/grad_norm": 2.0}
+                record.update({f"agent/{a}/reward_mean": step / (j + 2) for j, a in enumerate(agents)})
+                f.write(json.dumps(record) + "\n")
+    app = UiApp(folders)
+    server = make_server(app, "127.0.0.1", 0)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        page.goto(f"http://127.0.0.1:{server.server_port}/?run=r8&run=r0")
+        figure = page.locator("#charts figure", has=page.locator("figcaption", has_text="reward_mean per agent"))
+        drawn = figure.locator("polyline.line").evaluate_all(
+            "lines => lines.map(l => [getComputedStyle(l).stroke, getComputedStyle(l).strokeDasharray])")
+        page.screenshot(path=str(SHOTS / "overlaid.png"))
+    finally:
+        server.shutdown()
+        server.server_close()
+        app.close()
+    assert len(drawn) == 8 and len({tuple(d) for d in drawn}) == 8, drawn
+    assert {stroke for stroke, _ in drawn} == {"rgb(31, 119, 180)", "rgb(214, 39, 40)"}

@@ -268,6 +268,19 @@ def test_clip_range_is_per_agent(rollout):
     assert metrics.agents["verifier"].ratio_max == pytest.approx(math.exp(0.1), rel=1e-3)
 
 
+def test_an_agent_without_a_sample_with_nonzero_advantage_has_no_importance_weight(rollout):
+    """Every verifier sample has advantage 0 (not forwarded, KL and entropy off): its ratio_max is absent from
+    the update's metrics (it was 0.0, drawn as a 0 in the UI's importance-weight chart); the solver's is measured."""
+    samples = [dataclasses.replace(s, advantage=0.0 if s.agent == "verifier" else 1.0,
+                                   old_logprobs=tuple(x - 0.1 for x in s.old_logprobs)) for s in rollout]
+    metrics = ModelUpdater(fresh_model(), name="m", settings=settings()).update(samples)
+    assert metrics.agents["verifier"].n_samples == 2 and metrics.agents["verifier"].ratio_max is None
+    assert metrics.agents["solver"].ratio_max == pytest.approx(math.exp(0.1), rel=1e-3)
+    flat = metrics.to_dict()
+    assert "agent/verifier/ratio_max" not in flat and "agent/verifier/n_samples" in flat
+    assert flat["agent/solver/ratio_max"] == pytest.approx(math.exp(0.1), rel=1e-3)
+
+
 def test_unknown_agent_is_an_error_when_agent_settings_are_given(rollout):
     updater = ModelUpdater(fresh_model(), name="m", settings=settings(),
                            agent_settings={"solver": LossSettings()})

@@ -23,7 +23,7 @@ from rich.table import Table
 from drmas_graph._importing import import_spec
 from drmas_graph.cli._imports import StandInChatModel, build_graph
 from drmas_graph.config import TaskFilesConfig, TrainConfig, config_reference, load_config
-from drmas_graph.errors import ConfigError
+from drmas_graph.errors import ConfigError, RolloutError
 
 __all__ = ["add_train_commands", "StandInChatModel", "attached_servers", "build_graph_and_env", "eval_dir",
            "point_at_checkpoint"]
@@ -88,6 +88,10 @@ def _cmd_train(args: argparse.Namespace, console: Console) -> int:
         raise ConfigError(f"run folder {exc.run_dir} already holds a run; train into a new folder with `--set "
                           f"run_dir={free_run_dir(exc.run_dir)}`, or continue this run from its last checkpoint "
                           "with `--resume`") from None
+    except RolloutError as exc:  # a step had nothing to train on: what the run measured, then the error
+        if getattr(exc, "result", None) is not None and distributed.is_main():
+            console.print(exc.result.summary(), markup=False)
+        raise
     except KeyboardInterrupt:
         if distributed.is_main():
             print(f"drmas-graph: interrupted; {_saved(cfg, args.config)}", file=sys.stderr)

@@ -7,11 +7,12 @@ there (what vLLM's CPU backend relies on too).
 
 `PackedLinear.install(model)` turns the model's `nn.Linear` layers into `_PackableLinear` (a subclass whose
 forward is the same `F.linear` unless a `PackedLinear` is active on the calling thread: `with mode:`, entered
-around the engine's own forward passes). While active, a CPU float32/bfloat16 layer without autograd runs
-on the packed copy of its weight, repacked whenever the weight changed in place (its version counter or
-storage moved, as `load_state_dict` and optimizer steps do) and after `for_version` saw a new policy
-version. Training, other threads and any other caller of the model get the plain op. The packed copies
-cost about one more copy of the linear weights in memory.
+around the engine's own forward passes). While active, a CPU float32 layer without autograd (bfloat16 too
+where the CPU has oneDNN's bf16 kernels; elsewhere bf16 layers keep the plain op) runs on the packed copy
+of its weight, repacked whenever the weight changed in place (its version counter or storage moved, as
+`load_state_dict` and optimizer steps do) and after `for_version` saw a new policy version. Training,
+other threads and any other caller of the model get the plain op. The packed copies cost about one more
+copy of the linear weights in memory.
 
 (An earlier version was a torch function mode; it intercepts every torch call of the forward pass, which
 cost 5-7% of a decode step on SmolLM2-135M. Here only the linear layers pay one thread-local lookup.)
@@ -19,6 +20,7 @@ cost 5-7% of a decode step on SmolLM2-135M. Here only the linear layers pay one 
 
 from __future__ import annotations
 
+import functools
 import threading
 from typing import Any
 
@@ -27,8 +29,14 @@ import torch.nn.functional as F
 
 __all__ = ["PackedLinear", "packed_linear_available"]
 
-_DTYPES = (torch.float32, torch.bfloat16)
 _active = threading.local()  # .mode: the PackedLinear active on this thread, if any; .outer: enclosing ones
+
+
+@functools.cache
+def _packable_dtypes() -> tuple[torch.dtype, ...]:
+    """float32, and bfloat16 where this CPU has oneDNN's bf16 kernels (AVX-512 BW/VL/DQ or AVX-NE-CONVERT):
+    elsewhere (an AVX2-only CPU) `_reorder_linear_weight` refuses bf16 weights, so they take the plain op."""
+    return (torch.float32, torch.bfloat16) if torch.ops.mkldnn._is_mkldnn_bf16_supported() else (torch.float32,)
 
 
 def packed_linear_available() -> bool:
@@ -43,7 +51,8 @@ class _PackableLinear(torch.nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         mode = getattr(_active, "mode", None)
         w, b = self.weight, self.bias
-        if (mode is None or torch.is_grad_enabled() or w.device.type != "cpu" or w.dtype not in _DTYPES
+        if (mode is None or torch.is_grad_enabled() or w.device.type != "cpu"
+                or w.dtype not in _packable_dtypes()
                 or x.dtype != w.dtype or (b is not None and b.dtype != w.dtype)):
             return F.linear(x, w, b)
         return torch.ops.mkldnn._linear_pointwise(x, mode.packed(w), b, "none", [], "")

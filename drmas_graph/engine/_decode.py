@@ -3,8 +3,10 @@
 Shapes: `_B` active rows, `_N` newcomers, `_U` distinct newcomer prompts, `_L` cache length.
 
 Every `step`: the active rows decode one token (one forward pass), the newcomers are prefilled (one
-forward pass over their *distinct* prompts; rows with the same prompt share its KV cache rows, and a
-prompt prefilled recently under the same weights is taken from `PromptCache`), every row
+forward pass over their *distinct* prompts; rows with the same prompt share its KV cache rows; a prompt
+prefilled recently under the same weights is taken from `PromptCache`, and a prompt that shares a prefix
+with a recent prompt or finished row (an episode's next turn) prefills only its suffix on those KV rows, in a
+second forward pass), every row
 samples on the device (`_sampling.sample_rows`), one device-to-host copy brings back the sampled ids and
 logprobs, rows that finished leave, and the newcomers' cache rows are merged into the batch (left-padded
 to a common length; fully padded leading columns are trimmed). A row's tokens depend on its prompt,
@@ -75,36 +77,93 @@ class EngineStats:
     """Requests admitted while other rows were decoding."""
     prefix_cache_hits: int = 0
     """Distinct prompts whose KV rows came from the recent-prompt cache instead of a prefill."""
+    partial_prefix_hits: int = 0
+    """Distinct prompts that prefilled only their suffix, on the cached KV rows of a shared prefix."""
+    reused_prompt_tokens: int = 0
+    """Prompt tokens whose KV rows came from the cache (identical prompts and shared prefixes)."""
+
+
+_Key = tuple[str | None, tuple[int, ...]]  # (LoRA adapter, token ids): KV rows depend on both
+MIN_PREFIX = 16
+"""Fewest shared tokens worth a prefix hit: a hit prefills its suffix in a forward pass of its own (a read of
+every weight), so a few shared tokens (a chat template's header) cost more than they save."""
 
 
 class PromptCache:
-    """The KV rows and last-position logits of recently prefilled prompts (LRU; one weights version).
+    """The KV rows of recently prefilled prompts and finished rows (LRU; one weights version).
 
-    GRPO sends a group's identical prompts at about the same time; members that miss the admission of
-    the first ones (or identical follow-up prompts) reuse its prefill instead of recomputing it.
+    Identical prompts (GRPO sends a group's prompts at about the same time; members that miss the admission
+    of the first ones) take an entry's KV rows and last-position logits as they are (`get`). A prompt that
+    shares at least `MIN_PREFIX` leading tokens with an entry (the next turn of an episode: its earlier
+    prompt and reply; agents with the same system prompt) takes the KV rows of that common prefix and
+    prefills only the rest (`longest_prefix`). A causal model's KV rows at positions < k depend on the
+    first k tokens only, so both give what a full prefill gives, up to the order of floating-point sums.
+    Entries of finished rows hold the prompt and the reply's tokens but the last (never fed to the model),
+    and no logits.
     """
 
     def __init__(self, size: int) -> None:
         self.size = size
         self.version: int | None = None
-        self.entries: OrderedDict[tuple[str | None, tuple[int, ...]], tuple[list, torch.Tensor]] = OrderedDict()
+        self.entries: OrderedDict[_Key, tuple[list, torch.Tensor | None]] = OrderedDict()
 
-    def get(self, prompt: tuple[str | None, tuple[int, ...]], version: int) -> tuple[list, torch.Tensor] | None:
+    def _at(self, version: int) -> None:
         if version != self.version:
             self.entries.clear()
             self.version = version
+
+    def get(self, prompt: _Key, version: int) -> tuple[list, torch.Tensor] | None:
+        """The entry of exactly this prompt with its last-position logits, if cached."""
+        self._at(version)
         entry = self.entries.get(prompt)
-        if entry is not None:
-            self.entries.move_to_end(prompt)
+        if entry is None or entry[1] is None:
+            return None
+        self.entries.move_to_end(prompt)
         return entry
 
-    def put(self, prompt: tuple[str | None, tuple[int, ...]], kv: list, logits_V: torch.Tensor, version: int) -> None:
+    def longest_prefix(self, prompt: _Key, version: int) -> tuple[list, int] | None:
+        """(an entry's KV rows, k): the entry (same adapter) sharing the longest prefix with the prompt, k of
+        its first rows usable (k < len(prompt): the last prompt token is fed to get its logits); None when no
+        entry shares `MIN_PREFIX` tokens."""
+        self._at(version)
+        adapter, ids = prompt
+        best, best_k = None, 0
+        for key in self.entries:
+            if key[0] == adapter:
+                k = _common_prefix(key[1], ids, len(ids) - 1)
+                if k > best_k:
+                    best, best_k = key, k
+        if best is None or best_k < MIN_PREFIX:
+            return None
+        self.entries.move_to_end(best)
+        return self.entries[best][0], best_k
+
+    def put(self, prompt: _Key, kv: list, logits_V: torch.Tensor | None, version: int) -> None:
         if self.size <= 0 or version != self.version:
             return
-        self.entries[prompt] = ([(k.clone(), v.clone()) for k, v in kv], logits_V.clone())
+        if logits_V is None and prompt in self.entries:  # keep the entry's logits (a 1-token reply's row)
+            self.entries.move_to_end(prompt)
+            return
+        self.entries[prompt] = ([(k.clone(), v.clone()) for k, v in kv],
+                                None if logits_V is None else logits_V.clone())
         self.entries.move_to_end(prompt)
         while len(self.entries) > self.size:
             self.entries.popitem(last=False)
+
+
+def _common_prefix(a: tuple[int, ...], b: tuple[int, ...], limit: int) -> int:
+    """How many leading tokens a and b share, at most `limit`."""
+    n = min(len(a), len(b), limit)
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]: bisect on tuple slices (C speed)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 class StopMatcher:
@@ -245,8 +304,8 @@ class DecodeBatch:
     """The active rows of the embedded engine and their shared KV cache (used by one worker thread)."""
 
     def __init__(self, model: Any, tokenizer: Any, *, pad_id: int, eos_ids: Sequence[int], cache_kwarg: str,
-                 stats: EngineStats, prompt_cache_size: int = 0, packed_cpu_linear: bool = False,
-                 row_kwargs: Callable[[list[str | None]], dict[str, Any]] | None = None,
+                 stats: EngineStats, prompt_cache_size: int = 0, prefix_reuse: bool = False,
+                 packed_cpu_linear: bool = False, row_kwargs: Callable[[list[str | None]], dict[str, Any]] | None = None,
                  context_size: int | None = None) -> None:
         self.model = model
         self.context_size = context_size
@@ -261,6 +320,9 @@ class DecodeBatch:
         self.stats = stats
         self._vocab_hash: torch.Tensor | None = None
         self.prompt_cache = PromptCache(prompt_cache_size)
+        self.prefix_reuse = prefix_reuse
+        """Prefill only the suffix of a prompt that shares a prefix with a cached prompt or finished row (off by
+        default: not bit-identical to a full prefill, and whether a prompt hits depends on arrival order)."""
         use_packed = packed_cpu_linear and self.device.type == "cpu" and packed_linear_available()
         self.linear_mode = PackedLinear() if use_packed else None
         if use_packed:
@@ -326,12 +388,22 @@ class DecodeBatch:
             reason = row.add(int(host[0][i]), host[1][i])
             if reason is not None:
                 finished.append((row.req, row.generation(reason)))
+                if i < len(self.rows):
+                    self._cache_finished_row(i, row)
             elif i < len(self.rows):
                 keep_old.append(i)
             else:
                 keep_new.append(i - len(self.rows))
         self._regroup(keep_old, new, keep_new, ids_all, new_rows)
         return finished
+
+    def _cache_finished_row(self, i: int, row: _Row) -> None:
+        """Keep a finished row's KV rows (its prompt and reply but the last token) for a next turn's prompt."""
+        if not self.prefix_reuse or self.prompt_cache.size <= 0 or not _mergeable(self.cache):
+            return
+        ids = row.req.prompt_ids + row.out_ids[:-1]
+        self.prompt_cache.put((row.req.params.adapter, tuple(ids)), _prompt_kv(self.cache, i, len(ids)), None,
+                              row.version)
 
     def _new_row(self, req: Request, version: int) -> _Row:
         p = req.params
@@ -348,28 +420,35 @@ class DecodeBatch:
         return ids_B, lp_B
 
     def _prefill(self, reqs: Sequence[Request], version: int) -> dict[str, Any]:
-        """Prefill the distinct prompts once (or reuse a recent prefill); sample every newcomer's first token.
-        A prompt is distinct per LoRA adapter (its KV cache depends on the adapter): keys are (adapter, ids)."""
-        distinct: dict[tuple[str | None, tuple[int, ...]], int] = {}
+        """Prefill the distinct prompts once (or reuse a recent prefill, or prefill only the suffix after a
+        cached prefix); sample every newcomer's first token. A prompt is distinct per LoRA adapter (its KV
+        cache depends on the adapter): keys are (adapter, ids)."""
+        distinct: dict[_Key, int] = {}
         row_of_N = [distinct.setdefault((r.params.adapter, tuple(r.prompt_ids)), len(distinct)) for r in reqs]
         prompts = list(distinct)
         hits = {p: e for p in prompts if (e := self.prompt_cache.get(p, version)) is not None}
-        misses = [p for p in prompts if p not in hits]
+        partial = {p: m for p in prompts if self.prefix_reuse and p not in hits
+                   and (m := self.prompt_cache.longest_prefix(p, version)) is not None}
+        misses = [p for p in prompts if p not in hits and p not in partial]
         if misses:
             logits_MV, cache, mask_ML = self._forward_prompts(misses)
-            self.stats.prefill_rows += len(misses)
-            self.stats.prefill_tokens += sum(len(p[1]) for p in misses)
+        fresh = self._forward_suffixes(partial) if partial else {}
+        self.stats.prefill_rows += len(misses) + len(partial)
+        self.stats.prefill_tokens += (sum(len(p[1]) for p in misses)
+                                      + sum(len(p[1]) - k for p, (_, k) in partial.items()))
         self.stats.batches += 1
         self.stats.requests += len(reqs)
         self.stats.shared_prefill_rows += len(reqs) - len(prompts)
         self.stats.prefix_cache_hits += len(hits)
-        if not hits:  # the forward's cache is the newcomers' cache as it is
+        self.stats.partial_prefix_hits += len(partial)
+        self.stats.reused_prompt_tokens += sum(len(p[1]) for p in hits) + sum(k for _, k in partial.values())
+        if not hits and not partial:  # the forward's cache is the newcomers' cache as it is
             logits_UV, mask_UL = logits_MV, mask_ML
             if _mergeable(cache):
                 for m, p in enumerate(misses):
                     self.prompt_cache.put(p, _prompt_kv(cache, m, len(p[1])), logits_MV[m], version)
         else:
-            fresh = {p: (_prompt_kv(cache, m, len(p[1])), logits_MV[m]) for m, p in enumerate(misses)}
+            fresh.update({p: (_prompt_kv(cache, m, len(p[1])), logits_MV[m]) for m, p in enumerate(misses)})
             for p, (kv, logits_V) in fresh.items():
                 self.prompt_cache.put(p, kv, logits_V, version)
             entries = [hits.get(p) or fresh[p] for p in prompts]
@@ -383,7 +462,34 @@ class DecodeBatch:
         return {"ids_N": ids_N, "lp_N": lp_N, "idx_N": idx_N, "cache": cache, "mask_UL": mask_UL,
                 "pos_N": torch.tensor([len(r.prompt_ids) for r in reqs], device=self.device), "rp": rp}
 
-    def _forward_prompts(self, keys: list[tuple[str | None, tuple[int, ...]]]) -> tuple[torch.Tensor, Any, torch.Tensor]:
+    def _forward_suffixes(self, partial: dict[_Key, tuple[list, int]]) -> dict[_Key, tuple[list, torch.Tensor]]:
+        """One forward pass over the prompts' suffixes on top of their cached prefixes' KV rows.
+
+        Row u's columns: its k_u prefix rows left-padded to K, then its suffix left-padded to S (masked gaps
+        between); returns each prompt's KV rows without the gaps, and its last-position logits.
+        """
+        keys = list(partial)
+        ks = [k for _, k in partial.values()]
+        suffixes = [p[1][k:] for p, k in zip(keys, ks)]
+        K, S = max(ks), max(len(t) for t in suffixes)
+        prefix_kv = [[(keys_[:, :, :k], values[:, :, :k]) for keys_, values in kv] for kv, k in partial.values()]
+        cache, mask_UK = _stack_prompts(prefix_kv, ks, self.device)
+        ids_US = torch.full((len(keys), S), self.pad_id, dtype=torch.long)
+        mask_US = torch.zeros((len(keys), S), dtype=torch.long)
+        for u, t in enumerate(suffixes):
+            ids_US[u, S - len(t):] = torch.tensor(t, dtype=torch.long)
+            mask_US[u, S - len(t):] = 1
+        pos_US = (mask_US.cumsum(-1) - 1).clamp(min=0) + torch.tensor(ks)[:, None]
+        logits_UV, cache = self._forward(ids_US.to(self.device), torch.cat([mask_UK, mask_US.to(self.device)], 1),
+                                         pos_US.to(self.device), cache, [a for a, _ in keys])
+        out = {}
+        for u, (p, k, t) in enumerate(zip(keys, ks, suffixes)):
+            kv = [tuple(torch.cat([x[u:u + 1, :, K - k:K], x[u:u + 1, :, K + S - len(t):]], dim=2)
+                        for x in (layer.keys, layer.values)) for layer in cache.layers]
+            out[p] = (kv, logits_UV[u])
+        return out
+
+    def _forward_prompts(self, keys: list[_Key]) -> tuple[torch.Tensor, Any, torch.Tensor]:
         """One left-padded forward pass over the (adapter, prompt) keys: (last-position logits_UV, cache, mask_UL)."""
         prompts = [p for _, p in keys]
         U, L = len(prompts), max(len(p) for p in prompts)

@@ -11,7 +11,10 @@ wrong with it), then the unit's episodes get a Judgement with an error: never a 
 The calls run outside every instrumented run (`app_models()`), so they are never turns of an episode, at
 most `max_concurrency` at once across threads; a call past `timeout_s` is abandoned (its attempt fails, and
 its slot frees when the call returns: give a served model its own request timeout; `judge_model` gives a
-`base_url` model `timeout_s` as its request timeout unless the spec names one).
+`base_url` model `timeout_s` as its request timeout unless the spec names one). Every request that leaves is
+one of `judge/calls`: a model's client must not retry on its own (`max_retries` 0 where its class has that
+field; `judge_model` builds them so, and a model given with hidden retries is refused), so an abandoned call
+sends nothing more, and its tokens, when its reply arrives late, still count in the token figures.
 """
 
 from __future__ import annotations
@@ -167,6 +170,7 @@ class Judge:
         self.rubric, self.mode, self.max_retries, self.max_tokens = rubric, mode, max_retries, max_tokens
         self.timeout_s, self.max_concurrency = float(timeout_s), max_concurrency
         self.name = name or model_name(model)
+        _check_no_client_retries(model, self.name)
         self.model, self.settings = _configured(model, {"temperature": temperature, "seed": seed,
                                                         "max_tokens": max_tokens})
         self.structured = _has_structured_output(self.model)
@@ -255,7 +259,6 @@ class Judge:
             usage = getattr(message, "usage_metadata", None) or {}
             tokens[0] += int(usage.get("input_tokens", 0))
             tokens[1] += int(usage.get("output_tokens", 0))
-            self._counters.add(input_tokens=usage.get("input_tokens", 0), output_tokens=usage.get("output_tokens", 0))
             text = reply_text(message)
             replies.append(text)
             try:
@@ -288,6 +291,7 @@ class Judge:
                 cut = _cut_reply(exc)  # a reply the client refused (cut at max_tokens): parsed and counted
                 box["value" if cut is not None else "error"] = cut if cut is not None else exc
             finally:
+                self._count_tokens(box.get("value"))  # here: a call abandoned at timeout_s counts its tokens too
                 self._slots.release()
                 done.set()
 
@@ -303,6 +307,11 @@ class Judge:
             raise _CallFailed(f"the model call raised {type(box['error']).__name__}: {box['error']}")
         value = box["value"]
         return value["raw"] if isinstance(value, dict) and "raw" in value else value
+
+    def _count_tokens(self, value: Any) -> None:
+        message = value["raw"] if isinstance(value, dict) and "raw" in value else value
+        usage = getattr(message, "usage_metadata", None) or {}
+        self._counters.add(input_tokens=usage.get("input_tokens", 0), output_tokens=usage.get("output_tokens", 0))
 
     def _judgement(self, task: Any, episodes: list[Episode], index: int, prompt: list[dict[str, str]],
                    result: dict[str, Any], cached: bool) -> Judgement:
@@ -341,6 +350,16 @@ def _result(items: list | None, replies: list[str], attempts: int, tokens: list[
     return {"items": items, "replies": replies, "attempts": attempts, "input_tokens": tokens[0],
             "output_tokens": tokens[1], "seconds": seconds, "errors": errors,
             "error": None if items is not None else "; ".join(errors)}
+
+
+def _check_no_client_retries(model: Any, name: str) -> None:
+    """Refuse a model whose client retries on its own (a `max_retries` field not 0; ChatOpenAI's None means the
+    openai client's default, 2): its retries are requests `judge/calls` and the token figures never see, and an
+    abandoned call's thread would go on sending them."""
+    if "max_retries" in getattr(type(model), "model_fields", {}) and getattr(model, "max_retries", 0) != 0:
+        raise ConfigError(f"judge model {name!r} has max_retries={model.max_retries!r}: its client would retry "
+                          "requests the judge never counts (judge/calls, tokens). Build it with max_retries=0 (a "
+                          "judge_model spec does) and set the Judge's own max_retries instead")
 
 
 def _check_arguments(rubric: Any, mode: str, max_retries: int, timeout_s: float, max_concurrency: int,

@@ -26,10 +26,11 @@ def judge_model(spec: str | Mapping[str, Any], *, run_dir: Path | None = None,
 
     - `"provider:model"` (e.g. "openai:gpt-4.1-mini"): langchain's `init_chat_model`; a missing package
       (langchain, the provider's integration) is a one-line ConfigError naming it and its install (the
-      `judge` extra holds langchain and langchain-openai).
+      `judge` extra holds langchain and langchain-openai). Built with max_retries=0, as a served model.
     - `{"base_url": URL, "model": NAME, ...}`: an OpenAI-compatible server (vLLM, SGLang) through ChatOpenAI
       (langchain-openai, in the `judge` extra),
-      api_key "EMPTY" unless given; other keys are ChatOpenAI fields (e.g. `timeout`). Without `timeout`, the
+      api_key "EMPTY" unless given, max_retries 0 (the client's own retries are off: the Judge's `max_retries`
+      are the retries, each counted); other keys are ChatOpenAI fields (e.g. `timeout`). Without `timeout`, the
       request times out after ``timeout_s`` (the judge's own limit), so an abandoned call frees its
       concurrency slot then instead of when the server answers.
     - `{"import": "module:attr"}`: a chat model object, or a zero-argument factory returning one.
@@ -94,7 +95,7 @@ def _api_model(spec: str) -> BaseChatModel:
         raise ConfigError(f"judge model {spec!r} ('provider:model') is built by langchain's init_chat_model, and "
                           f"{_missing(exc)} is not installed: {_install(_missing(exc))}") from None
     try:
-        return init_chat_model(spec)
+        return init_chat_model(spec, max_retries=0)
     except ImportError as exc:
         package = _missing(exc)
         raise ConfigError(f"judge model {spec!r} needs the package {package}, which is not installed: "
@@ -116,7 +117,11 @@ def _served_model(spec: dict[str, Any]) -> BaseChatModel:
     if not spec.get("model"):
         raise ConfigError(f"judge model {spec!r}: `model` must name the served model (the server's "
                           "--served-model-name, by default the path it loaded)")
+    if spec.get("max_retries", 0) != 0:
+        raise ConfigError(f"judge model {spec!r}: max_retries must be 0 or absent (the client's own retries are "
+                          "requests the judge never counts); set the judge's max_retries instead")
     spec.setdefault("api_key", "EMPTY")
+    spec["max_retries"] = 0
     try:
         return ChatOpenAI(**spec)
     except Exception as exc:  # pydantic's ValidationError, the client's own checks

@@ -75,7 +75,8 @@ def answers_view(run: Run, params: Mapping[str, str]) -> dict[str, Any]:
     phase = params.get("phase") or ("train" if "train" in choices else "all")
     if phase not in choices:
         raise ConfigError(f"parameter phase={phase!r}: valid values are {', '.join(choices)}")
-    top = number_param(params, "top", int) or 10
+    top = number_param(params, "top", int)
+    top = 10 if top is None else top
     if top not in TOPS:
         raise ConfigError(f"parameter top={top}: valid values are {', '.join(map(str, TOPS))}")
     steps = sorted({s for (p, s, _) in history if s is not None and phase in (p, "all")})

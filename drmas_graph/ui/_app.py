@@ -81,7 +81,6 @@ class UiApp:
                                 undefined=StrictUndefined, trim_blocks=True, lstrip_blocks=True)
         self._env.globals.update(url=_url, fmt=_fmt, outcomes=list(OUTCOMES), sorts=list(SORTS),
                                  page_sizes=PAGE_SIZES, phases=PHASES, runs=self.runs, counts=_pages.counts)
-        self._colours = {name: i for i, name in enumerate(self.runs)}  # a run's colour, the same in every chart
         self._static = {name: resources.files("drmas_graph.ui").joinpath("static", name).read_bytes()
                         for name in _STATIC}
 
@@ -147,21 +146,22 @@ class UiApp:
             return _url("/chart", [("metric", pattern), *(("run", name) for name in chosen),
                                    *options.params().items()])
 
-        first, rest = _pages.run_charts(selected, self._colours, options, link)
+        colours = _colours(self.runs, selected)
+        first, rest = _pages.run_charts(selected, colours, options, link)
         evals = {run.name: _pages.eval_rows(run) for run in selected}
         steps = {run.name: sum(1 for r in run.metrics() if "episodes" in r) for run in selected}
         malformed = {run.name: run.malformed_metrics() for run in selected}
-        return self._page("runs.html", selected=[r.name for r in selected], chosen=chosen, colours=self._colours,
+        return self._page("runs.html", selected=[r.name for r in selected], chosen=chosen, colours=colours,
                           first=first, rest=rest,
                           evals=evals, steps=steps, malformed=malformed, options=options,
-                          tensorboard={r.name: r.folder / "tensorboard" for r in selected
-                                       if (r.folder / "tensorboard").is_dir()})
+                          tensorboard={r.name: f"tensorboard --logdir {shlex.quote(str(r.folder / 'tensorboard'))}"
+                                       for r in selected if (r.folder / "tensorboard").is_dir()})
 
     def _chart_page(self, chosen: list[str], one: dict[str, str]) -> Response:
         selected = self._selected(chosen)
         options = _pages.ChartOptions.from_params(one)
         pattern = one.get("metric", "")
-        series = _pages.chart_series(selected, self._colours, options).get(pattern)
+        series = _pages.chart_series(selected, _colours(self.runs, selected), options).get(pattern)
         if not series:
             return self.error(HTTPStatus.NOT_FOUND, f"no metric {pattern!r} in run(s) "
                                                     f"{', '.join(r.name for r in selected)}")
@@ -227,6 +227,14 @@ class UiApp:
 
 
 # -- template helpers ----------------------------------------------------------------------------------------
+
+
+def _colours(runs: Mapping[str, Run], selected: Sequence[Run]) -> dict[str, int]:
+    """A run's colour on a page: its place among the runs shown, in the order the UI was given them (whatever the
+    URL's order; the same in every chart of the page), so runs overlaid never share one while at most
+    len(PALETTE) are shown (a place among every run given did: the first and the ninth)."""
+    shown = {run.name for run in selected}
+    return {name: i for i, name in enumerate(n for n in runs if n in shown)}
 
 
 def _url(path: str, params: Mapping[str, Any] | Sequence[tuple[str, Any]] | None = None) -> str:

@@ -18,10 +18,10 @@ from markupsafe import Markup, escape
 __all__ = ["Series", "line_chart", "smoothed", "ticks", "points", "PALETTE", "DASHES"]
 
 PALETTE = ("#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf")
-"""Line colours: one per run, in the order the runs were given."""
+"""Line colours: one per run, in the order of the runs shown (a ninth run shown reuses the first colour)."""
 
-DASHES = ("", "6 3", "2 2", "8 3 2 3", "1 3", "10 4")
-"""Line styles (SVG stroke-dasharray): one per agent or model, by name order."""
+DASHES = ("", "6 3", "2 2", "8 3 2 3", "1 3", "10 4", "4 2 1 2 1 2", "12 3 3 3")
+"""Line styles (SVG stroke-dasharray): one per agent (model, evaluation split), by name order."""
 
 SIZES = {"small": (400, 200), "large": (1000, 460)}
 """Chart sizes in pixels: the grid of charts, and the enlarged one."""

@@ -99,7 +99,8 @@ class EpisodeQuery:
             return value
 
         number("page", int)  # pages are cursors now; an old link's page number is still checked, then ignored
-        per_page = number("per_page", int) or 50
+        per_page = number("per_page", int)
+        per_page = 50 if per_page is None else per_page
         if per_page not in PAGE_SIZES:
             raise ConfigError(f"parameter per_page={per_page}: valid page sizes are {', '.join(map(str, PAGE_SIZES))}")
         return EpisodeQuery(

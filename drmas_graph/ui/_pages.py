@@ -68,7 +68,11 @@ class ChartOptions:
         smooth = number_param(params, "smooth", float) or 0.0
         if not 0 <= smooth < 1:
             raise ConfigError(f"parameter smooth={smooth}: give a weight from 0 (no smoothing) to 0.99")
-        return ChartOptions(smooth, number_param(params, "from_step", int), number_param(params, "to_step", int))
+        first, last = number_param(params, "from_step", int), number_param(params, "to_step", int)
+        if first is not None and last is not None and first > last:
+            raise ConfigError(f"parameters from_step={first} and to_step={last}: no step is in that range; give "
+                              "from_step <= to_step")
+        return ChartOptions(smooth, first, last)
 
     def params(self) -> dict[str, str]:
         """The URL parameters of these options (defaults left out)."""
@@ -79,7 +83,6 @@ class ChartOptions:
 def chart_series(runs: Sequence[Run], colours: Mapping[str, int], options: ChartOptions) -> dict[str, list[Series]]:
     """Chart pattern -> its series over `runs`: colour by run (`colours`), line style by agent or model name."""
     charts: dict[str, list[Series]] = {}
-    parts: set[str] = set()
     found: list[tuple[str, Run, str, list[dict[str, Any]], str]] = []
     for run in runs:
         records = run.metrics()
@@ -92,13 +95,18 @@ def chart_series(runs: Sequence[Run], colours: Mapping[str, int], options: Chart
             if key in ("time", "step") or key.endswith(("/split", "/k", "/tasks")):
                 continue
             pattern, part = _chart_key(key, agents)
-            parts.add(part)
             found.append((pattern, run, part, records, key))
-    dashes = {part: i for i, part in enumerate(sorted(parts - {""}))} | {"": 0}  # by name: the same in each chart
+    # a line style per part of each family ('agent/*', 'model/*', 'eval/*'), by name: the same in each chart of
+    # the family, distinct within it (one style list over every family's parts ran past DASHES and reused one)
+    families: dict[str, set[str]] = {}
+    for pattern, _, part, _, _ in found:
+        families.setdefault(pattern.partition("/")[0], set()).add(part)
+    dashes = {(head, part): i for head, names in families.items() for i, part in enumerate(sorted(names - {""}))}
     for pattern, run, part, records, key in found:
         label = f"{run.name} / {part}" if part else run.name
         charts.setdefault(pattern, []).append(Series(
-            label, points(records, key, (options.from_step, options.to_step)), colours.get(run.name, 0), dashes[part]))
+            label, points(records, key, (options.from_step, options.to_step)), colours[run.name],
+            dashes.get((pattern.partition("/")[0], part), 0)))
     return charts
 
 
@@ -178,7 +186,30 @@ def _content_text(content: Any) -> str:
 
 
 def _json(value: Any) -> str:
-    return json.dumps(value, indent=2, ensure_ascii=False, default=str, sort_keys=False)
+    return json.dumps(value, indent=2, ensure_ascii=False, default=_readable, sort_keys=False)
+
+
+_ROLES = {"human": "user", "ai": "assistant"}
+"""A LangChain message type's chat role where they differ (system, tool: the same)."""
+
+
+def _readable(value: Any) -> Any:
+    """A value JSON cannot hold, as the page shows it: a LangChain message as its role, name, content, tool calls
+    (name, args, id) and tool_call_id (was its Python repr); anything else as str()."""
+    from langchain_core.messages import BaseMessage
+
+    if not isinstance(value, BaseMessage):
+        return str(value)
+    out: dict[str, Any] = {"role": _ROLES.get(value.type, value.type)}
+    if value.name:
+        out["name"] = value.name
+    out["content"] = value.content
+    calls = getattr(value, "tool_calls", None)
+    if calls:
+        out["tool_calls"] = [{"name": c["name"], "args": c["args"], "id": c.get("id")} for c in calls]
+    if getattr(value, "tool_call_id", None):
+        out["tool_call_id"] = value.tool_call_id
+    return out
 
 
 @dataclass(frozen=True)
@@ -300,7 +331,8 @@ def _group_order(episode: Episode, written: int) -> tuple[int, int]:
 
 
 def group_view(run: Run, group_id: str) -> dict[str, Any]:
-    """Template values of a GRPO group: its episodes side by side in the order the judge saw them, each one's and
+    """Template values of a GRPO group: its episodes side by side in their place in the group (the order the judge,
+    if one ran, saw them; `order` says which), each one's and
     each turn's reward and advantage, the judge's attempt number and reason, and each agent's mean and std."""
     store = run.store()
     summaries = store.episodes(group_id=group_id)
@@ -309,9 +341,13 @@ def group_view(run: Run, group_id: str) -> dict[str, Any]:
     agents: dict[str, None] = {}
     for episode in episodes:
         agents.update(dict.fromkeys(episode.agents))
-    return {"group_id": group_id, "episodes": episodes, "agents": list(agents),
+    judged = {e.id: judge_attempt(e) for e in episodes}
+    placed = any(isinstance(e.metadata.get("group_index"), int) for e in episodes)
+    order = ("in the order the judge saw them (their place in the group)" if any(judged.values()) else
+             "in their place in the group" if placed else "in the order they were written")
+    return {"group_id": group_id, "episodes": episodes, "agents": list(agents), "order": order,
             "steps": {s.id: s.step for s in summaries}, "stats": group_stats(episodes),
-            "judged": {e.id: judge_attempt(e) for e in episodes},
+            "judged": judged,
             "positions": {e.id: e.metadata.get("group_index") for e in episodes}}
 
 

@@ -4,12 +4,14 @@ Progress (`logging.progress`): a rich progress bar where rich can draw one live 
 otherwise (CI logs, `nohup`, a pipe), where the bar would show nothing until it stops, one plain line per
 step on stdout, flushed at once:
 
-    step 3/10  reward solver=0.50 verifier=0.25  step 2.4 s  elapsed 7.1 s
+    step 2 (3/10)  reward solver=0.50 verifier=0.25  step 2.4 s  elapsed 7.1 s
+
+(steps are numbered from 0, as metrics.jsonl's `step`, errors and the trace store; `(3/10)` counts those done).
 
 An evaluation (and `drmas-graph check`) shows its episodes as they end (`EpisodeProgress`): on the bar's status,
 or a plain line at each tenth of them:
 
-    evaluation at step 0: 12/48 episodes  elapsed 30.2 s  ETA 90.6 s
+    evaluation before training: 12/48 episodes  elapsed 30.2 s  ETA 90.6 s
 """
 
 from __future__ import annotations
@@ -63,7 +65,8 @@ class Stopwatch:
 
 def progress_status(agents: list[str], record: dict[str, Any]) -> str:
     """The progress bar's text for a step: reward per agent, then the episodes that did not finish (truncated,
-    model errors) when there were any: 'reward solver=0.50 judge=0.25  truncated 3/8  model errors 1/8'."""
+    model errors) or got no reward (unjudged: the judge gave none; failed; bad rewards) when there were any:
+    'reward solver=0.50 judge=0.25  truncated 3/8  model errors 1/8  unjudged 4/8'."""
     parts = [f"{a}={record[f'agent/{a}/reward_mean']:.2f}" for a in agents
              if isinstance(record.get(f"agent/{a}/reward_mean"), float)
              and not math.isnan(record[f"agent/{a}/reward_mean"])]
@@ -71,7 +74,9 @@ def progress_status(agents: list[str], record: dict[str, Any]) -> str:
     total = sum(record.get(k, 0) for k in ("episodes", "failed_episodes", "no_llm_call_episodes",
                                            "bad_reward_episodes", "judge_failed_episodes",
                                            "masked_truncated_episodes"))
-    for key, name in (("truncated_episodes", "truncated"), ("model_error_episodes", "model errors")):
+    for key, name in (("truncated_episodes", "truncated"), ("model_error_episodes", "model errors"),
+                      ("judge_failed_episodes", "unjudged"), ("failed_episodes", "failed"),
+                      ("bad_reward_episodes", "bad rewards")):
         if record.get(key):
             status += f"  {name} {record[key]}/{total}"
     return status
@@ -126,7 +131,7 @@ class RunLogger:
         if progress and not self._lines:
             from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-            self._progress = Progress(TextColumn("[bold]step {task.completed}/{task.total}"), BarColumn(),
+            self._progress = Progress(TextColumn("[bold]{task.completed}/{task.total} steps"), BarColumn(),
                                       TextColumn("{task.fields[status]}"), TimeElapsedColumn(), TextColumn("ETA"),
                                       TimeRemainingColumn(), console=console)
             self._task = self._progress.add_task("train", total=total_steps, completed=start_step, status="starting")
@@ -179,10 +184,11 @@ class RunLogger:
         """Show that `step` is done: advance the bar, or print its line (see the module docstring)."""
         status = progress_status(self.agents, record)
         if self._lines:
-            print(f"step {step + 1}/{self.total_steps}  {status}  step {record.get('time/step_s', math.nan):.1f} s  "
+            print(f"step {step} ({step + 1}/{self.total_steps})  {status}  "
+                  f"step {record.get('time/step_s', math.nan):.1f} s  "
                   f"elapsed {time.perf_counter() - self._started:.1f} s", flush=True)
         elif self._progress is not None:
-            self._progress.update(self._task, completed=step + 1, status=status)
+            self._progress.update(self._task, completed=step + 1, status=f"step {step}  {status}")
 
     def episodes(self, label: str) -> EpisodeProgress | None:
         """Progress of a batch of episodes outside the steps (an evaluation) where progress is on: lines, or the

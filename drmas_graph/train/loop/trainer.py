@@ -71,8 +71,9 @@ class TrainResult:
 
     def summary(self) -> str:
         """A short table: per-agent reward (turn reward incl. invalid-turn penalties) and avg@k / pass@k,
-        at the first and the last evaluation; the training reward of the first and last step. One column
-        where there was only one (one evaluation, one step)."""
+        at the first and the last evaluation; the training reward of the first and last step ('-' for a step
+        where no episode got a reward), with its episode counts (rewarded, unjudged, failed, bad reward) where
+        some got none. One column where there was only one (one evaluation, one step)."""
 
         def row(label: str, *cells: Any) -> str:
             return f"{label:<28}" + "".join(f"{c:>12}" if isinstance(c, (str, int)) else f"{c:>12.3f}" for c in cells)
@@ -82,7 +83,8 @@ class TrainResult:
             ends = self.evals[:1] if len(self.evals) == 1 else [self.evals[0], self.evals[-1]]
             last = ends[-1]
             k, split = last["k"], last["split"]
-            lines.append(row("evaluation on " + split, *(f"step {e['step']}" for e in ends)))
+            lines.append(row("evaluation on " + split, *("before" if e["step"] == 0 else f"step {e['step'] - 1} done"
+                                                          for e in ends)))  # numbered as the training steps
             agents = sorted({key[:-len("/reward")] for key in last if key.endswith("/reward")})  # names may hold '/' 
             for a in agents:
                 lines.append(row("  reward " + a, *(float(e.get(f"{a}/reward", float("nan"))) for e in ends)))
@@ -95,9 +97,19 @@ class TrainResult:
         if self.history:
             ends = self.history[:1] if len(self.history) == 1 else [self.history[0], self.history[-1]]
             lines.append(row("training reward (team)", *(f"step {h['step']}" for h in ends)))
-            lines.append(row("", *(float(h["reward/team_mean"]) for h in ends)))
+            lines.append(row("", *(float(h["reward/team_mean"]) if "reward/team_mean" in h else "-" for h in ends)))
+            counts = (("episodes", "episodes with a reward"), ("judge_failed_episodes", "unjudged episodes"),
+                      ("failed_episodes", "failed episodes"), ("bad_reward_episodes", "bad-reward episodes"))
+            if any(h.get(key) for h in ends for key, _ in counts[1:]):  # some got no reward: say how many
+                lines += [row("  " + label, *(int(h.get(key, 0)) for h in ends)) for key, label in counts]
         lines.append(f"run folder: {self.run_dir}")
         return "\n".join(lines)
+
+
+def _after(steps_done: int) -> str:
+    """When an evaluation ran, numbered as training steps are (from 0, as metrics.jsonl's `step`, errors and the
+    trace store): 'before' training, 'after step 2' (its record's `step` counts the steps done: 3)."""
+    return "before" if steps_done == 0 else f"after step {steps_done - 1}"
 
 
 def train_graph(graph: Any, env: Any, config: TrainConfig | None = None, *,
@@ -188,6 +200,14 @@ class Trainer:
                 self.save_checkpoint(cfg.steps)
                 self._evaluate(cfg.steps, logger)
             distributed.remove_rank_stores(self.state.run_dir, self.state.store.close)  # every rank's traces
+        except RolloutError as exc:  # a step with nothing to train on: what it measured is still logged
+            record = getattr(exc, "step_record", None)
+            if record is not None:
+                self.result.history.append(record)
+                logger.log(record)
+                logger.progress(record["step"], record)
+                exc.result = self.result  # the CLI prints its summary before the error
+            raise
         finally:
             logger.close()
         return self.result
@@ -224,8 +244,13 @@ class Trainer:
         run.notes.rollout_errors, run.notes.reward_errors = batch.rollout_errors, batch.reward_errors
         episodes = [ep for group in groups for ep in group.episodes]
         if not any(distributed.gather(bool(episodes))):  # every rank decides alike (one rank's loss is not fatal)
-            raise _scoring.nothing_to_train(step, batch.n_episodes, batch.rollout_errors or batch.reward_errors,
+            err = _scoring.nothing_to_train(step, batch.n_episodes, batch.rollout_errors or batch.reward_errors,
                                             run.run_dir)
+            _, counts, _ = distributed.merge_step(groups, batch.counts, batch.adv_stats)
+            # what was measured: the counts (failed, unjudged, ...) and the times
+            err.step_record = {"step": step, **counts, "episodes": 0, "time/rollout_s": times.laps["rollout"],
+                               "time/score_s": times.laps["score"], "time/step_s": times.total()}
+            raise err
         times.skip()  # a pipelined step waited for its update
         update_metrics, sync_s = update_models(run, batch.samples, step=step, pipelined=self.pipeline is not None)
         times.lap("update")
@@ -275,7 +300,7 @@ class Trainer:
         if self.pipeline is not None:  # the rollouts in flight end, the trainer's weights reach the rollouts
             self.pipeline.settle()
         rollouts: list[Any] | None = [] if self.weave is not None else None
-        label = "evaluation before training" if step == 0 else f"evaluation after step {step}"
+        label = "evaluation before training" if step == 0 else f"evaluation {_after(step)}"
         record = evaluate(self.state, step=step, rollouts=rollouts, progress=logger.episodes(label))
         if self.weave is not None:
             self.weave.submit_evaluation(record, rollouts)

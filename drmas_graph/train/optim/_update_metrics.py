@@ -33,8 +33,9 @@ class AgentUpdateMetrics:
     """Fraction of tokens capped by the dual clip."""
     approx_kl: float
     """Mean of old_logprob - logprob (k1 estimate of KL(old || new)), at the time of each forward pass."""
-    ratio_max: float
-    """Largest importance ratio seen."""
+    ratio_max: float | None
+    """Largest importance ratio seen; None (absent from the logs) when no sample of the agent was forwarded (each
+    had advantage 0 and was skipped: no ratio was taken, so none is reported, rather than 0)."""
     entropy: float | None
     """Mean entropy of the sampling distribution softmax(logits / T) (only when entropy_coef > 0)."""
     logprob_mismatch: float | None
@@ -158,7 +159,7 @@ def _agent_metrics(tally: _Tally, agent: str, with_kl: bool, with_entropy: bool,
     return AgentUpdateMetrics(
         n_samples=int(tally.sums[("agent", agent, "n_samples")]), pg_loss=mean("pg_loss"),
         clip_frac=mean("clip_frac"), dual_clip_frac=mean("dual_clip_frac"), approx_kl=mean("approx_kl"),
-        ratio_max=tally.maxima.get(("agent", agent, "ratio_max"), 0.0), entropy=mean("entropy") if with_entropy else None,
+        ratio_max=tally.maxima.get(("agent", agent, "ratio_max")), entropy=mean("entropy") if with_entropy else None,
         logprob_mismatch=mean("logprob_mismatch") if ("agent", agent, "logprob_mismatch") in tally.weights else None,
         kl_ref=mean("kl_ref") if with_kl else None,
         rollout_logprob_gap=mean("rollout_logprob_gap") if ("agent", agent, "rollout_logprob_gap") in tally.weights
