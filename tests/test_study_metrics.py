@@ -188,10 +188,18 @@ def test_one_agent_grad_norm_is_the_model_grad_norm(rollout):  # noqa: F811
 
 def test_kl_start_k3_on_hand_worked_tokens():
     tally = _Tally()
-    sample = SimpleNamespace(agent="a", response_ids=(1, 2), old_logprobs=(-1.0, -1.0 + math.log(2)))
+    sample = SimpleNamespace(agent="a", response_ids=(1, 2), old_logprobs=(-1.0, -1.0 + math.log(2)),
+                             behaviour_logprobs=None)
     tally_kl_start(tally, [sample], {id(sample): torch.tensor([-1.0, -1.0])})
     # d = logp_start - logp_sample: token 1 d = 0 -> k3 = 0; token 2 d = -ln 2 -> k3 = 1/2 + ln 2 - 1 = 0.193147
     assert tally.mean(("agent", "a", "kl_start")) == pytest.approx(0.193147 / 2, abs=1e-6)
+    # a stale sample (asynchronous training): its old_logprobs are the proximal policy's, the metric reads the
+    # sampling policy's behaviour_logprobs, here the start weights' own: d = 0 on both tokens -> k3 = 0
+    stale_tally = _Tally()
+    stale = SimpleNamespace(agent="a", response_ids=(1, 2), old_logprobs=(-1.0, -1.0 + math.log(2)),
+                            behaviour_logprobs=(-1.0, -1.0))
+    tally_kl_start(stale_tally, [stale], {id(stale): torch.tensor([-1.0, -1.0])})
+    assert stale_tally.mean(("agent", "a", "kl_start")) == pytest.approx(0.0, abs=1e-12)
 
 
 def test_kl_start_without_a_kl_loss(rollout):  # noqa: F811
