@@ -42,6 +42,7 @@ warnings.filterwarnings("ignore")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("WEAVE_DISABLED", "true")
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # study_stats and v2, also when run by runpy.run_path
 
 from langchain_core.language_models.fake_chat_models import FakeListChatModel  # noqa: E402
 
