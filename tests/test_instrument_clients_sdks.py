@@ -222,6 +222,11 @@ def test_agent_named_on_the_request_and_node_globs_inside_a_subgraph(no_network)
     critic.close()
 
 
+NO_TOOLS_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+"""A chat template without tool support: it renders no tool schema."""
+
+
 def test_a_template_that_drops_tools_is_reported():
     """A chat template without tool support renders no schema: a warning in training, an error in strict mode."""
     import openai
@@ -234,9 +239,7 @@ def test_a_template_that_drops_tools_is_reported():
     def writer(state):
         return {"out": client.chat.completions.create(model="m", messages=MESSAGES, tools=tools).choices[0].message.content}
 
-    no_tools = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
-                "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-    policy = scripted_policy(["ok"], chat_template=no_tools)
+    policy = scripted_policy(["ok"], chat_template=NO_TOOLS_TEMPLATE)
     with pytest.warns(UserWarning, match=r"agent 'writer' \(node 'writer'\): the chat template of policy "
                                          r"'scripted-s0' does not render the bound tool\(s\) \['lookup_weather'\]"):
         instrument(one_node(writer), {"writer": policy}).rollout({"q": "x"})
@@ -346,9 +349,7 @@ def test_a_dropped_tool_warns_in_a_training_rollout_even_when_strict():
     def writer(state):
         return {"out": client.chat.completions.create(model="m", messages=MESSAGES, tools=tools).choices[0].message.content}
 
-    no_tools = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
-                "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-    policy = scripted_policy(["ok"], chat_template=no_tools, name="no-tools-template")
+    policy = scripted_policy(["ok"], chat_template=NO_TOOLS_TEMPLATE, name="no-tools-template")
     with pytest.warns(UserWarning, match=r"does not render the bound tool\(s\) \['lookup_tide'\]"):
         episode = instrument(one_node(writer), {"writer": policy}, strict=True).rollout(
             {"q": "x"}, metadata={"phase": "train", "step": 0})
