@@ -87,7 +87,8 @@ def demo_samples(model: str, tasks: int, group: int) -> list[Any]:
     try:
         runs, counts = trainer.rollouts(trainer.batch_tasks(0), 0, cfg.group_size, phase="train")
         groups, _ = trainer.state.score(runs, counts)
-        samples, _ = _scoring.samples_with_advantages(groups, cfg, list(trainer.state.agent_policies))
+        groups, _ = _scoring.with_advantages(groups, cfg)
+        samples = _scoring.trained_samples(groups, list(trainer.state.agent_policies))
     finally:
         trainer.close()
     if all(s.advantage == 0 for s in samples):  # a random tiny model earns no reward: nothing would train

@@ -118,6 +118,9 @@ class Group:
     """The episodes kept for training (failed, bad-reward and masked ones are left out)."""
     scores: tuple[EpisodeScore, ...]
     """`scores[i]` is `episodes[i]`'s."""
+    advantages: tuple[tuple[float, ...], ...] | None = None
+    """`advantages[i]`: the advantage of each turn of `episodes[i]` (0.0 where no policy served the turn); None
+    until the step's advantages are estimated (training's `with_advantages`)."""
 
     def scored(self) -> list[tuple[Episode, EpisodeScore]]:
         """(episode, score) pairs, in order."""

@@ -115,7 +115,7 @@ def test_drop_stale_drops_whole_groups_and_counts_them():
                       episode_id=ep.id, turn_index=t.index) for ep in eps for t in ep.turns]
     by_group = [Group(None, "g1", tuple(eps[:2]), (None, None)), Group(None, "g2", tuple(eps[2:]), (None, None))]
     batch = StepBatch(step=4, n_episodes=4, counts={}, rollout_errors=[], groups=by_group,
-                      reward_errors=[], samples=samples, adv_stats=None, times=Stopwatch())
+                      unscored=[], samples=samples, adv_stats=None, times=Stopwatch())
     kept, groups, dropped = drop_stale(batch, 4, 2)
     assert [ep.id for g in kept.groups for ep in g.episodes] == ["e1", "e2"] and groups == 1 and dropped == 3
     assert [s.episode_id for s in kept.samples] == ["e1", "e1", "e2"]

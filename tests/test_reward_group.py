@@ -65,9 +65,10 @@ def test_training_and_evaluation_score_each_group_with_one_reward_group_call(tmp
     # the failed episode: its error says why, the env's judgement stays, it is not trained on
     by_task = {task: eps for task, eps, _ in train_calls}
     failed = by_task["train-1"][1]
-    assert failed.error == ("BadRewardError: env RankingEnv.reward_group() gave no reward for episode 1 "
-                            f"({failed.id}) of group 'train:0:train-1' (task 'train-1'): JudgeError: no usable "
-                            "score for episode 1 after 3 attempts (last reply: 'maybe')")
+    assert failed.error is None  # scoring returns its results: the episode the judge saw is not modified
+    message = ("BadRewardError: env RankingEnv.reward_group() gave no reward for episode 1 "
+               f"({failed.id}) of group 'train:0:train-1' (task 'train-1'): JudgeError: no usable "
+               "score for episode 1 after 3 attempts (last reply: 'maybe')")
     assert failed.judgement == {"mode": "group", "index": 1, "chars": [solver_chars(ep) for ep in by_task["train-1"]]}
 
     # rewards and advantages: the group's scores, normalised per (group, agent) over the episodes kept
@@ -79,7 +80,7 @@ def test_training_and_evaluation_score_each_group_with_one_reward_group_call(tmp
     assert failed.id not in trained and len(trained) == 7
     # every judgement is stored: the failed episode's (never trained), the trained ones', the evaluation's
     assert stored_failed.judgement == failed.judgement and failed_step is None and not stored_failed.rewards
-    assert stored_failed.error == failed.error  # kept by the store: `traces show` shows it, `list --failed` finds it
+    assert stored_failed.error == message  # kept by the store: `traces show` shows it, `list --failed` finds it
     assert [ep.judgement for ep in stored_eval] == [ep.judgement for _, eps, _ in eval_calls for ep in eps]
     for task_id, episodes, _ in train_calls:
         scores = group_scores(episodes)
@@ -124,9 +125,10 @@ def score(env, runs, **rollout):
     """`score_runs` on copies of the runs: (scored, errors, counts, the copies)."""
     runs = copy.deepcopy(runs)
     counts = {}
-    groups, errors = _scoring.score_runs(env, runs, counts, invalid_penalty=0.1, rollout=RolloutConfig(**rollout),
+    groups, unscored = _scoring.score_runs(env, runs, counts, invalid_penalty=0.1, rollout=RolloutConfig(**rollout),
                                          on_error=lambda exc: None)
-    return [(g.task, ep, score) for g in groups for ep, score in g.scored()], errors, counts, runs
+    assert all(ep.error is None and not ep.rewards for _, ep in runs)  # results are returned, never written in
+    return [(g.task, ep, score) for g in groups for ep, score in g.scored()], [u.error for u in unscored], counts, runs
 
 
 def test_truncated_and_masked_episodes_are_never_sent_to_reward_group(runs):
@@ -140,7 +142,7 @@ def test_truncated_and_masked_episodes_are_never_sent_to_reward_group(runs):
     sent = {task: [ep.id for ep in eps] for task, eps, _ in env.calls}
     assert sent == {first: [runs[1][1].id, runs[3][1].id], second: [runs[4][1].id, runs[6][1].id, runs[7][1].id]}
     assert counts["masked_truncated_episodes"] == 1 and errors == [] and len(scored) == 7
-    rewards = {ep.id: ep.rewards["solver"] for _, ep, _ in scored}
+    rewards = {ep.id: score.rewards["solver"] for _, ep, score in scored}
     assert rewards[runs[0][1].id] == rewards[runs[2][1].id] == 0.25  # rollout.truncated_reward
     assert [rewards[runs[i][1].id] for i in (1, 3)] == group_scores([runs[1][1], runs[3][1]])
     assert counts["judge/calls"] == 2
@@ -167,7 +169,7 @@ def test_a_wrong_length_list_or_a_raising_reward_group_fails_the_whole_group_nam
     message = (f"env RankingEnv.reward_group() returned 3 rewards for the 4 episodes of group 'train:0:{second}' "
                f"(task '{second}'); it must return one per episode, in their order")
     assert [str(e) for e in errors] == [message] * 4 and all(isinstance(e, BadRewardError) for e in errors)
-    assert [ep.error for _, ep in copies[4:]] == [f"BadRewardError: {message}"] * 4
+    assert [ep.error for _, ep in copies[4:]] == [None] * 4  # the error is returned (the store gets it in training)
 
     scored, errors, counts, _ = score(RankingEnv(n_train=2, raise_on={second}), runs)
     assert len(scored) == 4 and counts["bad_reward_episodes"] == 4
@@ -198,7 +200,7 @@ def test_groups_are_scored_concurrently_and_keep_the_job_order(runs):
     assert [ep.id for _, ep, _ in scored] == [ep.id for _, ep in copies]  # job order, not completion order
     assert [task for task, _, _ in env.calls] == [runs[4][0].id, runs[0][0].id]
     assert len({thread for _, _, thread in env.calls}) == 2
-    assert [ep.rewards["solver"] for _, ep, _ in scored] == group_scores(
+    assert [score.rewards["solver"] for _, _, score in scored] == group_scores(
         [ep for _, ep in copies[:4]]) + group_scores([ep for _, ep in copies[4:]])
 
 

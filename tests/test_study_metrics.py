@@ -13,7 +13,7 @@ import torch
 
 from drmas_graph.env import BadRewardError, Group, group_key, score_episode
 from drmas_graph.train.loop._metric_reference import is_documented
-from drmas_graph.train.loop._scoring import samples_with_advantages, step_record
+from drmas_graph.train.loop._scoring import step_record, with_advantages
 from drmas_graph.train.loop.metrics import Stopwatch
 from drmas_graph.train.optim._update_metrics import _Tally, tally_kl_start
 from drmas_graph.train.optim.update import LossSettings, ModelUpdater
@@ -46,13 +46,14 @@ def _group(env_verdicts: dict[int, dict[int, float]], solver: dict[int, float], 
     return env, scored
 
 
-def _record(scored, estimator: str) -> dict:
+def _record(scored, estimator: str) -> tuple[dict, list]:
+    """The step record of the group and its episodes' advantages."""
     cfg = SimpleNamespace(estimator=estimator, norm_by_std=True, adv_eps=1e-6)
     groups = [Group(scored[0][0], group_key(scored[0][1]), tuple(ep for _, ep, _ in scored), tuple(s for *_, s in scored))]
-    _, stats = samples_with_advantages(groups, cfg, ["solver", "verifier"])
+    groups, stats = with_advantages(groups, cfg)
     times = Stopwatch()
     times.laps.update(rollout=0.0, score=0.0, update=0.0)
-    return step_record(0, ["solver", "verifier"], groups, {}, stats, {}, times, 0.0)
+    return step_record(0, ["solver", "verifier"], groups, {}, stats, {}, times, 0.0), list(groups[0].advantages)
 
 
 def test_turn_rewards_replace_the_agent_reward_per_sample_and_feed_the_estimators():
@@ -61,18 +62,17 @@ def test_turn_rewards_replace_the_agent_reward_per_sample_and_feed_the_estimator
     assert env.asked == ["e0", "e1"]
     assert [s.turn_rewards for *_, s in scored] == [[1.0, 1.0, 0.0], [0.0, 1.0, 1.0]]
     assert [s.rewards for *_, s in scored] == [{"solver": 1.0, "verifier": 0.5}, {"solver": 0.0, "verifier": 1.0}]
-    record = _record(scored, "agent")
+    record, adv = _record(scored, "agent")
     # agent: solver pool [1, 0]: mu 0.5, sigma (n-1) 0.70711 -> A = +-0.70711, E[A^2] = 0.5
     # verifier pool [1, 0, 1, 1]: mu 0.75, sigma sqrt((3 x 0.0625 + 0.5625) / 3) = 0.5 -> A = [0.5, -1.5, 0.5, 0.5]
-    adv = [ep.advantages for _, ep, _ in scored]
     assert adv[0] == pytest.approx([0.70711, 0.5, -1.5], abs=1e-5)
     assert adv[1] == pytest.approx([-0.70711, 0.5, 0.5], abs=1e-5)
     assert record["agent/solver/advantage_sq_mean"] == pytest.approx(0.5, abs=1e-5)
     assert record["agent/verifier/advantage_sq_mean"] == pytest.approx(0.75, abs=1e-5)  # (n-1)/n, n = 4
     # step_global: pool [1, 1, 0, 0, 1, 1]: mu 2/3, sigma sqrt((4/9 + 8/9) / 5) = 0.516398
     # -> A = 1/3 / 0.516398 = 0.645497 or -2/3 / 0.516398 = -1.290994
-    record = _record(scored, "step_global")
-    assert [ep.advantages for _, ep, _ in scored][0] == pytest.approx([0.645497, 0.645497, -1.290994], abs=1e-5)
+    record, adv = _record(scored, "step_global")
+    assert adv[0] == pytest.approx([0.645497, 0.645497, -1.290994], abs=1e-5)
     # solver (0.645497^2 + 1.290994^2) / 2 = (0.416667 + 1.666667) / 2 = 1.041667
     # verifier (3 x 0.416667 + 1.666667) / 4 = 0.729167
     assert record["agent/solver/advantage_sq_mean"] == pytest.approx(1.041667, abs=1e-5)
@@ -88,9 +88,9 @@ def test_without_turn_rewards_every_verifier_turn_gets_its_agent_reward():
     env = PerAgent({"e0": {1: 1.0, 2: 0.0}, "e1": {1: 1.0, 2: 1.0}}, {"e0": 1.0, "e1": 0.0})
     episodes = [make_episode(agents=("solver", "verifier", "verifier"), id=f"e{i}") for i in range(2)]
     scored = [(task, ep, score_episode(env, task, ep, invalid_penalty=0.0)) for ep in episodes]
-    _record(scored, "agent")
+    _, adv = _record(scored, "agent")
     # verifier pool [0.5, 0.5, 1, 1]: mu 0.75, sigma sqrt(4 x 0.0625 / 3) = 0.288675 -> A = -+0.866025
-    assert scored[0][1].advantages == pytest.approx([0.70711, -0.866025, -0.866025], abs=1e-5)
+    assert adv[0] == pytest.approx([0.70711, -0.866025, -0.866025], abs=1e-5)
 
 
 def test_turn_rewards_take_the_invalid_penalty_and_a_list_form():

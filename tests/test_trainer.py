@@ -328,7 +328,7 @@ def test_a_task_twice_in_one_step_is_two_groups_with_their_own_ids_whatever_the_
     group (4 group ids, 4 x 2 agent pools); seeds stay those of the batch positions (so groups that do not
     repeat sample as before), and two processes (groups 0-1 and 2-3) compute the advantages of one."""
     from drmas_graph.instrumentation._seeds import episode_seed
-    from drmas_graph.train.loop._scoring import samples_with_advantages
+    from drmas_graph.train.loop._scoring import trained_samples, with_advantages
 
     policy = tiny_policy(seed=0, sampling=SamplingParams(max_new_tokens=4))
     cfg = small_config(tmp_path, steps=1, tasks_per_step=4, group_size=4, eval={"k": 1, "before_training": False})
@@ -339,8 +339,10 @@ def test_a_task_twice_in_one_step_is_two_groups_with_their_own_ids_whatever_the_
         runs, counts = trainer.rollouts(tasks, 0, cfg.group_size, phase="train")
         groups, _ = trainer.state.score(runs, counts)
         trained = trainer.state.trained_agents()
-        samples, stats = samples_with_advantages(groups, cfg, trained)
-        halves = samples_with_advantages(groups[:2], cfg, trained)[0] + samples_with_advantages(groups[2:], cfg, trained)[0]
+        groups, stats = with_advantages(groups, cfg)
+        samples = trained_samples(groups, trained)
+        halves = (trained_samples(with_advantages(groups[:2], cfg)[0], trained)
+                  + trained_samples(with_advantages(groups[2:], cfg)[0], trained))
     finally:
         trainer.close()
     episodes = [ep for group in groups for ep in group.episodes]

@@ -302,9 +302,10 @@ class TraceStore:
         with self._errors("write to"):
             self._transaction(body)
 
-    def record_training(self, step: int, episodes: Iterable[Episode]) -> None:
+    def record_training(self, step: int | None, episodes: Iterable[Episode]) -> None:
         """`update_training` for many stored episodes at once (one transaction), taking ``rewards``,
-        ``turn_rewards``, ``advantages`` and ``judgement`` (when set) from each episode as the trainer filled them."""
+        ``turn_rewards``, ``advantages`` and ``judgement`` (when set) from each episode as scored; ``step`` None
+        keeps each episode's stored step (scores of an evaluation or a check)."""
         updates = [(ep.id, ep.rewards, ep.turn_rewards, ep.advantages, _serde.judgement_to_json(ep.judgement))
                    for ep in episodes]
 

@@ -168,12 +168,11 @@ def preflight(run: RunState | HasRunState, n_groups: int, progress: Any = None) 
     tasks = state.task_order(0, n_groups)
     batch = state.roll_out(tasks, 0, cfg.group_size, phase="train", progress=progress)
     counts = batch.counts
-    groups, _ = state.score(batch.runs, counts)
+    groups, unscored = state.score(batch.runs, counts)
+    # the store shows what each episode earned (`traces list`, the UI), and why one got nothing
+    _scoring.store_scores(state.store, step=None, groups=groups, unscored=unscored)
     scored = [pair for group in groups for pair in group.scored()]
-    for episode, score in scored:  # the store shows what each episode earned (`traces list`, the UI)
-        state.store.update_training(episode.id, step=None, rewards=score.rewards, turn_rewards=score.turn_rewards,
-                                    judgement=episode.judgement)
-    _, stats = _scoring.samples_with_advantages(groups, cfg, ())
+    _, stats = _scoring.with_advantages(groups, cfg)
     pools = stats.n_pools if stats is not None else 0
     signal = pools - stats.n_zero_variance_pools - stats.n_singleton_pools if stats is not None else 0
     agents = {a: _agent_check(a, scored) for a in state.agent_policies}
@@ -185,7 +184,7 @@ def preflight(run: RunState | HasRunState, n_groups: int, progress: Any = None) 
 
 
 def _agent_check(agent: str, scored: Sequence[tuple[Episode, EpisodeScore]]) -> AgentCheck | None:
-    rewards = [ep.rewards[agent] for ep, _ in scored if agent in ep.rewards]
+    rewards = [sc.rewards[agent] for _, sc in scored if agent in sc.rewards]
     if not rewards:
         return None
     turns = [(ep, i, sc) for ep, sc in scored for i, t in enumerate(ep.turns) if t.agent == agent]

@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from drmas_graph.config import RolloutConfig
-from drmas_graph.env import BadRewardError, Group
+from drmas_graph.env import Group
 from drmas_graph.errors import ConfigError, NoLLMCallError, RolloutError
 from drmas_graph.instrumentation import (
     LIMITS,
@@ -61,6 +61,7 @@ from drmas_graph.instrumentation import (
     episode_seed,
     limit_metadata,
 )
+from drmas_graph.train.loop._scoring import Unscored
 from drmas_graph.train.loop.metrics import Stopwatch
 from drmas_graph.train.optim import AdvantageStats
 from drmas_graph.types import Episode, Sample, new_id
@@ -122,16 +123,16 @@ class StepBatch:
     """Errors of this process's dropped episodes, in job order."""
     groups: list[Group]
     """This process's groups, each with its episodes that got a usable reward and their scores."""
-    reward_errors: list[BadRewardError]
-    """Errors of the bad-reward episodes."""
+    unscored: list[Unscored]
+    """This process's episodes left out for their reward (bad reward, judge failure), with the error."""
     samples: list[Sample]
     """The trained agents' `Sample`s, with advantages."""
     adv_stats: AdvantageStats | None
     """The advantage estimator's pool statistics (None: no policy-served turn)."""
     times: Stopwatch
     """The step's phases so far: `rollout`, `score` (with the advantages); `learn` adds `update`."""
-    trained: list[Episode] = field(default_factory=list)
-    """Every process's trained episodes (slimmed, with rewards and advantages): filled by `Trainer.learn`."""
+    trained: list[Group] = field(default_factory=list)
+    """Every process's trained groups (episodes slimmed, with scores and advantages): filled by `Trainer.learn`."""
 
 
 def group_ids(tasks: Sequence[Any], phase: str, step: int) -> list[str]:

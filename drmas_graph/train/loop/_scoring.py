@@ -1,16 +1,22 @@
 """From finished episodes to training samples: rewards, advantages, and the step's metrics record.
 
+Scoring returns its results (scores, advantages, errors) as values; it never writes them into the episodes.
+`store_scores` is the one writer of scores to the trace store (training, evaluation, check).
+
 - `score_episodes`: the one scoring path (training, evaluation, check, rescore): a reward per episode, checked,
-  minus the invalid-turn penalty, or a `BadRewardError` (the episode gets its `error`, the caller leaves it out).
+  minus the invalid-turn penalty, or a `BadRewardError` (the caller leaves the episode out).
 - `score_runs`: the step's `Group`s: the reward of every kept episode (minus the invalid-turn penalty): the
   environment's for a finished one, `rollout.truncated_reward` / `rollout.model_error_reward` for one that did not finish
   (`score_episode`); a truncated episode `rollout.mask_truncated` names is dropped and counted, so is one
-  whose reward is unusable (None, NaN, the env raised, or its judge gave no score: `judge_failed_episodes`).
+  whose reward is unusable (None, NaN, the env raised, or its judge gave no score: `judge_failed_episodes`), returned
+  as `Unscored`.
 - `group_rewards`: the rewards of an environment with `reward_group`, one call per group, groups concurrently;
   `reward_metrics`: the environment's counters (`reward_metrics()`), checked, for the step or eval record.
 - `turn_advantages`: the advantage of every turn (`compute_advantages`, estimator by name), from rows built in
-  one place for training and `rescore`; `samples_with_advantages`: those of a step's groups and one `Sample` per
-  turn of a trained agent.
+  one place for training and `rescore`; `with_advantages`: a step's groups with theirs; `trained_samples`: one
+  `Sample` per policy-served turn of a trained agent.
+- `store_scores`: the scored episodes' rewards, turn rewards, advantages and judgements, and the unscored ones'
+  errors, into the trace store.
 - `step_record`: the metrics of one training step, per agent (truncated and model-error episodes and their
   share of the samples included); `unfinished_warning`: one line when most episodes did not finish;
   `ZeroSignalWatch`: one line when most advantage pools had zero variance for several steps in a row.
@@ -18,10 +24,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import numbers
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,12 +45,14 @@ from drmas_graph.env import (
     trainable_agent_turns,
 )
 from drmas_graph.errors import JudgeError, RolloutError
+from drmas_graph.traces.store import TraceStore
 from drmas_graph.train.optim import AdvantageStats, compute_advantages
 from drmas_graph.train.loop.metrics import Stopwatch, mean_std
 from drmas_graph.types import Episode, Sample
 
-__all__ = ["score_runs", "score_episodes", "group_rewards", "reward_metrics", "failure_metric", "masked",
-           "turn_advantages", "samples_with_advantages", "step_record", "unfinished_metrics", "unfinished_warning", "nothing_to_train", "ZeroSignalWatch"]
+__all__ = ["Unscored", "score_runs", "score_episodes", "group_rewards", "reward_metrics", "failure_metric", "masked",
+           "turn_advantages", "with_advantages", "trained_samples", "store_scores", "step_record",
+           "unfinished_metrics", "unfinished_warning", "nothing_to_train", "ZeroSignalWatch"]
 
 log = logging.getLogger(__name__)
 
@@ -50,15 +60,30 @@ GROUP_THREADS = 16
 """At most this many groups are scored at once by an environment's `reward_group` (one thread each)."""
 
 
+@dataclass(frozen=True)
+class Unscored:
+    """An episode scoring left out: the environment gave it no reward it can be trained on."""
+
+    episode: Episode
+    """The episode (its `judgement`, when a judge tried, is stored with the error)."""
+    error: BadRewardError
+    """Why: a bad reward (None, NaN, the env raised) or a judge that gave no score (`failure_metric`)."""
+
+    @property
+    def message(self) -> str:
+        """The episode's stored error: 'BadRewardError: why' (`traces list --failed` finds it)."""
+        return f"BadRewardError: {self.error}"
+
+
 def score_runs(env: Any, runs: list[tuple[Any, Episode]], counts: dict[str, Any], *, invalid_penalty: float,
                rollout: RolloutConfig, on_error: Callable[[BadRewardError], None]
-               ) -> tuple[list[Group], list[BadRewardError]]:
+               ) -> tuple[list[Group], list[Unscored]]:
     """Score a training step's runs (`score_episodes`) into their groups, in run order; bad-reward and
-    judge-failed episodes (they got their `error`) are counted in `counts` (`bad_reward_episodes`,
-    `judge_failed_episodes`), reported to `on_error` and left out of their group; so are (counted, not reported)
+    judge-failed episodes are counted in `counts` (`bad_reward_episodes`, `judge_failed_episodes`), reported to
+    `on_error`, left out of their group and returned as `Unscored`; so are (counted, not reported, not returned)
     truncated episodes that `rollout.mask_truncated` drops. Then the environment's `reward_metrics()` go into
     `counts`."""
-    scored, errors = [], []
+    scored, unscored = [], []
     counts.update(bad_reward_episodes=0, judge_failed_episodes=0, masked_truncated_episodes=0)
     kept = []
     for task, episode in runs:
@@ -71,13 +96,12 @@ def score_runs(env: Any, runs: list[tuple[Any, Episode]], counts: dict[str, Any]
     for (task, episode), score in zip(kept, results):
         if isinstance(score, BadRewardError):
             counts[failure_metric(score)] += 1
-            errors.append(score)
+            unscored.append(Unscored(episode, score))
             on_error(score)
             continue
-        episode.rewards, episode.turn_rewards = score.rewards, score.turn_rewards
         scored.append((task, episode, score))
     counts.update(reward_metrics(env))
-    return _groups(scored), errors
+    return _groups(scored), unscored
 
 
 def _groups(scored: Sequence[tuple[Any, Episode, EpisodeScore]]) -> list[Group]:
@@ -101,9 +125,9 @@ def score_episodes(env: Any, runs: Sequence[tuple[Any, Episode]], *, invalid_pen
     else from `env.reward`; truncated and model-error episodes get `truncated_reward` / `model_error_reward` when
     set. Each is checked (a finite number, or one for every agent) and every invalid turn loses `invalid_penalty`
     (`env.score_episode`). The failure rule: an episode without a usable reward (the env raised, the judge gave no
-    score, a reward that is not a finite number) gets a `BadRewardError` and its `error` ("BadRewardError: why",
-    which the store keeps: `traces list --failed`), and the caller leaves it out (never trained on, never
-    counted as a wrong answer)."""
+    score, a reward that is not a finite number) gets a `BadRewardError` (the store keeps it as the episode's error:
+    `Unscored.message`, `traces list --failed`), and the caller leaves it out (never trained on, never counted as
+    a wrong answer). The episodes are not modified (a judge records its `judgement` in them)."""
     given = group_rewards(env, runs, truncated_reward=truncated_reward, model_error_reward=model_error_reward,
                           max_workers=max_workers)
     results: list[EpisodeScore | BadRewardError] = []
@@ -113,7 +137,6 @@ def score_episodes(env: Any, runs: Sequence[tuple[Any, Episode]], *, invalid_pen
                                          truncated_reward=truncated_reward, model_error_reward=model_error_reward,
                                          reward=given.get(episode.id, ENV_REWARD)))
         except BadRewardError as exc:
-            episode.error = f"BadRewardError: {exc}"
             results.append(exc)
     return results
 
@@ -240,20 +263,47 @@ def turn_advantages(scored: Sequence[tuple[Episode, EpisodeScore]], *, estimator
     return advantages_E, stats
 
 
-def samples_with_advantages(groups: Sequence[Group], cfg: TrainConfig, trained_agents: Sequence[str]
-                            ) -> tuple[list[Sample], AdvantageStats | None]:
-    """Advantages for every policy-served turn of the groups' episodes (written to `episode.advantages`); Samples
-    for the turns of trained agents, and the estimator's statistics."""
+def with_advantages(groups: Sequence[Group], cfg: TrainConfig) -> tuple[list[Group], AdvantageStats | None]:
+    """The groups with the advantage of every turn of their episodes (`Group.advantages`, `turn_advantages` over
+    all of them: the pools are (group, agent)), and the estimator's statistics."""
     scored = [pair for group in groups for pair in group.scored()]
-    advantages, stats = turn_advantages(scored, estimator=cfg.estimator, norm_by_std=cfg.norm_by_std,
-                                        eps=cfg.adv_eps)
+    advantages_E, stats = turn_advantages(scored, estimator=cfg.estimator, norm_by_std=cfg.norm_by_std,
+                                          eps=cfg.adv_eps)
+    out, start = [], 0
+    for group in groups:
+        end = start + len(group.episodes)
+        out.append(dataclasses.replace(group, advantages=tuple(tuple(a) for a in advantages_E[start:end])))
+        start = end
+    return out, stats
+
+
+def trained_samples(groups: Sequence[Group], trained_agents: Sequence[str]) -> list[Sample]:
+    """One `Sample` per policy-served turn of a trained agent, with its advantage (groups `with_advantages`)."""
     trained = set(trained_agents)
-    samples = []
-    for (episode, _), advantages_T in zip(scored, advantages):
-        episode.advantages = advantages_T
-        samples += [Sample.from_turn(turn, adv, episode.id) for turn, adv in zip(episode.turns, advantages_T)
-                    if turn.trainable and turn.agent in trained]
-    return samples, stats
+    return [Sample.from_turn(turn, adv, episode.id)
+            for group in groups for episode, advantages_T in zip(group.episodes, _advantages(group))
+            for turn, adv in zip(episode.turns, advantages_T) if turn.trainable and turn.agent in trained]
+
+
+def _advantages(group: Group) -> tuple[tuple[float, ...], ...]:
+    if group.advantages is None:
+        raise ValueError(f"group {group.id!r} has no advantages yet: pass the groups through with_advantages")
+    return group.advantages
+
+
+def store_scores(store: TraceStore, *, step: int | None, groups: Iterable[Group] = (),
+                 scored: Iterable[tuple[Episode, EpisodeScore]] = (), unscored: Iterable[Unscored] = ()) -> None:
+    """The one writer of scores to the trace store. Each episode of `groups` (and each `scored` pair) gets its
+    rewards, turn rewards, its group's advantages when estimated, and its judgement when a judge gave one; with
+    `step`, that training step (None: evaluation, `check`: the stored step stays). Each `unscored` episode gets
+    its error and judgement (never a training step)."""
+    rows = [(ep, sc, None if g.advantages is None else g.advantages[i])
+            for g in groups for i, (ep, sc) in enumerate(g.scored())] + [(ep, sc, None) for ep, sc in scored]
+    store.record_training(step, [dataclasses.replace(episode, rewards=score.rewards, turn_rewards=score.turn_rewards,
+                                                     advantages=None if adv is None else list(adv))
+                                 for episode, score, adv in rows])
+    for u in unscored:
+        store.update_training(u.episode.id, step=None, judgement=u.episode.judgement, error=u.message)
 
 
 def step_record(step: int, agents: Sequence[str], groups: Sequence[Group], counts: dict[str, int],
@@ -263,6 +313,7 @@ def step_record(step: int, agents: Sequence[str], groups: Sequence[Group], count
     seconds pushed weights), team reward, and per agent reward, advantage, calls, invalid rate and response length;
     then the updaters' metrics."""
     scored = [pair for group in groups for pair in group.scored()]
+    advantages = {ep.id: adv for group in groups for ep, adv in zip(group.episodes, _advantages(group))}
     rollout_s = times.laps["rollout"]
     record: dict[str, Any] = {"step": step, **counts, "episodes": len(scored),
                               "time/rollout_s": rollout_s, "time/score_s": times.laps["score"],
@@ -276,9 +327,9 @@ def step_record(step: int, agents: Sequence[str], groups: Sequence[Group], count
     record["adv/pools"] = adv_stats.n_pools if adv_stats is not None else 0
     record.update(unfinished_metrics(agents, episodes))
     for agent in agents:
-        rewards = [ep.rewards[agent] for ep in episodes if agent in ep.rewards]
+        rewards = [sc.rewards[agent] for _, sc in scored if agent in sc.rewards]
         turns = [(ep, i) for ep in episodes for i, turn in enumerate(ep.turns) if turn.agent == agent]
-        served = [(ep.turns[i], ep.advantages[i]) for ep, i in turns if ep.turns[i].trainable]  # have an advantage
+        served = [(ep.turns[i], advantages[ep.id][i]) for ep, i in turns if ep.turns[i].trainable]  # have one
         invalid = [sc.invalid[i] for ep, sc in scored for i, turn in enumerate(ep.turns) if turn.agent == agent]
         record[f"agent/{agent}/reward_mean"], record[f"agent/{agent}/reward_std"] = mean_std(rewards)
         record[f"agent/{agent}/advantage_mean"], record[f"agent/{agent}/advantage_std"] = mean_std(

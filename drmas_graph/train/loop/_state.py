@@ -18,7 +18,6 @@ from typing import Any, Protocol
 
 from drmas_graph.config import AgentConfig, TrainConfig
 from drmas_graph.env import BadRewardError, Group
-from drmas_graph.errors import RolloutError
 from drmas_graph.instrumentation.instrumented import InstrumentedGraph
 from drmas_graph.policy import Policy
 from drmas_graph.traces.store import TraceStore
@@ -37,10 +36,6 @@ log = logging.getLogger(__name__)
 class RunNotes:
     """What a run remembers from one step (or evaluation) to the next; the only mutable part of a run."""
 
-    rollout_errors: list[RolloutError] = field(default_factory=list)
-    """Errors of the failed episodes of the last rollouts, in job order."""
-    reward_errors: list[BadRewardError] = field(default_factory=list)
-    """Errors of the bad-reward and judge-failed episodes of the last step's scoring."""
     logged_failures: set[str] = field(default_factory=set)
     """The metrics (`bad_reward_episodes`, `judge_failed_episodes`) whose first training exception was logged."""
     threshold_warned: bool = False
@@ -129,8 +124,8 @@ class RunState:
 
     def roll_out(self, tasks: Sequence[Any], step: int, group_size: int, *, phase: str,
                  progress: Callable[[int, int], None] | None = None) -> RolloutBatch:
-        """G rollouts per task of this process's share, concurrently (`_rollouts.run_episodes`); their errors go to
-        `notes.rollout_errors`, the first one is logged. `progress(done, total)` hears each episode that ends."""
+        """G rollouts per task of this process's share, concurrently (`_rollouts.run_episodes`); the first error
+        is logged. `progress(done, total)` hears each episode that ends."""
         ids = group_ids(tasks, phase, step)  # over the whole batch: every rank names the groups alike
         jobs = [EpisodeJob(task, ids[b], b, j) for b, task in distributed.owned(tasks) for j in range(group_size)]
         batch = run_episodes(self.app, jobs, phase=phase, step=step, run_seed=self.cfg.seed,
@@ -140,21 +135,13 @@ class RunState:
         if batch.errors:
             log.warning("%s step %d: %d of %d episodes failed; the first: %s", phase, step, len(batch.errors),
                         len(jobs), batch.errors[0])
-        self.notes.rollout_errors = batch.errors
         return batch
 
     def score(self, runs: list[tuple[Any, Episode]], counts: dict[str, int]
-              ) -> tuple[list[Group], list[BadRewardError]]:
-        """`_scoring.score_runs` with this run's env, penalty and rollout settings; an episode left out for its
-        reward (bad reward, judge failure) gets its error and judgement in the store now (those of the trained
-        episodes go with their rewards, `record_training`)."""
-        groups, errors = _scoring.score_runs(self.env, runs, counts, invalid_penalty=self.invalid_penalty,
-                                             rollout=self.cfg.rollout, on_error=self._log_reward_failure)
-        kept = {ep.id for group in groups for ep in group.episodes}
-        for _, episode in runs:
-            if episode.id not in kept and (episode.judgement is not None or episode.error is not None):
-                self.store.update_training(episode.id, step=None, judgement=episode.judgement, error=episode.error)
-        return groups, errors
+              ) -> tuple[list[Group], list[_scoring.Unscored]]:
+        """`_scoring.score_runs` with this run's env, penalty and rollout settings, the first failures logged."""
+        return _scoring.score_runs(self.env, runs, counts, invalid_penalty=self.invalid_penalty,
+                                   rollout=self.cfg.rollout, on_error=self._log_reward_failure)
 
     def _log_reward_failure(self, exc: BadRewardError) -> None:
         """The first env.reward / reward_group / turn_is_valid exception of the run, with its traceback, and the

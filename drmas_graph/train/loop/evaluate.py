@@ -16,11 +16,12 @@ and the counts are merged; the rollouts a caller asks for (rank 0's Weave export
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections import Counter, defaultdict
 from typing import Any
 
-from drmas_graph.env import BadRewardError, is_success
+from drmas_graph.env import BadRewardError, EpisodeScore, is_success
 from drmas_graph.errors import ConfigError
 from drmas_graph.traces.weave_export import evaluation_episode
 from drmas_graph.train.engines import distributed
@@ -114,6 +115,8 @@ def _score(state: RunState, tasks: list[Any], runs: list[tuple[Any, Episode]], c
     per_agent: dict[str, dict[str, list[float]]] = {}
     replies: list[tuple[str, str, float]] = []
     teams: list[float] = []
+    scored: list[tuple[Episode, EpisodeScore]] = []
+    unscored: list[_scoring.Unscored] = []
     counts.update(bad_reward_episodes=0, judge_failed_episodes=0)
     results = _scoring.score_episodes(state.env, runs, invalid_penalty=state.invalid_penalty,
                                       **state.unfinished_rewards)
@@ -125,13 +128,12 @@ def _score(state: RunState, tasks: list[Any], runs: list[tuple[Any, Episode]], c
             log.warning("evaluation at step %d: episode %s of task %r %s: %s", step, episode.id, task.id,
                         "left out of avg@k and pass@k (the judge gave no score)" if unjudged
                         else "counts as a failure (no usable reward)", score)
-            state.store.update_training(episode.id, step=None, judgement=episode.judgement, error=episode.error)
+            unscored.append(_scoring.Unscored(episode, score))
             successes[task.id].append(None if unjudged else False)
             if local is not None:
-                local.append((task, episode, None, False))
+                local.append((task, dataclasses.replace(episode, error=unscored[-1].message), None, False))
             continue
-        state.store.update_training(episode.id, step=None, rewards=score.rewards, turn_rewards=score.turn_rewards,
-                                    judgement=episode.judgement)
+        scored.append((episode, score))
         teams.append(score.team)
         successes[task.id].append(is_success(state.env, task, episode, score, state.cfg.success_threshold))
         if local is not None:
@@ -142,6 +144,7 @@ def _score(state: RunState, tasks: list[Any], runs: list[tuple[Any, Episode]], c
             stats["invalid"].append(float(bad))
             stats["len"].append(float(len(turn.response_ids)))
             replies.append((turn.agent, turn.response_text, r))
+    _scoring.store_scores(state.store, step=None, scored=scored, unscored=unscored)
     counts.update(_scoring.reward_metrics(state.env))
     return successes, per_agent, replies, teams
 

@@ -150,7 +150,7 @@ def rescore(
     result = RescoreResult(
         _rescored([e for e in episodes if e.id in scores], scores, estimator=estimator, norm_by_std=norm_by_std,
                   eps=eps),
-        {e.id: e.error for e in episodes if e.id in failed})
+        {e.id: f"BadRewardError: {failed[e.id]}" for e in episodes if e.id in failed})
 
     if out is not None:
         _write(out, episodes, steps, result, {

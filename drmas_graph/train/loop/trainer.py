@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from drmas_graph.config import TrainConfig, merge_overrides
+from drmas_graph.env import Group
 from drmas_graph.errors import RolloutError
 from drmas_graph.policy import Policy
 from drmas_graph.traces.weave_export import WeaveExporter, start_exporter
@@ -231,21 +232,22 @@ class Trainer:
         tasks = self.batch_tasks(step)
         batch = run.roll_out(tasks, step, group_size, phase="train")
         times.lap("rollout")
-        groups, reward_errors = run.score(batch.runs, batch.counts)
-        samples, adv_stats = _scoring.samples_with_advantages(groups, run.cfg, run.trained_agents())
+        groups, unscored = run.score(batch.runs, batch.counts)
+        _scoring.store_scores(run.store, step=None, unscored=unscored)  # why each was left out
+        groups, adv_stats = _scoring.with_advantages(groups, run.cfg)
+        samples = _scoring.trained_samples(groups, run.trained_agents())
         times.lap("score")
-        return StepBatch(step, len(tasks) * group_size, batch.counts, batch.errors, groups, reward_errors,
+        return StepBatch(step, len(tasks) * group_size, batch.counts, batch.errors, groups, unscored,
                          samples, adv_stats, times)
 
     def learn(self, batch: StepBatch, *, publish: bool = True) -> dict[str, Any]:
         """Update every trained model on the batch's samples; return the step's metrics record. `publish` merges
         every process's traces and exports the step (the pipeline does that at the next step boundary)."""
         run, step, groups, times = self.state, batch.step, batch.groups, batch.times
-        run.notes.rollout_errors, run.notes.reward_errors = batch.rollout_errors, batch.reward_errors
         episodes = [ep for group in groups for ep in group.episodes]
         if not any(distributed.gather(bool(episodes))):  # every rank decides alike (one rank's loss is not fatal)
-            err = _scoring.nothing_to_train(step, batch.n_episodes, batch.rollout_errors or batch.reward_errors,
-                                            run.run_dir)
+            err = _scoring.nothing_to_train(step, batch.n_episodes,
+                                            batch.rollout_errors or [u.error for u in batch.unscored], run.run_dir)
             _, counts, _ = distributed.merge_step(groups, batch.counts, batch.adv_stats)
             # what was measured: the counts (failed, unjudged, ...) and the times
             err.step_record = {"step": step, **counts, "episodes": 0, "time/rollout_s": times.laps["rollout"],
@@ -254,9 +256,9 @@ class Trainer:
         times.skip()  # a pipelined step waited for its update
         update_metrics, sync_s = update_models(run, batch.samples, step=step, pipelined=self.pipeline is not None)
         times.lap("update")
-        run.store.record_training(step, episodes)
+        _scoring.store_scores(run.store, step=step, groups=groups)
         groups, counts, adv_stats = distributed.merge_step(groups, batch.counts, batch.adv_stats)  # every rank's
-        batch.trained = [ep for group in groups for ep in group.episodes]
+        batch.trained = groups
         if publish:
             self.publish(step)
         record = _scoring.step_record(step, list(run.agent_policies), groups, counts, adv_stats, update_metrics,
@@ -275,20 +277,20 @@ class Trainer:
         """One synchronous step: `collect`, then `learn`."""
         return self.learn(self.collect(step))
 
-    def publish(self, step: int, trained: Sequence[Episode] = ()) -> None:
+    def publish(self, step: int, trained: Sequence[Group] = ()) -> None:
         """Copy every process's traces into traces.db (rank 0; where no rank writes), then export step `step`.
-        `trained`: every process's trained episodes of the step, whose training data rank 0 writes after the copy
+        `trained`: every process's trained groups of the step, whose training data rank 0 writes after the copy
         (asynchronous training copies a step's episodes from the rank files before they are trained)."""
         distributed.merge_traces(self.state.run_dir)
         if trained and distributed.world_size() > 1 and distributed.is_main():
-            self.state.store.record_training(step, trained)
+            _scoring.store_scores(self.state.store, step=step, groups=trained)
         if self.weave is not None:
             self.weave.submit_step(step)
 
     def rollouts(self, tasks: Sequence[Any], step: int, group_size: int, *, phase: str
                  ) -> tuple[list[tuple[Any, Episode]], dict[str, int]]:
         """G rollouts per task (`RunState.roll_out`): the finished, truncated and model-error runs and the counts;
-        failed episodes are counted (and stored), their errors go to `state.notes.rollout_errors`."""
+        failed episodes are counted (and stored)."""
         batch = self.state.roll_out(tasks, step, group_size, phase=phase)
         return batch.runs, batch.counts
 
