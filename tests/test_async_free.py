@@ -70,14 +70,14 @@ class HoldStepOne:
         tasks = {s: {t.input["question"] for t in trainer.batch_tasks(s)} for s in range(trainer.state.cfg.steps)}
         self.questions = tasks[1]
         assert all(not (self.questions & q) for s, q in tasks.items() if s != 1)
-        learn = trainer.learn
+        learn = trainer.pipeline.learn  # the step functions the pipeline drives
 
         def learn_after_step_one_sampled(batch, **kwargs):
             if batch.step == 0:
                 assert self.all_arrived.wait(timeout=self.timeout_s), "step 1's episodes never reached the gate"
             return learn(batch, **kwargs)
 
-        trainer.learn = learn_after_step_one_sampled
+        trainer.pipeline.learn = learn_after_step_one_sampled
 
     def __call__(self, state) -> None:
         if state["question"] not in self.questions:
@@ -111,7 +111,7 @@ def test_steps_start_up_to_max_staleness_ahead_and_staleness_stays_within_it(tmp
     waited = []
 
     def hook(trainer):
-        collect = trainer.collect
+        collect = trainer.pipeline.collect
 
         def observed(step):
             started[step] = (trainer.pipeline.serving_version, time.perf_counter())
@@ -121,7 +121,7 @@ def test_steps_start_up_to_max_staleness_ahead_and_staleness_stays_within_it(tmp
                 waited.append(step2.wait(timeout=120))
             return collect(step)
 
-        trainer.collect = observed
+        trainer.pipeline.collect = observed
 
     initial = params(tiny_policy(seed=0))
     result, trained, trainer = run_free(tmp_path, "free", steps=5, hook=hook)
@@ -196,14 +196,14 @@ def test_a_later_step_never_takes_the_slots_the_next_step_needs(tmp_path):
 
     def hook(trainer):
         gate.attach(trainer)
-        collect = trainer.collect
+        collect = trainer.pipeline.collect
 
         def late(step):
             if step == 0:
                 time.sleep(0.5)
             return collect(step)
 
-        trainer.collect = late
+        trainer.pipeline.collect = late
 
     result, _, _ = run_free(tmp_path, "late", steps=3, conc=8, app=gated_graph(gate), hook=hook, n_train=10)
     assert sorted(set(turn_versions(tmp_path / "late", 1))) == [(0, 1)] and len(result.history) == 3

@@ -113,7 +113,7 @@ def test_the_next_steps_rollouts_run_during_the_update(tmp_path):
     waited = []
 
     def hook(trainer):
-        collect, name = trainer.collect, next(iter(trainer.state.updaters))
+        collect, name = trainer.pipeline.collect, next(iter(trainer.state.updaters))
         updater = trainer.state.updaters[name]
         update = updater.update
 
@@ -126,7 +126,7 @@ def test_the_next_steps_rollouts_run_during_the_update(tmp_path):
             waited.append(started[u + 1].wait(timeout=120))
             return update(samples, **kwargs)
 
-        trainer.collect = observed_collect
+        trainer.pipeline.collect = observed_collect
         updater.update = waiting_update
 
     run_async(tmp_path, "overlap", steps=3, hook=hook)

@@ -252,14 +252,14 @@ def test_a_sync_node_blocked_in_a_tool_costs_its_episode_not_the_step(tmp_path, 
     trainer = Trainer(g.compile(), env, cfg, policies={"solver": policy})
     try:
         start = time.perf_counter()
-        runs, counts = trainer.rollouts(env.train, 0, 1, phase="train")
+        batch = trainer.state.roll_out(env.train, 0, 1, phase="train")
         elapsed = time.perf_counter() - start
     finally:
         release.set()
         trainer.close()
     assert elapsed < 60  # a hang bound (the tool blocks for 120 s), not a speed measurement
-    assert [task.id for task, _ in runs] == ["train-0"] and counts["failed_episodes"] == 1
-    (error,) = trainer.state.notes.rollout_errors
+    assert [task.id for task, _ in batch.runs] == ["train-0"] and batch.counts["failed_episodes"] == 1
+    (error,) = batch.errors
     assert isinstance(error, StuckEpisodeError) and "'train-1'" in str(error)
     assert "left behind" in caplog.text
     (stuck,) = _stored(tmp_path, outcome="failed")

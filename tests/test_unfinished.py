@@ -19,7 +19,7 @@ from drmas_graph.errors import RolloutError, StructuredOutputError
 from drmas_graph.instrumentation._outcomes import note_stop
 from drmas_graph.testing import scripted_policy, tiny_policy
 from drmas_graph.traces.replay import replay
-from drmas_graph.train.loop.trainer import Trainer
+from drmas_graph.train.loop.trainer import Trainer, collect, learn
 from drmas_graph.types import Episode, Turn
 from graphs.research.env import ResearchEnv
 from graphs.research.graph import build_graph as build_research
@@ -260,12 +260,13 @@ def test_a_connection_error_of_a_model_that_is_not_trained_is_dropped_and_counte
     cfg = small_config(tmp_path, steps=1, tasks_per_step=2, group_size=2, strict=False,
                        eval={"k": 1, "before_training": False})
     trainer = Trainer(g.compile(), LoopEnv(["plain", "check this"]), cfg, policies={"solver": policy})
-    try:
-        record = trainer.train_step(0)
+    try:  # one step, collect and learn apart: the batch carries the rollouts' errors
+        batch = collect(trainer.state, 0)
+        record = learn(trainer.state, batch, pipelined=False)
     finally:
         trainer.close()
     assert record["failed_episodes"] == 2 and record["episodes"] == 2 and record["model_error_episodes"] == 0
-    assert all("Connection error" in str(e) for e in trainer.state.notes.rollout_errors)
+    assert len(batch.rollout_errors) == 2 and all("Connection error" in str(e) for e in batch.rollout_errors)
     with TraceStore(tmp_path / "run" / "traces.db", readonly=True) as store:
         failed = [store.load_episode(s.id) for s in store.episodes(outcome="failed")]
     assert len(failed) == 2 and all(ep.error.startswith("OpenAIConnectionError: Connection error") for ep in failed)

@@ -73,12 +73,13 @@ import logging
 import shutil
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from drmas_graph.env import Group
 from drmas_graph.errors import ConfigError, DrmasError, PolicyError
 from drmas_graph.train.engines import distributed
 from drmas_graph.train.loop import _build, _checkpoints
@@ -91,7 +92,8 @@ if TYPE_CHECKING:
     from drmas_graph.policy import Policy
     from drmas_graph.train.loop._state import RunState
 
-__all__ = ["AsyncTimeoutError", "FreeRunning", "OneStepOff", "drop_stale", "pipeline", "trainer_copies"]
+__all__ = ["AsyncTimeoutError", "Collect", "FreeRunning", "Learn", "OneStepOff", "Publish", "drop_stale", "pipeline",
+           "trainer_copies"]
 
 log = logging.getLogger(__name__)
 
@@ -270,25 +272,23 @@ def _sample_versions(batch: StepBatch) -> dict[tuple[str, int], int]:
 # --- the loop -----------------------------------------------------------------------------------------------
 
 
-class StepLoop(Protocol):
-    """The synchronous loop's parts the pipeline drives (`Trainer`)."""
-
-    def collect(self, step: int) -> StepBatch:
-        """Step `step`'s rollouts, scored, with advantages and samples."""
-
-    def learn(self, batch: StepBatch, *, publish: bool = True) -> dict[str, Any]:
-        """The update on a batch; the step's metrics record."""
-
-    def publish(self, step: int, trained: Any = ()) -> None:
-        """Merge every process's traces, export step `step`."""
+Collect = Callable[[int], StepBatch]
+"""Step `step`'s rollouts, scored, with advantages and samples (`trainer.collect` over the run)."""
+Learn = Callable[[StepBatch], dict[str, Any]]
+"""The update on a batch, its scores stored; the step's metrics record (`trainer.learn`, pipelined)."""
+Publish = Callable[[int, Sequence[Group]], None]
+"""Merge every process's traces, write the step's trained groups, export step `step` (`trainer.publish`)."""
 
 
 class OneStepOff:
-    """The pipelined loop (module docstring): `steps` yields what `Trainer.steps` does."""
+    """The pipelined loop (module docstring): `steps` yields what `Trainer.steps` does, driving a step's three
+    functions (`collect`, `learn`, `publish`: the synchronous loop's, `trainer`)."""
 
-    def __init__(self, run: RunState, loop: StepLoop) -> None:
+    def __init__(self, run: RunState, *, collect: Collect, learn: Learn, publish: Publish) -> None:
         acfg = run.cfg.async_
-        self.run, self.loop = run, loop
+        self.run = run
+        self.collect, self.learn, self.publish = collect, learn, publish
+        """The step's functions; `collect` runs on the rollout threads, the others on the trainer's."""
         self.timeout_s = acfg.timeout_s
         self.max_staleness = acfg.max_staleness
         for name, updater in run.updaters.items():
@@ -360,10 +360,10 @@ class OneStepOff:
                 "stuck past rollout.timeout_s, or a server that stopped answering); stopping") from None
 
     def _produce(self, step: int) -> StepBatch:
-        """`Trainer.collect(step)`, with the behaviour logprobs of the stale samples (sampled before v(step)), those
+        """`collect(step)`, with the behaviour logprobs of the stale samples (sampled before v(step)), those
         with advantage 0 too: the update replaces their old logprobs by the proximal ones, and `kl_start` reads the
         sampling policy's from `behaviour_logprobs`."""
-        batch = self.loop.collect(step)
+        batch = self.collect(step)
         version = _sample_versions(batch)
         for name, serving in self.servings.items():
             policy = self.run.model_policies[name]
@@ -397,7 +397,7 @@ class OneStepOff:
 
     def _publish(self) -> None:
         if self._unpublished is not None:
-            self.loop.publish(self._unpublished.step, self._unpublished.trained)
+            self.publish(self._unpublished.step, self._unpublished.trained)
             self._unpublished = None
 
     def _install(self, version: int) -> float:
@@ -417,7 +417,7 @@ class OneStepOff:
 
     def _learn(self, u: int, batch: StepBatch) -> dict[str, Any]:
         batch, dropped_groups, dropped_samples = drop_stale(batch, u, self.max_staleness)
-        record = self.loop.learn(batch, publish=False)
+        record = self.learn(batch)
         self._unpublished = batch
         self.trained_version = u + 1
         record.update(self._metrics(u, batch, dropped_groups, dropped_samples))
@@ -480,8 +480,8 @@ class FreeRunning(OneStepOff):
     `max_staleness` versions behind it, and every update's weights reach the rollouts at once, while other steps'
     episodes are in flight. Metric `async/steps_in_flight`: steps rolling out during the update."""
 
-    def __init__(self, run: RunState, loop: StepLoop) -> None:
-        super().__init__(run, loop)
+    def __init__(self, run: RunState, *, collect: Collect, learn: Learn, publish: Publish) -> None:
+        super().__init__(run, collect=collect, learn=learn, publish=publish)
         self._next = 0
         """The first step not started yet."""
 
@@ -517,6 +517,8 @@ class FreeRunning(OneStepOff):
         return [s.old_logprobs for s in samples]
 
 
-def pipeline(run: RunState, loop: StepLoop) -> OneStepOff:
-    """The loop of `async.schedule`: `OneStepOff` (one_step_off) or `FreeRunning` (free), driving `loop`."""
-    return FreeRunning(run, loop) if run.cfg.async_.schedule == "free" else OneStepOff(run, loop)
+def pipeline(run: RunState, *, collect: Collect, learn: Learn, publish: Publish) -> OneStepOff:
+    """The loop of `async.schedule`: `OneStepOff` (one_step_off) or `FreeRunning` (free), driving a step's
+    functions."""
+    cls = FreeRunning if run.cfg.async_.schedule == "free" else OneStepOff
+    return cls(run, collect=collect, learn=learn, publish=publish)

@@ -32,6 +32,7 @@ the configured rewards (`rollout.truncated_reward`, `rollout.model_error_reward`
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -48,6 +49,7 @@ from drmas_graph.train.loop import _checkpoints, _pipeline, _scoring
 from drmas_graph.train.loop._learn import update_models
 from drmas_graph.train.loop._rollouts import StepBatch
 from drmas_graph.train.loop._setup import RunDirInUseError, build_run, free_run_dir
+from drmas_graph.train.loop._state import RunState
 from drmas_graph.train.loop.evaluate import evaluate, reply_lines
 from drmas_graph.train.loop.metrics import RunLogger, Stopwatch
 from drmas_graph.types import Episode
@@ -145,6 +147,70 @@ def train_graph(graph: Any, env: Any, config: TrainConfig | None = None, *,
         trainer.close()
 
 
+# ---- one training step, top to bottom: collect (roll out, score, advantages, samples), learn (update, store,
+# metrics), publish (every process's traces, the export) ----------------------------------------------------------
+
+
+def batch_tasks(run: RunState, step: int) -> list[Any]:
+    """Tasks of a step: positions step * B ... step * B + B - 1 of `RunState.task_order`."""
+    return run.task_order(step * run.cfg.tasks_per_step, run.cfg.tasks_per_step)
+
+
+def collect(run: RunState, step: int) -> StepBatch:
+    """Step `step`'s rollouts (this process's groups), scored, with advantages and the trained agents' Samples."""
+    group_size = run.cfg.group_size
+    times = Stopwatch()
+    tasks = batch_tasks(run, step)
+    batch = run.roll_out(tasks, step, group_size, phase="train")
+    times.lap("rollout")
+    groups, unscored = run.score(batch.runs, batch.counts)
+    _scoring.store_scores(run.store, step=None, unscored=unscored)  # why each was left out
+    groups, adv_stats = _scoring.with_advantages(groups, run.cfg)
+    samples = _scoring.trained_samples(groups, run.trained_agents())
+    times.lap("score")
+    return StepBatch(step, len(tasks) * group_size, batch.counts, batch.errors, groups, unscored,
+                     samples, adv_stats, times)
+
+
+def learn(run: RunState, batch: StepBatch, *, pipelined: bool) -> dict[str, Any]:
+    """Update every trained model on the batch's samples, store the trained episodes' scores; return the step's
+    metrics record (and set `batch.trained`: every process's groups). `pipelined`: asynchronous training (the new
+    weights reach the rollouts at the pipeline's next step boundary)."""
+    step, groups, times = batch.step, batch.groups, batch.times
+    episodes = [ep for group in groups for ep in group.episodes]
+    if not any(distributed.gather(bool(episodes))):  # every rank decides alike (one rank's loss is not fatal)
+        err = _scoring.nothing_to_train(step, batch.n_episodes,
+                                        batch.rollout_errors or [u.error for u in batch.unscored], run.run_dir)
+        _, counts, _ = distributed.merge_step(groups, batch.counts, batch.adv_stats)
+        # what was measured: the counts (failed, unjudged, ...) and the times
+        err.step_record = {"step": step, **counts, "episodes": 0, "time/rollout_s": times.laps["rollout"],
+                           "time/score_s": times.laps["score"], "time/step_s": times.total()}
+        raise err
+    times.skip()  # a pipelined step waited for its update
+    update_metrics, sync_s = update_models(run, batch.samples, step=step, pipelined=pipelined)
+    times.lap("update")
+    _scoring.store_scores(run.store, step=step, groups=groups)
+    groups, counts, adv_stats = distributed.merge_step(groups, batch.counts, batch.adv_stats)  # every rank's
+    batch.trained = groups
+    record = _scoring.step_record(step, list(run.agent_policies), groups, counts, adv_stats, update_metrics,
+                                  times, sync_s)
+    for warning in (_scoring.unfinished_warning(record, batch.n_episodes), run.notes.zero_signal.observe(record)):
+        if warning is not None and distributed.is_main():
+            log.warning(warning)
+    return record
+
+
+def publish(run: RunState, weave: WeaveExporter | None, step: int, trained: Sequence[Group] = ()) -> None:
+    """Copy every process's traces into traces.db (rank 0; where no rank writes), then export step `step`.
+    `trained`: every process's trained groups of the step, whose training data rank 0 writes after the copy
+    (asynchronous training copies a step's episodes from the rank files before they are trained)."""
+    distributed.merge_traces(run.run_dir)
+    if trained and distributed.world_size() > 1 and distributed.is_main():
+        _scoring.store_scores(run.store, step=step, groups=trained)
+    if weave is not None:
+        weave.submit_step(step)
+
+
 class Trainer:
     """The training loop over a run built once from its config (`state`, a `RunState`); `run()` is the loop.
     Build it through `train_graph`; `train=False` builds no updaters (evaluation, `drmas-graph check`)."""
@@ -160,16 +226,19 @@ class Trainer:
         self.weave: WeaveExporter | None = None
         """Exports episodes and evaluations to W&B Weave (`logging.weave`), off the training thread."""
         run = self.state
-        try:
+        try:  # rank 0 exports from the merged store
+            self.weave = start_exporter(cfg, run.run_dir / "traces.db") if distributed.is_main() else None
             if train and cfg.async_.max_staleness > 0 and run.async_fallback is None:
-                self.pipeline = _pipeline.pipeline(run, self)
+                self.pipeline = _pipeline.pipeline(
+                    run, collect=functools.partial(collect, run), learn=functools.partial(learn, run, pipelined=True),
+                    publish=functools.partial(publish, run, self.weave))
             self.start_step = _checkpoints.resume(run, self.pipeline) if cfg.resume else 0
             if self.start_step == 0:  # adapters loaded by name must exist on the servers before the first rollout
                 for name in (n for n, p in run.model_policies.items() if getattr(p, "lora_by_name", ())):
                     _checkpoints.sync_weights(run, name, version=0)
-            # rank 0 exports from the merged store
-            self.weave = start_exporter(cfg, run.run_dir / "traces.db") if distributed.is_main() else None
         except BaseException:
+            if self.weave is not None:
+                self.weave.close()
             run.abandon()  # e.g. servers launched for a run that never starts
             raise
         # never overwrite a training run's config; under several processes rank 0 writes it
@@ -214,78 +283,27 @@ class Trainer:
         return self.result
 
     def steps(self) -> Iterator[tuple[int, dict[str, Any]]]:
-        """(step, metrics record) of each training step: rollout, score and update in turn, or pipelined with the
-        later steps' rollouts (`async.max_staleness` >= 1: `_pipeline.OneStepOff` or `FreeRunning`)."""
+        """(step, metrics record) of each training step: `collect`, `learn` and `publish` in turn, or pipelined with
+        the later steps' rollouts (`async.max_staleness` >= 1: `_pipeline.OneStepOff` or `FreeRunning`)."""
         if self.pipeline is not None:
             yield from self.pipeline.steps(self.start_step)
             return
         for step in range(self.start_step, self.state.cfg.steps):
-            record = self.learn(self.collect(step))
+            record = self.train_step(step)
             if self.state.async_fallback is not None:
                 record["async/synchronous_fallback"] = 1
             yield step, record
 
-    def collect(self, step: int) -> StepBatch:
-        """Step `step`'s rollouts (this process's groups), scored, with advantages and the trained agents' Samples."""
-        run, group_size = self.state, self.state.cfg.group_size
-        times = Stopwatch()
-        tasks = self.batch_tasks(step)
-        batch = run.roll_out(tasks, step, group_size, phase="train")
-        times.lap("rollout")
-        groups, unscored = run.score(batch.runs, batch.counts)
-        _scoring.store_scores(run.store, step=None, unscored=unscored)  # why each was left out
-        groups, adv_stats = _scoring.with_advantages(groups, run.cfg)
-        samples = _scoring.trained_samples(groups, run.trained_agents())
-        times.lap("score")
-        return StepBatch(step, len(tasks) * group_size, batch.counts, batch.errors, groups, unscored,
-                         samples, adv_stats, times)
-
-    def learn(self, batch: StepBatch, *, publish: bool = True) -> dict[str, Any]:
-        """Update every trained model on the batch's samples; return the step's metrics record. `publish` merges
-        every process's traces and exports the step (the pipeline does that at the next step boundary)."""
-        run, step, groups, times = self.state, batch.step, batch.groups, batch.times
-        episodes = [ep for group in groups for ep in group.episodes]
-        if not any(distributed.gather(bool(episodes))):  # every rank decides alike (one rank's loss is not fatal)
-            err = _scoring.nothing_to_train(step, batch.n_episodes,
-                                            batch.rollout_errors or [u.error for u in batch.unscored], run.run_dir)
-            _, counts, _ = distributed.merge_step(groups, batch.counts, batch.adv_stats)
-            # what was measured: the counts (failed, unjudged, ...) and the times
-            err.step_record = {"step": step, **counts, "episodes": 0, "time/rollout_s": times.laps["rollout"],
-                               "time/score_s": times.laps["score"], "time/step_s": times.total()}
-            raise err
-        times.skip()  # a pipelined step waited for its update
-        update_metrics, sync_s = update_models(run, batch.samples, step=step, pipelined=self.pipeline is not None)
-        times.lap("update")
-        _scoring.store_scores(run.store, step=step, groups=groups)
-        groups, counts, adv_stats = distributed.merge_step(groups, batch.counts, batch.adv_stats)  # every rank's
-        batch.trained = groups
-        if publish:
-            self.publish(step)
-        record = _scoring.step_record(step, list(run.agent_policies), groups, counts, adv_stats, update_metrics,
-                                      times, sync_s)
-        for warning in (_scoring.unfinished_warning(record, batch.n_episodes), run.notes.zero_signal.observe(record)):
-            if warning is not None and distributed.is_main():
-                log.warning(warning)
+    def train_step(self, step: int) -> dict[str, Any]:
+        """One synchronous step: `collect`, `learn`, `publish`; its metrics record."""
+        record = learn(self.state, collect(self.state, step), pipelined=False)
+        publish(self.state, self.weave, step)
         return record
 
     # ---- its parts ----------------------------------------------------------------------------
     def batch_tasks(self, step: int) -> list[Any]:
-        """Tasks of a step: positions step * B ... step * B + B - 1 of `RunState.task_order`."""
-        return self.state.task_order(step * self.state.cfg.tasks_per_step, self.state.cfg.tasks_per_step)
-
-    def train_step(self, step: int) -> dict[str, Any]:
-        """One synchronous step: `collect`, then `learn`."""
-        return self.learn(self.collect(step))
-
-    def publish(self, step: int, trained: Sequence[Group] = ()) -> None:
-        """Copy every process's traces into traces.db (rank 0; where no rank writes), then export step `step`.
-        `trained`: every process's trained groups of the step, whose training data rank 0 writes after the copy
-        (asynchronous training copies a step's episodes from the rank files before they are trained)."""
-        distributed.merge_traces(self.state.run_dir)
-        if trained and distributed.world_size() > 1 and distributed.is_main():
-            _scoring.store_scores(self.state.store, step=step, groups=trained)
-        if self.weave is not None:
-            self.weave.submit_step(step)
+        """Tasks of a step (`batch_tasks`)."""
+        return batch_tasks(self.state, step)
 
     def rollouts(self, tasks: Sequence[Any], step: int, group_size: int, *, phase: str
                  ) -> tuple[list[tuple[Any, Episode]], dict[str, int]]:
