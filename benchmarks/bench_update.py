@@ -86,7 +86,9 @@ def demo_samples(model: str, tasks: int, group: int) -> list[Any]:
     trainer = Trainer(graph, env, cfg, train=False)
     try:
         runs, counts = trainer.rollouts(trainer.batch_tasks(0), 0, cfg.group_size, phase="train")
-        groups, _ = trainer.state.score(runs, counts)
+        run = trainer.state
+        groups, _ = _scoring.score_runs(run.env, runs, counts, invalid_penalty=run.invalid_penalty,
+                                        rollout=cfg.rollout, on_error=_scoring.first_failures_logger(set()))
         groups, _ = _scoring.with_advantages(groups, cfg)
         samples = _scoring.trained_samples(groups, list(trainer.state.agent_policies))
     finally:

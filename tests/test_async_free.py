@@ -228,7 +228,7 @@ def test_served_policy_gets_pushes_while_other_steps_roll_out(tmp_path, ckpt):  
     gate.attach(trainer)
     try:
         result = trainer.run()
-        local = {k: v.clone() for k, v in trainer.state.train_models["m"].state_dict().items()}
+        local = {k: v.clone() for k, v in trainer.state.models["m"].trained.state_dict().items()}
     finally:
         trainer.close()
         double.stop()

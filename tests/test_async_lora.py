@@ -20,7 +20,7 @@ def run(tmp_path, run_dir, *, conc=8, steps=3, **async_):
                  **{"async": {"max_staleness": 1, **async_}})
     trainer = Trainer(_graphs.solver_verifier(Unreachable()).compile(), ParityEnv(n_train=5), cfg)
     try:
-        policy, copy_ = trainer.state.model_policies["m"].model, trainer.state.train_models["m"]
+        policy, copy_ = trainer.state.models["m"].policy.model, trainer.state.models["m"].trained
         shared = {n for n, p in copy_.named_parameters()
                   if p.data_ptr() == dict(policy.named_parameters())[n].data_ptr()}
         initial = groups(policy)
@@ -82,8 +82,8 @@ def test_the_memory_check_counts_only_the_adapters(tmp_path, monkeypatch):
     lora = Trainer(graph, ParityEnv(n_train=5), config(tmp_path, **{"async": {"max_staleness": 1}}))
     try:
         assert lora.pipeline is not None and lora.state.async_fallback is None
-        copied = [n for n, p in lora.state.train_models["m"].named_parameters()
-                  if p.data_ptr() != dict(lora.state.model_policies["m"].model.named_parameters())[n].data_ptr()]
+        copied = [n for n, p in lora.state.models["m"].trained.named_parameters()
+                  if p.data_ptr() != dict(lora.state.models["m"].policy.model.named_parameters())[n].data_ptr()]
         assert copied and all("lora_" in n for n in copied)
     finally:
         lora.close()

@@ -38,7 +38,7 @@ def run_async(tmp_path, run_dir, *, steps=3, conc=8, hook=None, app=None, n_trai
         if hook is not None:
             hook(trainer)
         result = trainer.run()
-        trained = {k: v.clone() for k, v in trainer.state.train_models[policy.name].state_dict().items()}
+        trained = {k: v.clone() for k, v in trainer.state.models[policy.name].trained.state_dict().items()}
     finally:
         trainer.close()
     return result, trained, params(policy), trainer
@@ -48,7 +48,7 @@ def test_one_step_off_is_reproducible_at_any_max_concurrency_with_groups_one_upd
     initial = params(tiny_policy(seed=0))
     r1, trained1, served1, t1 = run_async(tmp_path, "c1", conc=1)
     r8, trained8, served8, t8 = run_async(tmp_path, "c8", conc=8)
-    assert t8.pipeline is not None and t8.state.train_models[t8.state.agent_policies["solver"].name] is not \
+    assert t8.pipeline is not None and t8.state.models[t8.state.agent_policies["solver"].name].trained is not \
         t8.state.agent_policies["solver"].model  # the trainer trained a copy; the policy decoded with its own module
     assert all(torch.equal(trained1[k], trained8[k]) for k in trained1)  # bit for bit
     assert sum(not torch.equal(v, initial[k]) for k, v in trained8.items()) > 0.5 * len(initial)
@@ -79,7 +79,7 @@ def test_the_policy_gets_the_configured_kernel_and_exact_behaviour_logprobs(tmp_
     policy.model.set_attn_implementation("eager")  # as the user loaded it
     result, _, _, trainer = run_async(tmp_path, "kernel", steps=2, policy=policy,
                                       update={"lr": 0.0, "backend": "torch", "attn_implementation": "sdpa"})
-    copy = trainer.state.train_models[policy.name]
+    copy = trainer.state.models[policy.name].trained
     assert copy is not policy.model and policy.model.config._attn_implementation == "sdpa"
     assert copy.config._attn_implementation == "sdpa"
     step1 = result.history[1]
@@ -113,8 +113,8 @@ def test_the_next_steps_rollouts_run_during_the_update(tmp_path):
     waited = []
 
     def hook(trainer):
-        collect, name = trainer.pipeline.collect, next(iter(trainer.state.updaters))
-        updater = trainer.state.updaters[name]
+        collect, name = trainer.pipeline.collect, trainer.state.trained_models()[0].name
+        updater = trainer.state.models[name].updater
         update = updater.update
 
         def observed_collect(step):
@@ -179,7 +179,7 @@ def test_synchronous_by_default_and_when_the_copy_does_not_fit(tmp_path, monkeyp
     trainer = Trainer(graph(), ParityEnv(), small_config(tmp_path, steps=1, eval=NO_EVAL),
                       policies={"solver": policy, "verifier": policy})
     try:  # the default: no pipeline, the updater trains the policy's own module, no async metrics
-        assert trainer.pipeline is None and trainer.state.train_models[policy.name] is policy.model
+        assert trainer.pipeline is None and trainer.state.models[policy.name].trained is policy.model
         record = trainer.train_step(0)
         assert not [k for k in record if k.startswith("async/") or "staleness" in k]
     finally:
@@ -198,7 +198,7 @@ def test_served_policy_gets_its_pushes_at_the_step_boundaries(tmp_path, ckpt):  
     trainer = Trainer(graph(), ParityEnv(), cfg)
     try:
         result = trainer.run()
-        local = {k: v.clone() for k, v in trainer.state.train_models["m"].state_dict().items()}
+        local = {k: v.clone() for k, v in trainer.state.models["m"].trained.state_dict().items()}
     finally:
         trainer.close()
         double.stop()

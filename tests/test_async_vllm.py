@@ -34,7 +34,7 @@ def test_one_step_off_through_vllm_pushes_at_step_boundaries(tmp_path):
                        eval={"k": 1, "n_tasks": 1, "before_training": False}, **{"async": {"max_staleness": 1}})
     trainer = Trainer(_graphs.solver_verifier(Unreachable()).compile(), ParityEnv(), cfg)
     try:
-        policy, local = trainer.state.model_policies["m"], trainer.state.train_models["m"]
+        policy, local = trainer.state.models["m"].policy, trainer.state.models["m"].trained
         result = trainer.run()
         assert policy.version == 3 and policy.server_versions() == {policy.base_urls[0]: "3"}
         prompt = tokenizer.encode("What is 2 + 3? Answer:", add_special_tokens=False)
@@ -71,7 +71,7 @@ def test_free_running_through_vllm_pushes_while_other_steps_roll_out(tmp_path):
     trainer = Trainer(gated_graph(gate), ParityEnv(n_train=10), cfg)
     gate.attach(trainer)
     try:
-        policy = trainer.state.model_policies["m"]
+        policy = trainer.state.models["m"].policy
         result = trainer.run()
         assert policy.version == 3 and policy.server_versions() == {policy.base_urls[0]: "3"}
     finally:

@@ -242,8 +242,8 @@ def test_train_graph_trains_one_adapter_per_agent_over_a_frozen_base(tmp_path):
                                    "verifier": {"model": "m", "lr": 2e-2, "sampling": {"max_new_tokens": 6}}})
     trainer = Trainer(_graphs.solver_verifier(Unreachable()).compile(), ParityEnv(), cfg)
     try:
-        model = trainer.state.train_models["m"]
-        assert trainer.state.model_policies["m"].model is model  # the embedded policy generates with the adapters
+        model = trainer.state.models["m"].trained
+        assert trainer.state.models["m"].policy.model is model  # the embedded policy generates with the adapters
         before = groups(model)
         result = trainer.run()
     finally:
@@ -277,7 +277,7 @@ def test_a_resumed_lora_run_gives_the_weights_of_the_uninterrupted_run(tmp_path)
         cfg = config(tmp_path, run_dir=str(tmp_path / run_dir), steps=steps, resume=resume, checkpoint_every=1)
         trainer = Trainer(_graphs.solver_verifier(Unreachable()).compile(), ParityEnv(), cfg)
         try:
-            return trainer.run(), groups(trainer.state.train_models["m"])
+            return trainer.run(), groups(trainer.state.models["m"].trained)
         finally:
             trainer.close()
 
@@ -309,8 +309,8 @@ def test_sglang_serves_the_base_with_the_adapter_merged(tmp_path, ckpt):
     cfg = served_config(tmp_path, ckpt, {"engine": "sglang", "urls": [double.url]}, {a: "shared" for a in AGENTS})
     trainer = Trainer(_graphs.solver_verifier(Unreachable()).compile(), ParityEnv(), cfg)
     try:
-        local = trainer.state.train_models["m"]
-        assert trainer.state.model_policies["m"].lora_merged == "shared"
+        local = trainer.state.models["m"].trained
+        assert trainer.state.models["m"].policy.lora_merged == "shared"
         result = trainer.run()
     finally:
         trainer.close()
@@ -371,7 +371,7 @@ def test_cli_eval_of_a_checkpoint_loads_the_trained_adapters(tmp_path, capsys):
     cfg = load_config(path, [f"run_dir={tmp_path / 'eval'}"])
     trainer = Trainer(_graphs.solver_verifier(Unreachable()).compile(), ParityEnv(), cfg, train=False)
     try:
-        model = trainer.state.train_models["tiny"]
+        model = trainer.state.models["tiny"].trained
         fresh = groups(model)["verifier"]
         load_checkpoint_adapters(trainer, ckpt)
         loaded = groups(model)["verifier"]

@@ -36,7 +36,7 @@ def test_vllm_serves_each_agents_adapter_by_name_and_reloads_them_after_updates(
                  agents={a: {"model": "m", "sampling": {"max_new_tokens": 6}} for a in ("solver", "verifier")})
     trainer = Trainer(_graphs.solver_verifier(Unreachable()).compile(), ParityEnv(), cfg)
     try:
-        policy, local = trainer.state.model_policies["m"], trainer.state.train_models["m"]
+        policy, local = trainer.state.models["m"].policy, trainer.state.models["m"].trained
         assert policy.lora_by_name == ("solver", "verifier") and policy.version == 0  # pushed before step 0
         result = trainer.run()
         # after training the adapters differ; the server samples each request from the adapter it names

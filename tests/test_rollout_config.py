@@ -19,6 +19,7 @@ from drmas_graph.env import Task
 from drmas_graph.errors import ConfigError, RolloutError
 from drmas_graph.traces.store import TraceStore
 from drmas_graph.testing import tiny_policy
+from drmas_graph.train.loop._rollouts import roll_out
 from drmas_graph.train.loop.trainer import Trainer, train_graph
 from tests import _graphs
 from tests._envs import ParityEnv
@@ -252,7 +253,9 @@ def test_a_sync_node_blocked_in_a_tool_costs_its_episode_not_the_step(tmp_path, 
     trainer = Trainer(g.compile(), env, cfg, policies={"solver": policy})
     try:
         start = time.perf_counter()
-        batch = trainer.state.roll_out(env.train, 0, 1, phase="train")
+        run = trainer.state
+        batch = roll_out(run.app, env, env.train, 0, 1, phase="train", seed=cfg.seed, rollout=cfg.rollout,
+                         base_config=run.rollout_config, slots=run.episode_slots)
         elapsed = time.perf_counter() - start
     finally:
         release.set()

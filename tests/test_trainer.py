@@ -328,7 +328,7 @@ def test_a_task_twice_in_one_step_is_two_groups_with_their_own_ids_whatever_the_
     group (4 group ids, 4 x 2 agent pools); seeds stay those of the batch positions (so groups that do not
     repeat sample as before), and two processes (groups 0-1 and 2-3) compute the advantages of one."""
     from drmas_graph.instrumentation._seeds import episode_seed
-    from drmas_graph.train.loop._scoring import trained_samples, with_advantages
+    from drmas_graph.train.loop._scoring import first_failures_logger, score_runs, trained_samples, with_advantages
 
     policy = tiny_policy(seed=0, sampling=SamplingParams(max_new_tokens=4))
     cfg = small_config(tmp_path, steps=1, tasks_per_step=4, group_size=4, eval={"k": 1, "before_training": False})
@@ -337,7 +337,9 @@ def test_a_task_twice_in_one_step_is_two_groups_with_their_own_ids_whatever_the_
         tasks = trainer.batch_tasks(0)
         assert [t.id for t in tasks] == ["train-1", "train-0", "train-2", "train-1"]
         runs, counts = trainer.rollouts(tasks, 0, cfg.group_size, phase="train")
-        groups, _ = trainer.state.score(runs, counts)
+        run = trainer.state
+        groups, _ = score_runs(run.env, runs, counts, invalid_penalty=run.invalid_penalty, rollout=cfg.rollout,
+                               on_error=first_failures_logger(set()))
         trained = trainer.state.trained_agents()
         groups, stats = with_advantages(groups, cfg)
         samples = trained_samples(groups, trained)

@@ -56,7 +56,7 @@ def test_served_model_is_trained_locally_and_the_server_samples_from_the_trained
     cfg = served_config(tmp_path, ckpt, {"engine": "sglang", "urls": [double.url]})
     trainer = Trainer(graph(), ParityEnv(), cfg)
     try:
-        policy, local = trainer.state.model_policies["m"], trainer.state.train_models["m"]
+        policy, local = trainer.state.models["m"].policy, trainer.state.models["m"].trained
         assert isinstance(policy, SGLangPolicy) and policy.base_urls == [double.url] and policy.version == 0
         result = trainer.run()
     finally:
@@ -92,7 +92,7 @@ def test_resume_pushes_the_checkpointed_weights_before_rolling_out(tmp_path, ckp
         trainer = Trainer(graph(), ParityEnv(), cfg)
         try:
             trainer.run()
-            return double, trainer.state.train_models["m"].state_dict()
+            return double, trainer.state.models["m"].trained.state_dict()
         finally:
             trainer.close()
             double.stop()
@@ -151,7 +151,7 @@ def test_launch_starts_a_server_from_path_and_close_stops_it(tmp_path, ckpt):
                         eval={"k": 1, "n_tasks": 1, "before_training": False})
     trainer = Trainer(graph(), ParityEnv(), cfg)
     try:
-        (server,) = trainer.state.model_policies["m"].servers
+        (server,) = trainer.state.models["m"].policy.servers
         assert server.argv[server.argv.index("--model-path") + 1] == ckpt
         trainer.run()
         info = httpx.get(server.url + "/model_info").json()
@@ -191,7 +191,7 @@ def test_served_runs_are_identical_at_any_max_concurrency(tmp_path, ckpt):
         trainer = Trainer(graph(), ParityEnv(), cfg)
         try:
             trainer.run()
-            weights = {k: v.clone() for k, v in trainer.state.train_models["m"].state_dict().items()}
+            weights = {k: v.clone() for k, v in trainer.state.models["m"].trained.state_dict().items()}
         finally:
             trainer.close()
             double.stop()

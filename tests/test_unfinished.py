@@ -145,7 +145,7 @@ def _one_step(graph, env, cfg, policies, monkeypatch):
     """(the step's record, model name -> the Samples its updater received) of one training step."""
     trainer = Trainer(graph, env, cfg, policies=policies)
     seen = {}
-    for name, updater in trainer.state.updaters.items():
+    for name, updater in ((m.name, m.updater) for m in trainer.state.trained_models()):
         def update(samples, _real=updater.update, _name=name, **kwargs):
             seen[_name] = list(samples)
             return _real(samples, **kwargs)

@@ -139,7 +139,7 @@ def _cmd_eval(args: argparse.Namespace, console: Console) -> int:
         if args.checkpoint is not None:
             load_checkpoint_adapters(trainer, args.checkpoint)  # LoRA: into the models, and their servers
         for name in attached_servers(cfg, from_checkpoint):  # they serve what they held: push the checkpoint
-            trainer.sync_weights(name, version=trainer.state.model_policies[name].version)
+            trainer.sync_weights(name, version=trainer.state.models[name].policy.version)
             if distributed.is_main():
                 mc = cfg.models[name]
                 console.print(f"model {name}: loaded {mc.path} into its servers {', '.join(mc.serve.urls)} (they keep "

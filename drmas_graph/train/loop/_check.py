@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from drmas_graph.env import EpisodeScore
 from drmas_graph.train.loop import _scoring
 from drmas_graph.train.loop._calls import CallCheck, calls_of
+from drmas_graph.train.loop._rollouts import roll_out
 from drmas_graph.train.loop._state import HasRunState, RunState, run_state
 from drmas_graph.train.loop.metrics import mean_std
 from drmas_graph.types import Episode
@@ -161,14 +162,18 @@ class CheckReport:
 
 def preflight(run: RunState | HasRunState, n_groups: int, progress: Any = None) -> CheckReport:
     """Roll out the first `n_groups` tasks of the training order (`RunState.task_order`) as training step 0 would,
-    score them like training does (`RunState.score`), store their rewards (no training step), and report per agent
+    score them like training does (`_scoring.score_runs`), store their rewards (no training step), and report per agent
     (see `CheckReport`); `run` is a `RunState` or a `Trainer`. `progress(done, total)`: called as episodes end."""
     state = run_state(run)
     cfg = state.cfg
     tasks = state.task_order(0, n_groups)
-    batch = state.roll_out(tasks, 0, cfg.group_size, phase="train", progress=progress)
+    batch = roll_out(state.app, state.env, tasks, 0, cfg.group_size, phase="train", seed=cfg.seed,
+                     rollout=cfg.rollout, base_config=state.rollout_config, slots=state.episode_slots,
+                     progress=progress)
     counts = batch.counts
-    groups, unscored = state.score(batch.runs, counts)
+    groups, unscored = _scoring.score_runs(state.env, batch.runs, counts, invalid_penalty=state.invalid_penalty,
+                                           rollout=cfg.rollout,
+                                           on_error=_scoring.first_failures_logger(state.notes.logged_failures))
     # the store shows what each episode earned (`traces list`, the UI), and why one got nothing
     _scoring.store_scores(state.store, step=None, groups=groups, unscored=unscored)
     scored = [pair for group in groups for pair in group.scored()]

@@ -23,7 +23,7 @@ from typing import Any, Protocol
 from drmas_graph.errors import ConfigError
 from drmas_graph.train.engines import distributed
 from drmas_graph.train.loop._build import is_served
-from drmas_graph.train.loop._state import HasRunState, RunState, run_state
+from drmas_graph.train.loop._state import HasRunState, RunState, on_model_thread, run_state
 from drmas_graph.train.optim import load_adapters, save_for_sync
 
 __all__ = ["save_checkpoint", "resume", "checkpoint_step", "push_weights", "sync_weights", "load_into_servers",
@@ -71,17 +71,17 @@ def save_checkpoint(run: RunState, step: int, pipeline: RolloutWeights | None = 
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     distributed.barrier()
-    for name, updater in run.updaters.items():
-        run.on_model_thread(name, functools.partial(updater.save, tmp / name))
+    for model in run.trained_models():
+        on_model_thread(model, functools.partial(model.updater.save, tmp / model.name))
         if main:
-            run.model_policies[name].tokenizer.save_pretrained(tmp / name / "model")
-    versions = {n: p.version for n, p in run.model_policies.items()}
+            model.policy.tokenizer.save_pretrained(tmp / model.name / "model")
+    versions = {n: m.policy.version for n, m in run.models.items()}
     notes = run.notes  # what the run remembers across steps: its once-per-run warnings, the zero-signal streak
     state = {"step": step, "policy_versions": versions, "world_size": distributed.world_size(),
              "notes": {"logged_failures": sorted(notes.logged_failures), "threshold_warned": notes.threshold_warned,
                        "zero_signal_streak": notes.zero_signal.streak}}
     if pipeline is not None:  # the trained weights' version, and those the next step rolls out on
-        versions.update({n: pipeline.trained_version for n in run.updaters})
+        versions.update({m.name: pipeline.trained_version for m in run.trained_models()})
         state["serving_version"] = pipeline.save_serving(tmp)
     if main:
         (tmp / "trainer_state.json").write_text(json.dumps(state))
@@ -102,15 +102,16 @@ def resume(run: RunState, pipeline: RolloutWeights | None = None) -> int:
     latest = ckpts[-1]
     state = json.loads((latest / "trainer_state.json").read_text())
     distributed.check_resume_world(state.get("world_size"), distributed.world_size(), {
-        n: u.settings.zero_stage for n, u in run.updaters.items() if u.settings.backend == "deepspeed"})
-    for name, updater in run.updaters.items():
-        run.on_model_thread(name, functools.partial(updater.load, latest / name))
+        m.name: m.updater.settings.zero_stage for m in run.trained_models()
+        if m.updater.settings.backend == "deepspeed"})
+    for model in run.trained_models():
+        on_model_thread(model, functools.partial(model.updater.load, latest / model.name))
         if pipeline is not None:  # the rollouts get their weights below
             continue
-        version = state["policy_versions"].get(name, 0)
-        if is_served(run.model_policies[name]):
-            sync_weights(run, name, version=version)  # the servers still hold whatever they served last
-        run.model_policies[name].version = version
+        version = state["policy_versions"].get(model.name, 0)
+        if is_served(model.policy):
+            sync_weights(run, model.name, version=version)  # the servers still hold whatever they served last
+        model.policy.version = version
     if pipeline is not None:
         pipeline.restore(latest, int(state["step"]), state.get("serving_version"))
     notes = state.get("notes", {})  # checkpoints written before notes were saved have none
@@ -137,9 +138,10 @@ def load_checkpoint_adapters(run: RunState | HasRunState, checkpoint: str | os.P
     """Load the adapters of every LoRA model from a training checkpoint (``<checkpoint>/<model>/model``) into
     a run's models (`lora.load_adapters`), and push them to the servers of served ones."""
     state = run_state(run)
-    for name in load_adapters(state.train_models, Path(checkpoint)):
-        policy = state.model_policies.get(name)
-        if policy is not None and is_served(policy):
+    trained = {n: m.trained for n, m in state.models.items() if m.trained is not None}
+    for name in load_adapters(trained, Path(checkpoint)):
+        policy = state.models[name].policy
+        if is_served(policy):
             sync_weights(state, name, version=policy.version)
 
 
@@ -174,8 +176,8 @@ def push_weights(run_dir: Path, name: str, model: Any, policy: Any, updater: Any
 
 def sync_weights(run: RunState, name: str, *, version: int) -> float:
     """Push model `name`'s trained weights to its servers (`push_weights`); return the seconds."""
-    return push_weights(run.run_dir, name, run.train_models[name], run.model_policies[name], run.updaters.get(name),
-                        version=version)
+    model = run.models[name]
+    return push_weights(run.run_dir, name, model.trained, model.policy, model.updater, version=version)
 
 
 def load_into_servers(run_dir: Path, name: str, policy: Any, source: Path, *, version: int,

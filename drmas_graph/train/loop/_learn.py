@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from drmas_graph.train.loop._build import is_served
 from drmas_graph.train.loop._checkpoints import sync_weights
 from drmas_graph.train.optim import with_trainer_logprobs
-from drmas_graph.train.loop._state import RunState
+from drmas_graph.train.loop._state import ModelSlot, RunState, on_model_thread
 from drmas_graph.types import Sample
 
 __all__ = ["update_models", "old_logprobs"]
@@ -27,13 +27,13 @@ def update_models(run: RunState, samples: Sequence[Sample], *, step: int, pipeli
     pushing weights to servers (`model/<name>/sync_s` each, in the metrics too)."""
     metrics: dict[str, float] = {}
     sync_s = 0.0
-    for name, updater in run.updaters.items():
-        policy = run.model_policies[name]
-        model_samples, old = old_logprobs(run, name, [s for s in samples if run.agent_policies[s.agent] is policy],
+    for model in run.trained_models():
+        name, policy, updater = model.name, model.policy, model.updater
+        model_samples, old = old_logprobs(run, model, [s for s in samples if s.agent in model.agents],
                                           metrics, pipelined=pipelined)
         if not pipelined and not is_served(policy):
             with policy.updating_weights():  # the policy serves the trained module itself
-                done = run.on_model_thread(name, functools.partial(updater.update, model_samples, old_logprobs=old))
+                done = on_model_thread(model, functools.partial(updater.update, model_samples, old_logprobs=old))
                 metrics.update(done.to_dict())
             continue
         # the trainer trains its own copy: pushed to the servers now, or (asynchronous training) installed
@@ -45,20 +45,20 @@ def update_models(run: RunState, samples: Sequence[Sample], *, step: int, pipeli
     return metrics, sync_s
 
 
-def old_logprobs(run: RunState, name: str, samples: list[Sample], metrics: dict[str, float], *, pipelined: bool
-                 ) -> tuple[list[Sample], str]:
-    """Model `name`'s samples and the `update(old_logprobs=...)` mode, by `cfg.old_logprobs` (auto: the
+def old_logprobs(run: RunState, model: ModelSlot, samples: list[Sample], metrics: dict[str, float], *,
+                 pipelined: bool) -> tuple[list[Sample], str]:
+    """The model's samples and the `update(old_logprobs=...)` mode, by `cfg.old_logprobs` (auto: the
     trainer's for embedded policies, see `_old_logprobs`; as rolled out for served ones). The trainer's are
     the update's own (detached) when it takes one step (n_minibatches 1), else recomputed here first."""
     mode = run.cfg.old_logprobs
     if mode == "auto":  # asynchronous training: the trainer's (the proximal policy of decoupled PPO)
-        mode = "rollout" if is_served(run.model_policies[name]) and not pipelined else "trainer"
+        mode = "rollout" if is_served(model.policy) and not pipelined else "trainer"
     if mode == "rollout" or not samples:
         return samples, "given"
-    updater = run.updaters[name]
+    updater = model.updater
     if updater.settings.n_minibatches == 1:
         return samples, "current"
-    logprobs = run.on_model_thread(name, functools.partial(updater.compute_logprobs, samples))
+    logprobs = on_model_thread(model, functools.partial(updater.compute_logprobs, samples))
     samples, gaps = with_trainer_logprobs(samples, logprobs)
     metrics.update(gaps)
     return samples, "given"

@@ -90,7 +90,7 @@ from drmas_graph.train.optim import (CorrectionStats, LoraUpdater, ModelUpdater,
 if TYPE_CHECKING:
     from drmas_graph.config import AgentConfig, TrainConfig
     from drmas_graph.policy import Policy
-    from drmas_graph.train.loop._state import RunState
+    from drmas_graph.train.loop._state import ModelSlot, RunState
 
 __all__ = ["AsyncTimeoutError", "Collect", "FreeRunning", "Learn", "OneStepOff", "Publish", "drop_stale", "pipeline",
            "trainer_copies"]
@@ -177,9 +177,9 @@ def _free_bytes(module: torch.nn.Module) -> int | None:
 class _Embedded:
     """An embedded policy that decodes with its own module while the trainer trains a copy."""
 
-    def __init__(self, run: RunState, name: str) -> None:
-        self.policy, self.updater = run.model_policies[name], run.updaters[name]
-        self.source = run.train_models[name]
+    def __init__(self, model: ModelSlot) -> None:
+        self.policy, self.updater = model.policy, model.updater
+        self.source = model.trained
         serving = self.policy.model.state_dict()
         self.keys = [k for k, t in self.source.state_dict().items() if t.data_ptr() != serving[k].data_ptr()]
         """The tensors install copies: all of them, or a LoRA model's adapters (the base is shared)."""
@@ -217,9 +217,9 @@ class _Embedded:
 class _Served:
     """A served policy: the trainer trains a local copy and pushes it to the servers."""
 
-    def __init__(self, run: RunState, name: str, timeout_s: float) -> None:
-        self.run_dir, self.name, self.timeout_s = run.run_dir, name, timeout_s
-        self.policy, self.model, self.updater = run.model_policies[name], run.train_models[name], run.updaters[name]
+    def __init__(self, run_dir: Path, model: ModelSlot, timeout_s: float) -> None:
+        self.run_dir, self.name, self.timeout_s = run_dir, model.name, timeout_s
+        self.policy, self.model, self.updater = model.policy, model.trained, model.updater
 
     def install(self, version: int) -> None:
         _checkpoints.push_weights(self.run_dir, self.name, self.model, self.policy, self.updater, version=version,
@@ -291,12 +291,12 @@ class OneStepOff:
         """The step's functions; `collect` runs on the rollout threads, the others on the trainer's."""
         self.timeout_s = acfg.timeout_s
         self.max_staleness = acfg.max_staleness
-        for name, updater in run.updaters.items():
-            for one in _model_updaters(name, updater):
+        for model in run.trained_models():
+            for one in _model_updaters(model.name, model.updater):
                 one.correction = OffPolicyCorrection(acfg.correction, acfg.is_cap)
         self.servings: dict[str, _Embedded | _Served] = {
-            name: _Embedded(run, name) if name in run.copies else _Served(run, name, acfg.timeout_s)
-            for name in run.updaters}
+            m.name: _Embedded(m) if m.copy is not None else _Served(run.run_dir, m, acfg.timeout_s)
+            for m in run.trained_models()}
         self.trained_version = 0
         """Updates the trainer applied."""
         self.serving_version = 0
@@ -366,8 +366,8 @@ class OneStepOff:
         batch = self.collect(step)
         version = _sample_versions(batch)
         for name, serving in self.servings.items():
-            policy = self.run.model_policies[name]
-            rows = [i for i, s in enumerate(batch.samples) if self.run.agent_policies[s.agent] is policy
+            agents = self.run.models[name].agents
+            rows = [i for i, s in enumerate(batch.samples) if s.agent in agents
                     and version[(s.episode_id, s.turn_index)] < step]
             if not rows:
                 continue
@@ -430,8 +430,8 @@ class OneStepOff:
         for s in batch.samples:
             staleness.setdefault(s.agent, []).append(u - version[(s.episode_id, s.turn_index)])
         weights: dict[str, CorrectionStats] = {}
-        for name, updater in self.run.updaters.items():
-            for one in _model_updaters(name, updater):
+        for model in self.run.trained_models():
+            for one in _model_updaters(model.name, model.updater):
                 for agent, stats in one.correction.pop_stats().items():
                     weights[agent] = weights.get(agent, CorrectionStats()).merge(stats)
         parts = distributed.gather((staleness, weights, dropped_groups, dropped_samples))

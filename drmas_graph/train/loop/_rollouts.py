@@ -61,13 +61,14 @@ from drmas_graph.instrumentation import (
     episode_seed,
     limit_metadata,
 )
+from drmas_graph.train.engines import distributed
 from drmas_graph.train.loop._scoring import Unscored
 from drmas_graph.train.loop.metrics import Stopwatch
 from drmas_graph.train.optim import AdvantageStats
 from drmas_graph.types import Episode, Sample, new_id
 
-__all__ = ["EpisodeJob", "EpisodeSlots", "RolloutBatch", "StepBatch", "episode_config", "group_ids", "run_episodes",
-           "slots_key"]
+__all__ = ["EpisodeJob", "EpisodeSlots", "RolloutBatch", "StepBatch", "episode_config", "group_ids", "roll_out",
+           "run_episodes", "slots_key"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -285,6 +286,22 @@ class EpisodeSlots:
 def slots_key(phase: str, step: int) -> tuple[str, int]:
     """The name of `run_episodes(phase=phase, step=step)`'s call in its `EpisodeSlots` (`announce` takes it)."""
     return phase, step
+
+
+def roll_out(app: Any, env: Any, tasks: Sequence[Any], step: int, group_size: int, *, phase: str, seed: int,
+             rollout: RolloutConfig, base_config: Mapping[str, Any] | None, slots: EpisodeSlots,
+             progress: Callable[[int, int], None] | None = None) -> RolloutBatch:
+    """G rollouts per task of this process's share (`distributed.owned`), concurrently (`run_episodes`, within
+    `slots`); the first error is logged. `progress(done, total)` hears each episode that ends."""
+    ids = group_ids(tasks, phase, step)  # over the whole batch: every rank names the groups alike
+    jobs = [EpisodeJob(task, ids[b], b, j) for b, task in distributed.owned(tasks) for j in range(group_size)]
+    batch = run_episodes(app, jobs, phase=phase, step=step, run_seed=seed, max_concurrency=slots, rollout=rollout,
+                         base_config=base_config, env=env,
+                         on_done=None if progress is None else lambda done: progress(done, len(jobs)))
+    if batch.errors:
+        log.warning("%s step %d: %d of %d episodes failed; the first: %s", phase, step, len(batch.errors),
+                    len(jobs), batch.errors[0])
+    return batch
 
 
 def run_episodes(app: Any, jobs: Sequence[EpisodeJob], *, phase: str, step: int, run_seed: int,

@@ -50,7 +50,7 @@ from drmas_graph.train.optim import AdvantageStats, compute_advantages
 from drmas_graph.train.loop.metrics import Stopwatch, mean_std
 from drmas_graph.types import Episode, Sample
 
-__all__ = ["Unscored", "score_runs", "score_episodes", "group_rewards", "reward_metrics", "failure_metric", "masked",
+__all__ = ["Unscored", "score_runs", "first_failures_logger", "score_episodes", "group_rewards", "reward_metrics", "failure_metric", "masked",
            "turn_advantages", "with_advantages", "trained_samples", "store_scores", "step_record",
            "unfinished_metrics", "unfinished_warning", "nothing_to_train", "ZeroSignalWatch"]
 
@@ -102,6 +102,22 @@ def score_runs(env: Any, runs: list[tuple[Any, Episode]], counts: dict[str, Any]
         scored.append((task, episode, score))
     counts.update(reward_metrics(env))
     return _groups(scored), unscored
+
+
+def first_failures_logger(logged: set[str]) -> Callable[[BadRewardError], None]:
+    """`score_runs`'s `on_error` for a run: logs the first env.reward / reward_group / turn_is_valid exception of the
+    run, with its traceback, and the first judge failure (later ones are counted); `logged` holds the metrics
+    (`failure_metric`) already logged (the run's notes: a resumed run keeps them)."""
+
+    def on_error(exc: BadRewardError) -> None:
+        metric = failure_metric(exc)
+        if exc.__cause__ is not None and metric not in logged:
+            logged.add(metric)
+            kind = "a judge-failed" if metric == "judge_failed_episodes" else "a bad-reward"
+            log.warning("%s; the episode counts as %s episode (metric %s), it is not trained on; later ones are "
+                        "counted, not logged", exc, kind, metric, exc_info=exc.__cause__)
+
+    return on_error
 
 
 def _groups(scored: Sequence[tuple[Any, Episode, EpisodeScore]]) -> list[Group]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import sys
 from collections.abc import Mapping
@@ -16,7 +17,7 @@ from drmas_graph.traces.store import TraceStore
 from drmas_graph.train.engines import distributed
 from drmas_graph.train.loop import _build, _checkpoints, _pipeline
 from drmas_graph.train.loop._rollouts import EpisodeSlots, episode_config
-from drmas_graph.train.loop._state import RunNotes, RunState, abandon, on_model_thread
+from drmas_graph.train.loop._state import ModelSlot, RunNotes, RunState, abandon, on_model_thread
 
 __all__ = ["build_run", "RunDirInUseError", "free_run_dir"]
 
@@ -78,14 +79,17 @@ def build_run(graph: Any, env: Any, cfg: TrainConfig, *, policies: Mapping[str, 
         fallback = None
         if train and cfg.async_.max_staleness > 0:  # before the updaters: they train the copies
             copies, fallback = _pipeline.trainer_copies(cfg, model_policies, agent_policies, agent_cfgs, trained)
+        models = {name: ModelSlot(name, policy, tuple(a for a, p in agent_policies.items() if p is policy),
+                                  trained=trained.get(name), copy=copies.get(name))
+                  for name, policy in model_policies.items()}
         updaters = _build.build_updaters(
             cfg, agent_policies, model_policies, agent_cfgs, trained,
-            lambda name, fn: on_model_thread(model_policies, copies, name, fn)) if train else {}
+            lambda name, fn: on_model_thread(models[name], fn)) if train else {}
+        models = {name: dataclasses.replace(m, updater=updaters.get(name)) for name, m in models.items()}
         penalty = cfg.invalid_penalty if cfg.invalid_penalty is not None else float(getattr(env, "invalid_penalty", 0.0))
         return RunState(
-            cfg=cfg, env=env, run_dir=run_dir, rollout_config=rollout_config, agent_policies=agent_policies,
-            model_policies=model_policies, agent_cfgs=agent_cfgs, train_models=trained, copies=copies,
-            updaters=updaters, store=store, app=app, train_tasks=train_tasks, invalid_penalty=penalty,
+            cfg=cfg, env=env, run_dir=run_dir, rollout_config=rollout_config, models=models,
+            agent_policies=agent_policies, agent_cfgs=agent_cfgs, store=store, app=app, train_tasks=train_tasks, invalid_penalty=penalty,
             truncated_reward=cfg.rollout.truncated_reward, model_error_reward=cfg.rollout.model_error_reward,
             episode_slots=EpisodeSlots(cfg.max_concurrency), built=built, async_fallback=fallback, new_store=new_store,
             notes=RunNotes())

@@ -1,7 +1,8 @@
 """What a run is made of, built once from its config: `RunState` (frozen), and `RunNotes`, its mutable bookkeeping.
 
-`_setup.build_run` turns a `TrainConfig` (and the graph, env and any policies given in Python) into a `RunState`: the
-policies by agent and by model, the agents' configs, the updaters and the modules they train, the trace store, the
+`_setup.build_run` turns a `TrainConfig` (and the graph, env and any policies given in Python) into a `RunState`: one
+`ModelSlot` per model (its policy, agents, trained module, the trainer's copy, updater), the policies by agent, the
+agents' configs, the trace store, the
 instrumented app, the run folder, the rollout config, the invalid-turn penalty and the rewards of unfinished
 episodes. The loop (`trainer`), evaluation, the preflight check, checkpoints and the asynchronous pipeline take
 this object, or only the fields they need; nothing reads the trainer's attributes.
@@ -9,27 +10,21 @@ this object, or only the fields they need; nothing reads the trainer's attribute
 
 from __future__ import annotations
 
-import logging
 import random
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
 from drmas_graph.config import AgentConfig, TrainConfig
-from drmas_graph.env import BadRewardError, Group
 from drmas_graph.instrumentation.instrumented import InstrumentedGraph
 from drmas_graph.policy import Policy
 from drmas_graph.traces.store import TraceStore
-from drmas_graph.train.engines import distributed
 from drmas_graph.train.loop import _scoring
-from drmas_graph.train.loop._rollouts import EpisodeJob, EpisodeSlots, RolloutBatch, group_ids, run_episodes
+from drmas_graph.train.loop._rollouts import EpisodeSlots
 from drmas_graph.train.optim import Updater
-from drmas_graph.types import Episode
 
-__all__ = ["RunState", "RunNotes", "HasRunState", "run_state", "on_model_thread", "abandon"]
-
-log = logging.getLogger(__name__)
+__all__ = ["ModelSlot", "RunState", "RunNotes", "HasRunState", "run_state", "on_model_thread", "close", "abandon"]
 
 
 @dataclass
@@ -45,6 +40,26 @@ class RunNotes:
 
 
 @dataclass(frozen=True)
+class ModelSlot:
+    """One model of the run: the policy that serves its agents and what trains it."""
+
+    name: str
+    """The model's name (`models.<name>`, or the name of a policy given in Python); keys metrics and checkpoints."""
+    policy: Policy
+    """The policy that serves its agents' calls (agents sharing a model share the object)."""
+    agents: tuple[str, ...]
+    """The agents it serves, in the run's agent order."""
+    trained: Any = None
+    """The module its updater trains (the embedded policy's own, a served model's local copy, or `copy`); None
+    for a served model without a local copy."""
+    copy: Any = None
+    """The trainer's own copy of an embedded model (asynchronous training: the policy decodes with its module
+    meanwhile); None otherwise."""
+    updater: Updater | None = None
+    """Its updater; None when it is not trained (frozen, not trainable, evaluation and checks)."""
+
+
+@dataclass(frozen=True)
 class RunState:
     """A run's pieces, built once from its config by `_setup.build_run`; the fields never change (the objects they hold
     do: policies get new weights, the store new episodes)."""
@@ -57,19 +72,12 @@ class RunState:
     """The run folder (traces.db, metrics.jsonl, checkpoints/, sync/)."""
     rollout_config: dict[str, Any]
     """The LangGraph RunnableConfig merged into every episode's config."""
+    models: dict[str, ModelSlot]
+    """Model name -> its record: policy, agents, trained module, the trainer's copy, updater."""
     agent_policies: dict[str, Policy]
-    """Agent -> the policy that serves its calls."""
-    model_policies: dict[str, Policy]
-    """Model name -> its policy (agents sharing a model share the object)."""
+    """Agent -> the policy that serves its calls (what the instrumented app routes by)."""
     agent_cfgs: dict[str, AgentConfig]
     """Agent -> its config (`agents.<a>`, else one naming its model)."""
-    train_models: dict[str, Any]
-    """Model name -> the module its updater trains (the embedded policy's own, a served model's local copy, or
-    the trainer's copy of an embedded model in asynchronous training)."""
-    copies: dict[str, Any]
-    """Model name -> the trainer's own copy of an embedded model (asynchronous training); else empty."""
-    updaters: dict[str, Updater]
-    """Model name -> its updater, for every trained model (empty for evaluation and checks)."""
     store: TraceStore
     """This process's trace store (rank r > 0: traces.rank<r>.db)."""
     app: InstrumentedGraph
@@ -98,18 +106,14 @@ class RunState:
         """`score_episode` keywords: the rewards of truncated and model-error episodes."""
         return {"truncated_reward": self.truncated_reward, "model_error_reward": self.model_error_reward}
 
-    def model_of(self, agent: str) -> str:
-        """The name of the model that serves `agent`."""
-        policy = self.agent_policies[agent]
-        return next(name for name, p in self.model_policies.items() if p is policy)
+    def trained_models(self) -> list[ModelSlot]:
+        """The models with an updater, in the run's model order."""
+        return [m for m in self.models.values() if m.updater is not None]
 
     def trained_agents(self) -> list[str]:
         """Agents whose model has an updater and who are not frozen."""
-        return [a for a in self.agent_policies if self.model_of(a) in self.updaters and not self.agent_cfgs[a].frozen]
-
-    def on_model_thread(self, name: str, fn: Callable[[], Any]) -> Any:
-        """`on_model_thread(self.model_policies, self.copies, name, fn)`."""
-        return on_model_thread(self.model_policies, self.copies, name, fn)
+        trained = {a for m in self.trained_models() for a in m.agents}
+        return [a for a in self.agent_policies if a in trained and not self.agent_cfgs[a].frozen]
 
     def task_order(self, start: int, n: int) -> list[Any]:
         """The training tasks at positions start ... start + n - 1 of an endless sequence of seeded shuffles of
@@ -121,47 +125,6 @@ class RunState:
             random.Random(f"{self.cfg.seed}:{epoch}").shuffle(order)
             out.append(self.train_tasks[order[i]])
         return out
-
-    def roll_out(self, tasks: Sequence[Any], step: int, group_size: int, *, phase: str,
-                 progress: Callable[[int, int], None] | None = None) -> RolloutBatch:
-        """G rollouts per task of this process's share, concurrently (`_rollouts.run_episodes`); the first error
-        is logged. `progress(done, total)` hears each episode that ends."""
-        ids = group_ids(tasks, phase, step)  # over the whole batch: every rank names the groups alike
-        jobs = [EpisodeJob(task, ids[b], b, j) for b, task in distributed.owned(tasks) for j in range(group_size)]
-        batch = run_episodes(self.app, jobs, phase=phase, step=step, run_seed=self.cfg.seed,
-                             max_concurrency=self.episode_slots, rollout=self.cfg.rollout,
-                             base_config=self.rollout_config, env=self.env,
-                             on_done=None if progress is None else lambda done: progress(done, len(jobs)))
-        if batch.errors:
-            log.warning("%s step %d: %d of %d episodes failed; the first: %s", phase, step, len(batch.errors),
-                        len(jobs), batch.errors[0])
-        return batch
-
-    def score(self, runs: list[tuple[Any, Episode]], counts: dict[str, int]
-              ) -> tuple[list[Group], list[_scoring.Unscored]]:
-        """`_scoring.score_runs` with this run's env, penalty and rollout settings, the first failures logged."""
-        return _scoring.score_runs(self.env, runs, counts, invalid_penalty=self.invalid_penalty,
-                                   rollout=self.cfg.rollout, on_error=self._log_reward_failure)
-
-    def _log_reward_failure(self, exc: BadRewardError) -> None:
-        """The first env.reward / reward_group / turn_is_valid exception of the run, with its traceback, and the
-        first judge failure (later ones are counted)."""
-        metric = _scoring.failure_metric(exc)
-        if exc.__cause__ is not None and metric not in self.notes.logged_failures:
-            self.notes.logged_failures.add(metric)
-            kind = "a judge-failed" if metric == "judge_failed_episodes" else "a bad-reward"
-            log.warning("%s; the episode counts as %s episode (metric %s), it is not trained on; later ones are "
-                        "counted, not logged", exc, kind, metric, exc_info=exc.__cause__)
-
-    def close(self) -> None:
-        """Close the store and the policies built from `models`."""
-        self.store.close()
-        for policy in self.built:
-            policy.close()
-
-    def abandon(self) -> None:
-        """Undo a run that never starts (`abandon`)."""
-        abandon(self.built, self.store, distributed.store_path(self.run_dir) if self.new_store else None)
 
 
 class HasRunState(Protocol):
@@ -175,19 +138,25 @@ def run_state(run: RunState | HasRunState) -> RunState:
     return run if isinstance(run, RunState) else run.state
 
 
-def on_model_thread(model_policies: Mapping[str, Policy], copies: Mapping[str, Any], name: str,
-                    fn: Callable[[], Any]) -> Any:
-    """Run `fn()` (compute on model `name`) on its embedded policy's generation thread, else here.
+def on_model_thread(model: ModelSlot, fn: Callable[[], Any]) -> Any:
+    """Run `fn()` (compute on `model`) on its embedded policy's generation thread, else here.
 
     On CPU, torch compute from a second OS thread slows the embedded engine's decoding for the rest of
     the process (see `transformers_policy`): the update, the logprob passes and checkpoints of an
     embedded model run on the thread that decodes with it. A model the trainer trains a copy of
-    (asynchronous training, `copies`) is computed here: its policy keeps decoding meanwhile.
+    (asynchronous training, `ModelSlot.copy`) is computed here: its policy keeps decoding meanwhile.
     """
-    if name in copies:
+    if model.copy is not None:
         return fn()
-    run = getattr(model_policies[name], "run_on_worker", None)
+    run = getattr(model.policy, "run_on_worker", None)
     return run(fn) if run is not None else fn()
+
+
+def close(built: Sequence[Policy], store: TraceStore) -> None:
+    """Close a run: its store and the policies built from `models` (a served one stops its launched server)."""
+    store.close()
+    for policy in built:
+        policy.close()
 
 
 def abandon(built: Sequence[Policy], store: TraceStore | None, new_store: Path | None) -> None:

@@ -26,6 +26,7 @@ from drmas_graph.errors import ConfigError
 from drmas_graph.traces.weave_export import evaluation_episode
 from drmas_graph.train.engines import distributed
 from drmas_graph.train.loop import _scoring
+from drmas_graph.train.loop._rollouts import roll_out
 from drmas_graph.train.loop._state import HasRunState, RunState, run_state
 from drmas_graph.types import Episode
 
@@ -56,7 +57,9 @@ def evaluate(run: RunState | HasRunState, *, step: int, split: str | None = None
                                                  train_logprobs=False)  # never trained on: truncation is fine
         for a, policy in state.agent_policies.items()})
     try:
-        batch = state.roll_out(tasks, step, ec.k, phase="eval", progress=progress)
+        batch = roll_out(state.app, state.env, tasks, step, ec.k, phase="eval", seed=state.cfg.seed,
+                         rollout=state.cfg.rollout, base_config=state.rollout_config, slots=state.episode_slots,
+                         progress=progress)
         runs, counts = batch.runs, batch.counts
     finally:
         state.app.sampling.clear()

@@ -47,9 +47,9 @@ from drmas_graph.traces.weave_export import WeaveExporter, start_exporter
 from drmas_graph.train.engines import distributed
 from drmas_graph.train.loop import _checkpoints, _pipeline, _scoring
 from drmas_graph.train.loop._learn import update_models
-from drmas_graph.train.loop._rollouts import StepBatch
+from drmas_graph.train.loop._rollouts import StepBatch, roll_out
 from drmas_graph.train.loop._setup import RunDirInUseError, build_run, free_run_dir
-from drmas_graph.train.loop._state import RunState
+from drmas_graph.train.loop._state import RunState, abandon, close
 from drmas_graph.train.loop.evaluate import evaluate, reply_lines
 from drmas_graph.train.loop.metrics import RunLogger, Stopwatch
 from drmas_graph.types import Episode
@@ -161,9 +161,12 @@ def collect(run: RunState, step: int) -> StepBatch:
     group_size = run.cfg.group_size
     times = Stopwatch()
     tasks = batch_tasks(run, step)
-    batch = run.roll_out(tasks, step, group_size, phase="train")
+    batch = roll_out(run.app, run.env, tasks, step, group_size, phase="train", seed=run.cfg.seed,
+                     rollout=run.cfg.rollout, base_config=run.rollout_config, slots=run.episode_slots)
     times.lap("rollout")
-    groups, unscored = run.score(batch.runs, batch.counts)
+    groups, unscored = _scoring.score_runs(run.env, batch.runs, batch.counts, invalid_penalty=run.invalid_penalty,
+                                           rollout=run.cfg.rollout,
+                                           on_error=_scoring.first_failures_logger(run.notes.logged_failures))
     _scoring.store_scores(run.store, step=None, unscored=unscored)  # why each was left out
     groups, adv_stats = _scoring.with_advantages(groups, run.cfg)
     samples = _scoring.trained_samples(groups, run.trained_agents())
@@ -234,12 +237,13 @@ class Trainer:
                     publish=functools.partial(publish, run, self.weave))
             self.start_step = _checkpoints.resume(run, self.pipeline) if cfg.resume else 0
             if self.start_step == 0:  # adapters loaded by name must exist on the servers before the first rollout
-                for name in (n for n, p in run.model_policies.items() if getattr(p, "lora_by_name", ())):
+                for name in (n for n, m in run.models.items() if getattr(m.policy, "lora_by_name", ())):
                     _checkpoints.sync_weights(run, name, version=0)
         except BaseException:
             if self.weave is not None:
                 self.weave.close()
-            run.abandon()  # e.g. servers launched for a run that never starts
+            # e.g. servers launched for a run that never starts
+            abandon(run.built, run.store, distributed.store_path(run.run_dir) if run.new_store else None)
             raise
         # never overwrite a training run's config; under several processes rank 0 writes it
         if distributed.is_main() and (train or not (run.run_dir / "config.yaml").exists()):
@@ -307,9 +311,11 @@ class Trainer:
 
     def rollouts(self, tasks: Sequence[Any], step: int, group_size: int, *, phase: str
                  ) -> tuple[list[tuple[Any, Episode]], dict[str, int]]:
-        """G rollouts per task (`RunState.roll_out`): the finished, truncated and model-error runs and the counts;
+        """G rollouts per task (`_rollouts.roll_out`): the finished, truncated and model-error runs and the counts;
         failed episodes are counted (and stored)."""
-        batch = self.state.roll_out(tasks, step, group_size, phase=phase)
+        run = self.state
+        batch = roll_out(run.app, run.env, tasks, step, group_size, phase=phase, seed=run.cfg.seed,
+                         rollout=run.cfg.rollout, base_config=run.rollout_config, slots=run.episode_slots)
         return batch.runs, batch.counts
 
     def sync_weights(self, name: str, *, version: int) -> float:
@@ -335,4 +341,4 @@ class Trainer:
     def close(self) -> None:
         if self.weave is not None:
             self.weave.close()  # exports what is queued; never raises an export error
-        self.state.close()
+        close(self.state.built, self.state.store)
