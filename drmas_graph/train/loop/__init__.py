@@ -1,8 +1,9 @@
-"""The run: `_setup.build_run` builds a `_state.RunState` once from the config; `trainer` (the loop) rolls out
-(`_rollouts`), scores (`_scoring.score_episodes`, the one scoring path), updates (`_learn`), checkpoints
-(`_checkpoints`) and evaluates (`evaluate`); `_pipeline` (asynchronous training), `_build` (policies and updaters
-from the config), `_check` (`drmas-graph check`), `rescore` (a stored run, new rewards), `metrics` (where metrics
-go) and `_metric_reference` (what each metric means).
+"""The run: `_setup.build_run` builds a `_state.RunState` (a `ModelSlot` per model) once from the config; `trainer`
+(one step as `collect`, `learn`, `publish`, and the loop) rolls out (`_rollouts.roll_out`), scores
+(`_scoring.score_episodes`, the one scoring path; `_scoring.store_scores`, the one writer of scores to the store),
+updates (`_learn`), checkpoints (`_checkpoints`) and evaluates (`evaluate`); `_pipeline` (asynchronous training),
+`_build` (policies and updaters from the config), `_check` (`drmas-graph check`), `rescore` (a stored run, new
+rewards), `metrics` (where metrics go) and `_metric_reference` (what each metric means).
 
 The names below, and the public modules `trainer`, `evaluate`, `rescore` and `metrics`, are what the command line
 and the package's own exports use; the modules starting with `_` are this package's own.

@@ -16,8 +16,11 @@ With `async.max_staleness` >= 1 the steps are pipelined (`_pipeline`): later ste
 trainer updates on this one, the trainer trains a copy of an embedded model, and the new weights reach the
 rollouts at the step boundary (`async.schedule: one_step_off`) or right after each update (`free`).
 
-The run's pieces are built once from the config (`_setup.build_run`) into a frozen `_state.RunState` (policies,
-updaters, store, app, env, run folder, ...) that every part takes; `Trainer` holds it and the loop. The parts live
+The run's pieces are built once from the config (`_setup.build_run`) into a frozen `_state.RunState` (one
+`ModelSlot` per model: its policy, agents, trained module, updater; the store, app, env, run folder, ...) that every
+part takes. One step reads top to bottom below: `collect` (roll out, score, advantages, samples: a `StepBatch`),
+`learn` (update, store the scores, the step's metrics), `publish` (every process's traces, the export); `Trainer`
+holds the run and the loop, and the asynchronous pipeline drives the same three functions. The parts live
 next to this module: `_build` (policies and updaters from the config), `_rollouts` (G concurrent episodes per task),
 `_scoring` (rewards, advantages, the step's metrics), `_learn` (every trained model's update, `optim.update`),
 `_checkpoints` (checkpoints, resume, weight sync), `evaluate` (avg@k, pass@k), `_pipeline` (asynchronous training),
