@@ -89,10 +89,9 @@ def build_run(graph: Any, env: Any, cfg: TrainConfig, *, policies: Mapping[str, 
         penalty = cfg.invalid_penalty if cfg.invalid_penalty is not None else float(getattr(env, "invalid_penalty", 0.0))
         return RunState(
             cfg=cfg, env=env, run_dir=run_dir, rollout_config=rollout_config, models=models,
-            agent_policies=agent_policies, agent_cfgs=agent_cfgs, store=store, app=app, train_tasks=train_tasks, invalid_penalty=penalty,
-            truncated_reward=cfg.rollout.truncated_reward, model_error_reward=cfg.rollout.model_error_reward,
-            episode_slots=EpisodeSlots(cfg.max_concurrency), built=built, async_fallback=fallback, new_store=new_store,
-            notes=RunNotes())
+            agent_policies=agent_policies, agent_cfgs=agent_cfgs, store=store, app=app, train_tasks=train_tasks,
+            invalid_penalty=penalty, episode_slots=EpisodeSlots(cfg.max_concurrency), built=built,
+            async_fallback=fallback, new_store=new_store, notes=RunNotes())
     except BaseException:
         abandon(built, store, store_file if new_store else None)
         raise

@@ -2,9 +2,8 @@
 
 `_setup.build_run` turns a `TrainConfig` (and the graph, env and any policies given in Python) into a `RunState`: one
 `ModelSlot` per model (its policy, agents, trained module, the trainer's copy, updater), the policies by agent, the
-agents' configs, the trace store, the
-instrumented app, the run folder, the rollout config, the invalid-turn penalty and the rewards of unfinished
-episodes. The loop (`trainer`), evaluation, the preflight check, checkpoints and the asynchronous pipeline take
+agents' configs, the trace store, the instrumented app, the run folder, the rollout config and the invalid-turn
+penalty (the rewards of unfinished episodes are the config's, `cfg.rollout`). The loop (`trainer`), evaluation, the preflight check, checkpoints and the asynchronous pipeline take
 this object, or only the fields they need; nothing reads the trainer's attributes.
 """
 
@@ -86,10 +85,6 @@ class RunState:
     """`env.tasks('train')`, checked (not empty, unique ids)."""
     invalid_penalty: float
     """Subtracted from an invalid turn's reward (`invalid_penalty`, else the env's attribute, else 0)."""
-    truncated_reward: float | None
-    """Team reward of a truncated episode (`rollout.truncated_reward`; None: the environment scores it)."""
-    model_error_reward: float | None
-    """Team reward of a model-error episode (`rollout.model_error_reward`; None: the environment scores it)."""
     episode_slots: EpisodeSlots
     """`max_concurrency`: episodes in flight in this process, over every step rolling out."""
     built: list[Policy]
@@ -100,11 +95,6 @@ class RunState:
     """Whether this run created its trace store (a run that never starts removes it again: `abandon`)."""
     notes: RunNotes
     """The run's mutable bookkeeping."""
-
-    @property
-    def unfinished_rewards(self) -> dict[str, float | None]:
-        """`score_episode` keywords: the rewards of truncated and model-error episodes."""
-        return {"truncated_reward": self.truncated_reward, "model_error_reward": self.model_error_reward}
 
     def trained_models(self) -> list[ModelSlot]:
         """The models with an updater, in the run's model order."""

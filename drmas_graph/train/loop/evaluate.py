@@ -122,7 +122,8 @@ def _score(state: RunState, tasks: list[Any], runs: list[tuple[Any, Episode]], c
     unscored: list[_scoring.Unscored] = []
     counts.update(bad_reward_episodes=0, judge_failed_episodes=0)
     results = _scoring.score_episodes(state.env, runs, invalid_penalty=state.invalid_penalty,
-                                      **state.unfinished_rewards)
+                                      truncated_reward=state.cfg.rollout.truncated_reward,
+                                      model_error_reward=state.cfg.rollout.model_error_reward)
     for (task, episode), score in zip(runs, results):
         if isinstance(score, BadRewardError):
             metric = _scoring.failure_metric(score)
