@@ -315,9 +315,11 @@ def store_scores(store: TraceStore, *, step: int | None, groups: Iterable[Group]
     its error and judgement (never a training step)."""
     rows = [(ep, sc, None if g.advantages is None else g.advantages[i])
             for g in groups for i, (ep, sc) in enumerate(g.scored())] + [(ep, sc, None) for ep, sc in scored]
-    store.record_training(step, [dataclasses.replace(episode, rewards=score.rewards, turn_rewards=score.turn_rewards,
-                                                     advantages=None if adv is None else list(adv))
-                                 for episode, score, adv in rows])
+    if rows:  # nothing to write touches no store (a rollout thread may outlive a stopped run's store)
+        store.record_training(step, [dataclasses.replace(episode, rewards=score.rewards,
+                                                         turn_rewards=score.turn_rewards,
+                                                         advantages=None if adv is None else list(adv))
+                                     for episode, score, adv in rows])
     for u in unscored:
         store.update_training(u.episode.id, step=None, judgement=u.episode.judgement, error=u.message)
 
