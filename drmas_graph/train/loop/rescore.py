@@ -12,7 +12,7 @@ from typing import Any
 from drmas_graph.env import BadRewardError, EpisodeScore, Task, group_key
 from drmas_graph.errors import ConfigError
 from drmas_graph.traces.store import TraceStore
-from drmas_graph.train.loop._scoring import score_episodes, turn_advantages
+from drmas_graph.train.loop._scoring import Unscored, score_episodes, turn_advantages
 from drmas_graph.types import Episode
 
 __all__ = ["Rescored", "RescoreResult", "rescore", "POOLS", "pooled_episode_ids"]
@@ -150,7 +150,7 @@ def rescore(
     result = RescoreResult(
         _rescored([e for e in episodes if e.id in scores], scores, estimator=estimator, norm_by_std=norm_by_std,
                   eps=eps),
-        {e.id: f"BadRewardError: {failed[e.id]}" for e in episodes if e.id in failed})
+        {e.id: Unscored(e, failed[e.id]).message for e in episodes if e.id in failed})
 
     if out is not None:
         _write(out, episodes, steps, result, {
