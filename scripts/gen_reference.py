@@ -110,7 +110,7 @@ def metrics_page() -> str:
 
     parts = [f"# Metrics\n\n{GENERATED}\n\nEvery metric a training run writes to `run_dir/metrics.jsonl` (one JSON line "
              "per step and per evaluation), TensorBoard and W&B, from `drmas_graph/train/loop/_metric_reference.py`. "
-             "`<agent>`, `<model>` and `<limit>` stand for names. A test checks that every key a run logs is listed "
+             "`<agent>`, `<model>`, `<adapter>` (a LoRA adapter) and `<limit>` stand for names. A test checks that every key a run logs is listed "
              "here.\n"]
     sections: dict[str, list[str]] = {}
     for name, key, meaning in metrics_reference():

@@ -1,7 +1,8 @@
 """Every metric a training run logs (run_dir/metrics.jsonl, TensorBoard, W&B) and what it means: the single
 source of docs/reference/metrics.md (`scripts/gen_reference.py`) and of the test that every logged key is
-documented. `<agent>`, `<model>` and `<limit>` stand for names; the update's metrics come from the field
-docstrings of `UpdateMetrics` and `AgentUpdateMetrics`.
+documented. `<agent>`, `<model>`, `<adapter>` and `<limit>` stand for names; the update's metrics come from the
+field docstrings of `UpdateMetrics` and `AgentUpdateMetrics` (a LoRA model logs its `UpdateMetrics` once per
+adapter, `model/<model>/<adapter>/...`: `optim.lora.LoraUpdateMetrics`).
 """
 
 from __future__ import annotations
@@ -126,7 +127,11 @@ def metrics_reference() -> list[tuple[str, str, str]]:
     """(section, key, meaning) of every metric, in the order of the generated page."""
     update = [(f"model/<model>/{k}", d) for k, d in _field_docs(UpdateMetrics).items() if k not in ("model", "agents")]
     update += [(f"agent/<agent>/{k}", d) for k, d in _field_docs(AgentUpdateMetrics).items()]
+    lora = [(f"model/<model>/<adapter>/{k}", f"`model/<model>/{k}` of adapter `<adapter>`'s own optimizer: {d[0].lower()}{d[1:]}")
+            for k, d in _field_docs(UpdateMetrics).items() if k not in ("model", "agents")]
     sections = [("Training step", STEP), ("Update (per trainable model and agent)", update),
+                ("LoRA update (per adapter: a LoRA model logs these in place of `model/<model>/...`; its agents' "
+                 "`agent/<agent>/...` keys are those above)", lora),
                 ("Asynchronous training", ASYNC),
                 ("Judge rewards (an environment's `reward_metrics()`: a `rewards.Judge`'s counters)", JUDGE),
                 ("Evaluation (lines with eval/ keys; `TrainResult.evals` and a `drmas-graph eval`'s eval.json hold "

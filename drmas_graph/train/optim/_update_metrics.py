@@ -45,8 +45,11 @@ class AgentUpdateMetrics:
     kl_ref: float | None = None
     """Mean k3 KL to the reference model (only when kl_coef > 0)."""
     rollout_logprob_gap: float | None = None
-    """Mean |rollout - trainer| logprob on the first mini-batch, when the ratio's old logprobs are the update's own
-    (old_logprobs='current'); the trainer reports it itself when it recomputes them."""
+    """Mean |rollout - trainer| logprob over the agent's fresh samples (not stale), whenever the PPO ratio's old
+    logprobs are the trainer's own (config `old_logprobs: trainer`, or `auto` on an embedded policy or in
+    asynchronous training): measured on the update's first mini-batch with `update.n_minibatches: 1`, else by the
+    recomputation before the update. Absent with the rollout's (`old_logprobs: rollout`, or `auto` on a served
+    policy in synchronous training)."""
     grad_norm: float | None = None
     """Per-agent gradient norm: the 2-norm of the gradient of this agent's part of the loss, before clipping, mean
     over the update's optimizer steps (0 for a step without its samples). Its part of a mini-batch's loss is the
