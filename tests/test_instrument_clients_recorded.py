@@ -268,3 +268,57 @@ def test_an_anthropic_reply_cut_at_a_stop_sequence_says_which_and_replays(tmp_pa
     assert replay(graph, store, episode.id).final_state["out"] == expected
     assert recording_api.received == []
     policy.close()
+
+
+def test_structured_output_helpers_of_both_sdks_get_parsed_objects(recording_api):
+    """`chat.completions.parse(response_format=Model)`, `responses.parse(text_format=Model)` and Anthropic's
+    `messages.parse(output_format=Model)` send a JSON schema; each is honoured (recorded on the turn as the
+    schema asked for) and the SDK's own parser builds the object from the policy's reply."""
+    import anthropic
+    import openai
+    from pydantic import BaseModel
+
+    class Sum(BaseModel):
+        total: int
+
+    oai = openai.OpenAI(base_url=recording_api.url + "/v1", api_key="k", max_retries=0)
+    claude = anthropic.Anthropic(base_url=recording_api.url, api_key="k", max_retries=0)
+
+    def writer(state):
+        chat = oai.chat.completions.parse(model="gpt-x", messages=MESSAGES, response_format=Sum)
+        resp = oai.responses.parse(model="gpt-x", input="Add 2 and 3.", text_format=Sum)
+        msg = claude.messages.parse(model="claude-x", max_tokens=32, messages=MESSAGES[1:], output_format=Sum)
+        return {"out": [chat.choices[0].message.parsed, resp.output_parsed, msg.parsed_output]}
+
+    policy = scripted_policy(['{"total": 5}', '{"total": 6}', '{"total": 7}'])
+    episode = instrument(one_node(writer), {"writer": policy}, strict=True).rollout({"q": "x"})
+    assert episode.final_state["out"] == [Sum(total=5), Sum(total=6), Sum(total=7)]
+    for turn in episode.turns:
+        assert turn.response_format["type"] == "json_schema" and turn.format_error is None
+        assert turn.response_format["schema"]["properties"] == {"total": {"title": "Total", "type": "integer"}}
+    assert recording_api.received == []
+    policy.close()
+
+
+def test_an_anthropic_reply_that_breaks_its_output_format_fails_by_name(recording_api):
+    import anthropic
+
+    from drmas_graph.errors import StructuredOutputError
+
+    claude = anthropic.Anthropic(base_url=recording_api.url, api_key="k", max_retries=0)
+    schema = {"type": "object", "properties": {"total": {"type": "integer"}}, "required": ["total"]}
+
+    def writer(state):
+        claude.messages.create(model="claude-x", max_tokens=32, messages=MESSAGES[1:],
+                               output_config={"format": {"type": "json_schema", "schema": schema}})
+        return {"out": "unreachable"}
+
+    policy = scripted_policy(["five"])
+    with pytest.raises(Exception) as info:
+        instrument(one_node(writer), {"writer": policy}, strict=True).rollout({"q": "x"})
+    assert "stopped after 1 LLM call(s): turn 0 (agent 'writer', node 'writer" in str(info.value)
+    assert "the call asks for a JSON object (json_schema), but the policy's reply is not one: 'five'" in str(info.value)
+    sdk_error = info.value.__cause__  # the SDK wraps what its transport raised, and keeps it as the cause
+    assert isinstance(sdk_error, anthropic.APIConnectionError) and isinstance(sdk_error.__cause__, StructuredOutputError)
+    assert info.value.episode.turns[0].format_error and recording_api.received == []
+    policy.close()

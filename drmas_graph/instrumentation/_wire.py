@@ -12,7 +12,9 @@ Recognised (the path's end, and the body's key that the API requires):
   Together, Mistral, OpenRouter and vLLM's OpenAI server speak).
 - OpenAI Completions (legacy): `.../completions`, `prompt` (a string: the prompt is the text, no chat template).
 - OpenAI Responses: `.../responses`, `input`.
-- Anthropic Messages: `.../v1/messages` (or `.../messages` with an `anthropic-version` header), `messages`.
+- Anthropic Messages: `.../v1/messages` (or `.../messages` with an `anthropic-version` header), `messages`;
+  structured outputs (`output_config.format`, what `messages.parse(output_format=...)` sends) as
+  `response_format` json_schema.
 
 The agent of a call may be named on the request: the header `X-Drmas-Agent` (any client: `extra_headers=`
 on the OpenAI and Anthropic SDKs, `extra_headers`/`headers` in LiteLLM), or `metadata.drmas_agent` in an
@@ -264,6 +266,12 @@ def _anthropic(data: dict, agent: str | None) -> WireCall:
     kwargs: dict[str, Any] = _max_tokens(data.get("max_tokens"))
     if data.get("tool_choice") is not None:
         kwargs["tool_choice"] = data["tool_choice"]
+    fmt = (data.get("output_config") or {}).get("format") or data.get("output_format")  # (the beta's name)
+    if isinstance(fmt, dict) and fmt.get("type") == "json_schema":  # structured outputs (`messages.parse`)
+        kwargs["response_format"] = {"type": "json_schema", "json_schema": {"name": "response",
+                                                                            "schema": fmt.get("schema", {})}}
+    elif fmt is not None:
+        raise ConfigError(f"messages: output format {fmt!r} is not one drmas-graph serves (a json_schema one)")
     return WireCall(ANTHROPIC, messages, normalize_tools(tools), kwargs, _stops(data.get("stop_sequences")), 1,
                     bool(data.get("stream")), str(data.get("model", "")), agent)
 
