@@ -322,3 +322,67 @@ def test_an_anthropic_reply_that_breaks_its_output_format_fails_by_name(recordin
     assert isinstance(sdk_error, anthropic.APIConnectionError) and isinstance(sdk_error.__cause__, StructuredOutputError)
     assert info.value.episode.turns[0].format_error and recording_api.received == []
     policy.close()
+
+
+RESPONSE_TOOLS = [{"type": "function", "name": "add", "parameters": ADD["input_schema"]}]
+WIRE = [  # (path, request body, model of the JSON answer or of each stream event)
+    ("/v1/chat/completions", {"messages": MESSAGES, "tools": TOOLS}, "chat"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "tools": TOOLS, "stream": True, "n": 2,
+                              "stream_options": {"include_usage": True}}, "chat_chunk"),
+    ("/v1/completions", {"prompt": "Once upon", "max_tokens": 5}, "completion"),
+    ("/v1/completions", {"prompt": "Once upon", "max_tokens": 5, "stream": True}, "completion_chunk"),
+    ("/v1/responses", {"input": "add 2 3", "tools": RESPONSE_TOOLS,
+                       "tool_choice": {"type": "function", "name": "add"}}, "response"),
+    ("/v1/responses", {"input": "add 2 3", "tools": RESPONSE_TOOLS, "stream": True}, "response_event"),
+    ("/v1/responses", {"input": "Write.", "stream": True, "max_output_tokens": 3}, "response_event"),
+    ("/v1/messages", {"messages": MESSAGES[1:], "max_tokens": 40, "tools": [ADD]}, "message"),
+    ("/v1/messages", {"messages": MESSAGES[1:], "max_tokens": 40, "tools": [ADD], "stream": True}, "message_event"),
+]
+
+
+def _sdk_models():
+    from anthropic.types import Message, RawMessageStreamEvent
+    from openai.types import Completion
+    from openai.types.chat import ChatCompletion, ChatCompletionChunk
+    from openai.types.responses import Response, ResponseStreamEvent
+
+    return {"chat": ChatCompletion, "chat_chunk": ChatCompletionChunk, "completion": Completion,
+            "completion_chunk": Completion, "response": Response, "response_event": ResponseStreamEvent,
+            "message": Message, "message_event": RawMessageStreamEvent}
+
+
+def test_every_answer_validates_against_the_sdks_own_models(recording_api):
+    """The SDKs build their objects without validation (`construct`), so a missing field would only show up
+    when code reads it: each answer body and each stream event is validated here, strictly, with the
+    installed `openai` and `anthropic` packages' pydantic models."""
+    import httpx
+    from pydantic import TypeAdapter
+
+    def writer(state):
+        return {"out": [httpx.post(recording_api.url + path, json={"model": "m", **body}).text
+                        for path, body, _ in WIRE]}
+
+    replies = ["Adding. " + CALL, "Adding. " + CALL, "Adding. " + CALL, " a time", " upon", '{"a": 2, "b": 3}', CALL,
+               "Cats purr on and on", "Adding. " + CALL, "Adding. " + CALL]  # (n=2: two replies)
+    policy = scripted_policy(replies)
+    episode = instrument(one_node(writer), {"writer": policy}, strict=True).rollout({"q": "x"})
+    models, checked = _sdk_models(), []
+    for (path, body, kind), text in zip(WIRE, episode.final_state["out"], strict=True):
+        adapter = TypeAdapter(models[kind])
+        if not body.get("stream"):
+            adapter.validate_python(json.loads(text))
+            checked.append(kind)
+            continue
+        events = [json.loads(line[len("data: "):]) for line in text.split("\n") if line.startswith("data: {")]
+        assert text.rstrip().endswith("data: [DONE]") == path.endswith("completions")
+        for event in events:
+            if kind == "completion_chunk" and event["choices"] and event["choices"][0]["finish_reason"] is None:
+                continue  # the API sends finish_reason null until the last chunk; the SDK's model types it non-null
+            adapter.validate_python(event)
+            checked.append(event.get("type", kind))
+    assert checked.count("chat_chunk") == 2 * 5 + 1  # per choice: role, content, tool call x 2, finish; usage
+    assert {"response.created", "response.output_item.added", "response.function_call_arguments.delta",
+            "response.output_text.delta", "response.completed", "response.incomplete"} <= set(checked)
+    assert {"message_start", "content_block_delta", "message_delta", "message_stop"} <= set(checked)
+    assert recording_api.received == []
+    policy.close()

@@ -80,7 +80,8 @@ class WireCall:
     prompt: str | None = None
     """Legacy Completions only: the prompt text, encoded as is (no chat template)."""
     options: dict[str, Any] = field(default_factory=dict)
-    """What the answer needs besides the reply: `include_usage` (OpenAI stream usage chunk)."""
+    """What the answer needs besides the reply: `include_usage` (OpenAI stream usage chunk), `tool_choice`
+    (Responses: echoed in its own form)."""
 
 
 def _split(url: str) -> tuple[str, str]:
@@ -215,7 +216,8 @@ def _responses(data: dict, agent: str | None) -> WireCall:
     elif fmt is not None:
         kwargs["response_format"] = fmt
     return WireCall(RESPONSES, messages, normalize_tools(tools), kwargs, None, 1, bool(data.get("stream")),
-                    str(data.get("model", "")), _openai_agent(data, agent))
+                    str(data.get("model", "")), _openai_agent(data, agent),
+                    options={"tool_choice": data.get("tool_choice") or "auto"})  # echoed in the answer as sent
 
 
 def _response_items(items: list) -> list[BaseMessage]:

@@ -165,11 +165,13 @@ def _responses(call: WireCall, messages: list[AIMessage], status: str = "complet
             "status": "incomplete" if incomplete and status == "completed" else status,
             "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None, "error": None,
             "output": _response_output(message) if status == "completed" else [],
-            "parallel_tool_calls": True, "tool_choice": call.kwargs.get("tool_choice", "auto"),
+            "parallel_tool_calls": True, "tool_choice": call.options.get("tool_choice", "auto"),
             "tools": [{"type": "function", **t["function"]} for t in call.tools], "instructions": None,
             "metadata": {}, "temperature": None, "top_p": None, "text": {"format": {"type": "text"}},
-            "usage": {"input_tokens": prompt, "output_tokens": completion, "total_tokens": prompt + completion,
-                      "input_tokens_details": {"cached_tokens": 0}, "output_tokens_details": {"reasoning_tokens": 0}}}
+            "usage": None if status != "completed" else {  # (none while in progress, as the API sends it)
+                "input_tokens": prompt, "output_tokens": completion, "total_tokens": prompt + completion,
+                "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+                "output_tokens_details": {"reasoning_tokens": 0}}}
 
 
 def _response_events(call: WireCall, messages: list[AIMessage]) -> Iterator[tuple[str, Any]]:
