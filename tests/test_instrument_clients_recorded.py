@@ -386,3 +386,33 @@ def test_every_answer_validates_against_the_sdks_own_models(recording_api):
     assert {"message_start", "content_block_delta", "message_delta", "message_stop"} <= set(checked)
     assert recording_api.received == []
     policy.close()
+
+
+def test_completions_echo_and_a_responses_tool_output_given_as_parts(recording_api):
+    """Legacy Completions with `echo: true` answer the prompt followed by the completion (the turn holds the
+    completion only); a Responses `function_call_output` given as `input_text` parts is the tool message's
+    text, as a string output is."""
+    import openai
+
+    from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
+
+    client = openai.OpenAI(base_url=recording_api.url + "/v1", api_key="k", max_retries=0)
+    call = {"type": "function_call", "call_id": "call_1", "name": "add", "arguments": '{"a": 2, "b": 3}'}
+
+    def writer(state):
+        echoed = client.completions.create(model="m", prompt="Once upon", max_tokens=5, echo=True).choices[0].text
+        parts = client.responses.create(model="m", tools=RESPONSE_TOOLS, input=[
+            {"role": "user", "content": "add 2 3"}, call,
+            {"type": "function_call_output", "call_id": "call_1", "output": [{"type": "input_text", "text": "5"}]}])
+        return {"out": [echoed, parts.output_text]}
+
+    policy = scripted_policy([" a time", "It is 5."])
+    episode = instrument(one_node(writer), {"writer": policy}, strict=True).rollout({"q": "x"})
+    assert episode.final_state["out"] == ["Once upon a time", "It is 5."]
+    assert episode.turns[0].response_text == " a time"
+    lc = [HumanMessage("add 2 3"), AIMessage("", tool_calls=[{"name": "add", "args": {"a": 2, "b": 3}, "id": "call_1"}]),
+          ToolMessage("5", tool_call_id="call_1")]
+    tools = [{"type": "function", "function": {"name": "add", "parameters": ADD["input_schema"]}}]
+    assert list(episode.turns[1].prompt_ids) == policy.render(lc, tools)
+    assert recording_api.received == []
+    policy.close()

@@ -81,7 +81,7 @@ class WireCall:
     """Legacy Completions only: the prompt text, encoded as is (no chat template)."""
     options: dict[str, Any] = field(default_factory=dict)
     """What the answer needs besides the reply: `include_usage` (OpenAI stream usage chunk), `tool_choice`
-    (Responses: echoed in its own form)."""
+    (Responses: echoed in its own form), `echo` (Completions: the prompt goes before the text)."""
 
 
 def _split(url: str) -> tuple[str, str]:
@@ -182,7 +182,8 @@ def _completions(data: dict, agent: str | None, url: str) -> WireCall:
     return WireCall(COMPLETIONS, [HumanMessage(prompt)], [], _max_tokens(data.get("max_tokens")),
                     _stops(data.get("stop")), int(data.get("n") or 1), bool(data.get("stream")),
                     str(data.get("model", "")), _openai_agent(data, agent), prompt=prompt,
-                    options={"include_usage": bool((data.get("stream_options") or {}).get("include_usage"))})
+                    options={"include_usage": bool((data.get("stream_options") or {}).get("include_usage")),
+                             "echo": bool(data.get("echo"))})
 
 
 # ---- OpenAI Responses ---------------------------------------------------------------------------------
@@ -242,6 +243,12 @@ def _response_items(items: list) -> list[BaseMessage]:
                 out.append(AIMessage(content="", tool_calls=[call]))
         elif kind == "function_call_output":
             output = item.get("output")
+            if isinstance(output, list):  # content parts (`input_text`; images and files are refused)
+                kinds = sorted({str(p.get("type")) for p in output if isinstance(p, dict)} - {"input_text", "output_text"})
+                if kinds:
+                    raise ConfigError(f"responses: a function_call_output has parts of type {kinds}; a policy reads "
+                                      "text only")
+                output = "".join(str(p.get("text", "")) for p in output)
             out.append(ToolMessage(content=output if isinstance(output, str) else json.dumps(output),
                                    tool_call_id=str(item.get("call_id"))))
         elif kind == "reasoning":

@@ -61,7 +61,8 @@ def encode(call: WireCall, results: list[ChatResult]) -> tuple[str, bytes]:
         messages = [m.model_copy(update={"response_metadata": {**m.response_metadata, "stop_sequence": hit}})
                     if hit in (call.stop or ()) else m for m, hit in zip(messages, hits)]
     if call.protocol == COMPLETIONS:  # text out as generated (a chat reply's content is stripped, tools parsed)
-        messages = [m.model_copy(update={"content": (r.generations[0].generation_info or {}).get("text", m.content)})
+        echo = call.prompt if call.options.get("echo") else ""  # `echo: true`: the prompt, then the completion
+        messages = [m.model_copy(update={"content": echo + (r.generations[0].generation_info or {}).get("text", m.content)})
                     for m, r in zip(messages, results)]
     encoder = {CHAT: _chat, COMPLETIONS: _completions, RESPONSES: _responses, ANTHROPIC: _anthropic}[call.protocol]
     if not call.stream:
