@@ -55,7 +55,7 @@ from drmas_graph.errors import ConfigError, DrmasError
 from drmas_graph.instrumentation import replaying
 from drmas_graph.instrumentation.instrumented import InstrumentedGraph, served_message, structured_parts
 from drmas_graph.instrumentation.replaying import (ACTIVE_HANDLER, RAW_BRANCH_TAG, CallSite, EpisodeRecorder,
-                                                   cut_at_stop, install, note_stop)
+                                                   cut_at_stop, install, note_stop, stop_hit)
 from drmas_graph.policy import Policy
 from drmas_graph.traces import _serde
 from drmas_graph.traces._compare import Request, comparable, diff, interrupts_text, render_prompt, state_text
@@ -267,7 +267,8 @@ def _no_original(site: CallSite) -> Callable[[], Any]:
 def _recorded_answer(turn: Turn, site: CallSite) -> ChatResult:
     """Rebuild the AIMessage the node received when the episode was recorded (Hermes tool-call markup); for
     structured output the same answer, or the same error, again (`_recorder._served`)."""
-    text = cut_at_stop(turn.response_text, turn.sampling.stop if turn.sampling else ())
+    stops = turn.sampling.stop if turn.sampling else ()
+    text = cut_at_stop(turn.response_text, stops)
     content, invalid = turn.response_text, []
     if turn.trainable:
         parsed = parse_hermes(text)
@@ -286,7 +287,9 @@ def _recorded_answer(turn: Turn, site: CallSite) -> ChatResult:
                              policy_version=turn.policy_version, agent=turn.agent, index=turn.index,
                              n_prompt=len(turn.prompt_ids), n_response=len(turn.response_ids),
                              message_id=turn.message_id, additional_kwargs=extra)
-    info = {"text": text} if turn.trainable else None  # the recorder's (`_recorder._served`)
+    info = None  # the recorder's (`_recorder._served`): the reply as generated, the stop string it ended at
+    if turn.trainable:
+        info = {"text": text, "stop_sequence": stop_hit(turn.response_text, stops)}
     return ChatResult(generations=[ChatGeneration(message=message, generation_info=info)])
 
 

@@ -17,6 +17,7 @@ from typing import Any
 
 from markupsafe import Markup, escape
 
+from drmas_graph._chat import tool_signature
 from drmas_graph.errors import ConfigError
 from drmas_graph.types import Episode, Turn
 from drmas_graph.ui._charts import Series, line_chart, points
@@ -224,6 +225,7 @@ class TurnView:
     turn_reward: float | None
     tool_calls: str
     broke_app: bool
+    tools: list[tuple[str, str, str]]  # the tools the agent was given: (signature, description, JSON schema)
 
 
 def episode_view(run: Run, episode: Episode) -> dict[str, Any]:
@@ -242,6 +244,8 @@ def episode_view(run: Run, episode: Episode) -> dict[str, Any]:
             turn_reward=None if episode.turn_rewards is None else episode.turn_rewards[position],
             tool_calls=_json(list(turn.tool_calls)) if turn.tool_calls else "",
             broke_app=position == episode.model_error_turn,
+            tools=[(tool_signature(t), str(t.get("function", t).get("description") or ""), _json(t))
+                   for t in turn.tools],
         ))
     tree: dict[int, dict[str, list[TurnView]]] = {}
     for view in turns:
