@@ -3,11 +3,15 @@
 # (default 30), each round with the 'hunt' profile (random, not derandomized), until one fails or time is up.
 #   bash scripts/property_hunt.sh [MINUTES]       (log: runs/property-hunt/hunt.log, one line per round)
 # A failure stops the hunt and leaves Hypothesis's shrunk app and its @reproduce_failure blob in the round's log.
-# The checkout it lives in is the package tested (PYTHONPATH); its .venv, else PYTHON (a venv's python), runs it.
+# The checkout it lives in is the package tested (PYTHONPATH); PYTHON runs it, else the python of the checkout's
+# .venv, else (a git worktree) that of the main checkout's .venv.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-if [[ -z "${PYTHON:-}" && -f .venv/bin/activate ]]; then
-  . .venv/bin/activate
+if [[ -z "${PYTHON:-}" ]]; then
+  common="$(git rev-parse --path-format=absolute --git-common-dir 2>/dev/null || true)"
+  for venv in .venv "${common%/.git}/.venv"; do
+    if [[ -x "$venv/bin/python" ]]; then PYTHON="$venv/bin/python"; break; fi
+  done
 fi
 PYTHON="${PYTHON:-python}"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" WEAVE_DISABLED="${WEAVE_DISABLED:-true}"

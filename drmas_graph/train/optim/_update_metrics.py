@@ -29,12 +29,14 @@ class AgentUpdateMetrics:
     """Policy-gradient loss over this agent's samples (aggregated with loss_agg, before loss_weight); None (absent
     from the logs) when no sample of the agent was forwarded, as for ratio_max."""
     clip_frac: float | None
-    """Fraction of tokens where the clipped PPO branch was active; None when no sample was forwarded."""
+    """Fraction of tokens where the clipped PPO branch was active; None (absent from the logs) when no sample of
+    the agent was forwarded."""
     dual_clip_frac: float | None
-    """Fraction of tokens capped by the dual clip; None when no sample was forwarded."""
+    """Fraction of tokens capped by the dual clip; None (absent from the logs) when no sample of the agent was
+    forwarded."""
     approx_kl: float | None
-    """Mean of old_logprob - logprob (k1 estimate of KL(old || new)), at the time of each forward pass; None when
-    no sample was forwarded."""
+    """Mean of old_logprob - logprob (k1 estimate of KL(old || new)), at the time of each forward pass; None
+    (absent from the logs) when no sample of the agent was forwarded."""
     ratio_max: float | None
     """Largest importance ratio seen; None (absent from the logs) when no sample of the agent was forwarded (each
     had advantage 0 and was skipped: no ratio was taken, so none is reported, rather than 0)."""
