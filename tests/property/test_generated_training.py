@@ -101,10 +101,17 @@ def check_evaluation(run: TrainRun, result, run_dir: str) -> None:
     lines = [json.loads(line) for line in open(f"{run_dir}/metrics.jsonl")]
     logged = [line for line in lines if any(k.startswith("eval/") for k in line)]
     assert len(logged) == 1, f"{len(logged)} evaluation lines in metrics.jsonl\n{run!r}"
+    summary = result.summary().splitlines()
+    rows = {line.split()[0]: line.split()[1:] for line in summary if line.strip().startswith(("avg@2", "pass@2"))}
     if run.eval == "plain":
         for key in ("avg@k", "pass@k"):
             assert 0.0 <= record[key] <= 1.0, f"evaluation {key} = {record.get(key)!r}\n{run!r}"
+        assert rows == {"avg@2": [f"{record['avg@k']:.3f}"], "pass@2": [f"{record['pass@k']:.3f}"]}, (
+            f"summary rows {rows}\n{run!r}")
         return
+    unjudged = 4 if run.eval == "unjudged" else 0  # 2 tasks x k=2, every one a JudgeError; an empty split: none
+    assert record.get("unjudged_episodes", 0) == unjudged, f"evaluation record {record}\n{run!r}"
+    assert rows == {"avg@2": ["-"], "pass@2": ["-"]}, f"summary rows where nothing was measured: {rows}\n{run!r}"
     values = {k: record.get(k) for k in ("avg@k", "pass@k")} | {
         k: v for k, v in logged[0].items() if k.startswith(("eval/avg@", "eval/pass@"))}
     numbers = {k: v for k, v in values.items() if isinstance(v, (int, float)) and v == v}
