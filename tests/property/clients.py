@@ -41,6 +41,19 @@ ENDPOINT: list[Any] = []
 ENDPOINT_PORTS: set[int] = set()
 """Ports of the local endpoint URLs handed out (the network guard's only allowed connect)."""
 KEYS = {"api_key": "sk-never-sent", "max_retries": 0, "timeout": 5}
+_SDKS: dict[str, Any] = {}
+
+
+def _sdk(kind: str) -> Any:
+    """One SDK client of each kind per process (a client's SSL setup costs ~0.1 s). The async ones serve
+    `asyncio.run` after `asyncio.run`: a served request opens no connection, so their pools stay empty."""
+    if kind not in _SDKS:
+        import anthropic
+        import openai
+
+        _SDKS[kind] = {"openai": openai.OpenAI, "openai-async": openai.AsyncOpenAI, "anthropic": anthropic.Anthropic,
+                       "anthropic-async": anthropic.AsyncAnthropic}[kind](**KEYS)
+    return _SDKS[kind]
 
 
 def ask_sdk(call: Any, messages: list, schemas: dict[str, type[BaseModel]]) -> str:
@@ -69,20 +82,15 @@ def ask_sdk(call: Any, messages: list, schemas: dict[str, type[BaseModel]]) -> s
 
 def _openai_like(client: str, body: dict) -> tuple[str, str]:
     """(content, the first tool call's arguments) of a Chat Completions call through `client`."""
-    import openai
-
     if client == "openai-stream":
         content, arguments = "", ""
-        for chunk in openai.OpenAI(**KEYS).chat.completions.create(**body, stream=True):
+        for chunk in _sdk("openai").chat.completions.create(**body, stream=True):
             for choice in chunk.choices:
                 content += choice.delta.content or ""
                 arguments += "".join(t.function.arguments or "" for t in choice.delta.tool_calls or ())
         return content, arguments
     if client == "openai-async":
-        async def go() -> Any:
-            async with openai.AsyncOpenAI(**KEYS) as sdk:
-                return await sdk.chat.completions.create(**body)
-        return _message(asyncio.run(go()).choices[0].message)
+        return _message(asyncio.run(_sdk("openai-async").chat.completions.create(**body)).choices[0].message)
     if client in ("litellm", "litellm-async"):
         import litellm
 
@@ -103,9 +111,10 @@ def _openai_like(client: str, body: dict) -> tuple[str, str]:
     if client == "endpoint":
         url = ENDPOINT[0]()
         ENDPOINT_PORTS.add(urlsplit(url).port)
-        return _message(openai.OpenAI(**{**KEYS, "base_url": url}).chat.completions.create(**body).choices[0].message)
+        sdk = _sdk("openai").with_options(base_url=url)
+        return _message(sdk.chat.completions.create(**body).choices[0].message)
     assert client == "openai", f"unknown client {client!r}; known: {CLIENTS}"
-    return _message(openai.OpenAI(**KEYS).chat.completions.create(**body).choices[0].message)
+    return _message(_sdk("openai").chat.completions.create(**body).choices[0].message)
 
 
 def _message(message: Any) -> tuple[str, str]:
@@ -115,8 +124,6 @@ def _message(message: Any) -> tuple[str, str]:
 
 def _anthropic(client: str, system: str, turns: list[dict], schema: type[BaseModel] | None) -> tuple[str, str]:
     """(text, the forced tool call's input as JSON) of a Messages call through the Anthropic SDK."""
-    import anthropic
-
     body: dict[str, Any] = {"model": "claude-3-5-haiku-latest", "max_tokens": 256, "system": system,
                             "messages": turns}
     if schema is not None:
@@ -124,14 +131,11 @@ def _anthropic(client: str, system: str, turns: list[dict], schema: type[BaseMod
                           "input_schema": schema.model_json_schema()}]
         body["tool_choice"] = {"type": "tool", "name": schema.__name__}
     if client == "anthropic":
-        message = anthropic.Anthropic(**KEYS).messages.create(**body)
+        message = _sdk("anthropic").messages.create(**body)
     elif client == "anthropic-async":
-        async def go() -> Any:
-            async with anthropic.AsyncAnthropic(**KEYS) as sdk:
-                return await sdk.messages.create(**body)
-        message = asyncio.run(go())
+        message = asyncio.run(_sdk("anthropic-async").messages.create(**body))
     else:
-        with anthropic.Anthropic(**KEYS).messages.stream(**body) as stream:
+        with _sdk("anthropic").messages.stream(**body) as stream:
             message = stream.get_final_message()
     text = "".join(b.text for b in message.content if b.type == "text")
     used = [b.input for b in message.content if b.type == "tool_use"]
