@@ -163,6 +163,9 @@ class _ReplayHandler:
         """Calls a truncated recording lacks, refused as its limit refused them; each would be a divergence
         if the recording turns out not to be used up (`settle`)."""
         self.turns: list[Turn] = []
+        self.stopping = False
+        """The handler refused a call to stop the replay: the run's error then is that stop, whatever form a
+        client gave it (the local endpoint answers the stop as an HTTP 500, which its client raises afresh)."""
         self._per_key: dict[str, int] = {}
         self._lock = threading.Lock()
 
@@ -181,7 +184,7 @@ class _ReplayHandler:
             if self.divergences:
                 if self.continue_live:
                     return None
-                raise _StopReplay(f"replay stopped at the first divergence: {self.divergences[0]}")
+                raise self._stop(f"replay stopped at the first divergence: {self.divergences[0]}")
             turn = self._same_call(site, n, request)
             if turn is not None:
                 self.used.add((turn.call_key, turn.node_call_index))
@@ -192,11 +195,15 @@ class _ReplayHandler:
                 self.refused.append(d)
                 if self.continue_live:
                     return None
-                raise _StopReplay(f"the recording ends here, where a limit stopped it: {self.truncated}")
+                raise self._stop(f"the recording ends here, where a limit stopped it: {self.truncated}")
             self.divergences.append(d)
         if not self.continue_live:
-            raise _StopReplay(str(d))
+            raise self._stop(str(d))
         return None
+
+    def _stop(self, message: str) -> _StopReplay:
+        self.stopping = True
+        return _StopReplay(message)
 
     def settle(self) -> None:
         """Once the run is over: the limit let every recorded call through before it refused one, so calls
@@ -397,7 +404,7 @@ def _serving(run: Any) -> Iterator[_Outcome]:
     try:
         yield outcome
     except Exception as exc:
-        if _stopped(exc):
+        if _stopped(exc) or run.handler.stopping:  # (a client's own error for the stop: the local endpoint's)
             outcome.stopped = True
         elif isinstance(exc, ConfigError):
             raise
