@@ -47,6 +47,7 @@ from drmas_graph.train.loop import _checkpoints, _pipeline, _scoring
 from drmas_graph.train.loop._learn import update_models
 from drmas_graph.train.loop._rollouts import StepBatch
 from drmas_graph.train.loop._setup import RunDirInUseError, build_run, free_run_dir
+from drmas_graph.train.loop._timing import time_line, timed
 from drmas_graph.train.loop.evaluate import evaluate, reply_lines
 from drmas_graph.train.loop.metrics import RunLogger, Stopwatch
 from drmas_graph.types import Episode
@@ -102,6 +103,8 @@ class TrainResult:
                       ("failed_episodes", "failed episodes"), ("bad_reward_episodes", "bad-reward episodes"))
             if any(h.get(key) for h in ends for key, _ in counts[1:]):  # some got no reward: say how many
                 lines += [row("  " + label, *(int(h.get(key, 0)) for h in ends)) for key, label in counts]
+        if (line := time_line(self.history, self.evals)) is not None:
+            lines.append(line)
         lines.append(f"run folder: {self.run_dir}")
         return "\n".join(lines)
 
@@ -188,12 +191,14 @@ class Trainer:
             if cfg.eval.before_training and self.start_step == 0:
                 self._evaluate(0, logger)
             for step, record in self.steps():
-                self.result.history.append(record)
-                logger.log(record)
-                logger.progress(step, record)
                 done = step + 1
-                if cfg.checkpoint_every and done % cfg.checkpoint_every == 0 and done < cfg.steps:
-                    self.save_checkpoint(done)
+                try:  # the step's line carries its checkpoint's time, and is logged if the checkpoint fails
+                    if cfg.checkpoint_every and done % cfg.checkpoint_every == 0 and done < cfg.steps:
+                        record["time/checkpoint_s"] = timed(self.save_checkpoint, done)
+                finally:
+                    self.result.history.append(record)
+                    logger.log(record)
+                    logger.progress(step, record)
                 if cfg.eval.every and done % cfg.eval.every == 0 and done < cfg.steps:
                     self._evaluate(done, logger)
             if self.start_step < cfg.steps:  # checkpoint first: asynchronous runs save the weights step N rolls out on
