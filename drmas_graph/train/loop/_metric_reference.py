@@ -51,7 +51,8 @@ STEP = [
     ("time/rollout_prefill_s", "Engine seconds prefilling the prompts of the step's scored episodes, summed over "
                                "their calls (embedded policies only: each call's share of the prefill passes it "
                                "took part in, by prompt tokens prefilled; see the embedded engine's docs). Several "
-                               "models generating at once can sum past time/rollout_s."),
+                               "models, or several processes under a launcher, generating at once can sum past "
+                               "time/rollout_s."),
     ("time/rollout_decode_s", "Engine seconds decoding the responses of the step's scored episodes, summed over "
                               "their calls (embedded policies only: each decode step split equally among its "
                               "rows). time/rollout_s minus prefill and decode is the graph's own time, rendering, "
