@@ -74,7 +74,8 @@ class TrainResult:
         """A short table: per-agent reward (turn reward incl. invalid-turn penalties) and avg@k / pass@k,
         at the first and the last evaluation; the training reward of the first and last step ('-' for a step
         where no episode got a reward), with its episode counts (rewarded, unjudged, failed, bad reward) where
-        some got none. One column where there was only one (one evaluation, one step)."""
+        some got none. One column where there was only one (one evaluation, one step). Then where the time went
+        (`_timing.time_line`): 'time per step: rollout 12.1 s (prefill 1.2, decode 9.8), score 0.4 s, ...'."""
 
         def row(label: str, *cells: Any) -> str:
             return f"{label:<28}" + "".join(f"{c:>12}" if isinstance(c, (str, int)) else f"{c:>12.3f}" for c in cells)
