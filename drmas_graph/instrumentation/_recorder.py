@@ -185,6 +185,8 @@ class _EpisodeRecorder:
             message_id=message.id, response_format=spec, format_error=_format_error(failure, parsed, site.tools),
             agent_name=site.agent_name, segment=self.segment,
         ))
+        if gen.prefill_s or gen.decode_s:
+            self._add_engine_time(agent, gen)
         if failure is not None:
             failure.turn_index = index
             if RAW_BRANCH_TAG not in site.tags:
@@ -192,6 +194,13 @@ class _EpisodeRecorder:
         # the reply as generated (cut at a stop string, not stripped): a legacy Completions answer's text
         info = {"text": reply, "stop_sequence": _stop_hit(text, params.stop)}
         return ChatResult(generations=[ChatGeneration(message=message, generation_info=info)])
+
+    def _add_engine_time(self, agent: str, gen: Generation) -> None:
+        """Add a call's engine seconds to its agent's in `episode.timings['engine']`."""
+        with self._lock:
+            spent = self.episode.timings.setdefault("engine", {}).setdefault(agent, {"prefill_s": 0.0, "decode_s": 0.0})
+            spent["prefill_s"] += gen.prefill_s
+            spent["decode_s"] += gen.decode_s
 
     def _message_id(self, index: int) -> str:
         return f"drmas-{self.episode.id}-{index}"
