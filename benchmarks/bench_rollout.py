@@ -315,7 +315,11 @@ def main() -> None:
                 if server is not None:
                     systems["vllm"] = lambda p=prompts, n=lengths: asyncio.run(
                         _vllm_all(server.url, "bench", p, n, next(seeds)))
+                spent = (policy.stats.prefill_s, policy.stats.decode_s)
                 results[name] = measure(systems, args.repeats, args.settle_s)
+                prefill, decode = policy.stats.prefill_s - spent[0], policy.stats.decode_s - spent[1]
+                print(f"  embedded engine time (all rounds): prefill {prefill:.2f} s ({prefill / (prefill + decode):.0%}),"
+                      f" decode {decode:.2f} s", flush=True)
         finally:
             policy.close()
             if server is not None:

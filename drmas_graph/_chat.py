@@ -22,7 +22,7 @@ from langchain_core.utils.function_calling import convert_to_openai_tool
 
 from drmas_graph.errors import ConfigError
 
-__all__ = ["to_chat_dicts", "with_system_note", "normalize_tools", "ParsedResponse", "TOOL_PARSERS", "get_tool_parser",
+__all__ = ["to_chat_dicts", "with_system_note", "normalize_tools", "tool_signature", "ParsedResponse", "TOOL_PARSERS", "get_tool_parser",
            "tool_call_id"]
 
 
@@ -83,6 +83,18 @@ def normalize_tools(tools: Any) -> list[dict[str, Any]]:
     if not tools:
         return []
     return [convert_to_openai_tool(t) for t in tools]
+
+
+def tool_signature(tool: dict[str, Any]) -> str:
+    """A bound tool (OpenAI function form, as `Turn.tools` holds it) as one line: `name(param: type, ...)`,
+    a parameter the schema does not list as `required` followed by '?'."""
+    function = tool.get("function", tool)
+    schema = function.get("parameters") or {}
+    required = set(schema.get("required") or ())
+    params = [f"{name}{'' if name in required else '?'}: "
+              f"{spec.get('type', 'any') if isinstance(spec, dict) else 'any'}"
+              for name, spec in (schema.get("properties") or {}).items()]
+    return f"{function.get('name', '?')}({', '.join(params)})"
 
 
 @dataclass(frozen=True)

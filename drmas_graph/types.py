@@ -73,6 +73,12 @@ class Generation:
     """'stop' (eos, stop token or stop string), 'length' (max_new_tokens) or 'abort'."""
     policy_version: int
     """Version of the weights that produced every token of this response."""
+    prefill_s: float = field(default=0.0, compare=False)
+    """Engine seconds spent prefilling this prompt, its share of each prefill pass it took part in (by prompt
+    tokens prefilled; the embedded engine: `engine._decode`); 0 where the backend does not measure it."""
+    decode_s: float = field(default=0.0, compare=False)
+    """Engine seconds spent decoding this response, its share of each decode step it took part in (an equal
+    share of the step per row); 0 where the backend does not measure it."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "token_ids", tuple(int(t) for t in self.token_ids))
@@ -194,7 +200,9 @@ class Episode:
     error: str | None = None
     """Set when the run failed: the exception type and message."""
     timings: dict[str, Any] = field(default_factory=dict)
-    """'start' and 'end' (unix time), 'wall_s', 'llm_s' (sum of call latencies), 'turn_starts' (unix start of each turn)."""
+    """'start' and 'end' (unix time), 'wall_s', 'llm_s' (sum of call latencies), 'turn_starts' (unix start of each turn);
+    'engine': {agent: {'prefill_s', 'decode_s'}}, the engine seconds of the agent's calls (`Generation.prefill_s`,
+    `decode_s`), where its policy measures them (the embedded engine)."""
     metadata: dict[str, Any] = field(default_factory=dict)
     """Free-form extras (the input, the run config's thread id, the training step, `group_index`: its position in
     its GRPO group, ...)."""

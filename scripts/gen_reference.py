@@ -106,12 +106,12 @@ def cli_page() -> str:
 
 
 def metrics_page() -> str:
-    from drmas_graph.train.loop._metric_reference import metrics_reference
+    from drmas_graph.train.loop._metric_reference import TIME_NOTE, metrics_reference
 
     parts = [f"# Metrics\n\n{GENERATED}\n\nEvery metric a training run writes to `run_dir/metrics.jsonl` (one JSON line "
              "per step and per evaluation), TensorBoard and W&B, from `drmas_graph/train/loop/_metric_reference.py`. "
-             "`<agent>`, `<model>` and `<limit>` stand for names. A test checks that every key a run logs is listed "
-             "here.\n"]
+             "`<agent>`, `<model>`, `<adapter>` (a LoRA adapter) and `<limit>` stand for names. A test checks that every key a run logs is listed "
+             "here.\n", TIME_NOTE + "\n"]
     sections: dict[str, list[str]] = {}
     for name, key, meaning in metrics_reference():
         sections.setdefault(name, []).append(f"| `{key}` | {_cell(meaning)} |")

@@ -3,9 +3,19 @@
 # (default 30), each round with the 'hunt' profile (random, not derandomized), until one fails or time is up.
 #   bash scripts/property_hunt.sh [MINUTES]       (log: runs/property-hunt/hunt.log, one line per round)
 # A failure stops the hunt and leaves Hypothesis's shrunk app and its @reproduce_failure blob in the round's log.
+# The checkout it lives in is the package tested (PYTHONPATH); PYTHON runs it, else the python of the checkout's
+# .venv, else (a git worktree) that of the main checkout's .venv.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-. .venv/bin/activate
+if [[ -z "${PYTHON:-}" ]]; then
+  common="$(git rev-parse --path-format=absolute --git-common-dir 2>/dev/null || true)"
+  for venv in .venv "${common%/.git}/.venv"; do
+    if [[ -x "$venv/bin/python" ]]; then PYTHON="$venv/bin/python"; break; fi
+  done
+fi
+PYTHON="${PYTHON:-python}"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" WEAVE_DISABLED="${WEAVE_DISABLED:-true}"
+export TOKENIZERS_PARALLELISM="${TOKENIZERS_PARALLELISM:-false}"
 MINUTES="${1:-30}"
 OUT="${HUNT_DIR:-runs/property-hunt}"
 mkdir -p "$OUT"
@@ -15,9 +25,9 @@ apps=0
 echo "hunt start $(date -u +%FT%TZ), ${MINUTES} min" | tee -a "$OUT/hunt.log"
 while (( $(date +%s) - start < MINUTES * 60 )); do
   round=$((round + 1))
-  seed=$(python -c "import random; print(random.SystemRandom().randrange(2**32))")
+  seed=$("$PYTHON" -c "import random; print(random.SystemRandom().randrange(2**32))")
   log="$OUT/round-$round.log"
-  python -m pytest tests/property -q -x -p no:cacheprovider --hypothesis-profile=hunt --hypothesis-seed="$seed" \
+  "$PYTHON" -m pytest tests/property -q -x -p no:cacheprovider --hypothesis-profile=hunt --hypothesis-seed="$seed" \
     --hypothesis-show-statistics > "$log" 2>&1
   rc=$?
   # every test's statistics say "- N passing, M failing, and K invalid test cases"
@@ -25,7 +35,7 @@ while (( $(date +%s) - start < MINUTES * 60 )); do
   apps=$((apps + n))
   echo "round $round seed $seed rc $rc apps $n total $apps elapsed $(( $(date +%s) - start ))s" | tee -a "$OUT/hunt.log"
   if (( rc != 0 )); then
-    echo "FAILED: see $log (python -m pytest tests/property --hypothesis-seed=$seed --hypothesis-profile=hunt)" \
+    echo "FAILED: see $log ($PYTHON -m pytest tests/property --hypothesis-seed=$seed --hypothesis-profile=hunt)" \
       | tee -a "$OUT/hunt.log"
     exit 1
   fi

@@ -160,3 +160,36 @@ def test_v2_runs_table_and_plot(tmp_path):
     assert rows[3].startswith("| `step_global` | 1 | 5.5 min |") and rows[4].startswith("| `agent` | 1 | 5.0 min |")
     path = v2.plots(runs, tmp_path)
     assert path == tmp_path / "checked_math.png" and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_v2_solver_by_step_on_hand_worked_runs():
+    """--report's step table: per training step the mean over an arm's runs of the solver's format rate, accuracy
+    among parsable answers, accuracy over all answers (their product: an unparsable answer is wrong) and E[A^2],
+    and E[A^2] averaged over the steps so far."""
+    sys.path.insert(0, str(ROOT / "benchmarks/learning"))
+    import v2
+
+    def run(estimator, steps):  # steps: (format, accuracy among parsable, E[A^2]) per step
+        return {"estimator": estimator, "steps": [
+            {"rates": {"solver_format_rate": f, "solver_accuracy_parsed": a}, "agents": {"solver": {"adv_sq": q}}}
+            for f, a, q in steps]}
+
+    runs = [run("agent", [(0.25, 0.5, 0.8), (1.0, 0.5, 0.2)]), run("agent", [(0.75, 1.0, 0.6), (1.0, 0.75, 0.0)]),
+            run("step_global", [(0.5, 0.5, 2.0), (1.0, 1.0, 1.0), (1.0, 1.0, 1.0)])]
+    rows = v2.solver_by_step(runs, "agent")
+    # step 0: format (0.25 + 0.75) / 2 = 0.5; accuracy among parsable (0.5 + 1.0) / 2 = 0.75; over all
+    # (0.125 + 0.75) / 2 = 0.4375 (not 0.5 x 0.75); E[A^2] (0.8 + 0.6) / 2 = 0.7, so far the same
+    assert rows[0] == pytest.approx({"format": 0.5, "accuracy among parsable": 0.75, "accuracy over all": 0.4375,
+                                     "E[A^2]": 0.7, "E[A^2] so far": 0.7})
+    # step 1: E[A^2] (0.2 + 0.0) / 2 = 0.1; so far: run 1 (0.8 + 0.2) / 2 = 0.5, run 2 (0.6 + 0) / 2 = 0.3 -> 0.4
+    assert rows[1] == pytest.approx({"format": 1.0, "accuracy among parsable": 0.625, "accuracy over all": 0.625,
+                                     "E[A^2]": 0.1, "E[A^2] so far": 0.4})
+    assert len(v2.solver_by_step(runs, "step_global")) == 3
+    table = v2.solver_steps_markdown(runs, ["step_global", "agent", "episode_global"]).splitlines()
+    assert len(table) == 2 + 2  # two steps: the shortest arm's; episode_global has no run and no column
+    assert table[2] == "| 0 | 0.500, 0.500 / 0.250, 2.000 (2.000) | 0.500, 0.750 / 0.438, 0.700 (0.700) |"
+    for r, norms in zip(runs, ([0.5, 1.5], [1.0, 2.0], [3.0, 3.0, 0.9])):  # above 1.0: 1 + 1 of 4; 2 of 3
+        for step, norm in zip(r["steps"], norms):
+            step["grad_norm"] = norm
+    assert v2.clipped_line(runs, ["step_global", "agent", "episode_global"]) == (
+        "steps with a mean pre-clip model gradient norm above grad_clip 1.0: step_global 2 of 3, agent 2 of 4")

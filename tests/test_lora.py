@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import json
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from drmas_graph.errors import ConfigError, PolicyError
 from drmas_graph.testing import tiny_model, tiny_tokenizer
 from drmas_graph.engine.transformers_policy import TransformersPolicy
 from drmas_graph.types import Sample, SamplingParams
+from drmas_graph.train.loop._metric_reference import is_documented
 from drmas_graph.train.optim.update import LossSettings, UpdateSettings
 
 pytest.importorskip("peft")
@@ -259,6 +261,10 @@ def test_train_graph_trains_one_adapter_per_agent_over_a_frozen_base(tmp_path):
     # step 1 rolls out with the adapters step 0 trained (they differ by then): each agent's rollout logprobs
     # equal the trainer's recompute under its own adapter only if generation used that adapter
     assert last["agent/solver/logprob_mismatch"] < 1e-4 and last["agent/verifier/logprob_mismatch"] < 1e-4
+    # docs/reference/metrics.md lists every key a LoRA run logs: its updates' as model/<model>/<adapter>/...
+    logged = {k for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines() for k in json.loads(line)}
+    assert {"model/m/solver/grad_norm", "model/m/verifier/n_samples"} <= logged and "model/m/grad_norm" not in logged
+    assert [k for k in sorted(logged) if not is_documented(k)] == []
     from drmas_graph.traces.store import TraceStore
 
     with TraceStore(tmp_path / "run" / "traces.db", readonly=True) as store:

@@ -208,6 +208,28 @@ def test_charts_smooth_range_and_enlarge(server, page):
     assert "smooth=0.6" in page.url
 
 
+def test_a_steps_time_by_phase_is_one_chart_and_each_agents_engine_time_its_own(server, page):
+    """The tiny run's steps logged their phases (the embedded engine's prefill and decode among them): one chart
+    draws them, a colour per phase, before the other time charts; per agent, its prefill, decode and call time."""
+    page.goto(server[0] + "/?run=tiny-run")
+    captions = page.locator("#charts figcaption").all_inner_texts()
+    at = captions.index("seconds per step, by phase")
+    assert captions[at + 1] == "time/step_s"
+    for chart in ("rollout_prefill_s per agent", "rollout_decode_s per agent", "llm_call_s per agent"):
+        assert chart in captions
+    figure = page.locator("#charts figure", has=page.locator("figcaption", has_text="seconds per step, by phase"))
+    labels = figure.locator(".legend .key").all_inner_texts()
+    assert labels == ["rollout", "prefill", "decode", "score", "old logprobs", "update", "sync"]  # no checkpoint
+    strokes = figure.locator("polyline.line").evaluate_all("lines => lines.map(l => getComputedStyle(l).stroke)")
+    assert len(strokes) == 7 and len(set(strokes)) == 7
+    hover = figure.locator("circle title").all_text_contents()
+    assert any(t.startswith("prefill: step 1, ") for t in hover)
+    figure.screenshot(path=str(SHOTS / "time-by-phase.png"))
+    figure.locator("a.enlarge").click()
+    assert "/chart?metric=time%2F%2A" in page.url or "/chart?metric=time/*" in page.url
+    assert page.locator("svg.chart.large polyline.line").count() == 7
+
+
 def test_error_pages_are_styled(server, page):
     for path, status in (("/runs/tiny-run/group?id=nonexistent", 404), ("/runs/tiny-run/episodes?page=99999999999999999999", 400),
                          ("/runs/tiny-run/episodes?sort=id;drop", 400), ("/nowhere", 404)):

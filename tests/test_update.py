@@ -190,7 +190,10 @@ def test_zero_advantages_leave_parameters_unchanged(rollout, backend):
     updater = ModelUpdater(model, name="m", settings=settings(backend, weight_decay=0.0))
     metrics = updater.update(samples)
     assert metrics.grad_norm == 0.0 and metrics.loss == 0.0
-    assert all(a.pg_loss == 0.0 for a in metrics.agents.values())
+    # one zero-advantage sample is still forwarded (the step keeps its shape): its agent's loss is a measured 0;
+    # the other agent had nothing forwarded, so no loss (None, absent from the logs)
+    assert [a.pg_loss for a in metrics.agents.values() if a.pg_loss is not None] == [0.0]
+    assert len(metrics.agents) == 2
     assert max_diff(before, snapshot(model, updater)) == 0.0
 
 
@@ -279,6 +282,23 @@ def test_an_agent_without_a_sample_with_nonzero_advantage_has_no_importance_weig
     flat = metrics.to_dict()
     assert "agent/verifier/ratio_max" not in flat and "agent/verifier/n_samples" in flat
     assert flat["agent/solver/ratio_max"] == pytest.approx(math.exp(0.1), rel=1e-3)
+
+
+def test_an_agent_whose_samples_were_all_skipped_logs_no_loss_clip_or_kl(rollout):
+    """The verifier's samples all have advantage 0 (skipped): nothing was measured for it, so its pg_loss,
+    clip_frac, dual_clip_frac and approx_kl are absent (they were logged as 0.0); the solver's are numbers."""
+    samples = [dataclasses.replace(s, advantage=0.0 if s.agent == "verifier" else 1.0,
+                                   old_logprobs=tuple(x - 0.1 for x in s.old_logprobs)) for s in rollout]
+    metrics = ModelUpdater(fresh_model(), name="m", settings=settings()).update(samples)
+    names = ("pg_loss", "clip_frac", "dual_clip_frac", "approx_kl")
+    assert [getattr(metrics.agents["verifier"], n) for n in names] == [None] * 4
+    flat = metrics.to_dict()
+    assert [f"agent/verifier/{n}" in flat for n in names] == [False] * 4
+    assert flat["agent/verifier/n_samples"] == 2.0
+    # the solver's ratio is e^0.1 on every token (advantage 1 > 0, clip_high 0.2 not reached): approx_kl = -0.1
+    assert flat["agent/solver/approx_kl"] == pytest.approx(-0.1, abs=1e-4)
+    assert flat["agent/solver/clip_frac"] == 0.0 and flat["agent/solver/dual_clip_frac"] == 0.0
+    assert flat["agent/solver/pg_loss"] == pytest.approx(-math.exp(0.1), rel=1e-3)
 
 
 def test_unknown_agent_is_an_error_when_agent_settings_are_given(rollout):

@@ -219,6 +219,52 @@ def table(runs: list[dict[str, Any]], estimators: list[str]) -> str:
     return "\n".join(lines)
 
 
+SOLVER_BY_STEP = {"format": lambda s: s["rates"]["solver_format_rate"],
+                  "accuracy among parsable": lambda s: s["rates"]["solver_accuracy_parsed"],
+                  "accuracy over all": lambda s: s["rates"]["solver_format_rate"] * s["rates"]["solver_accuracy_parsed"],
+                  "E[A^2]": lambda s: s["agents"]["solver"]["adv_sq"]}
+"""What `solver_by_step` reads of a training step's record: the solver's format rate, its accuracy among its
+parsable answers, its accuracy over all its answers (an unparsable answer counts as wrong) and its E[A^2]."""
+
+
+def solver_by_step(runs: list[dict[str, Any]], estimator: str) -> list[dict[str, float]]:
+    """Per training step, the mean over the arm's runs of each `SOLVER_BY_STEP` quantity, and (key "E[A^2] so far")
+    the mean over runs of the solver's E[A^2] averaged over the steps up to this one. Each step rolls out tasks the
+    run has not trained on yet (4 of 80 per step, one shuffle: 40 in 10 steps), on the weights before its update."""
+    arm = [r for r in runs if r["estimator"] == estimator]
+    n = min(len(r["steps"]) for r in arm)
+    out = []
+    for i in range(n):
+        row = {name: statistics.fmean(get(r["steps"][i]) for r in arm) for name, get in SOLVER_BY_STEP.items()}
+        row["E[A^2] so far"] = statistics.fmean(statistics.fmean(SOLVER_BY_STEP["E[A^2]"](s) for s in r["steps"][:i + 1])
+                                                for r in arm)
+        out.append(row)
+    return out
+
+
+def clipped_line(runs: list[dict[str, Any]], estimators: list[str]) -> str:
+    """Per arm, the training steps whose model gradient norm before clipping (the mean over the step's mini-batches)
+    is above `update.grad_clip`: each of those steps has at least one clipped mini-batch."""
+    clip = UPDATE["grad_clip"]
+    counts = [f"{e} {sum(s['grad_norm'] > clip for r in arm for s in r['steps'])} of {sum(len(r['steps']) for r in arm)}"
+              for e in estimators if (arm := [r for r in runs if r["estimator"] == e])]
+    return f"steps with a mean pre-clip model gradient norm above grad_clip {clip}: " + ", ".join(counts)
+
+
+def solver_steps_markdown(runs: list[dict[str, Any]], estimators: list[str]) -> str:
+    """The solver in the training rollouts, step by step, per arm (`solver_by_step`): format rate, accuracy among
+    parsable answers, accuracy over all answers, E[A^2] (and its mean over the steps so far)."""
+    arms = [e for e in estimators if any(r["estimator"] == e for r in runs)]
+    rows = {e: solver_by_step(runs, e) for e in arms}
+    lines = ["| step | " + " | ".join(f"`{e}`: format, accuracy among parsable / over all, E[A^2] (so far)"
+                                      for e in arms) + " |", "|---" * (1 + len(arms)) + "|"]
+    for i in range(min(len(v) for v in rows.values())):
+        cells = [f"{r['format']:.3f}, {r['accuracy among parsable']:.3f} / {r['accuracy over all']:.3f}, "
+                 f"{r['E[A^2]']:.3f} ({r['E[A^2] so far']:.3f})" for r in (rows[e][i] for e in arms)]
+        lines.append(f"| {i} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def runs_markdown(runs: list[dict[str, Any]]) -> str:
     """Every run as one markdown row (the README's per-run table): held-out avg@k, pass@k and checker balanced
     accuracy at step 0 and at the end (TPR / TNR at the end), the solver's format rate and accuracy among parsable
@@ -335,6 +381,8 @@ def main(argv: list[str] | None = None) -> int:
             print(line)
         if args.report:
             print("\n" + runs_markdown(runs))
+            print("\n" + solver_steps_markdown(runs, args.estimators))
+            print(clipped_line(runs, args.estimators))
     print(f"results: {results}", flush=True)
     if runs:
         print(f"plot: {plots(runs, out)}")  # after the results: the numbers never wait on the plot

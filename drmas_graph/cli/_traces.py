@@ -12,6 +12,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
+from drmas_graph._chat import tool_signature
 from drmas_graph._importing import import_spec
 from drmas_graph.cli._imports import build_graph
 from drmas_graph.errors import ConfigError
@@ -397,10 +398,18 @@ def _turn_block(episode: Episode, position: int, turn: Turn, *, full: bool = Fal
     )
     fold = (lambda text: str(text)) if full else _snippet
     prompt = [Text(f"prompt   {fold(_message_text(m))}") for m in turn.messages] or [Text("prompt   (no messages)")]
-    body = [Text(facts), *prompt, Text(f"response {fold(turn.response_text) or '(empty)'}")]
+    body = [Text(facts), *prompt]
+    if turn.tools:  # the tools the agent was given (bound, or in the request): `--full` adds their descriptions
+        tools = [tool_signature(t) for t in turn.tools]
+        if full:
+            body += [Text(f"tool     {sig}: {t.get('function', t).get('description') or '-'}")
+                     for sig, t in zip(tools, turn.tools, strict=True)]
+        else:
+            body.append(Text(f"tools    {fold(', '.join(tools))}"))
+    body.append(Text(f"response {fold(turn.response_text) or '(empty)'}"))
     if turn.tool_calls:
         calls = ", ".join(f"{c.get('name')}({_snippet(str(c.get('args', {})), 80)})" for c in turn.tool_calls)
-        body.append(Text(f"tools    {calls}"))
+        body.append(Text(f"calls    {calls}"))
     if turn.format_error:
         body.append(Text(f"invalid  {_snippet(turn.format_error)}"))
     if position == episode.model_error_turn:

@@ -90,7 +90,7 @@ def _cmd_train(args: argparse.Namespace, console: Console) -> int:
                           "with `--resume`") from None
     except RolloutError as exc:  # a step had nothing to train on: what the run measured, then the error
         if getattr(exc, "result", None) is not None and distributed.is_main():
-            console.print(exc.result.summary(), markup=False)
+            console.print(exc.result.summary(), markup=False, soft_wrap=True)
         raise
     except KeyboardInterrupt:
         if distributed.is_main():
@@ -99,7 +99,7 @@ def _cmd_train(args: argparse.Namespace, console: Console) -> int:
     finally:
         distributed.shutdown()
     if distributed.is_main():
-        console.print(result.summary(), markup=False)
+        console.print(result.summary(), markup=False, soft_wrap=True)
         run_dir = Path(cfg.run_dir)
         console.print(f"look at it: drmas-graph ui {run_dir}   (episodes: drmas-graph traces list "
                       f"{run_dir / 'traces.db'})", markup=False, soft_wrap=True)

@@ -12,6 +12,15 @@ logprobs, rows that finished leave, and the newcomers' cache rows are merged int
 to a common length; fully padded leading columns are trimmed). A row's tokens depend on its prompt,
 params and seed only: its position ids and attention mask ignore the padding, and its noise is keyed by
 (seed, position).
+
+Where the time goes (`EngineStats.prefill_s` / `decode_s`, and each `Generation`'s share): a step's decode
+pass (with its sampling) is split equally among the rows it decoded; its prefill pass(es) (with the newcomers'
+sampling and the stacking of cached KV rows) among the newcomers by token share: a distinct prompt's
+prefilled tokens (0 for a cache hit, the suffix for a prefix hit) split equally among the requests that share
+it, plus one token per request for its first sample. The rest of a step (the one device-to-host copy, stop
+checks, merging the rows' caches) counts as decode time, split equally among all the step's rows (a merge's
+time among the rows of the next step). On a GPU the step synchronizes the device between the two passes when
+it runs both, so that each is timed on its own.
 """
 
 from __future__ import annotations
@@ -19,7 +28,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import functools
-from collections import OrderedDict
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,10 +36,11 @@ from typing import Any
 import torch
 
 from drmas_graph.engine._cpu_linear import PackedLinear, packed_linear_available
+from drmas_graph.engine._prompt_cache import MIN_PREFIX, PromptCache, _Key
 from drmas_graph.engine._sampling import RowParams, sample_rows, vocab_hash
 from drmas_graph.types import Generation, SamplingParams
 
-__all__ = ["Request", "DecodeBatch", "StopMatcher", "EngineStats", "PromptCache", "context_size"]
+__all__ = ["Request", "DecodeBatch", "StopMatcher", "EngineStats", "PromptCache", "MIN_PREFIX", "context_size"]
 
 
 def context_size(model: Any) -> int | None:
@@ -81,89 +91,10 @@ class EngineStats:
     """Distinct prompts that prefilled only their suffix, on the cached KV rows of a shared prefix."""
     reused_prompt_tokens: int = 0
     """Prompt tokens whose KV rows came from the cache (identical prompts and shared prefixes)."""
-
-
-_Key = tuple[str | None, tuple[int, ...]]  # (LoRA adapter, token ids): KV rows depend on both
-MIN_PREFIX = 16
-"""Fewest shared tokens worth a prefix hit: a hit prefills its suffix in a forward pass of its own (a read of
-every weight), so a few shared tokens (a chat template's header) cost more than they save."""
-
-
-class PromptCache:
-    """The KV rows of recently prefilled prompts and finished rows (LRU; one weights version).
-
-    Identical prompts (GRPO sends a group's prompts at about the same time; members that miss the admission
-    of the first ones) take an entry's KV rows and last-position logits as they are (`get`). A prompt that
-    shares at least `MIN_PREFIX` leading tokens with an entry (the next turn of an episode: its earlier
-    prompt and reply; agents with the same system prompt) takes the KV rows of that common prefix and
-    prefills only the rest (`longest_prefix`). A causal model's KV rows at positions < k depend on the
-    first k tokens only, so both give what a full prefill gives, up to the order of floating-point sums.
-    Entries of finished rows hold the prompt and the reply's tokens but the last (never fed to the model),
-    and no logits.
-    """
-
-    def __init__(self, size: int) -> None:
-        self.size = size
-        self.version: int | None = None
-        self.entries: OrderedDict[_Key, tuple[list, torch.Tensor | None]] = OrderedDict()
-
-    def _at(self, version: int) -> None:
-        if version != self.version:
-            self.entries.clear()
-            self.version = version
-
-    def get(self, prompt: _Key, version: int) -> tuple[list, torch.Tensor] | None:
-        """The entry of exactly this prompt with its last-position logits, if cached."""
-        self._at(version)
-        entry = self.entries.get(prompt)
-        if entry is None or entry[1] is None:
-            return None
-        self.entries.move_to_end(prompt)
-        return entry
-
-    def longest_prefix(self, prompt: _Key, version: int) -> tuple[list, int] | None:
-        """(an entry's KV rows, k): the entry (same adapter) sharing the longest prefix with the prompt, k of
-        its first rows usable (k < len(prompt): the last prompt token is fed to get its logits); None when no
-        entry shares `MIN_PREFIX` tokens."""
-        self._at(version)
-        adapter, ids = prompt
-        best, best_k = None, 0
-        for key in self.entries:
-            if key[0] == adapter:
-                k = _common_prefix(key[1], ids, len(ids) - 1)
-                if k > best_k:
-                    best, best_k = key, k
-        if best is None or best_k < MIN_PREFIX:
-            return None
-        self.entries.move_to_end(best)
-        return self.entries[best][0], best_k
-
-    def put(self, prompt: _Key, kv: list, logits_V: torch.Tensor | None, version: int) -> None:
-        if self.size <= 0 or version != self.version:
-            return
-        if logits_V is None and prompt in self.entries:  # keep the entry's logits (a 1-token reply's row)
-            self.entries.move_to_end(prompt)
-            return
-        self.entries[prompt] = ([(k.clone(), v.clone()) for k, v in kv],
-                                None if logits_V is None else logits_V.clone())
-        self.entries.move_to_end(prompt)
-        while len(self.entries) > self.size:
-            self.entries.popitem(last=False)
-
-
-def _common_prefix(a: tuple[int, ...], b: tuple[int, ...], limit: int) -> int:
-    """How many leading tokens a and b share, at most `limit`."""
-    n = min(len(a), len(b), limit)
-    if a[:n] == b[:n]:
-        return n
-    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]: bisect on tuple slices (C speed)
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid
-    return lo
+    prefill_s: float = 0.0
+    """Seconds in prefill passes (see the module docstring for what counts as prefill)."""
+    decode_s: float = 0.0
+    """Seconds in decode passes and the rest of each step."""
 
 
 class StopMatcher:
@@ -204,6 +135,10 @@ class _Row:
     """max_new_tokens, or fewer where the model's context ends first (finish reason 'length' there)."""
     out_ids: list[int] = field(default_factory=list)
     out_lp: list[float] = field(default_factory=list)
+    prefill_s: float = 0.0
+    """This request's share of the prefill passes (module docstring)."""
+    decode_s: float = 0.0
+    """Its share of the decode steps."""
 
     def add(self, token: int, logprob: float) -> str | None:
         """Record a sampled token; the finish reason if the row is done."""
@@ -219,7 +154,7 @@ class _Row:
 
     def generation(self, reason: str) -> Generation:
         return Generation(token_ids=self.out_ids, logprobs=self.out_lp, finish_reason=reason,
-                          policy_version=self.version)
+                          policy_version=self.version, prefill_s=self.prefill_s, decode_s=self.decode_s)
 
 
 _SPARE_COLUMNS = 64  # room left after the last cache column, so decode steps append in place
@@ -338,6 +273,7 @@ class DecodeBatch:
         self.next_pos_B: torch.Tensor | None = None  # its position id
         self.gen_pos_B: torch.Tensor | None = None  # tokens generated so far (the noise counter)
         self.rp: RowParams | None = None
+        self._carry_s = 0.0  # the last merge of the rows' caches: decode time of the next step's rows
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -367,21 +303,28 @@ class DecodeBatch:
         if self.linear_mode is not None:
             self.linear_mode.for_version(version)
         ids, lps = [], []
+        t0 = time.perf_counter()
         if self.rows:
             ids_B, lp_B = self._decode()
             ids.append(ids_B)
             lps.append(lp_B)
+            if newcomers:
+                self._sync()
+        t1 = time.perf_counter()
         new = None
         if newcomers:
             new = self._prefill(newcomers, version)
             ids.append(new["ids_N"])
             lps.append(new["lp_N"])
             self.stats.joined_mid_decode += len(newcomers) if self.rows else 0
+            self._sync()
+        t2 = time.perf_counter()
         if not ids:
             return []
         ids_all = torch.cat(ids)
         host = torch.stack([ids_all.to(torch.float64), torch.cat(lps).to(torch.float64)]).tolist()  # one D2H copy
         new_rows = [self._new_row(r, version) for r in newcomers]
+        self._attribute(new_rows, new, t1 - t0 + self._carry_s, t2 - t1, time.perf_counter() - t2)
         self.stats.max_batch = max(self.stats.max_batch, len(self.rows) + len(new_rows))
         finished, keep_old, keep_new = [], [], []
         for i, row in enumerate(self.rows + new_rows):
@@ -394,8 +337,32 @@ class DecodeBatch:
                 keep_old.append(i)
             else:
                 keep_new.append(i - len(self.rows))
+        t3 = time.perf_counter()
         self._regroup(keep_old, new, keep_new, ids_all, new_rows)
+        self._carry_s = time.perf_counter() - t3
         return finished
+
+    def _sync(self) -> None:
+        """Wait for the device's queued work (a GPU's), so that the time of a pass is its own."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _attribute(self, new_rows: list[_Row], new: dict[str, Any] | None, decode_s: float, prefill_s: float,
+                   rest_s: float) -> None:
+        """Share a step's seconds among its rows (module docstring): the decode pass equally among the active
+        rows, the prefill pass among the newcomers by token share, the rest equally among all of them."""
+        if new is None:  # no prefill pass: its moment between the two is the rest's
+            rest_s, prefill_s = rest_s + prefill_s, 0.0
+        rest_row = rest_s / (len(self.rows) + len(new_rows))
+        for row in self.rows:
+            row.decode_s += decode_s / len(self.rows) + rest_row
+        if new is not None:
+            weights_N = new["weights_N"]
+            for row, w in zip(new_rows, weights_N):
+                row.prefill_s += prefill_s * w / sum(weights_N)
+                row.decode_s += rest_row
+        self.stats.decode_s += (decode_s if self.rows else 0.0) + rest_s
+        self.stats.prefill_s += prefill_s
 
     def _cache_finished_row(self, i: int, row: _Row) -> None:
         """Keep a finished row's KV rows (its prompt and reply but the last token) for a next turn's prompt."""
@@ -459,7 +426,10 @@ class DecodeBatch:
         idx_N = torch.tensor(row_of_N, dtype=torch.long, device=self.device)
         zeros_N = torch.zeros(len(reqs), dtype=torch.int32, device=self.device)
         ids_N, lp_N = sample_rows(logits_UV.index_select(0, idx_N), rp, zeros_N, self._vocab(V))
-        return {"ids_N": ids_N, "lp_N": lp_N, "idx_N": idx_N, "cache": cache, "mask_UL": mask_UL,
+        prefilled = {p: len(p[1]) for p in misses} | {p: len(p[1]) - k for p, (_, k) in partial.items()}
+        sharing = [row_of_N.count(u) for u in range(len(prompts))]
+        weights_N = [prefilled.get(prompts[u], 0) / sharing[u] + 1 for u in row_of_N]
+        return {"ids_N": ids_N, "lp_N": lp_N, "idx_N": idx_N, "weights_N": weights_N, "cache": cache, "mask_UL": mask_UL,
                 "pos_N": torch.tensor([len(r.prompt_ids) for r in reqs], device=self.device), "rp": rp}
 
     def _forward_suffixes(self, partial: dict[_Key, tuple[list, int]]) -> dict[_Key, tuple[list, torch.Tensor]]:

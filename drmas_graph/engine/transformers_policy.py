@@ -10,6 +10,9 @@ turn) prefills only its new suffix, and sampling runs on the model's device for 
 batched operation whose noise is keyed by (request seed, token position) (`_sampling`), so what a request
 samples never depends on what else is in the batch.
 
+Each `Generation` carries its share of the engine's seconds (`prefill_s`, `decode_s`: a decode step split equally
+among its rows, a prefill pass by token share; `_decode`); `stats` holds the totals.
+
 Logprobs are log_softmax(logits / temperature) at the sampled token, before top-k/top-p truncation
 (temperature 0 = greedy, logprobs at temperature 1): the trainer recomputes the same quantity.
 

@@ -28,7 +28,7 @@ from drmas_graph.errors import StrictModeError
 from drmas_graph.policy import Policy
 from drmas_graph.types import Episode, Generation, SamplingParams, Turn
 
-__all__ = ["_EpisodeRecorder", "_Recorder", "served_message", "_cut_at_stop", "structured_parts", "RAW_BRANCH_TAG",
+__all__ = ["_EpisodeRecorder", "_Recorder", "served_message", "_cut_at_stop", "_stop_hit", "structured_parts", "RAW_BRANCH_TAG",
            "enclosing_node", "own_site", "check_tools_rendered", "capped"]
 
 RAW_BRANCH_TAG = "map:key:raw"
@@ -185,12 +185,22 @@ class _EpisodeRecorder:
             message_id=message.id, response_format=spec, format_error=_format_error(failure, parsed, site.tools),
             agent_name=site.agent_name, segment=self.segment,
         ))
+        if gen.prefill_s or gen.decode_s:
+            self._add_engine_time(agent, gen)
         if failure is not None:
             failure.turn_index = index
             if RAW_BRANCH_TAG not in site.tags:
                 raise failure
         # the reply as generated (cut at a stop string, not stripped): a legacy Completions answer's text
-        return ChatResult(generations=[ChatGeneration(message=message, generation_info={"text": reply})])
+        info = {"text": reply, "stop_sequence": _stop_hit(text, params.stop)}
+        return ChatResult(generations=[ChatGeneration(message=message, generation_info=info)])
+
+    def _add_engine_time(self, agent: str, gen: Generation) -> None:
+        """Add a call's engine seconds to its agent's in `episode.timings['engine']`."""
+        with self._lock:
+            spent = self.episode.timings.setdefault("engine", {}).setdefault(agent, {"prefill_s": 0.0, "decode_s": 0.0})
+            spent["prefill_s"] += gen.prefill_s
+            spent["decode_s"] += gen.decode_s
 
     def _message_id(self, index: int) -> str:
         return f"drmas-{self.episode.id}-{index}"
@@ -342,6 +352,12 @@ def _format_error(failure: InvalidReplyError | None, parsed: ParsedResponse, too
         errors = "; ".join(str(c.get("error") or c.get("args")) for c in parsed.invalid_tool_calls)
         return f"{len(parsed.invalid_tool_calls)} tool call(s) in the reply do not parse: {errors}"[:500]
     return None
+
+
+def _stop_hit(text: str, stops: Sequence[str]) -> str | None:
+    """The stop string `_cut_at_stop` cuts `text` at (an Anthropic answer's `stop_sequence`), else None."""
+    found = [(i, s) for s in stops if (i := text.find(s)) >= 0]
+    return min(found)[1] if found else None
 
 
 def _cut_at_stop(text: str, stops: Sequence[str]) -> str:

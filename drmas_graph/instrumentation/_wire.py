@@ -12,7 +12,9 @@ Recognised (the path's end, and the body's key that the API requires):
   Together, Mistral, OpenRouter and vLLM's OpenAI server speak).
 - OpenAI Completions (legacy): `.../completions`, `prompt` (a string: the prompt is the text, no chat template).
 - OpenAI Responses: `.../responses`, `input`.
-- Anthropic Messages: `.../v1/messages` (or `.../messages` with an `anthropic-version` header), `messages`.
+- Anthropic Messages: `.../v1/messages` (or `.../messages` with an `anthropic-version` header), `messages`;
+  structured outputs (`output_config.format`, what `messages.parse(output_format=...)` sends) as
+  `response_format` json_schema.
 
 The agent of a call may be named on the request: the header `X-Drmas-Agent` (any client: `extra_headers=`
 on the OpenAI and Anthropic SDKs, `extra_headers`/`headers` in LiteLLM), or `metadata.drmas_agent` in an
@@ -78,7 +80,8 @@ class WireCall:
     prompt: str | None = None
     """Legacy Completions only: the prompt text, encoded as is (no chat template)."""
     options: dict[str, Any] = field(default_factory=dict)
-    """What the answer needs besides the reply: `include_usage` (OpenAI stream usage chunk)."""
+    """What the answer needs besides the reply: `include_usage` (OpenAI stream usage chunk), `tool_choice`
+    (Responses: echoed in its own form), `echo` (Completions: the prompt goes before the text)."""
 
 
 def _split(url: str) -> tuple[str, str]:
@@ -164,6 +167,8 @@ def _check_content(message: Any, api: str) -> Any:
                               "(drmas_graph.app_models()).")
     if message.get("role") == "function":  # the deprecated form of a tool result
         return {"role": "tool", "content": content or "", "tool_call_id": message.get("name", "")}
+    if content is None:  # optional in the API (an assistant message with tool_calls), required by LangChain
+        return {**message, "content": ""}
     return message
 
 
@@ -177,7 +182,8 @@ def _completions(data: dict, agent: str | None, url: str) -> WireCall:
     return WireCall(COMPLETIONS, [HumanMessage(prompt)], [], _max_tokens(data.get("max_tokens")),
                     _stops(data.get("stop")), int(data.get("n") or 1), bool(data.get("stream")),
                     str(data.get("model", "")), _openai_agent(data, agent), prompt=prompt,
-                    options={"include_usage": bool((data.get("stream_options") or {}).get("include_usage"))})
+                    options={"include_usage": bool((data.get("stream_options") or {}).get("include_usage")),
+                             "echo": bool(data.get("echo"))})
 
 
 # ---- OpenAI Responses ---------------------------------------------------------------------------------
@@ -211,7 +217,8 @@ def _responses(data: dict, agent: str | None) -> WireCall:
     elif fmt is not None:
         kwargs["response_format"] = fmt
     return WireCall(RESPONSES, messages, normalize_tools(tools), kwargs, None, 1, bool(data.get("stream")),
-                    str(data.get("model", "")), _openai_agent(data, agent))
+                    str(data.get("model", "")), _openai_agent(data, agent),
+                    options={"tool_choice": data.get("tool_choice") or "auto"})  # echoed in the answer as sent
 
 
 def _response_items(items: list) -> list[BaseMessage]:
@@ -236,6 +243,12 @@ def _response_items(items: list) -> list[BaseMessage]:
                 out.append(AIMessage(content="", tool_calls=[call]))
         elif kind == "function_call_output":
             output = item.get("output")
+            if isinstance(output, list):  # content parts (`input_text`; images and files are refused)
+                kinds = sorted({str(p.get("type")) for p in output if isinstance(p, dict)} - {"input_text", "output_text"})
+                if kinds:
+                    raise ConfigError(f"responses: a function_call_output has parts of type {kinds}; a policy reads "
+                                      "text only")
+                output = "".join(str(p.get("text", "")) for p in output)
             out.append(ToolMessage(content=output if isinstance(output, str) else json.dumps(output),
                                    tool_call_id=str(item.get("call_id"))))
         elif kind == "reasoning":
@@ -262,6 +275,12 @@ def _anthropic(data: dict, agent: str | None) -> WireCall:
     kwargs: dict[str, Any] = _max_tokens(data.get("max_tokens"))
     if data.get("tool_choice") is not None:
         kwargs["tool_choice"] = data["tool_choice"]
+    fmt = (data.get("output_config") or {}).get("format") or data.get("output_format")  # (the beta's name)
+    if isinstance(fmt, dict) and fmt.get("type") == "json_schema":  # structured outputs (`messages.parse`)
+        kwargs["response_format"] = {"type": "json_schema", "json_schema": {"name": "response",
+                                                                            "schema": fmt.get("schema", {})}}
+    elif fmt is not None:
+        raise ConfigError(f"messages: output format {fmt!r} is not one drmas-graph serves (a json_schema one)")
     return WireCall(ANTHROPIC, messages, normalize_tools(tools), kwargs, _stops(data.get("stop_sequences")), 1,
                     bool(data.get("stream")), str(data.get("model", "")), agent)
 

@@ -28,7 +28,11 @@ __all__ = ["encode", "decode", "JSON", "SSE"]
 
 JSON, SSE = "application/json", "text/event-stream"
 
-_ANTHROPIC_STOP = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
+_ANTHROPIC_STOP = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", "content_filter": "refusal"}
+"""A turn's finish reason (OpenAI's words, which every Turn uses) -> Anthropic's `stop_reason`."""
+_FROM_ANTHROPIC = {"end_turn": "stop", "stop_sequence": "stop", "max_tokens": "length", "tool_use": "tool_calls",
+                   "refusal": "content_filter", "pause_turn": "stop"}
+"""A real Anthropic answer's `stop_reason` -> the turn's finish reason (replay maps it back)."""
 
 
 def _usage(messages: list[AIMessage]) -> tuple[int, int]:
@@ -52,8 +56,13 @@ def _arguments(call: dict) -> str:
 def encode(call: WireCall, results: list[ChatResult]) -> tuple[str, bytes]:
     """(content type, body) of the answer to `call` made of the handler's `results` (one per choice)."""
     messages = [r.generations[0].message for r in results]
+    if call.protocol == ANTHROPIC:  # the request's stop sequence the reply ended at, if any
+        hits = [(r.generations[0].generation_info or {}).get("stop_sequence") for r in results]
+        messages = [m.model_copy(update={"response_metadata": {**m.response_metadata, "stop_sequence": hit}})
+                    if hit in (call.stop or ()) else m for m, hit in zip(messages, hits)]
     if call.protocol == COMPLETIONS:  # text out as generated (a chat reply's content is stripped, tools parsed)
-        messages = [m.model_copy(update={"content": (r.generations[0].generation_info or {}).get("text", m.content)})
+        echo = call.prompt if call.options.get("echo") else ""  # `echo: true`: the prompt, then the completion
+        messages = [m.model_copy(update={"content": echo + (r.generations[0].generation_info or {}).get("text", m.content)})
                     for m, r in zip(messages, results)]
     encoder = {CHAT: _chat, COMPLETIONS: _completions, RESPONSES: _responses, ANTHROPIC: _anthropic}[call.protocol]
     if not call.stream:
@@ -157,11 +166,13 @@ def _responses(call: WireCall, messages: list[AIMessage], status: str = "complet
             "status": "incomplete" if incomplete and status == "completed" else status,
             "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None, "error": None,
             "output": _response_output(message) if status == "completed" else [],
-            "parallel_tool_calls": True, "tool_choice": call.kwargs.get("tool_choice", "auto"),
+            "parallel_tool_calls": True, "tool_choice": call.options.get("tool_choice", "auto"),
             "tools": [{"type": "function", **t["function"]} for t in call.tools], "instructions": None,
             "metadata": {}, "temperature": None, "top_p": None, "text": {"format": {"type": "text"}},
-            "usage": {"input_tokens": prompt, "output_tokens": completion, "total_tokens": prompt + completion,
-                      "input_tokens_details": {"cached_tokens": 0}, "output_tokens_details": {"reasoning_tokens": 0}}}
+            "usage": None if status != "completed" else {  # (none while in progress, as the API sends it)
+                "input_tokens": prompt, "output_tokens": completion, "total_tokens": prompt + completion,
+                "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+                "output_tokens_details": {"reasoning_tokens": 0}}}
 
 
 def _response_events(call: WireCall, messages: list[AIMessage]) -> Iterator[tuple[str, Any]]:
@@ -207,9 +218,14 @@ def _anthropic_blocks(message: AIMessage) -> list[dict]:
 def _anthropic(call: WireCall, messages: list[AIMessage]) -> dict:
     message = messages[0]
     prompt, completion = _usage(messages)
+    stop = _ANTHROPIC_STOP.get(_finish(message), "end_turn")
+    hit = message.response_metadata.get("stop_sequence")
+    if stop == "end_turn" and hit:
+        stop = "stop_sequence"
     return {"id": _id(message, "msg_"), "type": "message", "role": "assistant", "model": call.model,
-            "content": _anthropic_blocks(message), "stop_reason": _ANTHROPIC_STOP.get(_finish(message), "end_turn"),
-            "stop_sequence": None, "usage": {"input_tokens": prompt, "output_tokens": completion}}
+            "content": _anthropic_blocks(message), "stop_reason": stop,
+            "stop_sequence": hit if stop == "stop_sequence" else None,
+            "usage": {"input_tokens": prompt, "output_tokens": completion}}
 
 
 def _anthropic_events(call: WireCall, messages: list[AIMessage]) -> Iterator[tuple[str, Any]]:
@@ -228,7 +244,8 @@ def _anthropic_events(call: WireCall, messages: list[AIMessage]) -> Iterator[tup
             yield "content_block_delta", {"type": "content_block_delta", "index": index,
                                           "delta": {"type": "input_json_delta", "partial_json": json.dumps(block["input"])}}
         yield "content_block_stop", {"type": "content_block_stop", "index": index}
-    yield "message_delta", {"type": "message_delta", "delta": {"stop_reason": final["stop_reason"], "stop_sequence": None},
+    yield "message_delta", {"type": "message_delta", "delta": {"stop_reason": final["stop_reason"],
+                                                               "stop_sequence": final["stop_sequence"]},
                             "usage": {"output_tokens": final["usage"]["output_tokens"]}}
     yield "message_stop", {"type": "message_stop"}
 
@@ -264,10 +281,11 @@ def _decode_json(call: WireCall, data: dict) -> list[tuple[str, list, str]]:
                        for p in o.get("content") or ())
         calls = [_call(o["name"], o.get("arguments"), o.get("call_id")) for o in data.get("output") or ()
                  if o.get("type") == "function_call"]
-        return [(text, calls, "tool_calls" if calls else "stop")]
+        finish = "length" if data.get("status") == "incomplete" else "tool_calls" if calls else "stop"
+        return [(text, calls, finish)]
     text = "".join(b.get("text", "") for b in data.get("content") or () if b.get("type") == "text")
     calls = [_call(b["name"], b.get("input"), b.get("id")) for b in data.get("content") or () if b.get("type") == "tool_use"]
-    return [(text, calls, str(data.get("stop_reason") or "end_turn"))]
+    return [(text, calls, _FROM_ANTHROPIC.get(str(data.get("stop_reason")), "stop"))]
 
 
 def _parse_sse(body: bytes) -> list[dict]:
@@ -287,7 +305,7 @@ def _decode_events(call: WireCall, events: list[dict]) -> list[tuple[str, list, 
         done = [e["response"] for e in events if e.get("type") in ("response.completed", "response.incomplete")]
         return _decode_json(call, done[-1]) if done else []
     if call.protocol == ANTHROPIC:
-        text, calls, finish, args = [], [], "end_turn", {}
+        text, calls, finish, args = [], [], "stop", {}
         for e in events:
             kind = e.get("type")
             if kind == "content_block_start" and e["content_block"].get("type") == "tool_use":
@@ -297,8 +315,8 @@ def _decode_events(call: WireCall, events: list[dict]) -> list[tuple[str, list, 
                 text.append(e["delta"]["text"])
             elif kind == "content_block_delta" and e["delta"].get("type") == "input_json_delta":
                 args[e["index"]][1].append(e["delta"]["partial_json"])
-            elif kind == "message_delta":
-                finish = e["delta"].get("stop_reason") or finish
+            elif kind == "message_delta" and e["delta"].get("stop_reason"):
+                finish = _FROM_ANTHROPIC.get(e["delta"]["stop_reason"], "stop")
         for position, pieces in args.values():
             calls[position]["input"] = "".join(pieces) or "{}"
         return [("".join(text), [_call(c["name"], c["input"], c.get("id")) for c in calls], finish)]

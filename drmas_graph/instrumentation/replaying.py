@@ -4,7 +4,7 @@ from a recording.
 Replay builds an `InstrumentedGraph` without policies, installs the hook (`install`), puts its own
 `CallHandler` in `ACTIVE_HANDLER` for the run (`ACTIVE_HANDLER.set(handler)`, then `.reset(token)`), and
 gets each call as a `CallSite`. Calls after a divergence are served live and recorded by an
-`EpisodeRecorder`. It rebuilds a recorded answer with `cut_at_stop` (and `served_message` /
+`EpisodeRecorder`. It rebuilds a recorded answer with `cut_at_stop` and `stop_hit` (and `served_message` /
 `structured_parts` of `drmas_graph.instrumentation.instrumented`), words a run that raised as the recording
 did (`note_stop`), copies a checkpointed thread's recorded start (`checkpointer`, `fork_config`,
 `afork_config`), runs with the recorded configurable values and context (`replay_config`), and finds where a
@@ -25,13 +25,14 @@ from drmas_graph.instrumentation._http import install
 from drmas_graph.instrumentation._outcomes import note_stop
 from drmas_graph.instrumentation._recorder import RAW_BRANCH_TAG
 from drmas_graph.instrumentation._recorder import _cut_at_stop as cut_at_stop
+from drmas_graph.instrumentation._recorder import _stop_hit as stop_hit
 from drmas_graph.instrumentation._recorder import _EpisodeRecorder as EpisodeRecorder
 from drmas_graph.instrumentation._segments import apending_interrupts, latest, pending_interrupts
 from drmas_graph.instrumentation._threads import afork_config, fork_config, replay_config
 
 __all__ = ["ACTIVE_HANDLER", "CallHandler", "CallSite", "EpisodeRecorder", "RAW_BRANCH_TAG", "active_handler",
            "afork_config", "apending_interrupts", "checkpointer", "cut_at_stop", "fork_config", "install",
-           "latest", "note_stop", "pending_interrupts", "replay_config"]
+           "latest", "note_stop", "pending_interrupts", "replay_config", "stop_hit"]
 
 
 def checkpointer(graph: Any) -> Any:

@@ -55,7 +55,7 @@ from drmas_graph.errors import ConfigError, DrmasError
 from drmas_graph.instrumentation import replaying
 from drmas_graph.instrumentation.instrumented import InstrumentedGraph, served_message, structured_parts
 from drmas_graph.instrumentation.replaying import (ACTIVE_HANDLER, RAW_BRANCH_TAG, CallSite, EpisodeRecorder,
-                                                   cut_at_stop, install, note_stop)
+                                                   cut_at_stop, install, note_stop, stop_hit)
 from drmas_graph.policy import Policy
 from drmas_graph.traces import _serde
 from drmas_graph.traces._compare import Request, comparable, diff, interrupts_text, render_prompt, state_text
@@ -163,6 +163,9 @@ class _ReplayHandler:
         """Calls a truncated recording lacks, refused as its limit refused them; each would be a divergence
         if the recording turns out not to be used up (`settle`)."""
         self.turns: list[Turn] = []
+        self.stopping = False
+        """The handler refused a call to stop the replay: the run's error then is that stop, whatever form a
+        client gave it (the local endpoint answers the stop as an HTTP 500, which its client raises afresh)."""
         self._per_key: dict[str, int] = {}
         self._lock = threading.Lock()
 
@@ -181,7 +184,7 @@ class _ReplayHandler:
             if self.divergences:
                 if self.continue_live:
                     return None
-                raise _StopReplay(f"replay stopped at the first divergence: {self.divergences[0]}")
+                raise self._stop(f"replay stopped at the first divergence: {self.divergences[0]}")
             turn = self._same_call(site, n, request)
             if turn is not None:
                 self.used.add((turn.call_key, turn.node_call_index))
@@ -192,11 +195,15 @@ class _ReplayHandler:
                 self.refused.append(d)
                 if self.continue_live:
                     return None
-                raise _StopReplay(f"the recording ends here, where a limit stopped it: {self.truncated}")
+                raise self._stop(f"the recording ends here, where a limit stopped it: {self.truncated}")
             self.divergences.append(d)
         if not self.continue_live:
-            raise _StopReplay(str(d))
+            raise self._stop(str(d))
         return None
+
+    def _stop(self, message: str) -> _StopReplay:
+        self.stopping = True
+        return _StopReplay(message)
 
     def settle(self) -> None:
         """Once the run is over: the limit let every recorded call through before it refused one, so calls
@@ -267,7 +274,8 @@ def _no_original(site: CallSite) -> Callable[[], Any]:
 def _recorded_answer(turn: Turn, site: CallSite) -> ChatResult:
     """Rebuild the AIMessage the node received when the episode was recorded (Hermes tool-call markup); for
     structured output the same answer, or the same error, again (`_recorder._served`)."""
-    text = cut_at_stop(turn.response_text, turn.sampling.stop if turn.sampling else ())
+    stops = turn.sampling.stop if turn.sampling else ()
+    text = cut_at_stop(turn.response_text, stops)
     content, invalid = turn.response_text, []
     if turn.trainable:
         parsed = parse_hermes(text)
@@ -286,7 +294,9 @@ def _recorded_answer(turn: Turn, site: CallSite) -> ChatResult:
                              policy_version=turn.policy_version, agent=turn.agent, index=turn.index,
                              n_prompt=len(turn.prompt_ids), n_response=len(turn.response_ids),
                              message_id=turn.message_id, additional_kwargs=extra)
-    info = {"text": text} if turn.trainable else None  # the recorder's (`_recorder._served`)
+    info = None  # the recorder's (`_recorder._served`): the reply as generated, the stop string it ended at
+    if turn.trainable:
+        info = {"text": text, "stop_sequence": stop_hit(turn.response_text, stops)}
     return ChatResult(generations=[ChatGeneration(message=message, generation_info=info)])
 
 
@@ -394,7 +404,7 @@ def _serving(run: Any) -> Iterator[_Outcome]:
     try:
         yield outcome
     except Exception as exc:
-        if _stopped(exc):
+        if _stopped(exc) or run.handler.stopping:  # (a client's own error for the stop: the local endpoint's)
             outcome.stopped = True
         elif isinstance(exc, ConfigError):
             raise

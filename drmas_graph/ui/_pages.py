@@ -17,24 +17,37 @@ from typing import Any
 
 from markupsafe import Markup, escape
 
+from drmas_graph._chat import tool_signature
 from drmas_graph.errors import ConfigError
 from drmas_graph.types import Episode, Turn
 from drmas_graph.ui._charts import Series, line_chart, points
 from drmas_graph.ui._data import Run, number_param
 
-__all__ = ["AgentStats", "group_stats", "judge_attempt", "group_view", "ChartOptions", "chart_series", "chart_title", "run_charts", "eval_rows", "episode_view", "judgement_view", "replay_view", "diff_lines", "token_html"]
+__all__ = ["AgentStats", "group_stats", "judge_attempt", "group_view", "ChartOptions", "chart_series", "chart_title", "PHASE_CHART", "PHASES", "run_charts", "eval_rows", "episode_view", "judgement_view", "replay_view", "diff_lines", "token_html"]
 
 FIRST_CHARTS = (
     "reward/team_mean", "agent/*/reward_mean", "model/*/grad_norm", "agent/*/approx_kl", "agent/*/entropy",
     "agent/*/clip_frac", "agent/*/ratio_max", "agent/*/truncated_share", "agent/*/model_error_share",
     "agent/*/invalid_rate", "agent/*/response_length", "eval/avg@k", "eval/pass@k", "eval/*/reward",
-    "time/step_s", "time/rollout_s", "time/update_s", "time/sync_s",
+    "time/step_s", "time/rollout_s", "time/update_s", "time/sync_s", "time/rollout_prefill_s", "time/rollout_decode_s",
+    "agent/*/llm_call_s", "agent/*/rollout_prefill_s", "agent/*/rollout_decode_s", "time/score_s", "time/judge_s",
+    "time/old_logprobs_s", "time/checkpoint_s",
 )  # fmt: skip
-"""Charts shown first, in this order (``*``: one line per agent or model); every other metric follows."""
+"""Charts shown first, in this order (``*``: one line per agent or model); every other metric follows. The chart of
+a step's time by phase (`PHASE_CHART`) comes before the first time/ chart."""
+
+PHASE_CHART = "time/*"
+"""The chart of a step's seconds, one line per phase (`PHASES`): in one run's charts each phase has its colour;
+overlaid runs keep their colour and each phase its line style."""
+PHASES = (("rollout", "time/rollout_s"), ("prefill", "time/rollout_prefill_s"), ("decode", "time/rollout_decode_s"),
+          ("score", "time/score_s"), ("old logprobs", "time/old_logprobs_s"), ("update", "time/update_s"),
+          ("sync", "time/sync_s"), ("checkpoint", "time/checkpoint_s"))
+"""(line label, metric) of the phase chart: the rollout's wall time, its engine prefill and decode seconds (embedded
+policies), then the step's other phases."""
 
 _TITLES = {"agent/*/ratio_max": "importance weight (max ratio) per agent", "model/*/grad_norm": "gradient norm per model",
            "agent/*/approx_kl": "KL (approx) per agent", "agent/*/clip_frac": "clip fraction per agent",
-           "eval/*/reward": "evaluation reward per agent"}
+           "eval/*/reward": "evaluation reward per agent", PHASE_CHART: "seconds per step, by phase"}
 
 
 def _chart_key(key: str, agents: Sequence[str] = ()) -> tuple[str, str]:
@@ -107,7 +120,23 @@ def chart_series(runs: Sequence[Run], colours: Mapping[str, int], options: Chart
         charts.setdefault(pattern, []).append(Series(
             label, points(records, key, (options.from_step, options.to_step)), colours[run.name],
             dashes.get((pattern.partition("/")[0], part), 0)))
+    phases = _phase_series(runs, colours, options)
+    if phases:
+        charts[PHASE_CHART] = phases
     return charts
+
+
+def _phase_series(runs: Sequence[Run], colours: Mapping[str, int], options: ChartOptions) -> list[Series]:
+    """The lines of `PHASE_CHART`: per run, one per phase it logged."""
+    out = []
+    for run in runs:
+        records = run.metrics()
+        for i, (phase, key) in enumerate(PHASES):
+            line = points(records, key, (options.from_step, options.to_step))
+            if line:
+                out.append(Series(f"{run.name} / {phase}" if len(runs) > 1 else phase, line,
+                                  colours[run.name] if len(runs) > 1 else i, i if len(runs) > 1 else 0))
+    return out
 
 
 def chart_title(pattern: str) -> str:
@@ -126,8 +155,10 @@ def run_charts(runs: Sequence[Run], colours: Mapping[str, int], options: ChartOp
     def draw(pattern: str) -> Markup:
         return line_chart(chart_title(pattern), charts[pattern], smooth=options.smooth, href=link(pattern))
 
-    first = [draw(p) for p in FIRST_CHARTS if p in charts]
-    rest = [draw(p) for p in sorted(charts) if p not in FIRST_CHARTS]
+    order = list(FIRST_CHARTS)
+    order.insert(next(i for i, p in enumerate(order) if p.startswith("time/")), PHASE_CHART)
+    first = [draw(p) for p in order if p in charts]
+    rest = [draw(p) for p in sorted(charts) if p not in order]
     return [c for c in first if c], [c for c in rest if c]
 
 
@@ -224,6 +255,7 @@ class TurnView:
     turn_reward: float | None
     tool_calls: str
     broke_app: bool
+    tools: list[tuple[str, str, str]]  # the tools the agent was given: (signature, description, JSON schema)
 
 
 def episode_view(run: Run, episode: Episode) -> dict[str, Any]:
@@ -242,6 +274,8 @@ def episode_view(run: Run, episode: Episode) -> dict[str, Any]:
             turn_reward=None if episode.turn_rewards is None else episode.turn_rewards[position],
             tool_calls=_json(list(turn.tool_calls)) if turn.tool_calls else "",
             broke_app=position == episode.model_error_turn,
+            tools=[(tool_signature(t), str(t.get("function", t).get("description") or ""), _json(t))
+                   for t in turn.tools],
         ))
     tree: dict[int, dict[str, list[TurnView]]] = {}
     for view in turns:

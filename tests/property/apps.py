@@ -20,7 +20,9 @@ run config's `configurable` or LangGraph's `context=` (`Call.source`); a node ma
 node runs its subgraph as a separately instrumented app (`build(..., nest=)`: the instrumenting is the test's,
 this module never imports drmas_graph); an `invoke` subgraph may keep its memory on the thread
 (`Node.memory`: compiled with `checkpointer=True`). Several rollouts of one thread and replays in another
-process are the tests' (`test_generated_apps.py`). Issue 47: a call site's calls may go through the OpenAI SDK.
+process are the tests' (`test_generated_apps.py`). Issue 47: a call site's calls may go through another client
+(`Call.client`, drawn from `clients.CLIENTS`: the OpenAI and Anthropic SDKs sync, async and streamed, LiteLLM,
+a raw httpx POST, the run's local endpoint).
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ from langgraph.runtime import get_runtime
 from langgraph.types import CachePolicy, RetryPolicy, Send, interrupt
 from pydantic import BaseModel, create_model
 
-from tests.property.clients import ask_sdk
+from tests.property.clients import CLIENTS, ask_sdk
 
 KNOWN_DEFECTS: dict[str, bool] = {
     "rev4_p": False,  # a node runs a subgraph / agent more than once (in turn or via .batch): wrong path, agent
@@ -83,7 +85,6 @@ INVOKE_MODES = ("once", "seq", "batch", "pool")
 RUN_METHODS = ("rollout", "invoke", "ainvoke", "stream", "astream", "astream_events", "batch")
 """How the app is run (rev5_h: a streamed run stored no final state). Only `rollout` answers interrupts."""
 SOURCES = ("", "configurable", "context")
-CLIENTS = ("langchain", "openai", "openai-stream")  # by the site's number, not drawn: the drawn apps stay the same
 """Where a call's prompt takes a per-run value from besides the state (rev5_a): nowhere, the run config's
 `configurable['persona']`, or LangGraph's `context=` (`Runtime.context.user`)."""
 PERSONA, USER = "a pirate", "bob"
@@ -118,7 +119,7 @@ class Call:
     source: str = ""
     """One of SOURCES: a per-run value the prompt reads."""
     client: str = "langchain"
-    """One of CLIENTS: the app's LangChain model, or the OpenAI SDK (`clients.ask_sdk`)."""
+    """One of `clients.CLIENTS`: the app's LangChain model, or another client (`clients.ask_sdk`)."""
 
 
 @dataclass(frozen=True)
@@ -214,7 +215,8 @@ def apps(draw: Any, need: str | None = None) -> App:
         return Call(f"s{number}", kind, draw(st.sampled_from(PROMPTS)), schema, method,
                     draw(st.sampled_from(values)) if value else "str",
                     draw(st.sampled_from(SOURCES)) if source and kind != "agent" else "",
-                    CLIENTS[number % len(CLIENTS)] if kind != "agent" else "langchain")
+                    draw(st.one_of(st.just("langchain"), st.sampled_from(CLIENTS[1:]))) if kind != "agent"
+                    else "langchain")  # half the sites LangChain, half one of the other clients
 
     if draw(st.integers(0, 4)) == 0:  # a Functional API app
         tasks = tuple(call(("llm", "structured"), source=False) for _ in range(draw(st.integers(1, 3))))

@@ -21,14 +21,16 @@ from typing import Any
 
 from hypothesis import note
 
-from drmas_graph import RolloutError, TraceStore, instrument
+from drmas_graph import RolloutError, TraceStore, instrument, llm_base_url
 from drmas_graph.testing import scripted_policy
 from drmas_graph.traces.replay import ReplayResult, comparable, replay, replay_episode
 from drmas_graph.traces._compare import state_text  # noqa: F401  (the replay process prints it)
 from drmas_graph.types import Episode
 from tests.property import apps as _apps
+from tests.property import clients, network
 from tests.property.apps import APP_MODEL_REPLY, PERSONA, USER, App, Built, Call, Ctx, Timing
 
+clients.ENDPOINT[:] = [llm_base_url]  # the `endpoint` client's URL: this node's, in this run
 POLICY_NAMES = ("pol-a", "pol-b", "pol-c")
 SITE = re.compile(r"^site (s\d+): ")
 MARK = "MUTATED"
@@ -175,6 +177,7 @@ def roll(app: App, built: Built, wired: Wiring, store: TraceStore | None, seed: 
          max_llm_calls: int | None = None) -> Run:
     """One instrumented run of the built app by its run method (`App.run`; `rollout` answers interrupts), as
     the issue's user would run it; `max_llm_calls` caps a rollout's calls (truncated at the call past the cap)."""
+    network.ATTEMPTS.clear()
     if app.run != "rollout":
         return _roll_by_method(app, built, wired, store)
     try:
@@ -247,12 +250,20 @@ def check_attribution(app: App, run: Run) -> None:
     assert not wrong, "calls attributed to the wrong agent:\n" + "\n".join(wrong) + f"\n{describe(app)}"
     assert run.built.model.calls == 0, (f"the app's own model was called {run.built.model.calls} time(s) although "
                                         f"every agent has a policy\n{describe(app)}")
+    check_no_network(app)
     assert run.error is None, f"the rollout failed: {run.episode.error}\n{describe(app)}"
     assert run.episode.turns, f"no LLM call recorded\n{describe(app)}"
     for site, agents in run.wiring.voters.items():  # every node instance (a fan's worker) asks each voter once
         for key in {t.call_key for t in run.episode.turns if site_of(t) == site}:
             voted = sorted(t.agent for t in run.episode.turns if site_of(t) == site and t.call_key == key)
             assert voted == sorted(agents), f"site {site} ({key}): calls by {voted}, want one each by {agents}\n{describe(app)}"
+
+
+def check_no_network(app: App) -> None:
+    """Nothing tried to reach the network (`network.guarded`): every client's call was served in the process
+    (the local endpoint's connect is the one allowed)."""
+    assert not network.ATTEMPTS, (f"{len(network.ATTEMPTS)} request(s) tried to leave the process: "
+                                  f"{network.ATTEMPTS[:3]}\n{describe(app)}")
 
 
 def identities(episode: Episode) -> list[tuple]:
@@ -308,6 +319,7 @@ def _stored_as(live: Any, stored: Any) -> bool:
 
 
 def check_clean_replay(app: App, result: ReplayResult) -> None:
+    check_no_network(app)
     assert not result.divergences, (f"replay of the unchanged app reports {result.divergences[0]}\n"
                                     f"{describe(app)}")
     assert result.state_matches, (f"replay of the unchanged app: final state differs\n{result.state_diff}\n"
@@ -333,6 +345,7 @@ def check_truncated(app: App, run: Run, cap: int, n_calls: int) -> None:
 
 def check_truncated_replay(app: App, result: ReplayResult, truncated: bool) -> None:
     """The unchanged app replays a capped recording without divergence and stops where the cap stopped it."""
+    check_no_network(app)
     assert not result.divergences, (f"replay of the unchanged, capped app reports {result.divergences[0]}\n"
                                     f"{describe(app)}")
     assert result.stopped == truncated, f"replay stopped={result.stopped}, truncated={truncated}\n{describe(app)}"
@@ -358,6 +371,7 @@ def replay_stored(app: App, store: TraceStore, episode: Episode, timing_seed: in
 
 
 def check_divergence_at(app: App, result: ReplayResult, site: str, kinds: tuple[str, ...]) -> None:
+    check_no_network(app)
     want = wiring(app).sites[site]
     assert result.divergences, (f"site {site} changed, yet replay reports no divergence (state_matches="
                                 f"{result.state_matches})\n{describe(app)}")
@@ -372,7 +386,8 @@ def check_changed_reply(app: App, result: ReplayResult) -> None:
     """A changed recorded reply shows where it flows: in the first divergence's prompt, else the final state.
     In an app with a conditional branch the reply also picks the branch (`_router` hashes it), so the first
     divergence may be the other branch's run: a call the recording lacks, one it has that is not made, or an
-    interrupt it did not stop at."""
+    interrupt it did not stop at. Replay sends nothing (`check_no_network`)."""
+    check_no_network(app)
     if result.divergences:
         first = result.divergences[0]
         rerouted = any(step.kind == "branch" for step in app.steps) and first.kind in (

@@ -18,13 +18,13 @@ from hypothesis import strategies as st
 from drmas_graph import TraceStore
 from drmas_graph.traces.replay import replay
 from tests.property import invariants as inv
-from tests.property import threads
+from tests.property import network, threads
 from tests.property.apps import KNOWN_DEFECTS, Timing, apps, timings
 from tests.property.invariants import build
 
 pytestmark = [pytest.mark.property,  # an agent on a branch the run did not take made no call: expected here
               pytest.mark.filterwarnings("ignore:agents.*matched no LLM call in the first episode"),
-              pytest.mark.filterwarnings(r"ignore:agent\(s\).*made no LLM call in the first episode")]
+              pytest.mark.filterwarnings(r"ignore:.*agent\(s\).*made no LLM call in the first episode")]
 seeds = st.integers(0, 2**20)
 
 
@@ -32,6 +32,19 @@ seeds = st.integers(0, 2**20)
 def _policies():
     yield inv.policies()
     inv.close_policies()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _no_network():
+    """Every connect but the local endpoint's is refused and counted (`network.guarded`; the invariants check the
+    count), with placeholder API keys and the SDKs' default base URLs."""
+    keys = {"OPENAI_API_KEY": "sk-never-sent", "ANTHROPIC_API_KEY": "sk-ant-never-sent"}
+    with pytest.MonkeyPatch.context() as env, network.guarded():
+        for name, value in keys.items():
+            env.setenv(name, value)
+        for name in ("OPENAI_BASE_URL", "ANTHROPIC_BASE_URL"):
+            env.delenv(name, raising=False)
+        yield
 
 
 @given(app=apps(), timing=st.tuples(timings, timings, timings), seed=seeds)

@@ -10,6 +10,7 @@ reach the rollouts at the next step boundary instead (`_pipeline`).
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Sequence
 
 from drmas_graph.train.loop._build import is_served
@@ -58,7 +59,9 @@ def old_logprobs(run: RunState, model: ModelSlot, samples: list[Sample], metrics
     updater = model.updater
     if updater.settings.n_minibatches == 1:
         return samples, "current"
+    started = time.perf_counter()
     logprobs = on_model_thread(model, functools.partial(updater.compute_logprobs, samples))
+    metrics[f"model/{model.name}/old_logprobs_s"] = time.perf_counter() - started
     samples, gaps = with_trainer_logprobs(samples, logprobs)
     metrics.update(gaps)
     return samples, "given"

@@ -1,7 +1,8 @@
 """Every metric a training run logs (run_dir/metrics.jsonl, TensorBoard, W&B) and what it means: the single
 source of docs/reference/metrics.md (`scripts/gen_reference.py`) and of the test that every logged key is
-documented. `<agent>`, `<model>` and `<limit>` stand for names; the update's metrics come from the field
-docstrings of `UpdateMetrics` and `AgentUpdateMetrics`.
+documented. `<agent>`, `<model>`, `<adapter>` and `<limit>` stand for names; the update's metrics come from the
+field docstrings of `UpdateMetrics` and `AgentUpdateMetrics` (a LoRA model logs its `UpdateMetrics` once per
+adapter, `model/<model>/<adapter>/...`: `optim.lora.LoraUpdateMetrics`).
 """
 
 from __future__ import annotations
@@ -12,7 +13,24 @@ import re
 
 from drmas_graph.train.optim import AgentUpdateMetrics, UpdateMetrics
 
-__all__ = ["metrics_reference", "is_documented"]
+__all__ = ["metrics_reference", "is_documented", "TIME_NOTE"]
+
+TIME_NOTE = (
+    "Where a step's time goes: `time/rollout_s`, `time/score_s` (of it `time/judge_s`), `time/old_logprobs_s`, "
+    "`time/update_s` and `time/sync_s` add up to about `time/step_s`; `time/checkpoint_s` follows the step, "
+    "`eval/time_s` is an evaluation's. The embedded engine (`TransformersPolicy`) times its prefill and decode "
+    "passes and gives each call its share: a decode step's seconds split equally among the rows it decoded (one "
+    "token each); a prefill pass's among its requests by token share (a prompt's prefilled tokens split among the "
+    "requests that share it, plus one token per request for its first sample); the rest of an engine step (the "
+    "device-to-host copy, stop checks, merging KV caches) counts as decode, split among the step's rows. The shares "
+    "add up to the engine's own totals (`policy.stats.prefill_s`, `decode_s`); each episode keeps its agents' sums "
+    "in `timings['engine']` (in traces.db), and a step's are `time/rollout_prefill_s`, `time/rollout_decode_s` and "
+    "`agent/<agent>/rollout_prefill_s`, `..._decode_s`. A served policy (vLLM, SGLang) batches on its server, "
+    "out of the trainer's sight: its agents have `agent/<agent>/llm_call_s` (the wall time of their calls, which "
+    "overlap when calls run concurrently) and no prefill/decode split. `TrainResult.summary()` (printed at the end "
+    "of `drmas-graph train`) has a line with each phase's mean seconds per step."
+)
+"""The paragraph on step times of docs/reference/metrics.md."""
 
 STEP = [
     ("step", "The training step (0 = the first); an evaluation's line has the number of steps done before it."),
@@ -30,11 +48,26 @@ STEP = [
     ("truncated_episodes", "Episodes a limit stopped (trained on with `rollout.truncated_reward`)."),
     ("truncated/<limit>", "Of those, the ones `<limit>` stopped (max_llm_calls, recursion_limit, timeout_s)."),
     ("model_error_episodes", "Episodes the policy's output broke (trained on with `rollout.model_error_reward`)."),
-    ("time/rollout_s", "Seconds of the step's rollouts."),
+    ("time/rollout_s", "Seconds of the step's rollouts (wall time)."),
+    ("time/rollout_prefill_s", "Engine seconds prefilling the prompts of the step's scored episodes, summed over "
+                               "their calls (embedded policies only: each call's share of the prefill passes it "
+                               "took part in, by prompt tokens prefilled; see the embedded engine's docs). Several "
+                               "models, or several processes under a launcher, generating at once can sum past "
+                               "time/rollout_s."),
+    ("time/rollout_decode_s", "Engine seconds decoding the responses of the step's scored episodes, summed over "
+                              "their calls (embedded policies only: each decode step split equally among its "
+                              "rows). time/rollout_s minus prefill and decode is the graph's own time, rendering, "
+                              "tools and waiting."),
     ("time/score_s", "Seconds of scoring and advantages."),
-    ("time/update_s", "Seconds of the updates (weight syncs excluded)."),
+    ("time/judge_s", "Of time/score_s, the seconds waiting for the environment's rewards when it has "
+                     "`reward_group` (a judge's calls); summed over processes under a launcher."),
+    ("time/old_logprobs_s", "Seconds of separate old-logprob passes before the updates (`old_logprobs: trainer` "
+                            "with more than one minibatch; 0 when the update's own first pass gives them)."),
+    ("time/update_s", "Seconds of the updates (weight syncs and old-logprob passes excluded)."),
     ("time/sync_s", "Seconds pushing weights to inference servers."),
-    ("time/step_s", "Seconds of the whole step."),
+    ("time/checkpoint_s", "Seconds writing the checkpoint after this step (on the lines of steps a "
+                          "`checkpoint_every` checkpoint followed; the final checkpoint is not timed here)."),
+    ("time/step_s", "Seconds of the whole step (without its checkpoint)."),
     ("rollout/tokens_per_s", "Response tokens sampled per second of rollout."),
     ("reward/team_mean", "Mean team reward of the scored episodes (a per-agent reward dict counts as its mean)."),
     ("adv/pools", "Advantage pools the estimator formed (e.g. group x agent for `agent`)."),
@@ -55,11 +88,17 @@ STEP = [
     ("agent/<agent>/response_length", "Mean response length in tokens of the agent's samples."),
     ("agent/<agent>/calls", "LLM calls of the agent in the scored episodes."),
     ("agent/<agent>/invalid_rate", "Share of the agent's turns that were invalid (each costs invalid_penalty)."),
+    ("agent/<agent>/llm_call_s", "Wall seconds of the agent's calls in the scored episodes, summed over its calls "
+                                 "(concurrent calls overlap; any policy, served ones included)."),
+    ("agent/<agent>/rollout_prefill_s", "The agent's part of time/rollout_prefill_s (embedded policies only)."),
+    ("agent/<agent>/rollout_decode_s", "The agent's part of time/rollout_decode_s (embedded policies only)."),
     ("agent/<agent>/never_acted", "1 when the agent made no call in the step (absent otherwise)."),
     ("agent/<agent>/truncated_share", "Share of the agent's samples from truncated episodes."),
     ("agent/<agent>/model_error_share", "Share of the agent's samples from model-error episodes."),
     ("agent/<agent>/model_error_episodes", "Model-error episodes whose offending turn was the agent's."),
     ("model/<model>/sync_s", "Seconds pushing model `<model>`'s weights to its servers (served models)."),
+    ("model/<model>/old_logprobs_s", "Seconds of model `<model>`'s separate old-logprob pass (when it has one: "
+                                     "see time/old_logprobs_s)."),
 ]
 ASYNC = [
     ("async/synchronous_fallback", "1 when a run configured as asynchronous trains synchronously (no room for a "
@@ -110,6 +149,7 @@ EVAL = [
     ("eval/<agent>/invalid_rate", "Share of the agent's turns that were invalid."),
     ("eval/<agent>/calls_per_episode", "The agent's calls per scored episode."),
     ("eval/<agent>/response_length", "Mean response length in tokens of the agent's replies."),
+    ("eval/time_s", "Seconds of the evaluation (rollouts and scoring)."),
     ("eval/<agent>/top_replies", "The agent's 5 most frequent replies (whitespace-normalized, cut to 80 "
                                  "characters): a list of {reply, count, reward (mean)}; not a scalar."),
 ] + [(f"eval/{key}", f"{meaning.rstrip('.')}, during the evaluation.") for key, meaning in JUDGE]
@@ -126,7 +166,11 @@ def metrics_reference() -> list[tuple[str, str, str]]:
     """(section, key, meaning) of every metric, in the order of the generated page."""
     update = [(f"model/<model>/{k}", d) for k, d in _field_docs(UpdateMetrics).items() if k not in ("model", "agents")]
     update += [(f"agent/<agent>/{k}", d) for k, d in _field_docs(AgentUpdateMetrics).items()]
+    lora = [(f"model/<model>/<adapter>/{k}", f"`model/<model>/{k}` of adapter `<adapter>`'s own optimizer: {d[0].lower()}{d[1:]}")
+            for k, d in _field_docs(UpdateMetrics).items() if k not in ("model", "agents")]
     sections = [("Training step", STEP), ("Update (per trainable model and agent)", update),
+                ("LoRA update (per adapter: a LoRA model logs these in place of `model/<model>/...`; its agents' "
+                 "`agent/<agent>/...` keys are those above)", lora),
                 ("Asynchronous training", ASYNC),
                 ("Judge rewards (an environment's `reward_metrics()`: a `rewards.Judge`'s counters)", JUDGE),
                 ("Evaluation (lines with eval/ keys; `TrainResult.evals` and a `drmas-graph eval`'s eval.json hold "

@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import numbers
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -47,6 +48,7 @@ from drmas_graph.env import (
 from drmas_graph.errors import JudgeError, RolloutError
 from drmas_graph.traces.store import TraceStore
 from drmas_graph.train.optim import AdvantageStats, compute_advantages
+from drmas_graph.train.loop._timing import old_logprobs_seconds, rollout_times
 from drmas_graph.train.loop.metrics import Stopwatch, mean_std
 from drmas_graph.types import Episode, Sample
 
@@ -91,8 +93,11 @@ def score_runs(env: Any, runs: list[tuple[Any, Episode]], counts: dict[str, Any]
             counts["masked_truncated_episodes"] += 1
         else:
             kept.append((task, episode))
+    started = time.perf_counter()
     results = score_episodes(env, kept, invalid_penalty=invalid_penalty, truncated_reward=rollout.truncated_reward,
                              model_error_reward=rollout.model_error_reward)
+    if hasattr(env, "reward_group"):  # a judge's calls
+        counts["time/judge_s"] = time.perf_counter() - started
     for (task, episode), score in zip(kept, results):
         if isinstance(score, BadRewardError):
             counts[failure_metric(score)] += 1
@@ -332,12 +337,13 @@ def step_record(step: int, agents: Sequence[str], groups: Sequence[Group], count
     then the updaters' metrics."""
     scored = [pair for group in groups for pair in group.scored()]
     advantages = {ep.id: adv for group in groups for ep, adv in zip(group.episodes, _advantages(group))}
-    rollout_s = times.laps["rollout"]
+    rollout_s, old_s = times.laps["rollout"], old_logprobs_seconds(update_metrics)
     record: dict[str, Any] = {"step": step, **counts, "episodes": len(scored),
                               "time/rollout_s": rollout_s, "time/score_s": times.laps["score"],
-                              "time/update_s": times.laps["update"] - sync_s, "time/sync_s": sync_s,
-                              "time/step_s": times.total()}
+                              "time/old_logprobs_s": old_s, "time/update_s": times.laps["update"] - sync_s - old_s,
+                              "time/sync_s": sync_s, "time/step_s": times.total()}
     episodes = [ep for ep, _ in scored]
+    record.update(rollout_times(agents, episodes))
     n_tokens = sum(len(turn.response_ids) for ep in episodes for turn in ep.turns)
     record["rollout/tokens_per_s"] = n_tokens / max(rollout_s, 1e-9)
     record["reward/team_mean"] = mean_std([s.team for _, s in scored])[0]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections import Counter, defaultdict
 from typing import Any
 
@@ -46,6 +47,7 @@ def evaluate(run: RunState | HasRunState, *, step: int, split: str | None = None
     `Trainer`. `rollouts`, when given, receives (task, episode, score or None, success) for every finished rollout
     of every process, in rank order; the episodes of other processes arrive as `evaluation_episode` keeps them
     (the Weave export's part). `progress(done, total)`: called as this process's episodes end."""
+    started = time.perf_counter()
     state = run_state(run)
     ec = state.cfg.eval
     split = split or ec.split
@@ -103,6 +105,7 @@ def evaluate(run: RunState | HasRunState, *, step: int, split: str | None = None
     for agent, top in top_replies([r for part in distributed.gather(replies) for r in part]).items():
         record[f"{agent}/top_replies"] = top
     _check_threshold(state, [t for part in distributed.gather(teams) for t in part], record)
+    record["time_s"] = time.perf_counter() - started
     return record
 
 

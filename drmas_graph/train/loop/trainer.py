@@ -53,6 +53,7 @@ from drmas_graph.train.loop._learn import update_models
 from drmas_graph.train.loop._rollouts import StepBatch, roll_out
 from drmas_graph.train.loop._setup import RunDirInUseError, build_run, free_run_dir
 from drmas_graph.train.loop._state import RunState, abandon, close
+from drmas_graph.train.loop._timing import time_line, timed
 from drmas_graph.train.loop.evaluate import evaluate, reply_lines
 from drmas_graph.train.loop.metrics import RunLogger, Stopwatch
 from drmas_graph.types import Episode
@@ -79,7 +80,8 @@ class TrainResult:
         """A short table: per-agent reward (turn reward incl. invalid-turn penalties) and avg@k / pass@k,
         at the first and the last evaluation; the training reward of the first and last step ('-' for a step
         where no episode got a reward), with its episode counts (rewarded, unjudged, failed, bad reward) where
-        some got none. One column where there was only one (one evaluation, one step)."""
+        some got none. One column where there was only one (one evaluation, one step). Then where the time went
+        (`_timing.time_line`): 'time per step: rollout 12.1 s (prefill 1.2, decode 9.8), score 0.4 s, ...'."""
 
         def row(label: str, *cells: Any) -> str:
             return f"{label:<28}" + "".join(f"{c:>12}" if isinstance(c, (str, int)) else f"{c:>12.3f}" for c in cells)
@@ -108,6 +110,8 @@ class TrainResult:
                       ("failed_episodes", "failed episodes"), ("bad_reward_episodes", "bad-reward episodes"))
             if any(h.get(key) for h in ends for key, _ in counts[1:]):  # some got no reward: say how many
                 lines += [row("  " + label, *(int(h.get(key, 0)) for h in ends)) for key, label in counts]
+        if (line := time_line(self.history, self.evals)) is not None:
+            lines.append(line)
         lines.append(f"run folder: {self.run_dir}")
         return "\n".join(lines)
 
@@ -265,12 +269,14 @@ class Trainer:
             if cfg.eval.before_training and self.start_step == 0:
                 self._evaluate(0, logger)
             for step, record in self.steps():
-                self.result.history.append(record)
-                logger.log(record)
-                logger.progress(step, record)
                 done = step + 1
-                if cfg.checkpoint_every and done % cfg.checkpoint_every == 0 and done < cfg.steps:
-                    self.save_checkpoint(done)
+                try:  # the step's line carries its checkpoint's time, and is logged if the checkpoint fails
+                    if cfg.checkpoint_every and done % cfg.checkpoint_every == 0 and done < cfg.steps:
+                        record["time/checkpoint_s"] = timed(self.save_checkpoint, done)
+                finally:
+                    self.result.history.append(record)
+                    logger.log(record)
+                    logger.progress(step, record)
                 if cfg.eval.every and done % cfg.eval.every == 0 and done < cfg.steps:
                     self._evaluate(done, logger)
             if self.start_step < cfg.steps:  # checkpoint first: asynchronous runs save the weights step N rolls out on

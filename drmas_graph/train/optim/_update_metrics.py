@@ -25,14 +25,18 @@ class AgentUpdateMetrics:
 
     n_samples: int
     """Samples of this agent (all processes)."""
-    pg_loss: float
-    """Policy-gradient loss over this agent's samples (aggregated with loss_agg, before loss_weight)."""
-    clip_frac: float
-    """Fraction of tokens where the clipped PPO branch was active."""
-    dual_clip_frac: float
-    """Fraction of tokens capped by the dual clip."""
-    approx_kl: float
-    """Mean of old_logprob - logprob (k1 estimate of KL(old || new)), at the time of each forward pass."""
+    pg_loss: float | None
+    """Policy-gradient loss over this agent's samples (aggregated with loss_agg, before loss_weight); None (absent
+    from the logs) when no sample of the agent was forwarded, as for ratio_max."""
+    clip_frac: float | None
+    """Fraction of tokens where the clipped PPO branch was active; None (absent from the logs) when no sample of
+    the agent was forwarded."""
+    dual_clip_frac: float | None
+    """Fraction of tokens capped by the dual clip; None (absent from the logs) when no sample of the agent was
+    forwarded."""
+    approx_kl: float | None
+    """Mean of old_logprob - logprob (k1 estimate of KL(old || new)), at the time of each forward pass; None
+    (absent from the logs) when no sample of the agent was forwarded."""
     ratio_max: float | None
     """Largest importance ratio seen; None (absent from the logs) when no sample of the agent was forwarded (each
     had advantage 0 and was skipped: no ratio was taken, so none is reported, rather than 0)."""
@@ -45,8 +49,11 @@ class AgentUpdateMetrics:
     kl_ref: float | None = None
     """Mean k3 KL to the reference model (only when kl_coef > 0)."""
     rollout_logprob_gap: float | None = None
-    """Mean |rollout - trainer| logprob on the first mini-batch, when the ratio's old logprobs are the update's own
-    (old_logprobs='current'); the trainer reports it itself when it recomputes them."""
+    """Mean |rollout - trainer| logprob over the agent's fresh samples (not stale), whenever the PPO ratio's old
+    logprobs are the trainer's own (config `old_logprobs: trainer`, or `auto` on an embedded policy or in
+    asynchronous training): measured on the update's first mini-batch with `update.n_minibatches: 1`, else by the
+    recomputation before the update. Absent with the rollout's (`old_logprobs: rollout`, or `auto` on a served
+    policy in synchronous training)."""
     grad_norm: float | None = None
     """Per-agent gradient norm: the 2-norm of the gradient of this agent's part of the loss, before clipping, mean
     over the update's optimizer steps (0 for a step without its samples). Its part of a mini-batch's loss is the
@@ -154,11 +161,14 @@ def _agent_metrics(tally: _Tally, agent: str, with_kl: bool, with_entropy: bool,
     def mean(name: str) -> float:
         return tally.mean(("agent", agent, name))
 
+    def measured(name: str) -> float | None:  # None, not 0, for an agent none of whose samples was forwarded
+        return mean(name) if ("agent", agent, name) in tally.weights else None
+
     with_start = ("agent", agent, "kl_start") in tally.weights
 
     return AgentUpdateMetrics(
-        n_samples=int(tally.sums[("agent", agent, "n_samples")]), pg_loss=mean("pg_loss"),
-        clip_frac=mean("clip_frac"), dual_clip_frac=mean("dual_clip_frac"), approx_kl=mean("approx_kl"),
+        n_samples=int(tally.sums[("agent", agent, "n_samples")]), pg_loss=measured("pg_loss"),
+        clip_frac=measured("clip_frac"), dual_clip_frac=measured("dual_clip_frac"), approx_kl=measured("approx_kl"),
         ratio_max=tally.maxima.get(("agent", agent, "ratio_max")), entropy=mean("entropy") if with_entropy else None,
         logprob_mismatch=mean("logprob_mismatch") if ("agent", agent, "logprob_mismatch") in tally.weights else None,
         kl_ref=mean("kl_ref") if with_kl else None,
