@@ -164,6 +164,8 @@ def _check_content(message: Any, api: str) -> Any:
                               "(drmas_graph.app_models()).")
     if message.get("role") == "function":  # the deprecated form of a tool result
         return {"role": "tool", "content": content or "", "tool_call_id": message.get("name", "")}
+    if message.get("role") == "assistant" and content is None:  # the API makes it optional next to tool_calls
+        return {**message, "content": ""}
     return message
 
 
