@@ -107,3 +107,11 @@ def test_the_train_config_loads_with_the_template_file(monkeypatch):
     cfg = load_config(ROOT / "graphs" / "tool_calc" / "train.yaml")
     assert cfg.models["smollm2"].chat_template == "graphs/tool_calc/smollm2_tools.jinja"
     assert cfg.graph == "graphs.tool_calc.graph:build_graph" and list(cfg.agents) == ["worker"]
+
+
+def test_the_report_sign_test_by_hand():
+    from graphs.tool_calc.report import sign_test
+
+    # 3 ups of 4 non-zero changes: P(X >= 3 | n=4, 1/2) = (4 + 1) / 16
+    assert sign_test([1.0, 0.5, -0.5, 0.0, 1.0]) == (3, 4, 5 / 16)
+    assert sign_test([0.5] * 5) == (5, 5, 1 / 32) and sign_test([0.0, 0.0]) == (0, 0, 1.0)
