@@ -11,13 +11,13 @@ from pathlib import Path
 
 import openai
 import pytest
-from langchain_core.messages import HumanMessage, SystemMessage
+from langchain_core.messages import HumanMessage, SystemMessage, convert_to_messages
 
 from drmas_graph import instrument
 from drmas_graph.config import load_config, read_chat_template
 from drmas_graph.testing import scripted_policy
 from graphs.tool_calc.env import ToolCalcEnv, episode_stats
-from graphs.tool_calc.graph import MULTIPLY_TOOL, SYSTEM_PROMPT, build_graph, parse_answer, run_tool
+from graphs.tool_calc.graph import EXAMPLE, MULTIPLY_TOOL, SYSTEM_PROMPT, build_graph, parse_answer, run_tool
 from tests._no_network import no_network  # noqa: F401 - a fixture
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -26,9 +26,9 @@ TEMPLATE = read_chat_template(ROOT / "graphs" / "tool_calc" / "smollm2_tools.jin
 
 def _calculator(prompt: str) -> str:
     """Scripted worker: calls multiply on the question's numbers, then copies the tool's result."""
-    result = re.findall(r"<tool_response>(.*?)</tool_response>", prompt)
-    if result:
-        return f"The answer is {result[-1]}."
+    results = re.findall(r"<\|im_start\|>tool\n(.*?)<\|im_end\|>", prompt)
+    if len(results) == 2:  # the worked example's result and this question's
+        return f"The answer is {results[-1]}."
     a, b = re.findall(r"What is (\d+) \* (\d+)\?", prompt)[-1]
     return f'<tool_call>{{"name": "multiply", "arguments": {{"a": {a}, "b": {b}}}}}</tool_call>'
 
@@ -51,15 +51,18 @@ def test_the_sdk_tool_call_is_two_turns_with_the_tool_in_the_prompts_and_the_rew
     expected_first = (f"<|im_start|>system\n{SYSTEM_PROMPT}\nYou can call these tools:\n<tools>\n{tool_json}\n</tools>\n"
                       "To call a tool, reply with only:\n"
                       '<tool_call>{"name": "<tool name>", "arguments": {<arguments as JSON>}}</tool_call><|im_end|>\n'
+                      "<|im_start|>user\nWhat is 1234 * 5678?<|im_end|>\n<|im_start|>assistant\n"  # the worked example
+                      '<tool_call>{"name": "multiply", "arguments": {"a": 1234, "b": 5678}}</tool_call><|im_end|>\n'
+                      "<|im_start|>tool\n7006652<|im_end|>\n<|im_start|>assistant\nThe answer is 7006652.<|im_end|>\n"
                       f"<|im_start|>user\nWhat is {a} * {b}?<|im_end|>\n<|im_start|>assistant\n")
     assert list(first.prompt_ids) == policy.tokenizer.encode(expected_first, add_special_tokens=False)
-    assert list(first.prompt_ids) == policy.render([SystemMessage(SYSTEM_PROMPT), HumanMessage(task.input["question"])],
-                                                   [MULTIPLY_TOOL])
+    example = convert_to_messages(EXAMPLE)
+    assert list(first.prompt_ids) == policy.render([SystemMessage(SYSTEM_PROMPT), *example,
+                                                    HumanMessage(task.input["question"])], [MULTIPLY_TOOL])
     assert [(c["name"], c["args"]) for c in first.tool_calls] == [("multiply", {"a": a, "b": b})]
     # the second request carries the assistant's tool call and the tool's result, rendered by the same template
     expected_second = (expected_first + f'<tool_call>{{"name": "multiply", "arguments": {{"a": {a}, "b": {b}}}}}'
-                       f"</tool_call><|im_end|>\n<|im_start|>user\n<tool_response>{a * b}</tool_response><|im_end|>\n"
-                       "<|im_start|>assistant\n")
+                       f"</tool_call><|im_end|>\n<|im_start|>tool\n{a * b}<|im_end|>\n<|im_start|>assistant\n")
     assert list(second.prompt_ids) == policy.tokenizer.encode(expected_second, add_special_tokens=False)
     assert second.response_text == f"The answer is {a * b}."
     state = episode.final_state

@@ -7,7 +7,8 @@ Flow::
 
     START -> worker -> END
 
-The worker sends the question with one function tool, ``multiply(a, b)``. When the reply calls it, the worker
+The worker sends the question, after one worked example conversation (``EXAMPLE``), with one function tool,
+``multiply(a, b)``. When the reply calls it, the worker
 runs the call (``multiply`` below), sends the result back as a ``role: "tool"`` message and asks again; that
 second reply is the final answer. A reply without a tool call is the final answer itself. A 135M model cannot
 multiply two 4-digit numbers in its head, so a right answer almost always means the tool was used.
@@ -26,11 +27,20 @@ from typing import Annotated, Any, TypedDict
 from langgraph.graph import END, START, StateGraph
 from langgraph.graph.state import CompiledStateGraph
 
-__all__ = ["MULTIPLY_TOOL", "SYSTEM_PROMPT", "ToolCalcState", "build_graph", "multiply", "parse_answer", "run_tool"]
+__all__ = ["EXAMPLE", "MULTIPLY_TOOL", "SYSTEM_PROMPT", "ToolCalcState", "build_graph", "multiply", "parse_answer", "run_tool"]
 
-SYSTEM_PROMPT = ("You are a calculator. Call the multiply tool to multiply, like this:\n"
-                 '<tool_call>{"name": "multiply", "arguments": {"a": 12, "b": 34}}</tool_call>\n'
-                 "Then reply: The answer is <number>.")
+SYSTEM_PROMPT = ('To multiply, reply with only <tool_call>{"name": "multiply", "arguments": {"a": <first number>, '
+                 '"b": <second number>}}</tool_call>. After the tool result, reply: The answer is <number>.')
+
+EXAMPLE = [
+    {"role": "user", "content": "What is 1234 * 5678?"},
+    {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "example1", "type": "function", "function": {"name": "multiply", "arguments": '{"a": 1234, "b": 5678}'}}]},
+    {"role": "tool", "tool_call_id": "example1", "content": "7006652"},
+    {"role": "assistant", "content": "The answer is 7006652."},
+]
+"""One worked example conversation sent before the question (few-shot): without it SmolLM2-135M never called the
+tool in the pilot (README.md)."""
 
 MULTIPLY_TOOL = {"type": "function", "function": {
     "name": "multiply", "description": "Multiply two integers a and b.",
@@ -102,7 +112,7 @@ def build_graph(client: Any = None, *, model: str = "gpt-4o-mini", max_tokens: i
         client = openai.OpenAI(api_key=os.environ.get("OPENAI_API_KEY", "unset"), max_retries=0)
 
     def worker(state: ToolCalcState) -> dict[str, Any]:
-        messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM_PROMPT},
+        messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM_PROMPT}, *EXAMPLE,
                                           {"role": "user", "content": state["question"]}]
         reply = client.chat.completions.create(model=model, messages=messages, tools=[MULTIPLY_TOOL],
                                                max_tokens=max_tokens).choices[0].message
