@@ -118,3 +118,20 @@ def test_the_report_sign_test_by_hand():
     # 3 ups of 4 non-zero changes: P(X >= 3 | n=4, 1/2) = (4 + 1) / 16
     assert sign_test([1.0, 0.5, -0.5, 0.0, 1.0]) == (3, 4, 5 / 16)
     assert sign_test([0.5] * 5) == (5, 5, 1 / 32) and sign_test([0.0, 0.0]) == (0, 0, 1.0)
+
+
+def test_a_template_that_drops_the_tool_is_refused_in_strict_mode_naming_the_yaml_fix():
+    from drmas_graph.errors import RolloutError, StrictModeError
+
+    chatml_without_tools = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                            "<|im_start|>assistant\n")  # like SmolLM2's own template: `tools` is never read
+    policy = scripted_policy(["The answer is 1."], name="worker-model", chat_template=chatml_without_tools)
+    client = openai.OpenAI(api_key="sk-never-sent", base_url="http://127.0.0.1:9/v1", max_retries=0)
+    app = instrument(build_graph(client), {"worker": policy}, strict=True)
+    with pytest.raises(RolloutError) as info:
+        app.rollout(ToolCalcEnv(seed=0, n_train=1, n_test=1).tasks("test")[0].input)
+    cause = info.value.__cause__
+    assert isinstance(cause, StrictModeError)
+    assert "does not render the bound tool(s) ['multiply']" in str(cause)
+    assert "`models.<name>.chat_template: <a template file>`" in str(cause)
+    policy.close()
