@@ -496,7 +496,7 @@ def config_reference() -> list[tuple[str, str, str]]:
     return rows
 
 
-# ---- LoRA adapters per agent ---------------------------------------------------------------------------
+# ---- chat-template files ------------------------------------------------------------------------------
 
 
 def check_chat_template(template: str, what: str) -> None:
@@ -535,6 +535,9 @@ def read_chat_template(path: str | Path, where: str = "") -> str:
     text = file.read_text(encoding="utf-8")
     check_chat_template(text, f"{prefix}chat template file {str(path)!r}")
     return text
+
+
+# ---- LoRA adapters per agent ---------------------------------------------------------------------------
 
 
 def check_adapter_name(where: str, name: str) -> None:
