@@ -23,7 +23,7 @@ __all__ = [
     "TrainConfig", "ModelConfig", "ServeConfig", "AgentConfig", "SamplingConfig", "LossConfig", "UpdateConfig",
     "EvalConfig", "RolloutConfig", "LoggingConfig", "LoraConfig", "WeaveConfig", "AsyncConfig", "TaskFilesConfig",
     "RewardConfig", "JudgeConfig", "load_config",
-    "apply_overrides", "config_reference", "ESTIMATORS", "LOSS_AGGREGATIONS", "CORRECTIONS", "BASE_ADAPTER", "check_adapter_name", "model_adapters", "resolve_adapters",
+    "apply_overrides", "config_reference", "check_chat_template", "read_chat_template", "ESTIMATORS", "LOSS_AGGREGATIONS", "CORRECTIONS", "BASE_ADAPTER", "check_adapter_name", "model_adapters", "resolve_adapters",
 ]
 
 ESTIMATORS = ("episode_global", "step_global", "agent", "agent_turn")
@@ -147,12 +147,20 @@ class ModelConfig(_Strict):
     max_batch_size: int = Field(32, ge=1, description="Dynamic batching: most requests generated together.")
     serve: ServeConfig | None = Field(None, description="Roll out through inference servers; the trainer trains a local copy loaded from `path` on `device` and pushes it to them after every update.")
     lora: LoraConfig | None = Field(None, description="Train one LoRA adapter per agent (`agents.<a>.adapter`) over this frozen model instead of the model itself; null = full fine-tuning.")
+    chat_template: str | None = Field(None, description="A Jinja chat-template file (relative to the working directory) that renders this model's prompts instead of its tokenizer's own, e.g. one that renders `tools` (SmolLM2's drops them); served policies render with it too, and checkpoints save it with the tokenizer. Checked when the config loads.")
 
     def torch_dtype(self) -> str:
         """`dtype` with auto resolved for `device`: bfloat16 on CUDA, float32 elsewhere."""
         if self.dtype != "auto":
             return self.dtype
         return "bfloat16" if self.device.startswith("cuda") else "float32"
+
+    @field_validator("chat_template")
+    @classmethod
+    def _template_file_parses(cls, value: str | None) -> str | None:
+        if value is not None:
+            read_chat_template(value)  # the error's location (models.<name>.chat_template) names the model
+        return value
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelConfig:
@@ -486,6 +494,47 @@ def config_reference() -> list[tuple[str, str, str]]:
 
     walk(TrainConfig, "")
     return rows
+
+
+# ---- chat-template files ------------------------------------------------------------------------------
+
+
+def check_chat_template(template: str, what: str) -> None:
+    """Parse a Jinja chat template as Hugging Face tokenizers compile it (sandboxed, `trim_blocks`,
+    `lstrip_blocks`, loop controls, `{% generation %}` blocks) and raise `ConfigError` naming the template
+    (`what`: its file, its policy) and the line when it does not parse: a broken template fails here, not at
+    the first call."""
+    import jinja2
+    from jinja2.ext import Extension
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class _Generation(Extension):  # transformers' `{% generation %}...{% endgeneration %}` marks assistant text
+        tags = {"generation"}
+
+        def parse(self, parser: Any) -> Any:
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.Scope(body, lineno=lineno)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[_Generation, "jinja2.ext.loopcontrols"])
+    try:
+        env.parse(template)
+    except jinja2.TemplateSyntaxError as exc:
+        raise ConfigError(f"{what} does not parse as Jinja: line {exc.lineno}: {exc.message}; fix the template "
+                          "there") from None
+
+
+def read_chat_template(path: str | Path, where: str = "") -> str:
+    """The text of a chat-template file (a relative `path` is relative to the working directory), checked by
+    `check_chat_template`. `where` names the setting (`models.smollm2.chat_template`) the errors start with."""
+    file, prefix = Path(path), f"{where}: " if where else ""
+    if not file.is_file():
+        raise ConfigError(f"{prefix}chat template file {str(path)!r} does not exist (looked for "
+                          f"{str(file.resolve())!r}; a relative path is relative to the working directory)")
+    text = file.read_text(encoding="utf-8")
+    check_chat_template(text, f"{prefix}chat template file {str(path)!r}")
+    return text
 
 
 # ---- LoRA adapters per agent ---------------------------------------------------------------------------

@@ -18,6 +18,7 @@ from langchain_core.messages import BaseMessage
 
 from drmas_graph._chat import ParsedResponse, get_tool_parser, normalize_tools, to_chat_dicts, with_system_note
 from drmas_graph._structured import instruction
+from drmas_graph.config import check_chat_template
 from drmas_graph.errors import PolicyError
 from drmas_graph.types import Generation, SamplingParams
 
@@ -38,7 +39,11 @@ class Policy(abc.ABC):
         self.sampling = sampling or SamplingParams()
         self.tool_parser = tool_parser
         self._parse = get_tool_parser(tool_parser)
+        if chat_template is not None:
+            check_chat_template(chat_template, f"the chat_template of policy {name!r}")
         self.chat_template = chat_template
+        """A Jinja chat template rendering this policy's prompts instead of its tokenizer's own (None: the
+        tokenizer's), e.g. one that renders `tools`; checked here, so a broken one fails at construction."""
         self.version = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_lock = threading.Lock()

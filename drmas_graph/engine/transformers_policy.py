@@ -102,6 +102,10 @@ class TransformersPolicy(Policy):
         sampling: default sampling parameters for calls that do not override them.
         seed: seeds the generator that draws per-request seeds (requests with an explicit seed use it).
         max_batch_size: most requests decoded together (later arrivals wait for a free slot).
+        tool_parser: how tool calls are read back from generated text (`hermes`, `mistral`, `none`).
+        chat_template: a Jinja chat template (its text) rendering the prompts instead of the tokenizer's own, e.g. one
+            that renders `tools` where the model's own drops them; parsed here (a `ConfigError` names the line).
+            In the YAML: `models.<name>.chat_template`, a file.
         batch_wait_s: quiet period: an idle batcher stops collecting when no request arrived for this long.
         max_batch_wait_s: an idle batcher never waits longer than this for a batch to fill.
         prompt_cache_size: recent prompts (and, with prefix_reuse, finished rows) whose KV rows are kept: an
