@@ -239,3 +239,39 @@ def test_served_policy_gets_pushes_while_other_steps_roll_out(tmp_path, ckpt):  
     assert all(r["async/staleness_max"] <= 2 and r["async/dropped_groups"] == 0 for r in result.history)
     assert all(torch.equal(v, double.model.state_dict()[k]) for k, v in local.items())
 
+
+
+
+def test_a_run_that_dies_stops_and_joins_its_rollout_threads_before_it_closes_the_store(tmp_path):
+    """Killed after checkpoint 2 once step 3's episodes wait in the gate (for up to 60 s): when `run()` raises,
+    no rollout thread of the run is left (step 3's episodes were cancelled, its thread joined) and the store is
+    closed after it; later, nothing writes to it (the node left behind in the gate only returns)."""
+    released, arrived = threading.Event(), threading.Event()
+    step3: set[str] = set()
+
+    def gate(state):
+        if state["question"] in step3:
+            arrived.set()
+            released.wait(timeout=60)
+
+    def attach(trainer):  # 10 tasks, 2 a step: step 3's are no other step's
+        step3.update(t.input["question"] for t in trainer.batch_tasks(3))
+        save = trainer.save_checkpoint
+
+        def save_then_die(done):
+            path = save(done)
+            if done == 2:  # steps 2 and 3 roll out
+                assert arrived.wait(timeout=60), "step 3's episodes never reached the gate"
+                raise Killed
+            return path
+
+        trainer.save_checkpoint = save_then_die
+
+    before = set(threading.enumerate())
+    try:
+        with pytest.raises(Killed):
+            run_free(tmp_path, "k", steps=4, checkpoint_every=1, app=gated_graph(gate), hook=attach, n_train=10)
+        left = [t.name for t in threading.enumerate() if t not in before and t.name.startswith("rollouts-step-")]
+        assert left == []
+    finally:
+        released.set()

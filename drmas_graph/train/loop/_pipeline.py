@@ -37,6 +37,10 @@ Kill-and-resume: a checkpoint at step c (saved at the end of update c-1, while s
 trainer's weights v(c) and the rollout weights v(c-1) (`save_serving`); the resumed run rolls step c out again
 on v(c-1): the same groups, so no group is lost or trained twice.
 
+A run that stops early (an error, a kill) cancels the steps still rolling out and joins their threads
+(`OneStepOff.stop`, from `Trainer.run` and `Trainer.close`) before the trace store is closed: nothing writes to
+it afterwards, and no rollout thread outlives the run (a graph node stuck in user code is left behind, as ever).
+
 Every wait has a timeout (`async.timeout_s`): a step's rollouts, a weight push, the other processes at a boundary
 (`AsyncTimeoutError`, naming the step; a push that fails names the server).
 
@@ -304,6 +308,8 @@ class OneStepOff:
         self._servers_hold_sync = False
         """Whether run_dir/sync holds what the servers serve (pushed at the first boundary, or restored)."""
         self._pending: dict[int, concurrent.futures.Future] = {}
+        self._threads: dict[int, threading.Thread] = {}
+        """Each started step's rollout thread, until `stop` joined it (or its result was taken)."""
         self._unpublished: StepBatch | None = None
         """The last trained step, until the next boundary merges every process's traces and exports it."""
 
@@ -345,7 +351,24 @@ class OneStepOff:
         slots, key = self.run.episode_slots, slots_key("train", step)
         slots.announce(key)
         self._pending[step] = future
-        threading.Thread(target=work, name=f"rollouts-step-{step}", daemon=True).start()
+        thread = self._threads[step] = threading.Thread(target=work, name=f"rollouts-step-{step}", daemon=True)
+        thread.start()
+
+    def stop(self) -> None:
+        """The run stops (it ended, failed or was killed): the steps still rolling out are cancelled and their
+        threads joined, so that nothing writes to the trace store once the run closes it. A thread that does not
+        end within `async.timeout_s` raises `AsyncTimeoutError` (the caller must then leave the store open)."""
+        for step in self._threads:
+            self.run.episode_slots.cancel(slots_key("train", step))
+        deadline = time.monotonic() + self.timeout_s
+        for step, thread in sorted(self._threads.items()):
+            thread.join(timeout=max(0.0, deadline - time.monotonic()))
+            if thread.is_alive():
+                raise AsyncTimeoutError(
+                    f"step {step}: its rollouts, cancelled because the run stopped, did not end within "
+                    f"async.timeout_s={self.timeout_s:g} s (scoring or a judge that does not return?)")
+        self._threads.clear()
+        self._pending.clear()
 
     def _result(self, step: int, keep: bool = False) -> StepBatch:
         """Step `step`'s batch (started now if it is not in flight: the first step, a resumed run)."""
@@ -353,7 +376,10 @@ class OneStepOff:
             self._start(step)
         future = self._pending[step] if keep else self._pending.pop(step)
         try:
-            return future.result(timeout=self.timeout_s)
+            batch = future.result(timeout=self.timeout_s)
+            if not keep:
+                self._threads.pop(step).join()  # it ends right after setting the result
+            return batch
         except concurrent.futures.TimeoutError:
             raise AsyncTimeoutError(
                 f"step {step}: its rollouts did not finish within async.timeout_s={self.timeout_s:g} s (an episode "

@@ -45,7 +45,7 @@ import logging
 import queue
 import sys
 import threading
-from collections.abc import AsyncIterator, Callable, Coroutine, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -192,6 +192,10 @@ class EpisodeSlots:
         self._lock = threading.Lock()
         self._calls: dict[Any, _Call] = {}
         """Key -> the calls with episodes still to be granted, in their order (dicts keep insertion order)."""
+        self._running: dict[Any, tuple[asyncio.AbstractEventLoop, asyncio.Task]] = {}
+        """Key -> the event loop and task of a call whose episodes are running (`cancel` stops them)."""
+        self._cancelled: set[Any] = set()
+        """Keys `cancel`led: such a call never starts its episodes."""
 
     def announce(self, key: Any) -> None:
         """Reserve call `key`'s place in the order (before its thread starts); it holds later calls until it ends."""
@@ -211,6 +215,32 @@ class EpisodeSlots:
         with self._lock:
             self._calls.pop(key, None)
             self._dispatch()
+
+    def cancel(self, key: Any) -> None:
+        """Stop call `key` (its run stopped): its running episodes are cancelled (they unwind as `_run_loop` says),
+        and if it has not started yet it never does (`run_episodes` raises `asyncio.CancelledError`)."""
+        with self._lock:
+            self._cancelled.add(key)
+            running = self._running.get(key)
+        if running is not None:
+            loop, task = running
+            try:
+                loop.call_soon_threadsafe(task.cancel)
+            except RuntimeError:  # its event loop is closed: the call has ended
+                pass
+
+    @contextlib.contextmanager
+    def _running_as(self, key: Any, task: asyncio.Task) -> Iterator[None]:
+        """Call `key`'s episodes run in `task` (on the running loop): `cancel(key)` cancels it."""
+        with self._lock:
+            if key in self._cancelled:
+                raise asyncio.CancelledError(f"rollouts {key} were stopped before they started")
+            self._running[key] = (asyncio.get_running_loop(), task)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._running.pop(key, None)
 
     @contextlib.asynccontextmanager
     async def slot(self, key: Any) -> AsyncIterator[None]:
@@ -327,7 +357,8 @@ def run_episodes(app: Any, jobs: Sequence[EpisodeJob], *, phase: str, step: int,
                 on_done(ended)
             return outcome
 
-        return await asyncio.gather(*(one(job) for job in jobs))
+        with slots._running_as(key, asyncio.current_task()):
+            return await asyncio.gather(*(one(job) for job in jobs))
 
     threads = _NodeThreads()
     slots.open(key, len(jobs))

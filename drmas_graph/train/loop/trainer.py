@@ -292,7 +292,11 @@ class Trainer:
                 exc.result = self.result  # the CLI prints its summary before the error
             raise
         finally:
-            logger.close()
+            try:  # a run that stops early (an error, a kill) cancels and joins the steps still rolling out
+                if self.pipeline is not None:
+                    self.pipeline.stop()
+            finally:
+                logger.close()
         return self.result
 
     def steps(self) -> Iterator[tuple[int, dict[str, Any]]]:
@@ -350,4 +354,6 @@ class Trainer:
     def close(self) -> None:
         if self.weave is not None:
             self.weave.close()  # exports what is queued; never raises an export error
+        if self.pipeline is not None:  # no rollout thread may write to the store once it is closed
+            self.pipeline.stop()
         close(self.state.built, self.state.store)
