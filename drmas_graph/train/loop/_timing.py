@@ -51,10 +51,13 @@ def time_line(history: Sequence[Mapping[str, Any]], evals: Sequence[Mapping[str,
     update 4.2 s, sync 0.0 s, checkpoint 0.1 s; evaluation 30.2 s each (2)': each phase's seconds over the steps
     of `history` divided by their number (a checkpoint every 4 steps counts a quarter of its time per step); the
     rollout's engine split and the judge's part where measured; the evaluations' mean time (`time_s` of the
-    records of `evals`). None without steps or evaluations."""
+    records of `evals`). A phase no step measured is left out (no 0.0 where nothing was measured). None
+    without a measured phase or a timed evaluation."""
     parts = []
     n = len(history)
     for label, key in _PARTS if n else ():
+        if not any(key in h for h in history):  # not measured (a record from before timing, a phase never run)
+            continue
         part = f"{label} {sum(float(h.get(key, 0.0)) for h in history) / n:.1f} s"
         if key == "time/rollout_s" and any("time/rollout_prefill_s" in h for h in history):
             prefill, decode = (sum(float(h.get(f"time/rollout_{p}_s", 0.0)) for h in history) / n
