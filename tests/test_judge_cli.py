@@ -61,6 +61,8 @@ def test_the_summary_has_one_column_when_evaluation_ran_once(tmp_path):
         "training reward (team)            step 0",
         "                                   0.375",
         f"run folder: {tmp_path}"]
+    late = TrainResult(run_dir=tmp_path, evals=[{**ev, "step": 0}, {**ev, "step": 12}], history=[])
+    assert late.summary().splitlines()[0] == "evaluation on test                before step 11 done"  # not 'beforestep'
     twice = TrainResult(run_dir=tmp_path, evals=[{**ev, "step": 0, "avg@k": 0.125}, ev],
                         history=[{"step": 0, "reward/team_mean": 0.375}, {"step": 1, "reward/team_mean": 1}])
     assert twice.summary().splitlines()[:6] == [
