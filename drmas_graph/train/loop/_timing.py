@@ -53,18 +53,21 @@ def time_line(history: Sequence[Mapping[str, Any]], evals: Sequence[Mapping[str,
     rollout's engine split and the judge's part where measured; the evaluations' mean time (`time_s` of the
     records of `evals`). A phase no step measured is left out (no 0.0 where nothing was measured). None
     without a measured phase or a timed evaluation."""
-    parts = []
     n = len(history)
+
+    def per_step(key: str) -> float:  # the key's seconds over the steps / the number of steps
+        return sum(float(h.get(key, 0.0)) for h in history) / n
+
+    parts = []
     for label, key in _PARTS if n else ():
         if not any(key in h for h in history):  # not measured (a record from before timing, a phase never run)
             continue
-        part = f"{label} {sum(float(h.get(key, 0.0)) for h in history) / n:.1f} s"
+        part = f"{label} {per_step(key):.1f} s"
         if key == "time/rollout_s" and any("time/rollout_prefill_s" in h for h in history):
-            prefill, decode = (sum(float(h.get(f"time/rollout_{p}_s", 0.0)) for h in history) / n
-                               for p in ("prefill", "decode"))
+            prefill, decode = per_step("time/rollout_prefill_s"), per_step("time/rollout_decode_s")
             part += f" (prefill {prefill:.1f}, decode {decode:.1f})"
         if key == "time/score_s" and any(h.get("time/judge_s") for h in history):
-            part += f" (judge {sum(float(h.get('time/judge_s', 0.0)) for h in history) / n:.1f})"
+            part += f" (judge {per_step('time/judge_s'):.1f})"
         parts.append(part)
     line = "time per step: " + ", ".join(parts) if parts else ""
     timed = [float(e["time_s"]) for e in evals if "time_s" in e]
