@@ -9,6 +9,7 @@ import pty
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -109,3 +110,16 @@ def test_episode_progress_prints_a_line_at_each_tenth(capsys):
         progress(done, 48)
     lines = capsys.readouterr().out.splitlines()
     assert [int(ln.split(": ")[1].split("/")[0]) for ln in lines] == [5, 10, 15, 20, 24, 29, 34, 39, 44, 48]
+
+
+def test_episode_progress_counts_from_the_batch_start(capsys):
+    """The clock starts when the progress is made (as the batch starts), not at the first episode that ends: the
+    first group's time is in `elapsed` and the estimate (it printed 'elapsed 0.0 s ETA 0.0 s' after 8/80)."""
+    from drmas_graph.train.loop.metrics import EpisodeProgress
+
+    progress = EpisodeProgress("evaluation after step 11")
+    time.sleep(0.3)
+    progress(8, 80)
+    elapsed, eta = map(float, re.fullmatch(r"evaluation after step 11: 8/80 episodes  elapsed (\d+\.\d) s  ETA "
+                                           r"(\d+\.\d) s", capsys.readouterr().out.strip()).groups())
+    assert elapsed >= 0.3 and abs(eta - elapsed * 72 / 8) <= 0.15

@@ -84,22 +84,21 @@ def progress_status(agents: list[str], record: dict[str, Any]) -> str:
 
 class EpisodeProgress:
     """`progress(done, total)` of a batch of episodes: a plain line on stdout (flushed) each time `done` passes a
-    tenth of `total` (and at the last), with the time since the first call and an estimate of what is left; or,
-    given `show`, the same text handed to it (the bar's status)."""
+    tenth of `total` (and at the last), with the time since it was made (made as the batch starts: the first
+    episodes' time counts) and an estimate of what is left; or, given `show`, the same text handed to it (the
+    bar's status)."""
 
     def __init__(self, label: str, show: Any = None) -> None:
         self.label, self.show = label, show
-        self._started: float | None = None
+        self._started = time.perf_counter()
         self._shown = 0
 
     def text(self, done: int, total: int) -> str:
-        elapsed = time.perf_counter() - (self._started or time.perf_counter())
+        elapsed = time.perf_counter() - self._started
         eta = f"  ETA {elapsed / done * (total - done):.1f} s" if 0 < done < total else ""
         return f"{self.label}: {done}/{total} episodes  elapsed {elapsed:.1f} s{eta}"
 
     def __call__(self, done: int, total: int) -> None:
-        if self._started is None:
-            self._started = time.perf_counter()
         if self.show is not None:
             self.show(self.text(done, total))
         elif done == total or done * 10 // max(total, 1) > self._shown * 10 // max(total, 1):
