@@ -26,6 +26,7 @@ it runs both, so that each is timed on its own.
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import contextlib
 import functools
 import time
@@ -36,9 +37,12 @@ from typing import Any
 import torch
 
 from drmas_graph.engine._cpu_linear import PackedLinear, packed_linear_available
+from drmas_graph.engine._lean import LeanDecoder
 from drmas_graph.engine._prompt_cache import MIN_PREFIX, PromptCache, _Key
 from drmas_graph.engine._sampling import RowParams, sample_rows, vocab_hash
 from drmas_graph.types import Generation, SamplingParams
+
+log = logging.getLogger(__name__)
 
 __all__ = ["Request", "DecodeBatch", "StopMatcher", "EngineStats", "PromptCache", "MIN_PREFIX", "context_size"]
 
@@ -77,6 +81,8 @@ class EngineStats:
     """Most rows sampled in one step (active rows plus newcomers)."""
     forward_passes: int = 0
     """Model calls (decode steps and prefills)."""
+    lean_passes: int = 0
+    """Of those, the ones the lean forward made (`_lean`; the rest ran the model's own forward)."""
     prefill_rows: int = 0
     """Distinct prompts prefilled."""
     prefill_tokens: int = 0
@@ -241,7 +247,7 @@ class DecodeBatch:
     def __init__(self, model: Any, tokenizer: Any, *, pad_id: int, eos_ids: Sequence[int], cache_kwarg: str,
                  stats: EngineStats, prompt_cache_size: int = 0, prefix_reuse: bool = False,
                  packed_cpu_linear: bool = False, row_kwargs: Callable[[list[str | None]], dict[str, Any]] | None = None,
-                 context_size: int | None = None) -> None:
+                 context_size: int | None = None, lean_forward: bool = False) -> None:
         self.model = model
         self.context_size = context_size
         """Positions the model has (`context_size`): a row stops ('length') before feeding a token past them."""
@@ -262,6 +268,14 @@ class DecodeBatch:
         self.linear_mode = PackedLinear() if use_packed else None
         if use_packed:
             PackedLinear.install(model)
+        self.lean: LeanDecoder | None = None
+        """The lean forward (`_lean`, with the packed CPU linears), None where it is off or cannot stand in."""
+        if lean_forward and self.linear_mode is not None:
+            reason = LeanDecoder.refusal(model)
+            if reason is None:
+                self.lean = LeanDecoder(model, self.linear_mode, cache_kwarg=cache_kwarg)
+            else:
+                log.info("the embedded engine runs the model's own forward: %s", reason)
         self.clear()
 
     def clear(self) -> None:
@@ -290,10 +304,20 @@ class DecodeBatch:
 
     def _forward(self, ids_BL: torch.Tensor, mask_BL: torch.Tensor, pos_BL: torch.Tensor, cache: Any,
                  adapters: list[str | None]):
+        extra = self.row_kwargs(adapters)
         with self.linear_mode or contextlib.nullcontext():
+            self.stats.forward_passes += 1
+            lean = self.lean
+            if (lean is not None and not extra and not lean.bypassed()
+                    and (lean.checked or (lean.checked is None and lean.check()))):
+                if cache is None:
+                    from transformers.cache_utils import DynamicCache
+
+                    cache = DynamicCache(config=self.model.config)
+                self.stats.lean_passes += 1
+                return lean(ids_BL, mask_BL, pos_BL, cache)
             out = self.model(input_ids=ids_BL, attention_mask=mask_BL, position_ids=pos_BL, use_cache=True,
-                             logits_to_keep=1, **{self.cache_kwarg: cache}, **self.row_kwargs(adapters))
-        self.stats.forward_passes += 1
+                             logits_to_keep=1, **{self.cache_kwarg: cache}, **extra)
         return out.logits[:, -1, :], getattr(out, self.cache_kwarg)
 
     # ---- one step ---------------------------------------------------------------------------
@@ -302,6 +326,8 @@ class DecodeBatch:
         """Decode one token for every active row, prefill and sample the newcomers; return finished rows."""
         if self.linear_mode is not None:
             self.linear_mode.for_version(version)
+        if self.lean is not None:
+            self.lean.for_version(version)
         ids, lps = [], []
         t0 = time.perf_counter()
         if self.rows:

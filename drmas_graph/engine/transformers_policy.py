@@ -118,13 +118,17 @@ class TransformersPolicy(Policy):
             seeded runs would no longer be bit-identical at every max_concurrency.
         packed_cpu_linear: on CPU, run the linear layers of generation on oneDNN with packed weights
             (`_cpu_linear`; several times faster decoding, one more copy of the weights in memory).
+        lean_forward: with packed_cpu_linear, run Llama / Mistral / Qwen2 models' forward passes of generation as
+            one lean function with q/k/v and gate/up fused (`_lean`; 1.2-1.3x faster decode steps at batches
+            1-8 on SmolLM2-135M). Checked against the model's own logits before its first use (off, and
+            logged, where they differ or the model is another kind); logits equal up to float summation order.
     """
 
     def __init__(self, model: Any, tokenizer: Any, *, name: str | None = None,
                  sampling: SamplingParams | None = None, seed: int = 0, max_batch_size: int = 32,
                  batch_wait_s: float = 0.002, max_batch_wait_s: float = 0.02, tool_parser: str = "hermes",
                  chat_template: str | None = None, prompt_cache_size: int = 16, prefix_reuse: bool = False,
-                 packed_cpu_linear: bool = True) -> None:
+                 packed_cpu_linear: bool = True, lean_forward: bool = True) -> None:
         name = name or str(getattr(model, "name_or_path", "") or type(model).__name__)
         super().__init__(tokenizer, name=name, sampling=sampling, tool_parser=tool_parser,
                          chat_template=chat_template)
@@ -136,6 +140,7 @@ class TransformersPolicy(Policy):
         self.prompt_cache_size = prompt_cache_size
         self.prefix_reuse = prefix_reuse
         self.packed_cpu_linear = packed_cpu_linear
+        self.lean_forward = lean_forward
         self.stats = EngineStats()
         self._seed_rng = random.Random(seed)
         self._queue: queue.Queue[Request | _Call | None] = queue.Queue()
@@ -309,7 +314,7 @@ class TransformersPolicy(Policy):
                              prompt_cache_size=self.prompt_cache_size, prefix_reuse=self.prefix_reuse,
                              packed_cpu_linear=self.packed_cpu_linear,
                              row_kwargs=lambda adapters: adapter_kwargs(self.model, adapters, policy=self.name),
-                             context_size=self.context_size)
+                             context_size=self.context_size, lean_forward=self.lean_forward)
         pending: deque[Request] = deque()
         stop = holding = False
         try:
