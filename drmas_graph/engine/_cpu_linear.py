@@ -62,7 +62,8 @@ class PackedLinear:
     """Packed oneDNN weights for the `nn.Linear` layers of installed models, used within `with mode:`."""
 
     def __init__(self) -> None:
-        self._packed: dict[int, tuple[torch.Tensor, int, int, torch.Tensor]] = {}
+        self._packed: dict[Any, tuple[Any, Any, Any, torch.Tensor]] = {}
+        """id(weight) (or the ids of fused weights) -> (weight(s), version(s), data pointer, packed copy)."""
         self.repacks = 0
         self._version: int | None = None
 
@@ -93,6 +94,19 @@ class PackedLinear:
             packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), None)
             entry = (w, w._version, w.data_ptr(), packed)
             self._packed[id(w)] = entry
+            self.repacks += 1
+        return entry[3]
+
+    def packed_fused(self, weights: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """The packed copy of `weights` concatenated along their output rows (one matmul for layers that read the
+        same input, e.g. q/k/v), repacked when any of them changed since, as `packed` does for one weight."""
+        key = tuple(map(id, weights))
+        state = tuple((w._version, w.data_ptr()) for w in weights)
+        entry = self._packed.get(key)
+        if entry is None or any(a is not b for a, b in zip(entry[0], weights)) or entry[1] != state:
+            packed = torch.ops.mkldnn._reorder_linear_weight(torch.cat(weights).detach(), None)
+            entry = (weights, state, None, packed)
+            self._packed[key] = entry
             self.repacks += 1
         return entry[3]
 

@@ -26,9 +26,9 @@ it runs both, so that each is timed on its own.
 from __future__ import annotations
 
 import concurrent.futures
-import logging
 import contextlib
 import functools
+import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -326,8 +326,6 @@ class DecodeBatch:
         """Decode one token for every active row, prefill and sample the newcomers; return finished rows."""
         if self.linear_mode is not None:
             self.linear_mode.for_version(version)
-        if self.lean is not None:
-            self.lean.for_version(version)
         ids, lps = [], []
         t0 = time.perf_counter()
         if self.rows:

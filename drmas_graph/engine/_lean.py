@@ -4,8 +4,8 @@ The engine's forward passes (decode steps, prefills, suffix prefills) call the H
 per-layer modules cost Python and dispatch time around the matmuls: on SmolLM2-135M (30 layers) a batch-1
 decode step took 55 ms in the model call, of which the 211 linear layers 35 ms. `LeanDecoder` computes the same
 function directly from the model's own modules and weights, with q/k/v and gate/up each fused into one oneDNN
-matmul on packed weights (`PackedLinear`'s, repacked when the weights change), HF's RMSNorm formula, its
-rotary embedding module, and one `scaled_dot_product_attention` per layer (grouped-query heads packed for a
+matmul on packed weights (`PackedLinear.packed_fused`, repacked when the weights change), HF's RMSNorm formula,
+its rotary embedding module, and one `scaled_dot_product_attention` per layer (grouped-query heads packed for a
 single query token, as HF's sdpa path does). Measured on the same step: 41 ms at batch 1, 62 vs 82 ms at batch
 8 (`benchmarks/bench_roofline.py`, docs/benchmarks.md).
 
@@ -67,8 +67,6 @@ class LeanDecoder:
         self.n_heads = cfg.num_attention_heads
         self.n_kv = getattr(cfg, "num_key_value_heads", None) or self.n_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads
-        self._fused: dict[int, tuple[tuple, torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]] = {}
-        self._version: int | None = None
         self._modules = list(model.modules())
         self.checked: bool | None = None
         """None until `check` ran; then whether this model's lean logits matched its own."""
@@ -92,8 +90,8 @@ class LeanDecoder:
         needed = ("embed_tokens", "layers", "norm", "rotary_emb")
         if inner is None or any(not hasattr(inner, name) for name in needed) or not hasattr(model, "lm_head"):
             return "its modules are not laid out as model.{embed_tokens, layers, norm, rotary_emb} + lm_head"
-        norms = [inner.norm] + [n for layer in inner.layers for n in (getattr(layer, "input_layernorm", None),
-                                                                       getattr(layer, "post_attention_layernorm", None))]
+        norms = [inner.norm] + [getattr(layer, name, None) for layer in inner.layers
+                                for name in ("input_layernorm", "post_attention_layernorm")]
         if any(not hasattr(n, "variance_epsilon") or not hasattr(n, "weight") for n in norms):
             return "its norms are not RMSNorm modules with weight and variance_epsilon"
         linears = [model.lm_head]
@@ -136,7 +134,8 @@ class LeanDecoder:
                 ref = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1)
                 got, cache = self(ids, mask, pos, DynamicCache(config=model.config))
                 gaps = [(got - ref.logits[:, -1]).abs().max()]
-                nxt, mask2, pos2 = got.argmax(-1, keepdim=True), torch.cat([mask, mask.new_ones(2, 1)], 1), pos[:, -1:] + 1
+                nxt, pos2 = got.argmax(-1, keepdim=True), pos[:, -1:] + 1
+                mask2 = torch.cat([mask, mask.new_ones(2, 1)], 1)
                 ref2 = model(input_ids=nxt, attention_mask=mask2, position_ids=pos2, use_cache=True, logits_to_keep=1,
                              **{self.cache_kwarg: getattr(ref, self.cache_kwarg)}).logits[:, -1]
                 got2, _ = self(nxt, mask2, pos2, cache)
@@ -155,33 +154,16 @@ class LeanDecoder:
         return self.checked
 
     # ---- weights ----------------------------------------------------------------------------------------
-    def _layer_weights(self, i: int, layer: Any) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor,
-                                                          torch.Tensor | None]:
-        """Layer i's packed fused q/k/v and gate/up weights (and the fused q/k/v bias), rebuilt when any part
-        changed in place or moved (as `PackedLinear.packed` tracks single weights; `for_version` drops them all)."""
-        attn, mlp = layer.self_attn, layer.mlp
-        parts = (attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight, mlp.gate_proj.weight, mlp.up_proj.weight)
-        key = tuple((id(w), w._version, w.data_ptr()) for w in parts)
-        entry = self._fused.get(i)
-        if entry is None or entry[0] != key:
-            reorder = torch.ops.mkldnn._reorder_linear_weight
-            qkv = reorder(torch.cat(parts[:3]).detach().contiguous(), None)
-            gate_up = reorder(torch.cat(parts[3:]).detach().contiguous(), None)
-            biases = [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]
-            qkv_bias = torch.cat(biases).detach() if all(b is not None for b in biases) else None
-            if qkv_bias is None and any(b is not None for b in biases):
-                raise RuntimeError("only some of q/k/v have a bias")
-            gate_up_bias = (torch.cat([mlp.gate_proj.bias, mlp.up_proj.bias]).detach()
-                            if mlp.gate_proj.bias is not None else None)
-            entry = self._fused[i] = (key, qkv, qkv_bias, gate_up, gate_up_bias)
-        return entry[1], entry[2], entry[3], entry[4]
-
-    def for_version(self, version: int) -> None:
-        """Drop the fused copies when the policy's weights version moved (ZeRO may write weights without moving
-        their version counters), as `PackedLinear.for_version` does."""
-        if version != self._version:
-            self._fused.clear()
-            self._version = version
+    def _fused(self, layers: tuple[Any, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The packed weight of ``layers`` fused into one (`PackedLinear.packed_fused`: repacked when a weight
+        changed, dropped with the others when the policy's version moved) and their concatenated biases."""
+        packed = self.linear.packed_fused(tuple(m.weight for m in layers))
+        biases = [m.bias for m in layers]
+        if all(b is None for b in biases):
+            return packed, None
+        if any(b is None for b in biases):
+            raise RuntimeError("only some of the fused layers have a bias")
+        return packed, torch.cat(biases)
 
     # ---- the forward ------------------------------------------------------------------------------------
     def __call__(self, ids_BL: torch.Tensor, mask_BS: torch.Tensor, pos_BL: torch.Tensor,
@@ -207,7 +189,8 @@ class LeanDecoder:
         group = nh // nkv
         for i, layer in enumerate(inner.layers):
             attn, mlp = layer.self_attn, layer.mlp
-            qkv_w, qkv_b, gate_up_w, gate_up_b = self._layer_weights(i, layer)
+            qkv_w, qkv_b = self._fused((attn.q_proj, attn.k_proj, attn.v_proj))
+            gate_up_w, gate_up_b = self._fused((mlp.gate_proj, mlp.up_proj))
             h = _rms(x, layer.input_layernorm)
             q, k, v = _linear(h, qkv_w, qkv_b).split([nh * D, nkv * D, nkv * D], dim=-1)
             q = _rotate(q.view(B, L, nh, D).transpose(1, 2), cos, sin)
