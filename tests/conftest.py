@@ -8,6 +8,17 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 warnings.filterwarnings("ignore", message=r".*past_key_values.*")
 
 
+def pytest_collection_modifyitems(config, items):
+    """`@pytest.mark.bench_vllm` tests start a vLLM server of their own (~2 min each): opt-in."""
+    if os.environ.get("DRMAS_VLLM_PYTHON") and os.environ.get("DRMAS_BENCH_VLLM") == "1":
+        return
+    skip = pytest.mark.skip(reason="opt-in (it starts a vLLM server, ~2 min): DRMAS_BENCH_VLLM=1 and DRMAS_VLLM_PYTHON "
+                                   "set to the python of the vLLM venv (scripts/setup_vllm.sh)")
+    for item in items:
+        if "bench_vllm" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture
 def policy():
     from drmas_graph.testing import tiny_policy

@@ -86,9 +86,7 @@ def test_tied_embeddings_are_read_once_per_step():
 
 @pytest.mark.vllm
 @pytest.mark.slow
-@pytest.mark.skipif(not (VLLM_PYTHON and os.environ.get("DRMAS_BENCH_VLLM") == "1"),
-                    reason="opt-in (it starts a vLLM server, ~2 min): DRMAS_BENCH_VLLM=1 and DRMAS_VLLM_PYTHON set to "
-                    "the python of the vLLM venv (scripts/setup_vllm.sh)")
+@pytest.mark.bench_vllm
 def test_vllm_rows_next_to_the_embedded_ones(tmp_path):
     r, stdout = _bench(tmp_path, "--dtypes", "float32,bfloat16", "--batches", "1,4", "--vllm",
                        "--vllm-python", VLLM_PYTHON, "--settle-s", "0.5")

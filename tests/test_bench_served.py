@@ -71,9 +71,7 @@ def test_a_workloads_options_are_refused_with_the_other_workload():
 
 @pytest.mark.vllm
 @pytest.mark.slow
-@pytest.mark.skipif(not (VLLM_PYTHON and os.environ.get("DRMAS_BENCH_VLLM") == "1"),
-                    reason="opt-in (it starts a vLLM server, ~2 min): DRMAS_BENCH_VLLM=1 and DRMAS_VLLM_PYTHON set to "
-                    "the python of the vLLM venv (scripts/setup_vllm.sh)")
+@pytest.mark.bench_vllm
 def test_demo_workload_side_by_side_with_vllm(tmp_path):
     r, stdout = _bench(tmp_path, "--steps", "1", "--vllm-python", VLLM_PYTHON)
     e, v = r["backends"]["embedded"], r["backends"]["vllm"]
