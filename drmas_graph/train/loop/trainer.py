@@ -84,8 +84,8 @@ class TrainResult:
         (`_timing.time_line`): 'time per step: rollout 12.1 s (prefill 1.2, decode 9.8), score 0.4 s, ...'."""
 
         def row(label: str, *cells: Any) -> str:
-            return f"{label:<28}" + "".join(f"{c:>12}" if isinstance(c, int) else f"{c:>12.3f}" if isinstance(c, float)
-                                            else f" {c:>11}" if len(c) >= 12 else f"{c:>12}" for c in cells)  # 'step 11 done'
+            # a column of 12 characters, at least one space before it ('step 11 done' is 12 long)
+            return f"{label:<28}" + "".join(f"{c:>12.3f}" if isinstance(c, float) else f" {c!s:>11}" for c in cells)
 
         lines = []
         if self.evals:
