@@ -121,9 +121,9 @@ class TransformersPolicy(Policy):
         lean_forward: with packed_cpu_linear, run Llama / Mistral / Qwen2 models' forward passes of generation as
             one lean function with q/k/v and gate/up fused (`_lean`; decode steps 8-16% shorter at batches 1-16
             on SmolLM2-135M). Checked against the model's own logits before its first use (off, and logged,
-            where they differ or the model is another kind). Off by default: its logits equal the model's only
-            up to float summation order, so a seeded run samples other tokens once in a while than it did
-            without it (the demo's seed-0 table moved), and it did not shorten the demo measurably.
+            where they differ or the model is another kind). Off by default: it did not shorten the demo
+            measurably, and its logits equal the model's only up to float summation order (a seeded run may
+            sample another token now and then than without it).
     """
 
     def __init__(self, model: Any, tokenizer: Any, *, name: str | None = None,
