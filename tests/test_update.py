@@ -948,3 +948,37 @@ def test_defaults_for_gpus_bf16_weights_and_zero1():
     # ZeRO-1 by default with DeepSpeed: float32 accumulation for bf16 weights (ZeRO-0 bf16 is refused)
     assert UpdateSettings(backend="deepspeed").zero() == 1 and UpdateSettings(backend="torch").zero() == 0
     assert UpdateSettings(backend="deepspeed", zero_stage=0).zero() == 0
+
+
+def test_gathered_rows_backpropagate_in_one_order_every_time():
+    """`take_rows` (the response tokens' hidden states / logits out of a packed row, where a group's first tokens
+    share a node) backpropagates repeated rows in index order: the gradient equals a sequential sum, bit for bit,
+    on every run. ``x[index]``'s CPU backward adds them with parallel atomics (20 runs gave 20 different
+    gradients here, 2026-12-05), which made the demo's weights differ run to run."""
+    from drmas_graph.train.optim._logprobs import take_rows
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(300, 576, generator=gen, requires_grad=True)
+    index = torch.randint(0, 40, (20, 20), generator=gen)  # 400 rows out of 40: every row ~10 times
+    upstream = torch.randn(20, 20, 576, generator=gen)
+    expected = torch.zeros(300, 576)
+    for i, row in enumerate(index.reshape(-1).tolist()):  # in index order, one addition at a time
+        expected[row] += upstream.reshape(-1, 576)[i]
+    for _ in range(10):
+        x.grad = None
+        rows = take_rows(x, index)
+        assert torch.equal(rows, x.detach()[index])
+        (rows * upstream).sum().backward()
+        assert torch.equal(x.grad, expected)
+
+
+def test_a_packed_update_is_bit_identical_when_repeated(rollout):
+    """Two samples per prompt share their prompt's nodes in the packed row; the same update from the same weights
+    gives the same weights, bit for bit (the trainer's reproducibility rests on it)."""
+    results = []
+    for _ in range(2):
+        model = fresh_model()
+        ModelUpdater(model, name="m", settings=settings(pack_prefixes=True)).update(rollout, old_logprobs="current")
+        results.append(snapshot(model))
+    assert max_diff(results[0], snapshot(fresh_model())) > 0
+    assert all(torch.equal(results[0][k], results[1][k]) for k in results[0])

@@ -28,7 +28,7 @@ from drmas_graph.train.optim._packing import build_tree, sequences_of, tree_inpu
 from drmas_graph.train.optim.losses import entropy_from_logits, token_logprobs
 from drmas_graph.types import Sample
 
-__all__ = ["Batch", "check_chunked_head", "collate", "collate_packed", "response_token_stats"]
+__all__ = ["Batch", "check_chunked_head", "collate", "collate_packed", "response_token_stats", "take_rows"]
 
 
 @dataclass(frozen=True)
@@ -124,7 +124,7 @@ def response_token_stats(forward: Callable[..., Any], batch: Batch, *, lm_head: 
     hidden_BLH = out.hidden_states[-1]
     del out
     mask_BT = batch.mask_BT
-    hidden_NH = hidden_BLH.reshape(-1, hidden_BLH.shape[-1])[batch.logit_index_BT[mask_BT]]
+    hidden_NH = take_rows(hidden_BLH.reshape(-1, hidden_BLH.shape[-1]), batch.logit_index_BT[mask_BT])
     ids_N = batch.response_ids_BT[mask_BT]
     temps_N = batch.temperatures_B[:, None].expand_as(mask_BT)[mask_BT]
     logprobs, entropies = [], []
@@ -152,6 +152,23 @@ def _head_chunk(lm_head: torch.nn.Module, hidden_CH: torch.Tensor, ids_C: torch.
     return token_logprobs(logits_CV, ids_C), entropy_C
 
 
+def take_rows(x_NX: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``x_NX[index]`` (rows of a 2-D tensor; ``index`` of any shape), with a backward pass whose result does not
+    depend on thread timing.
+
+    The index repeats: in a packed row the first response token of every sample of a group is predicted at the
+    same node (the shared prompt's last one). The backward pass of ``x[index]`` adds the repeated rows' gradients
+    with parallel atomic adds on CPU, in whatever order the threads get there, so two runs of the same update
+    ended with weights a few ulps apart (the demo's step-6 weights, 2026-12-05) and later sampled other tokens.
+    ``index_select``'s backward adds them one index after another on CPU; on CUDA it is the other way round
+    (``index_select``'s backward uses atomics; ``x[index]``'s sorts the indices first), the list in
+    `torch.use_deterministic_algorithms`' documentation.
+    """
+    flat = index.reshape(-1)
+    rows = x_NX.index_select(0, flat) if x_NX.device.type == "cpu" else x_NX[flat]
+    return rows.reshape(*index.shape, *x_NX.shape[1:])
+
+
 def _scatter(mask_BT: torch.Tensor, chunks: list[torch.Tensor]) -> torch.Tensor:
     values_N = torch.cat(chunks)
     return torch.zeros(mask_BT.shape, dtype=torch.float32, device=mask_BT.device).masked_scatter(mask_BT, values_N)
@@ -160,7 +177,7 @@ def _scatter(mask_BT: torch.Tensor, chunks: list[torch.Tensor]) -> torch.Tensor:
 def _response_logits(forward: Callable[..., Any], batch: Batch) -> torch.Tensor:
     """Logits / T at the response positions, float32, [B, T, V]: softmax of them is the sampling law."""
     logits_BLV = forward(**batch.inputs, use_cache=False).logits
-    logits_BTV = logits_BLV.reshape(-1, logits_BLV.shape[-1])[batch.logit_index_BT]
+    logits_BTV = take_rows(logits_BLV.reshape(-1, logits_BLV.shape[-1]), batch.logit_index_BT)
     return logits_BTV.float() / batch.temperatures_B[:, None, None]
 
 
