@@ -39,6 +39,7 @@ import torch
 from drmas_graph.engine._cpu_linear import PackedLinear, packed_linear_available
 from drmas_graph.engine._lean import LeanDecoder
 from drmas_graph.engine._prompt_cache import MIN_PREFIX, PromptCache, _Key
+from drmas_graph.engine._row_attention import install as install_row_attention, rows_apart
 from drmas_graph.engine._sampling import RowParams, sample_rows, vocab_hash
 from drmas_graph.types import Generation, SamplingParams
 
@@ -247,7 +248,7 @@ class DecodeBatch:
     def __init__(self, model: Any, tokenizer: Any, *, pad_id: int, eos_ids: Sequence[int], cache_kwarg: str,
                  stats: EngineStats, prompt_cache_size: int = 0, prefix_reuse: bool = False,
                  packed_cpu_linear: bool = False, row_kwargs: Callable[[list[str | None]], dict[str, Any]] | None = None,
-                 context_size: int | None = None, lean_forward: bool = False) -> None:
+                 context_size: int | None = None, lean_forward: bool = False, batch_invariant: bool = False) -> None:
         self.model = model
         self.context_size = context_size
         """Positions the model has (`context_size`): a row stops ('length') before feeding a token past them."""
@@ -268,9 +269,15 @@ class DecodeBatch:
         self.linear_mode = PackedLinear() if use_packed else None
         if use_packed:
             PackedLinear.install(model)
+        self.rows_apart = batch_invariant and self.device.type == "cpu" and install_row_attention()
+        """Whether the model's sdpa attention computes each row on its own columns (`_row_attention`, on CPU):
+        a row's numbers then do not depend on the rows it shares a batch with."""
         self.lean: LeanDecoder | None = None
         """The lean forward (`_lean`, with the packed CPU linears), None where it is off or cannot stand in."""
-        if lean_forward and self.linear_mode is not None:
+        if lean_forward and self.rows_apart:
+            log.info("the embedded engine runs the model's own forward: the lean forward's attention is not "
+                     "computed row by row (batch_invariant=False allows it)")
+        elif lean_forward and self.linear_mode is not None:
             reason = LeanDecoder.refusal(model)
             if reason is None:
                 self.lean = LeanDecoder(model, self.linear_mode, cache_kwarg=cache_kwarg)
@@ -305,7 +312,7 @@ class DecodeBatch:
     def _forward(self, ids_BL: torch.Tensor, mask_BL: torch.Tensor, pos_BL: torch.Tensor, cache: Any,
                  adapters: list[str | None]):
         extra = self.row_kwargs(adapters)
-        with self.linear_mode or contextlib.nullcontext():
+        with self.linear_mode or contextlib.nullcontext(), rows_apart() if self.rows_apart else contextlib.nullcontext():
             self.stats.forward_passes += 1
             lean = self.lean
             if (lean is not None and not extra and not lean.bypassed()
@@ -526,21 +533,35 @@ class DecodeBatch:
         if not parts:
             self.clear()
             return
-        self.rows = [r for p in parts for r in p[7]]
+        rows = [r for p in parts for r in p[7]]
+        cached = [len(r.req.prompt_ids) + len(r.out_ids) - 1 for r in rows]  # tokens in each row's cache
         lengths = [p[2].shape[1] for p in parts]
         L = max(lengths)
-        real = max(len(r.req.prompt_ids) + len(r.out_ids) - 1 for r in self.rows)  # tokens in the longest row
-        trim = L - real if _mergeable(parts[0][0]) else 0  # leading columns that are padding in every row
-        self.cache = _merge_caches([(p[0], p[1], L - n) for p, n in zip(parts, lengths)], trim)
-        self.mask_BL = torch.cat([_left_pad(p[2], L - n, 1) for p, n in zip(parts, lengths)])[:, trim:]
-        self.next_ids_B = torch.cat([p[3] for p in parts])
-        self.next_pos_B = torch.cat([p[4] for p in parts])
-        self.gen_pos_B = torch.cat([p[5] for p in parts])
+        mergeable = _mergeable(parts[0][0])
+        trim = L - max(cached) if mergeable else 0  # leading columns that are padding in every row
+        # longest rows first: rows that start at the same column are neighbours, and `_row_attention` takes
+        # each such run as one slice of the batch (a copy of its rows otherwise)
+        order = sorted(range(len(rows)), key=lambda b: -cached[b]) if mergeable else list(range(len(rows)))
+        self.rows = [rows[b] for b in order]
+        self.cache = _merge_caches([(p[0], p[1], L - n) for p, n in zip(parts, lengths)], trim, order)
+        perm = None if order == sorted(order) else torch.tensor(order, dtype=torch.long, device=self.device)
+
+        def cat(tensors: list[torch.Tensor]) -> torch.Tensor:
+            out = torch.cat(tensors)
+            return out if perm is None else out.index_select(0, perm)
+
+        self.mask_BL = cat([_left_pad(p[2], L - n, 1) for p, n in zip(parts, lengths)])[:, trim:]
+        self.next_ids_B = cat([p[3] for p in parts])
+        self.next_pos_B = cat([p[4] for p in parts])
+        self.gen_pos_B = cat([p[5] for p in parts])
         self.rp = RowParams.cat([p[6] for p in parts]) if len(parts) > 1 else parts[0][6]
+        if perm is not None:
+            self.rp = self.rp.select(perm, [r.req.params for r in self.rows], V)
 
 
-def _merge_caches(parts: list[tuple[Any, torch.Tensor, int]], trim: int) -> Any:
-    """One cache holding the selected rows of each part, each left-padded by its pad, minus `trim` columns.
+def _merge_caches(parts: list[tuple[Any, torch.Tensor, int]], trim: int, order: list[int] | None = None) -> Any:
+    """One cache holding the selected rows of each part, each left-padded by its pad, minus `trim` columns; with
+    `order`, row b of the result is row order[b] of the parts' rows laid end to end.
 
     Several parts (or padding/trimming) need plain dynamic layers (`_mergeable`); otherwise only the row
     selection of a single part is done, through the cache's own `batch_select_indices`.
@@ -553,6 +574,11 @@ def _merge_caches(parts: list[tuple[Any, torch.Tensor, int]], trim: int) -> Any:
         return target
     growing = _growing_layer_class()
     B = sum(rows.numel() for _, rows, _ in parts)
+    dest = None  # where each of the parts' rows goes, when not in their order
+    if order is not None and order != sorted(order):
+        dest = torch.empty(B, dtype=torch.long)
+        dest[torch.tensor(order)] = torch.arange(B)
+        dest = dest.to(parts[0][0].layers[0].keys.device)
     L = parts[0][2] + parts[0][0].layers[0].keys.shape[2]  # every part's length once left-padded
     for li, layer in enumerate(target.layers):
         new = growing()
@@ -563,12 +589,19 @@ def _merge_caches(parts: list[tuple[Any, torch.Tensor, int]], trim: int) -> Any:
             buf = t.new_empty((B, t.shape[1], L - trim + _SPARE_COLUMNS, t.shape[3]))
             b = 0
             for (_, rows, pad), src in zip(parts, sources):  # padded column j holds src column j - pad
-                dst = buf[b:b + rows.numel()]
+                n = rows.numel()
                 first = max(pad, trim)
-                if first > trim:
-                    dst[:, :, :first - trim].zero_()  # padding: masked, but must not hold NaN garbage
-                dst[:, :, first - trim:L - trim].copy_(src[:, :, first - pad:].index_select(0, rows))
-                b += rows.numel()
+                block = src[:, :, first - pad:].index_select(0, rows)
+                if dest is None:
+                    dst = buf[b:b + n]
+                    if first > trim:
+                        dst[:, :, :first - trim].zero_()  # padding: masked, but must not hold NaN garbage
+                    dst[:, :, first - trim:L - trim].copy_(block)
+                else:
+                    if first > trim:
+                        buf[dest[b:b + n], :, :first - trim] = 0
+                    buf[dest[b:b + n], :, first - trim:L - trim] = block
+                b += n
             setattr(new, name, buf[:, :, :L - trim])
             setattr(new, buf_name, buf)
         target.layers[li] = new

@@ -36,7 +36,7 @@ import torch
 from drmas_graph.errors import ConfigError
 from drmas_graph.types import SamplingParams
 
-__all__ = ["RowParams", "entropy_from_logits", "hash_uniform", "mix32", "mix32_py", "row_keys", "sample_rows",
+__all__ = ["RowParams", "entropy_from_logits", "hash_uniform", "mix32", "mix32_py", "row_keys", "row_sums", "sample_rows",
            "split_seed", "token_logprobs", "truncated_weights", "vocab_hash"]
 
 _MASK32 = 0xFFFFFFFF
@@ -159,6 +159,18 @@ class RowParams:
                          any(p.any_greedy for p in parts))
 
 
+def row_sums(x_BV: torch.Tensor) -> torch.Tensor:
+    """Each row's sum (B, 1), the same bits whatever the other rows and their number. ``x.sum(-1)`` is not: a
+    single row of a 49k vocabulary is split between threads (another summation order than a row of a batch,
+    half of 80 rows 1 ulp apart here). Summed in blocks of 256 and then over the blocks, every row is added
+    up by one thread in one order."""
+    B, V = x_BV.shape
+    N = -(-V // _BLOCK)
+    if N * _BLOCK != V:
+        x_BV = torch.nn.functional.pad(x_BV, (0, N * _BLOCK - V))
+    return x_BV.view(B, N, _BLOCK).sum(-1).sum(-1, keepdim=True)
+
+
 def _top_k_keep(scaled_BV: torch.Tensor, rp: RowParams) -> torch.Tensor:
     """Rows with k > 0 keep logits >= their k-th largest; other rows keep all."""
     top_BK = torch.topk(scaled_BV, rp.max_top_k, dim=-1).values
@@ -210,7 +222,7 @@ def truncated_weights(scaled_BV: torch.Tensor, e_BV: torch.Tensor, sum_B: torch.
     if rp.max_top_k > 0:
         weights_BV = weights_BV * _top_k_keep(scaled_BV, rp)
     if rp.any_top_p:
-        mass_B = weights_BV.sum(-1, keepdim=True) if rp.max_top_k > 0 else sum_B
+        mass_B = row_sums(weights_BV) if rp.max_top_k > 0 else sum_B
         weights_BV = weights_BV * _top_p_keep(weights_BV / mass_B, rp)
     return weights_BV
 
@@ -224,7 +236,7 @@ def sample_rows(logits_BV: torch.Tensor, rp: RowParams, positions_B: torch.Tenso
     scaled_BV = logits_BV.float() * rp.inv_temp_B[:, None]
     max_B = scaled_BV.amax(-1, keepdim=True)
     e_BV = torch.exp(scaled_BV - max_B)
-    sum_B = e_BV.sum(-1, keepdim=True)
+    sum_B = row_sums(e_BV)
     weights_BV = truncated_weights(scaled_BV, e_BV, sum_B, rp)
     ids_B = _two_level_race(weights_BV, row_keys(rp.seeds_B, positions_B), vocab_hash_V)
     if rp.any_greedy:
