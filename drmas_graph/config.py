@@ -121,6 +121,7 @@ class ServeConfig(_Strict):
     python: str | None = Field(None, description="Interpreter of the server's environment when launching; null = this one (sglang) or vllm_python() (vllm: $DRMAS_VLLM_PYTHON or ./.venv-vllm).")
     timeout_s: float = Field(300.0, gt=0, description="Per-request read timeout: a generation must finish within it.")
     max_concurrency: int = Field(64, ge=1, description="Most requests in flight to the server(s) of this model.")
+    ready_timeout_s: float | None = Field(None, gt=0, description="With launch: the longest wait for the server to answer its health check (loading and compiling the model; SmolLM2 on a 2-core CPU took 102-120 s); past it the launch fails. null = 300 s for vllm, 600 s for sglang.")
 
     @model_validator(mode="after")
     def _one_target(self) -> ServeConfig:

@@ -9,6 +9,8 @@ a real SGLang server loads the checkpoint the same way: tests/gpu/sglang_check.p
 import os
 import stat
 import sys
+import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -18,7 +20,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from drmas_graph import SamplingParams
 from drmas_graph.config import load_config
 from drmas_graph.errors import ConfigError
-from drmas_graph.served import SGLangPolicy, WeightSyncError, free_port
+from drmas_graph.served import ServerStartError, SGLangPolicy, WeightSyncError, free_port
 from drmas_graph.traces.store import TraceStore
 from drmas_graph.testing import tiny_model, tiny_policy, tiny_tokenizer
 from drmas_graph.train.loop.trainer import Trainer, train_graph
@@ -159,6 +161,29 @@ def test_launch_starts_a_server_from_path_and_close_stops_it(tmp_path, ckpt):
     finally:
         trainer.close()
     assert not server.alive()
+
+
+def test_a_launched_server_that_is_not_ready_in_ready_timeout_s_fails_the_start_and_is_stopped(tmp_path, ckpt):
+    python = tmp_path / "python"  # a "server" that never answers its health check
+    python.write_text("#!/bin/sh\nexec sleep 61.5\n")
+    python.chmod(python.stat().st_mode | stat.S_IEXEC)
+    cfg = served_config(tmp_path, ckpt, {"engine": "sglang", "launch": True, "python": str(python),
+                                         "ready_timeout_s": 1.5}, steps=1)
+    started = time.monotonic()
+    with pytest.raises(ServerStartError, match=r"not ready after 2 s .*models\.<name>\.serve\.ready_timeout_s"):
+        Trainer(graph(), ParityEnv(), cfg)
+    assert time.monotonic() - started < 30  # not the 600 s default
+    assert not _running(b"sleep\x0061.5")  # the launch stopped it
+
+
+def _running(cmdline: bytes) -> bool:
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and (proc / "cmdline").read_bytes().startswith(cmdline):
+                return True
+        except OSError:
+            pass
+    return False
 
 
 def test_construction_errors_say_what_to_do(tmp_path, ckpt):

@@ -149,8 +149,10 @@ class ServerProcess:
                 if time.monotonic() > deadline:
                     self.close()
                     raise ServerStartError(
-                        f"{self.name} at {self.url} was not ready after {timeout_s:.0f} s (GET {self.ready_path}); "
-                        f"log {self.log_path} ends with:\n{self.log_tail()}")
+                        f"{self.name} at {self.url} was not ready after {timeout_s:.0f} s (GET {self.ready_path}); a "
+                        f"model that takes longer to load needs a longer ready_timeout_s "
+                        f"(models.<name>.serve.ready_timeout_s in a config); log {self.log_path} ends with:\n"
+                        f"{self.log_tail()}")
                 time.sleep(poll_s)
 
     def close(self, grace_s: float = 10.0) -> None:
