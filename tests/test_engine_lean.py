@@ -70,7 +70,7 @@ def _lean_equals_hf(model):
             assert (got - ref.logits[:, -1]).abs().max().item() <= 1e-5 * scale, step
             assert torch.equal(got.argmax(-1), ref.logits[:, -1].argmax(-1))
         # a suffix on cached prefix rows, with a masked gap between them (the engine's `_forward_suffixes`)
-        from drmas_graph.engine._decode import _stack_prompts
+        from drmas_graph.engine._kv_cache import _stack_prompts
 
         prefix = [(k[1:2, :, -4:], v[1:2, :, -4:]) for k, v in ((layer.keys, layer.values) for layer in cache.layers)]
         ref_prefix = [(k[1:2, :, -4:], v[1:2, :, -4:]) for k, v in ((layer.keys, layer.values)

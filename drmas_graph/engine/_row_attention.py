@@ -26,8 +26,9 @@ The linear layers are row-wise already (oneDNN's packed matmul gives a row the s
 so are the norms and the LM head; the sampler sums each row on its own (`_sampling.row_sums`). Outside
 `rows_apart()` (training, other threads, other callers) the wrapped function is HF's own. A pass whose rows'
 keys are not one run of columns up to the last (a suffix prefill on cached rows, `prefix_reuse`) is computed as
-before, all rows at once. What this covers is measured on CPU: on a GPU, matmul kernels are chosen by shape and
-a row's numbers may still depend on the batch, so the engine does not enter `rows_apart()` there.
+before, all rows at once, and so is a model on another attention implementation (eager, flash_attention_2:
+`update.attn_implementation`). What this covers is measured on CPU: on a GPU, matmul kernels are chosen by
+shape and a row's numbers may still depend on the batch, so the engine does not enter `rows_apart()` there.
 """
 
 from __future__ import annotations
