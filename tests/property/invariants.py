@@ -12,7 +12,6 @@ import dataclasses
 import enum
 import json
 import re
-import tempfile
 import uuid
 import zlib
 from dataclasses import dataclass
@@ -28,6 +27,7 @@ from drmas_graph.traces._compare import state_text  # noqa: F401  (the replay pr
 from drmas_graph.types import Episode
 from tests.property import apps as _apps
 from tests.property import clients, network
+from tests.property.scratch import fresh_dir
 from tests.property.apps import APP_MODEL_REPLY, PERSONA, USER, App, Built, Call, Ctx, Timing
 
 clients.ENDPOINT[:] = [llm_base_url]  # the `endpoint` client's URL: this node's, in this run
@@ -196,7 +196,7 @@ def _roll_by_method(app: App, built: Built, wired: Wiring, store: TraceStore | N
 
     own = store is None
     if own:
-        store = TraceStore(Path(tempfile.mkdtemp(prefix="drmas-prop-")) / "traces.db")
+        store = TraceStore(fresh_dir() / "traces.db")
     before = {s.id for s in store.episodes()}
     app_ = instrumented(built, wired, store)
     x, config, kwargs = {"topic": "cats"}, run_config(), {"context": context(app)}
@@ -354,7 +354,7 @@ def check_truncated_replay(app: App, result: ReplayResult, truncated: bool) -> N
 
 def recorded(app: App, built: Built, seed: int) -> tuple[Run, TraceStore, Path]:
     """Roll the app out once into a fresh trace store; asserts the rollout itself went right."""
-    folder = Path(tempfile.mkdtemp(prefix="drmas-prop-"))
+    folder = fresh_dir()
     store = TraceStore(folder / "traces.db")
     run = roll(app, built, wiring(app), store, seed)
     check_attribution(app, run)

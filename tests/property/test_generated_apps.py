@@ -8,8 +8,6 @@ prints the app description (Hypothesis shrinks it first). Profiles: tests/confte
 """
 
 import dataclasses
-import tempfile
-from pathlib import Path
 
 import pytest
 from hypothesis import assume, given, note, settings
@@ -21,6 +19,7 @@ from tests.property import invariants as inv
 from tests.property import network, threads
 from tests.property.apps import KNOWN_DEFECTS, Timing, apps, timings
 from tests.property.invariants import build
+from tests.property.scratch import fresh_dir
 
 pytestmark = [pytest.mark.property,  # an agent on a branch the run did not take made no call: expected here
               pytest.mark.filterwarnings("ignore:agents.*matched no LLM call in the first episode"),
@@ -119,7 +118,7 @@ def test_a_capped_episode_is_truncated_stored_and_replays_to_the_cap(app, data, 
     n_calls = len(full.episode.turns)
     cap = data.draw(st.integers(1, n_calls), label="max_llm_calls")
     built = build(app, Timing(data.draw(timings, label="recording timing")))
-    with TraceStore(Path(tempfile.mkdtemp(prefix="drmas-prop-")) / "traces.db") as store:
+    with TraceStore(fresh_dir() / "traces.db") as store:
         run = inv.roll(app, built, full.wiring, store, seed, max_llm_calls=cap)
         inv.check_truncated(app, run, cap, n_calls)
         inv.check_store_round_trip(app, store, run.episode)
@@ -135,7 +134,7 @@ def test_a_thread_continued_by_later_rollouts_replays_each_of_them(app, seed):
     assume(app.kind == "graph" and app.checkpointer == "memory")
     note(inv.describe(app))
     built = build(app)
-    with TraceStore(Path(tempfile.mkdtemp(prefix="drmas-prop-")) / "traces.db") as store:
+    with TraceStore(fresh_dir() / "traces.db") as store:
         episodes = threads.continue_thread(app, built, store, seed)
         assert built.model.calls == 0, f"the app's own model answered {built.model.calls} call(s)\n{inv.describe(app)}"
         for k, episode in enumerate(episodes):

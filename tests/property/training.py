@@ -14,9 +14,7 @@ nothing of its update is measured.
 
 from __future__ import annotations
 
-import tempfile
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from hypothesis import strategies as st
@@ -26,6 +24,7 @@ from drmas_graph import SamplingParams, Task
 from drmas_graph.config import TrainConfig
 from drmas_graph.errors import JudgeError
 from drmas_graph.testing import scripted_policy, tiny_policy
+from tests.property.scratch import fresh_dir
 
 __all__ = ["TASK_IDS", "EVALS", "SCHEDULES", "TrainRun", "train_runs", "config", "GenEnv", "graph_and_policies"]
 
@@ -97,7 +96,7 @@ def config(run: TrainRun) -> TrainConfig:
     schedule = {"sync": {}, "one_step_off": {"async": {"max_staleness": 1}},
                 "free": {"async": {"max_staleness": 2, "schedule": "free"}}}[run.schedule]
     return TrainConfig.model_validate({
-        "run_dir": str(Path(tempfile.mkdtemp(prefix="drmas-prop-train-")) / "run"), "steps": run.steps,
+        "run_dir": str(fresh_dir("train-") / "run"), "steps": run.steps,
         "tasks_per_step": run.tasks_per_step, "group_size": run.group_size, "strict": True, "eval": {"k": 2, "before_training": False},
         "update": {"lr": 1e-3, "backend": "torch", "n_minibatches": run.n_minibatches},
         "logging": {"progress": False, "tensorboard": False}, **schedule})
