@@ -464,9 +464,11 @@ class DecodeBatch:
         # longest rows first: rows that start at the same column are neighbours, and `_row_attention` takes
         # each such run as one slice of the batch (a copy of its rows otherwise)
         order = sorted(range(len(rows)), key=lambda b: -cached[b]) if mergeable else list(range(len(rows)))
-        self.rows = [rows[b] for b in order]
+        if order == list(range(len(rows))):
+            order = None  # already longest first
+        self.rows = rows if order is None else [rows[b] for b in order]
         self.cache = _merge_caches([(p[0], p[1], L - n) for p, n in zip(parts, lengths)], trim, order)
-        perm = None if order == sorted(order) else torch.tensor(order, dtype=torch.long, device=self.device)
+        perm = None if order is None else torch.tensor(order, dtype=torch.long, device=self.device)
 
         def cat(tensors: list[torch.Tensor]) -> torch.Tensor:
             out = torch.cat(tensors)

@@ -92,7 +92,8 @@ def _left_pad(t: torch.Tensor, n: int, dim: int) -> torch.Tensor:
 
 def _merge_caches(parts: list[tuple[Any, torch.Tensor, int]], trim: int, order: list[int] | None = None) -> Any:
     """One cache holding the selected rows of each part, each left-padded by its pad, minus `trim` columns; with
-    `order`, row b of the result is row order[b] of the parts' rows laid end to end.
+    `order` (a permutation other than the identity), row b of the result is row order[b] of the parts' rows laid
+    end to end.
 
     Several parts (or padding/trimming) need plain dynamic layers (`_mergeable`); otherwise only the row
     selection of a single part is done, through the cache's own `batch_select_indices`.
@@ -106,7 +107,7 @@ def _merge_caches(parts: list[tuple[Any, torch.Tensor, int]], trim: int, order: 
     growing = _growing_layer_class()
     B = sum(rows.numel() for _, rows, _ in parts)
     dest = None  # where each of the parts' rows goes, when not in their order
-    if order is not None and order != sorted(order):
+    if order is not None:
         dest = torch.empty(B, dtype=torch.long)
         dest[torch.tensor(order)] = torch.arange(B)
         dest = dest.to(parts[0][0].layers[0].keys.device)

@@ -164,11 +164,16 @@ def row_sums(x_BV: torch.Tensor) -> torch.Tensor:
     single row of a 49k vocabulary is split between threads (another summation order than a row of a batch,
     half of 80 rows 1 ulp apart here). Summed in blocks of 256 and then over the blocks, every row is added
     up by one thread in one order."""
+    return _blocks(x_BV).sum(-1).sum(-1, keepdim=True)
+
+
+def _blocks(x_BV: torch.Tensor) -> torch.Tensor:
+    """x_BV as (B, N, 256): the vocabulary in blocks of `_BLOCK`, the last one padded with zeros."""
     B, V = x_BV.shape
     N = -(-V // _BLOCK)
     if N * _BLOCK != V:
         x_BV = torch.nn.functional.pad(x_BV, (0, N * _BLOCK - V))
-    return x_BV.view(B, N, _BLOCK).sum(-1).sum(-1, keepdim=True)
+    return x_BV.view(B, N, _BLOCK)
 
 
 def _top_k_keep(scaled_BV: torch.Tensor, rp: RowParams) -> torch.Tensor:
@@ -201,11 +206,8 @@ def _race(w_BN: torch.Tensor, keys_B: torch.Tensor, table: torch.Tensor) -> torc
 
 def _two_level_race(w_BV: torch.Tensor, keys_B: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     """Draw i with probability w_i / sum(w): a block by its mass, then a token inside the block."""
-    B, V = w_BV.shape
-    N = -(-V // _BLOCK)
-    if N * _BLOCK != V:
-        w_BV = torch.nn.functional.pad(w_BV, (0, N * _BLOCK - V))
-    w_BNC = w_BV.view(B, N, _BLOCK)
+    B = w_BV.shape[0]
+    w_BNC = _blocks(w_BV)
     block_B = _race(w_BNC.sum(-1), mix32(keys_B ^ _STAGE_BLOCK), table)
     inner_B = _race(w_BNC[torch.arange(B, device=w_BV.device), block_B], mix32(keys_B ^ _STAGE_TOKEN), table)
     return block_B * _BLOCK + inner_B

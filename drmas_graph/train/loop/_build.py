@@ -79,10 +79,10 @@ def _build_model(name: str, mc: ModelConfig, seed: int, adapters: Sequence[str] 
 
     sc = mc.serve
     policy_cls, launch = {"sglang": (SGLangPolicy, launch_sglang), "vllm": (VLLMPolicy, launch_vllm)}[sc.engine]
-    lora_kw = vllm_launch_kwargs(mc.lora, adapters) if mc.lora is not None and sc.engine == "vllm" else {}
+    launch_kw = vllm_launch_kwargs(mc.lora, adapters) if mc.lora is not None and sc.engine == "vllm" else {}
     if sc.ready_timeout_s is not None:
-        lora_kw["ready_timeout_s"] = sc.ready_timeout_s
-    servers = [launch(resolve_model_path(mc.path), dtype=mc.torch_dtype(), python=sc.python, **lora_kw)] if sc.launch else []
+        launch_kw["ready_timeout_s"] = sc.ready_timeout_s
+    servers = [launch(resolve_model_path(mc.path), dtype=mc.torch_dtype(), python=sc.python, **launch_kw)] if sc.launch else []
     served = policy_cls([s.url for s in servers] or sc.urls, policy.tokenizer, name=name, servers=servers,
                         seed=seed, timeout_s=sc.timeout_s, max_concurrency=sc.max_concurrency)
     return served, policy.model
