@@ -108,8 +108,10 @@ def test_async_metrics_with_several_minibatches_read_the_sampling_policys_logpro
 
 def test_the_next_steps_rollouts_run_during_the_update(tmp_path):
     """Update u waits until step u+1's rollouts have started: a synchronous loop would never get there (the test
-    would time out), the pipelined one does."""
-    started = {s: threading.Event() for s in range(4)}
+    would time out), the pipelined one does. The last update has no next step: it does not wait (it waited out
+    its 120 s timeout before), and step 3 is never collected."""
+    steps = 3
+    started = {s: threading.Event() for s in range(steps + 1)}
     waited = []
 
     def hook(trainer):
@@ -123,14 +125,16 @@ def test_the_next_steps_rollouts_run_during_the_update(tmp_path):
 
         def waiting_update(samples, **kwargs):
             u = updater.n_updates
-            waited.append(started[u + 1].wait(timeout=120))
+            if u + 1 < steps:
+                waited.append(started[u + 1].wait(timeout=120))
             return update(samples, **kwargs)
 
         trainer.pipeline.collect = observed_collect
         updater.update = waiting_update
 
-    run_async(tmp_path, "overlap", steps=3, hook=hook)
-    assert waited == [True, True, False]  # update 2 is the last: no step 3 to roll out
+    run_async(tmp_path, "overlap", steps=steps, hook=hook)
+    assert waited == [True, True]
+    assert [s for s in started if started[s].is_set()] == [0, 1, 2]  # no step 3 rolled out
 
 
 class Killed(Exception):
