@@ -122,11 +122,15 @@ class ServeConfig(_Strict):
     timeout_s: float = Field(300.0, gt=0, description="Per-request read timeout: a generation must finish within it.")
     max_concurrency: int = Field(64, ge=1, description="Most requests in flight to the server(s) of this model.")
     ready_timeout_s: float | None = Field(None, gt=0, description="With launch: the longest wait for the server to answer its health check (loading and compiling the model; SmolLM2 on a 2-core CPU took 102-120 s); past it the launch fails. null = 300 s for vllm, 600 s for sglang.")
+    args: list[str] = Field(default_factory=list, description="With launch: more command-line arguments for the server, after the ones drmas-graph sets, e.g. [--enforce-eager] (vLLM: no compilation at start, ~20 s sooner ready on a 2-core CPU), [--max-model-len, '8192'], [--tensor-parallel-size, '2'] (vLLM) or [--mem-fraction-static, '0.8'] (SGLang). Not the flags drmas-graph sets from the rest of the config (model, host, port, dtype, logprobs mode, weight version, LoRA).")
 
     @model_validator(mode="after")
     def _one_target(self) -> ServeConfig:
         if bool(self.urls) == self.launch:
             raise ValueError("give exactly one of `urls` (attach to running servers) or `launch: true`")
+        if self.args and not self.launch:
+            raise ValueError(f"`args` {self.args} are for a server drmas-graph launches (`launch: true`); a server at "
+                             "`urls` was started by you: give them to its command line")
         return self
 
 

@@ -16,7 +16,7 @@ from tests import _graphs
 from tests._envs import ParityEnv
 from tests._logprobs import recompute_logprobs
 from tests.test_instrument import Unreachable
-from tests.test_served_vllm import VLLM_PYTHON
+from tests.test_served_vllm import FAST_START, VLLM_PYTHON
 from tests.test_served_vllm import pytestmark as vllm_marks
 from tests.test_trainer import small_config
 
@@ -28,7 +28,7 @@ def test_one_step_off_through_vllm_pushes_at_step_boundaries(tmp_path):
     ckpt = tmp_path / "base"
     tiny_model(tokenizer, seed=0, hidden_size=128).save_pretrained(ckpt)  # head_dim 32: vLLM CPU attention
     tokenizer.save_pretrained(ckpt)
-    serve = {"engine": "vllm", "launch": True, "python": VLLM_PYTHON, "timeout_s": 120}
+    serve = {"engine": "vllm", "launch": True, "python": VLLM_PYTHON, "timeout_s": 120, "args": FAST_START}
     cfg = small_config(tmp_path, steps=3, models={"m": {"path": str(ckpt), "serve": serve}},
                        agents={a: {"model": "m", "sampling": {"max_new_tokens": 6}} for a in ("solver", "verifier")},
                        eval={"k": 1, "n_tasks": 1, "before_training": False}, **{"async": {"max_staleness": 1}})
@@ -37,6 +37,7 @@ def test_one_step_off_through_vllm_pushes_at_step_boundaries(tmp_path):
         policy, local = trainer.state.models["m"].policy, trainer.state.models["m"].trained
         result = trainer.run()
         assert policy.version == 3 and policy.server_versions() == {policy.base_urls[0]: "3"}
+        assert policy.servers[0].argv[-1:] == FAST_START  # models.m.serve.args
         prompt = tokenizer.encode("What is 2 + 3? Answer:", add_special_tokens=False)
         gen = policy.generate(prompt, SamplingParams(max_new_tokens=8, temperature=1.0, seed=1))
         assert gen.logprobs == pytest.approx(recompute_logprobs(local, prompt, gen.token_ids, 1.0), abs=1e-4)
@@ -63,7 +64,7 @@ def test_free_running_through_vllm_pushes_while_other_steps_roll_out(tmp_path):
     tokenizer.save_pretrained(ckpt)
     gate = HoldStepOne()
 
-    serve = {"engine": "vllm", "launch": True, "python": VLLM_PYTHON, "timeout_s": 120}
+    serve = {"engine": "vllm", "launch": True, "python": VLLM_PYTHON, "timeout_s": 120, "args": FAST_START}
     cfg = small_config(tmp_path, steps=3, models={"m": {"path": str(ckpt), "serve": serve}},
                        agents={a: {"model": "m", "sampling": {"max_new_tokens": 6}} for a in ("solver", "verifier")},
                        eval={"k": 1, "n_tasks": 1, "before_training": False},

@@ -16,7 +16,7 @@ import pytest
 from drmas_graph.rewards import Judge, judge_model
 from drmas_graph.served import launch_vllm
 from tests.test_judge import RUBRIC, TASK, episode
-from tests.test_served_vllm import VLLM_PYTHON, ckpt, pytestmark, tokenizer  # noqa: F401 (fixtures, marks)
+from tests.test_served_vllm import FAST_START, VLLM_PYTHON, ckpt, pytestmark, tokenizer  # noqa: F401 (fixtures, marks)
 
 COMPACT_JSON = '{"backend": "xgrammar", "disable_any_whitespace": true}'
 
@@ -24,7 +24,7 @@ COMPACT_JSON = '{"backend": "xgrammar", "disable_any_whitespace": true}'
 @pytest.fixture(scope="module")
 def server(ckpt):
     s = launch_vllm(ckpt, python=VLLM_PYTHON, ready_timeout_s=400,
-                    extra_args=["--structured-outputs-config", COMPACT_JSON])
+                    extra_args=["--structured-outputs-config", COMPACT_JSON, *FAST_START])
     yield s
     s.close()
 

@@ -13,7 +13,7 @@ from drmas_graph import SamplingParams
 from drmas_graph.testing import tiny_model, tiny_tokenizer
 from tests._logprobs import recompute_logprobs
 
-from tests.test_served_vllm import VLLM_PYTHON
+from tests.test_served_vllm import FAST_START, VLLM_PYTHON
 from tests.test_served_vllm import pytestmark as vllm_marks
 
 pytestmark = [*vllm_marks, pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")]
@@ -31,7 +31,7 @@ def test_vllm_serves_each_agents_adapter_by_name_and_reloads_them_after_updates(
     ckpt = tmp_path / "base"
     tiny_model(tokenizer, seed=0, hidden_size=128).save_pretrained(ckpt)  # head_dim 32: vLLM CPU attention
     tokenizer.save_pretrained(ckpt)
-    serve = {"engine": "vllm", "launch": True, "python": VLLM_PYTHON, "timeout_s": 120}
+    serve = {"engine": "vllm", "launch": True, "python": VLLM_PYTHON, "timeout_s": 120, "args": FAST_START}
     cfg = config(tmp_path, models={"m": {"path": str(ckpt), "serve": serve, "lora": {"r": 4, "alpha": 8}}},
                  agents={a: {"model": "m", "sampling": {"max_new_tokens": 6}} for a in ("solver", "verifier")})
     trainer = Trainer(_graphs.solver_verifier(Unreachable()).compile(), ParityEnv(), cfg)

