@@ -28,8 +28,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__all__ = ["NO_SIGNAL_EXIT", "AsyncTimeoutError", "CheckReport", "NothingToResumeError", "RunDirInUseError",
-           "RunState", "TrainResult", "Trainer", "checkpoint_step", "free_run_dir",
+__all__ = ["NO_SIGNAL_EXIT", "AsyncTimeoutError", "CheckReport", "CheckpointSpaceError", "NothingToResumeError",
+           "RunDirInUseError", "RunState", "TrainResult", "Trainer", "checkpoint_step", "free_run_dir",
            "load_checkpoint_adapters", "preflight", "reply_lines", "train_graph"]
 
 

@@ -13,13 +13,14 @@ served, traces).
 """
 
 from drmas_graph.train.loop._check import NO_SIGNAL_EXIT, CheckReport, preflight
-from drmas_graph.train.loop._checkpoints import NothingToResumeError, checkpoint_step, load_checkpoint_adapters
+from drmas_graph.train.loop._checkpoints import (CheckpointSpaceError, NothingToResumeError, checkpoint_step,
+                                                 load_checkpoint_adapters)
 from drmas_graph.train.loop._pipeline import AsyncTimeoutError
 from drmas_graph.train.loop._setup import RunDirInUseError, free_run_dir
 from drmas_graph.train.loop._state import RunState
 from drmas_graph.train.loop.evaluate import reply_lines
 from drmas_graph.train.loop.trainer import Trainer, TrainResult, train_graph
 
-__all__ = ["NO_SIGNAL_EXIT", "AsyncTimeoutError", "CheckReport", "NothingToResumeError", "RunDirInUseError",
-           "RunState", "TrainResult", "Trainer", "checkpoint_step", "free_run_dir",
+__all__ = ["NO_SIGNAL_EXIT", "AsyncTimeoutError", "CheckReport", "CheckpointSpaceError", "NothingToResumeError",
+           "RunDirInUseError", "RunState", "TrainResult", "Trainer", "checkpoint_step", "free_run_dir",
            "load_checkpoint_adapters", "preflight", "reply_lines", "train_graph"]

@@ -11,6 +11,7 @@ see `_pipeline`).
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import json
 import os
@@ -20,14 +21,15 @@ import time
 from pathlib import Path
 from typing import Any, Protocol
 
-from drmas_graph.errors import ConfigError
+from drmas_graph.errors import ConfigError, DrmasError
 from drmas_graph.train.engines import distributed
 from drmas_graph.train.loop._build import is_served
 from drmas_graph.train.loop._state import HasRunState, RunState, on_model_thread, run_state
 from drmas_graph.train.optim import load_adapters, save_for_sync
 
 __all__ = ["save_checkpoint", "resume", "checkpoint_step", "push_weights", "sync_weights", "load_into_servers",
-           "sync_dir", "load_checkpoint_adapters", "RolloutWeights", "has_checkpoint", "NothingToResumeError"]
+           "sync_dir", "load_checkpoint_adapters", "RolloutWeights", "has_checkpoint", "NothingToResumeError",
+           "CheckpointSpaceError"]
 
 
 class NothingToResumeError(ConfigError):
@@ -60,12 +62,52 @@ class RolloutWeights(Protocol):
         """Install the rollout weights a checkpoint holds (or the trainer's)."""
 
 
+class CheckpointSpaceError(DrmasError, OSError):
+    """A checkpoint could not be written because its disk is full. The partial checkpoint is removed; the
+    checkpoints before it are whole, and `--resume` continues from the latest of them."""
+
+    def __init__(self, root: Path, step: int, written: int, free: int) -> None:
+        done = sorted(root.glob("step_*"))
+        last = (f"The latest whole checkpoint, {done[-1].name} ({_size(_folder_bytes(done[-1]))}), is intact: "
+                "--resume continues from it" if done else "No earlier checkpoint was saved")
+        super().__init__(
+            f"checkpoint step_{step:06d} could not be written: the disk of {root} is full ({_size(free)} free; "
+            f"the {_size(written)} of it written so far are removed). {last}. Free disk space, or keep fewer "
+            "checkpoints (keep_checkpoints) or save less often (checkpoint_every)")
+
+
+_FULL_BYTES = 64 * 2**20
+"""Free bytes below which a failed checkpoint write is put down to a full disk (torch.save reports one as
+"unexpected pos" or "file write failed", not as ENOSPC)."""
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def _folder_bytes(folder: Path) -> int:
+    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+
+
 def save_checkpoint(run: RunState, step: int, pipeline: RolloutWeights | None = None) -> Path:
     """Write checkpoint `step` of every updater (collective: every rank saves its part, rank 0 the rest);
-    `pipeline`: asynchronous training's, whose rollout weights the checkpoint also holds."""
+    `pipeline`: asynchronous training's, whose rollout weights the checkpoint also holds. A full disk raises
+    `CheckpointSpaceError` (the partial checkpoint removed)."""
     root = run.run_dir / "checkpoints"
-    final = root / f"step_{step:06d}"
     tmp = root / f".tmp_step_{step:06d}"
+    try:
+        return _save_checkpoint(run, step, pipeline, root, tmp)
+    except (OSError, RuntimeError) as exc:
+        free = shutil.disk_usage(root).free if root.exists() else 0
+        if not (isinstance(exc, OSError) and exc.errno == errno.ENOSPC) and free >= _FULL_BYTES:
+            raise
+        written = _folder_bytes(tmp) if tmp.exists() else 0
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointSpaceError(root, step, written, free) from exc
+
+
+def _save_checkpoint(run: RunState, step: int, pipeline: RolloutWeights | None, root: Path, tmp: Path) -> Path:
+    final = root / f"step_{step:06d}"
     main = distributed.is_main()  # every rank saves its part (DeepSpeed); rank 0 writes the rest
     if main:
         shutil.rmtree(tmp, ignore_errors=True)
