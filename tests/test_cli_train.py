@@ -1,6 +1,7 @@
 """drmas-graph train / eval / config-doc from a YAML config (tiny models, one step)."""
 
 import json
+import re
 
 import yaml
 
@@ -35,6 +36,8 @@ def test_train_then_eval_a_checkpoint(tmp_path, capsys):
     assert main(["eval", str(cfg), "--checkpoint", str(ckpt), "--k", "2"]) == 0
     out = capsys.readouterr().out
     assert "avg@2" in out and "pass@2" in out and "solver/calls_per_episode" in out
+    shown = re.findall(r"^evaluation on test: (\d+)/(\d+) episodes  elapsed \d+\.\d s", out, flags=re.M)
+    assert shown == [("1", "4"), ("2", "4"), ("3", "4"), ("4", "4")]  # 2 tasks x k 2, a line at each tenth
 
 
 def test_bad_config_and_missing_checkpoint_are_one_line_errors(tmp_path, capsys):

@@ -123,3 +123,23 @@ def test_episode_progress_counts_from_the_batch_start(capsys):
     elapsed, eta = map(float, re.fullmatch(r"evaluation after step 11: 8/80 episodes  elapsed (\d+\.\d) s  ETA "
                                            r"(\d+\.\d) s", capsys.readouterr().out.strip()).groups())
     assert elapsed >= 0.3 and abs(eta - elapsed * 72 / 8) <= 0.15
+
+
+def test_episode_progress_estimates_from_the_pace_since_the_first_episode_ended(capsys, monkeypatch):
+    """80 episodes at once end in a burst (the demo's evaluation: the first 8 after 14-15 s, all 80 after 26 s).
+    The estimate after 8 is the 72 left at the pace since the first ended (7 in 1.2 s: 12.3 s), not at the pace
+    from the start (8 in 15.2 s: 137 s, what it printed before). One at a time, both paces are the same."""
+    from drmas_graph.train.loop import metrics
+
+    clock = [0.0]
+    monkeypatch.setattr(metrics.time, "perf_counter", lambda: clock[0])
+    progress = metrics.EpisodeProgress("evaluation on test")
+    for done, at in [(1, 14.0), (2, 14.2), (5, 14.7), (8, 15.2)]:
+        clock[0] = at
+        progress(done, 80)
+    assert capsys.readouterr().out.splitlines()[-1] == "evaluation on test: 8/80 episodes  elapsed 15.2 s  ETA 12.3 s"
+    sequential = metrics.EpisodeProgress("check, 1 group")
+    for done in range(1, 10):
+        clock[0] = 15.2 + 2.0 * done  # one episode every 2 s
+        sequential(done, 10)
+    assert capsys.readouterr().out.splitlines()[-1] == "check, 1 group: 9/10 episodes  elapsed 18.0 s  ETA 2.0 s"

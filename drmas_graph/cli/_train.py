@@ -54,7 +54,8 @@ def add_train_commands(groups: Any) -> None:
                    help="continue the run in run_dir from its last checkpoint (the same as --set resume=true)")
     p.set_defaults(func=_cmd_train)
 
-    p = groups.add_parser("eval", help="avg@k and pass@k of a checkpoint (or the base models) on a split")
+    p = groups.add_parser("eval", help="avg@k and pass@k of a checkpoint (or the base models) on a split; its "
+                                       "episodes are shown as they end (done / total, elapsed, ETA), a line at each tenth")
     p.add_argument("config", type=Path, help="the run's YAML config")
     p.add_argument("--checkpoint", type=Path, help="checkpoint folder (run_dir/checkpoints/step_N); default: base models")
     p.add_argument("--split", help="task split (default: eval.split)")
@@ -123,6 +124,7 @@ def _saved(cfg: TrainConfig, config: Path) -> str:
 def _cmd_eval(args: argparse.Namespace, console: Console) -> int:
     from drmas_graph.train import Trainer, checkpoint_step, load_checkpoint_adapters, reply_lines
     from drmas_graph.train.loop.evaluate import evaluate
+    from drmas_graph.train.loop.metrics import EpisodeProgress
     from drmas_graph.train.engines import distributed
 
     overrides = list(args.set)
@@ -146,7 +148,9 @@ def _cmd_eval(args: argparse.Namespace, console: Console) -> int:
                               "serving it after this evaluation)", markup=False)
         # a checkpoint samples with the seeds of its step's evaluation: it reproduces the run's own
         step = checkpoint_step(args.checkpoint) if args.checkpoint is not None else 0
-        record = evaluate(trainer, step=step, split=args.split)  # sharded over the processes of a launcher
+        progress = EpisodeProgress(f"evaluation on {args.split or cfg.eval.split}") if distributed.is_main() else None
+        # sharded over the processes of a launcher (rank 0 shows its own share's progress)
+        record = evaluate(trainer, step=step, split=args.split, progress=progress)
         distributed.remove_rank_stores(trainer.state.run_dir, trainer.state.store.close)
         main = distributed.is_main()
     finally:

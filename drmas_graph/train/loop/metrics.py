@@ -86,19 +86,34 @@ class EpisodeProgress:
     """`progress(done, total)` of a batch of episodes: a plain line on stdout (flushed) each time `done` passes a
     tenth of `total` (and at the last), with the time since it was made (made as the batch starts: the first
     episodes' time counts) and an estimate of what is left; or, given `show`, the same text handed to it (the
-    bar's status)."""
+    bar's status).
+
+    The estimate is the episodes left at the pace they have ended since the first one ended. Episodes that run
+    at once end in a burst, so the pace from the batch start overshoots: the demo's evaluation (80 episodes at
+    once) estimated 137 s after 8 of them, with 10.7 s left. Until a second call, the pace from the start."""
 
     def __init__(self, label: str, show: Any = None) -> None:
         self.label, self.show = label, show
         self._started = time.perf_counter()
         self._shown = 0
+        self._first: tuple[int, float] | None = None
+        """(done, time) at the first call that counted an ended episode."""
 
     def text(self, done: int, total: int) -> str:
-        elapsed = time.perf_counter() - self._started
-        eta = f"  ETA {elapsed / done * (total - done):.1f} s" if 0 < done < total else ""
+        now = time.perf_counter()
+        elapsed = now - self._started
+        eta = ""
+        if 0 < done < total:
+            if self._first is not None and done > self._first[0] and now > self._first[1]:
+                pace = (done - self._first[0]) / (now - self._first[1])
+            else:
+                pace = done / max(elapsed, 1e-9)
+            eta = f"  ETA {(total - done) / pace:.1f} s"
         return f"{self.label}: {done}/{total} episodes  elapsed {elapsed:.1f} s{eta}"
 
     def __call__(self, done: int, total: int) -> None:
+        if self._first is None and done > 0:
+            self._first = (done, time.perf_counter())
         if self.show is not None:
             self.show(self.text(done, total))
         elif done == total or done * 10 // max(total, 1) > self._shown * 10 // max(total, 1):
