@@ -30,12 +30,19 @@ disk, median of 3: the embedded policy's `from_pretrained` + `load_state_dict` v
 
 The vLLM half needs the vLLM venv (scripts/setup_vllm.sh; `--vllm-python`, $DRMAS_VLLM_PYTHON or ./.venv-vllm);
 without it only the embedded numbers are printed. `--json PATH` writes the demo workload's numbers.
+
+The vLLM server computes on the same cores as the embedded engine (`--vllm-cores all`, the default:
+VLLM_CPU_OMP_THREADS_BIND=0..T-1 for this process's T torch threads, VLLM_CPU_NUM_OF_RESERVED_CPU=0, as
+bench_roofline.py and bench_rollout.py bind it). `--vllm-cores auto` leaves vLLM's own default, which on a
+2-core machine computes on one core and reserves the other for its API server (and the vLLM figures of this
+benchmark before 2026-12-05 were measured that way).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import statistics
@@ -130,6 +137,28 @@ def demo_backend(cfg: object, steps: int) -> dict:
             "prompt_tokens/turn": total["prompt_tokens"] / total["turns"]}
 
 
+def vllm_core_env(cores: str) -> dict[str, str]:
+    """The vLLM server's CPU binding for `--vllm-cores`: empty for vLLM's own default (`auto`)."""
+    if cores == "auto":
+        return {}
+    return {"VLLM_CPU_OMP_THREADS_BIND": f"0-{torch.get_num_threads() - 1}", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+
+
+@contextlib.contextmanager
+def environment(extra: dict[str, str]):
+    """`extra` in os.environ within (a server the trainer launches inherits it), restored after."""
+    saved = {k: os.environ.get(k) for k in extra}
+    os.environ.update(extra)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def run_demo(args: argparse.Namespace, python: str | None) -> dict:
     """Both backends on the demo's workload, one after the other in this process; printed and returned."""
     with tempfile.TemporaryDirectory() as root:
@@ -143,8 +172,12 @@ def run_demo(args: argparse.Namespace, python: str | None) -> dict:
         if args.backend in ("both", "embedded"):
             rows["embedded"] = demo_backend(cfg, args.steps)
         if args.backend in ("both", "vllm") and python:
-            rows["vllm"] = demo_backend(demo_config(model_path, os.path.join(root, "vllm"), python), args.steps)
-    result = {"workload": "demo", "model": args.model, "steps": args.steps, "backends": rows}
+            print(f"vLLM's CPU binding (--vllm-cores {args.vllm_cores}): {vllm_core_env(args.vllm_cores) or 'its own default'}",
+                  flush=True)
+            with environment(vllm_core_env(args.vllm_cores)):
+                rows["vllm"] = demo_backend(demo_config(model_path, os.path.join(root, "vllm"), python), args.steps)
+    result = {"workload": "demo", "model": args.model, "steps": args.steps, "vllm_cores": args.vllm_cores,
+              "vllm_env": vllm_core_env(args.vllm_cores), "backends": rows}
     if len(rows) == 2:
         e, v = rows["embedded"], rows["vllm"]
         if e["sampling"] != v["sampling"]:  # one config for both: a difference is a defect of this benchmark
@@ -249,7 +282,7 @@ def served_vllm(args, base: str, step1: str, python: str) -> dict[str, float]:
     from drmas_graph.served import VLLMPolicy, launch_vllm
 
     t0 = time.perf_counter()
-    server = launch_vllm(base, python=python, ready_timeout_s=600)
+    server = launch_vllm(base, python=python, ready_timeout_s=600, env=vllm_core_env(args.vllm_cores))
     start_s = time.perf_counter() - t0
     policy = VLLMPolicy(server.url, AutoTokenizer.from_pretrained(base), name="vllm",
                         sampling=SamplingParams(temperature=1.0, max_new_tokens=args.max_new_tokens), servers=[server])
@@ -295,6 +328,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--workload", choices=("demo", "math"), default="demo",
                     help="demo: graphs/math/demo.yaml's rollouts (default); math: the earlier graphs/math/graph.py run")
     ap.add_argument("--vllm-python", default=None, help="the vLLM venv's python (default: $DRMAS_VLLM_PYTHON)")
+    ap.add_argument("--vllm-cores", choices=("all", "auto"), default="all",
+                    help="all (default): the vLLM server computes on cores 0..T-1, T = this process's torch threads, "
+                         "none reserved (as bench_roofline/bench_rollout bind it); auto: vLLM's own default (on a "
+                         "2-core machine one core computes, the other is reserved for its API server)")
     demo = ap.add_argument_group("--workload demo")
     demo.add_argument("--model", choices=("smollm2", "tiny"), help="the demo's SmolLM2-135M-Instruct (default) or "
                       "a tiny random Llama saved for both backends")

@@ -59,7 +59,7 @@ def test_a_workloads_options_are_refused_with_the_other_workload():
     from benchmarks.bench_served import parse_args
 
     args = parse_args([])
-    assert (args.workload, args.model, args.steps, args.backend) == ("demo", "smollm2", 3, "both")
+    assert (args.workload, args.model, args.steps, args.backend, args.vllm_cores) == ("demo", "smollm2", 3, "both", "all")
     args = parse_args(["--workload", "math"])
     assert (args.episodes, args.repeats, args.max_new_tokens, args.model_path) == (16, 3, 32, None)
     with pytest.raises(SystemExit) as err:
@@ -79,3 +79,19 @@ def test_demo_workload_side_by_side_with_vllm(tmp_path):
     _check_backend(v, 1, "VLLMPolicy")
     assert r["ratio"] == {"episodes/s": e["episodes/s"] / v["episodes/s"], "tokens/s": e["tokens/s"] / v["tokens/s"]}
     assert f"embedded / vLLM: {r['ratio']['episodes/s']:.2f}x episodes/s" in stdout
+
+
+def test_vllm_computes_on_the_embedded_engines_cores_unless_told_otherwise(monkeypatch):
+    sys.path.insert(0, str(ROOT))
+    import torch
+
+    from benchmarks.bench_served import environment, vllm_core_env
+
+    assert vllm_core_env("all") == {"VLLM_CPU_OMP_THREADS_BIND": f"0-{torch.get_num_threads() - 1}",
+                                    "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+    assert vllm_core_env("auto") == {}
+    monkeypatch.setenv("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    with environment(vllm_core_env("all")):  # what a server the trainer launches inherits
+        assert os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0" and "VLLM_CPU_OMP_THREADS_BIND" in os.environ
+    assert os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "1" and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ
