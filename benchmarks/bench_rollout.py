@@ -142,6 +142,12 @@ async def _vllm_all(url: str, model: str, prompts, lengths, seed0: int) -> int:
     return sum(counts)
 
 
+def vllm_cpu_binding(threads: int) -> dict[str, str]:
+    """The environment that makes a vLLM CPU server compute on cores 0..threads-1 and reserve none (its default on
+    a 2-core machine computes on one core and reserves the other for its API server)."""
+    return {"VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+
+
 def start_vllm(path: str, threads: int, max_batch: int):
     from drmas_graph.served import launch_vllm
     from drmas_graph.served.vllm import vllm_python
@@ -150,8 +156,7 @@ def start_vllm(path: str, threads: int, max_batch: int):
     if not python:
         print("vLLM venv not found (scripts/setup_vllm.sh, $DRMAS_VLLM_PYTHON): vLLM skipped")
         return None
-    env = {"VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
-    return launch_vllm(path, python=python, env=env, ready_timeout_s=900, kv_cache_gib=2,
+    return launch_vllm(path, python=python, env=vllm_cpu_binding(threads), ready_timeout_s=900, kv_cache_gib=2,
                        extra_args=["--max-num-seqs", str(max_batch), "--served-model-name", "bench"])
 
 

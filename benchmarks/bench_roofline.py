@@ -64,6 +64,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import torch  # noqa: E402
 
 from drmas_graph import SamplingParams  # noqa: E402
+from benchmarks.bench_rollout import vllm_cpu_binding  # noqa: E402
 from drmas_graph.engine.transformers_policy import TransformersPolicy  # noqa: E402
 
 BYTES_PER_PARAM = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -247,7 +248,7 @@ def measure_vllm(args, out: dict, vocab: int) -> None:
     read, bw = out["model"]["params_read_per_step"], out["bandwidth"]["roofline_GBps"]
     with tempfile.TemporaryDirectory(prefix="roofline-vllm-") as tmp:
         folder = vllm_model_folder(args.model, tmp)
-        env = {"VLLM_CPU_OMP_THREADS_BIND": f"0-{args.threads - 1}", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+        env = vllm_cpu_binding(args.threads)
         extra = ["--max-num-seqs", str(max(args.batches)), "--served-model-name", VLLM_MODEL_NAME,
                  "--no-enable-prefix-caching"]
         print(f"vLLM: starting a CPU server on {folder} ({args.vllm_python})", flush=True)

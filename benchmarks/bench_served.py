@@ -59,6 +59,7 @@ sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 
+from benchmarks.bench_rollout import vllm_cpu_binding  # noqa: E402
 from drmas_graph import SamplingParams, instrument  # noqa: E402
 from drmas_graph.cli._train import StandInChatModel  # noqa: E402
 from drmas_graph.engine.transformers_policy import TransformersPolicy  # noqa: E402
@@ -138,10 +139,9 @@ def demo_backend(cfg: object, steps: int) -> dict:
 
 
 def vllm_core_env(cores: str) -> dict[str, str]:
-    """The vLLM server's CPU binding for `--vllm-cores`: empty for vLLM's own default (`auto`)."""
-    if cores == "auto":
-        return {}
-    return {"VLLM_CPU_OMP_THREADS_BIND": f"0-{torch.get_num_threads() - 1}", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+    """The vLLM server's CPU binding for `--vllm-cores`: this process's torch threads' cores (`all`), or empty for
+    vLLM's own default (`auto`)."""
+    return {} if cores == "auto" else vllm_cpu_binding(torch.get_num_threads())
 
 
 @contextlib.contextmanager

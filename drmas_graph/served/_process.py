@@ -22,7 +22,7 @@ import httpx
 
 from drmas_graph.served._errors import ServerStartError
 
-__all__ = ["ServerProcess", "free_port", "server_env", "owned_flag"]
+__all__ = ["ServerProcess", "free_port", "server_env", "owned_flag", "LAUNCH_FLAGS"]
 
 PROCESS_GROUP_ENV = frozenset({
     "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
@@ -186,7 +186,6 @@ class ServerProcess:
     def __repr__(self) -> str:
         state = "running" if self.alive() else f"exited({self.proc.returncode})"
         return f"ServerProcess({self.name!r}, url={self.url!r}, pid={self.pid}, {state})"
-
 
 
 LAUNCH_FLAGS = {
