@@ -18,6 +18,7 @@ from typing import Any
 
 from drmas_graph.errors import ConfigError, StoreNotFoundError
 from drmas_graph.traces.store import OUTCOMES, SORTS, EpisodeFilter, EpisodeSummary, ReplyCount, TraceStore
+from drmas_graph.ui.turns import TokenizerFile, find_tokenizer, load_tokenizer
 
 __all__ = ["Run", "EpisodeQuery", "EpisodeList", "number_param", "open_runs", "OUTCOMES", "SORTS", "PAGE_SIZES", "PHASES"]
 
@@ -267,27 +268,27 @@ class Run:
     # -- tokenizers -----------------------------------------------------------------------------------
 
     def tokenizer(self, policy: str | None) -> Any:
-        """The tokenizer of `policy` from the run's latest checkpoint (``checkpoints/step_*/POLICY/model/
-        tokenizer.json``), or None when the run saved none (yet): tokens are then shown as ids. Looked up on
-        every call, so a checkpoint saved after the UI started is picked up; each file is loaded once."""
+        """The tokenizer of `policy` the run folder holds (`turns.find_tokenizer`: its latest checkpoint's, else
+        what its servers loaded, else the model folder its config names), or None when it holds none (yet):
+        tokens are then shown as ids. Looked up on every call, so a checkpoint saved after the UI started is
+        picked up; each file is loaded once."""
         if not policy:
             return None
-        path = self._tokenizer_path(policy)
+        path = self.tokenizer_file(policy).path
         if path is None:
             return None
         with self._lock:
             if path not in self._tokenizers:
-                from tokenizers import Tokenizer
-
-                self._tokenizers[path] = Tokenizer.from_file(str(path))
+                self._tokenizers[path] = load_tokenizer(path)
             return self._tokenizers[path]
 
-    def _tokenizer_path(self, policy: str) -> Path | None:
-        for checkpoint in sorted((self.folder / "checkpoints").glob("step_*"), reverse=True):
-            path = checkpoint / policy / "model" / "tokenizer.json"
-            if path.is_file() and path.resolve().is_relative_to(self.folder.resolve()):
-                return path
-        return None
+    def tokenizer_file(self, policy: str) -> TokenizerFile:
+        """Where the tokenizer of `policy` is in the run folder, or where it was looked for."""
+        try:
+            config = self.store().config
+        except StoreNotFoundError:
+            config = {}
+        return find_tokenizer(self.folder, policy, config)
 
     def close(self) -> None:
         with self._lock:
