@@ -1,8 +1,8 @@
 """What the UI reads from a run folder: its trace store (read-only), its metrics log and its tokenizers.
 
 A run folder is what `train_graph` writes: ``traces.db``, ``metrics.jsonl`` and ``checkpoints/``. Only the
-files named here are ever opened, found from the folders given on the command line; no path comes from a
-request. The run may still be training: the store is opened read-only (SQLite WAL readers never block the
+files named here are ever opened, found from the folders given on the command line (and the ``tokenizer.json``
+of the model folder a run's config names, `turns.find_tokenizer`); no path comes from a request. The run may still be training: the store is opened read-only (SQLite WAL readers never block the
 writer) and the metrics log is re-read from where the last read stopped.
 """
 
