@@ -49,6 +49,7 @@ from drmas_graph.instrumentation._intercept import (
     node_path,
 )
 from drmas_graph.instrumentation._intercept import install as install_chat_hooks
+from drmas_graph.instrumentation._subprocess import install as install_subprocess_env
 from drmas_graph.instrumentation.endpoint import is_endpoint_url
 from drmas_graph.instrumentation._wire import UNSERVED_KEY, WireCall, is_llm_url, parse_request
 from drmas_graph.instrumentation._wire_replies import decode, encode
@@ -421,10 +422,11 @@ _lock = threading.Lock()
 
 
 def install() -> None:
-    """Install the interception once (idempotent): the chat-model hooks (`_intercept.install`) and the send
-    methods of every HTTP client that is installed."""
+    """Install the interception once (idempotent): the chat-model hooks (`_intercept.install`), the send
+    methods of every HTTP client that is installed, and the endpoint for subprocesses (`_subprocess.install`)."""
     global _installed
     install_chat_hooks()
+    install_subprocess_env()
     with _lock:
         if _installed:
             return
