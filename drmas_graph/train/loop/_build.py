@@ -151,7 +151,7 @@ def build_updaters(cfg: TrainConfig, agent_policies: Mapping[str, Policy], model
                               "weights>} or configure it with `models.<name>.serve`; else freeze its agents")
         updaters[name] = on_model_thread(name, functools.partial(
             build_updater, train_models[name], name=name, settings=settings, agent_settings=agent_settings,
-            agent_cfgs=agent_cfgs))
+            agent_cfgs=agent_cfgs, grammars=policy.grammars))
     if not updaters:
         raise ConfigError("every agent is frozen or served by a non-trainable model: nothing to train")
     return updaters
