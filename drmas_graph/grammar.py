@@ -165,12 +165,16 @@ _SHIFTS: dict[torch.device, torch.Tensor] = {}
 
 
 def allowed_tokens(bitmask_XW: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """The bool mask [..., V] of allowed tokens from an int32 bitmask [..., W] (on the bitmask's device)."""
+    """The bool mask [..., V] of allowed tokens from an int32 bitmask [..., W] (on the bitmask's device). Tokens past
+    the bitmask's 32 W bits are not allowed: a bitmask sized for the tokenizer masks the padding rows of a model
+    whose logits have more (Qwen2.5: 151,936 rows, 151,665 tokens)."""
     shifts = _SHIFTS.get(bitmask_XW.device)
     if shifts is None:
         shifts = _SHIFTS[bitmask_XW.device] = torch.arange(32, dtype=torch.int32, device=bitmask_XW.device)
-    bits = (bitmask_XW.unsqueeze(-1) >> shifts) & 1
-    return bits.flatten(-2)[..., :vocab_size].bool()
+    allowed = ((bitmask_XW.unsqueeze(-1) >> shifts) & 1).flatten(-2)[..., :vocab_size].bool()
+    if allowed.shape[-1] < vocab_size:
+        allowed = torch.nn.functional.pad(allowed, (0, vocab_size - allowed.shape[-1]), value=False)
+    return allowed
 
 
 def mask_logits(logits_XV: torch.Tensor, bitmask_XW: torch.Tensor) -> torch.Tensor:
