@@ -158,6 +158,12 @@ class Turn:
     segment: int = 0
     """Which run of the episode's thread made the call: its position in `Episode.segments` (0 = the first
     run; later ones answer an interrupt or continue a conversation)."""
+    tool_parser: str | None = None
+    """The policy's tool parser that read the reply (`Policy.tool_parser`: 'hermes', 'mistral', 'none'; replay reads
+    the recorded reply with it); None when the app's own model served the call, or when the store predates it."""
+    call_sampling: dict | None = None
+    """The sampling parameters the call itself passed that a policy honours: {'stop': [...], 'max_tokens': int or
+    None} (replay compares them); None when the store predates it."""
 
     @property
     def n_prompt_tokens(self) -> int:

@@ -54,8 +54,8 @@ def test_traces_show_lists_the_tools_each_call_was_given(tool_run, capsys):
     out = capsys.readouterr().out
     assert out.count("tools    ") == 1  # the second call was given no tools
     assert "│ tools    add(a: integer, b: integer), lookup(city?: string)" in out
-    assert "│ calls    add({'a': 2, 'b': 3})" in out
-    assert out.index("tools    add(") < out.index("response <tool_call>") < out.index("calls    add(")
+    assert '│ calls    1 tool call, all parsed: add({"a": 2, "b": 3})' in out
+    assert out.index("tools    add(") < out.index("response <tool_call>") < out.index("calls    1 tool call")
     assert main(["traces", "show", str(folder / "traces.db"), episode_id, "--full"]) == 0
     full = capsys.readouterr().out
     assert "│ tool     add(a: integer, b: integer): Add two <b>numbers</b>" in full

@@ -16,9 +16,11 @@ from typing import TypedDict
 import pytest
 from langchain_core.language_models.fake_chat_models import FakeListChatModel
 from langgraph.graph import END, START, StateGraph
+from tokenizers import Tokenizer
 
 from drmas_graph import Task, train_graph
 from drmas_graph.testing import tiny_policy
+from drmas_graph.traces.store import TraceStore
 from drmas_graph.ui._app import UiApp, make_server
 from tests.test_ui import XSS_REPLY, write_run
 
@@ -144,7 +146,18 @@ def test_episodes_filters_group_episode_and_replay(server, page):
     assert first.get_attribute("title").startswith("id ")
     assert "logprob -" in first.get_attribute("title")
     assert "No tokenizer" not in page.content()  # decoded with the checkpoint's tokenizer
-    assert "Answer with a number." in page.locator("#turn-0 .messages").inner_text()
+    # the exact prompt: the recorded ids decoded with the run's tokenizer, the node's messages folded under it
+    store_path, episode_id = page.locator("p.cli code").inner_text().split()[-2:]  # traces show STORE ID
+    with TraceStore(store_path, readonly=True) as store:
+        recorded = store.load_episode(episode_id).turns[0]
+    checkpoint = sorted((Path(store_path).parent / "checkpoints").glob("step_*"))[-1]
+    tokenizer = Tokenizer.from_file(str(checkpoint / recorded.policy / "model" / "tokenizer.json"))
+    assert page.locator("#turn-0 .prompt-text").text_content() == tokenizer.decode(
+        list(recorded.prompt_ids), skip_special_tokens=False)
+    assert "Answer with a number." in page.locator("#turn-0 .prompt-text").inner_text()
+    assert page.locator("#turn-0 .prompt-note").inner_text().startswith(
+        f"exactly what the policy saw: the {len(recorded.prompt_ids)} prompt token ids decoded with checkpoints/")
+    assert page.locator("#turn-0 details.messages").inner_text() == "the same prompt as the node's 1 message (before the chat template)"
     assert '"question"' in page.locator("#final-state").inner_text()
     page.screenshot(path=str(SHOTS / "episode.png"), full_page=True)
     episode_path = page.url.split("/", 3)[3]

@@ -18,6 +18,8 @@ from drmas_graph.cli._imports import build_graph
 from drmas_graph.errors import ConfigError
 from drmas_graph.traces.store import OUTCOMES, SORTS, EpisodeFilter, TraceStore
 from drmas_graph.types import Episode, Turn
+from drmas_graph.ui.turns import (PromptText, TokenizerFile, find_tokenizer, load_tokenizer, prompt_text, tool_use,
+                                  turn_flags)
 
 __all__ = ["add_traces_commands"]
 
@@ -209,12 +211,28 @@ def _cmd_show(args: argparse.Namespace, console: Console) -> int:
     with TraceStore(args.path, readonly=True) as store:
         summary = store.summary(args.episode)
         episode = store.load_episode(args.episode)
+        config = store.config
     console.print(_episode_header(episode, summary.step))
     if episode.judgement is not None:
         console.print(_judgement_block(episode.judgement, full=args.full))
+    prompts = _prompt_texts(episode, Path(args.path).parent, config)
     for position, turn in enumerate(episode.turns):
-        console.print(_turn_block(episode, position, turn, full=args.full))
+        console.print(_turn_block(episode, position, turn, prompts[position], full=args.full))
     return 0
+
+
+def _prompt_texts(episode: Episode, folder: Path, config: dict[str, Any]) -> list[PromptText]:
+    """Each turn's prompt as text: its ids decoded with its policy's tokenizer where the store's run folder
+    (`folder`) holds it, else why not (`drmas_graph.ui.turns`, as the episode page shows it)."""
+    found: dict[str, tuple[Any, TokenizerFile]] = {}
+    out = []
+    for turn in episode.turns:
+        policy = turn.policy or ""
+        if policy not in found:
+            where = find_tokenizer(folder, policy, config) if policy else TokenizerFile(None, "", ())
+            found[policy] = (None if where.path is None else load_tokenizer(where.path), where)
+        out.append(prompt_text(turn, *found[policy]))
+    return out
 
 
 def _cmd_stats(args: argparse.Namespace, console: Console) -> int:
@@ -385,11 +403,11 @@ def _scores(scores: Any) -> str:
     return _number(scores) if isinstance(scores, int | float) else _or_dash(scores)
 
 
-def _turn_block(episode: Episode, position: int, turn: Turn, *, full: bool = False) -> Panel:
+def _turn_block(episode: Episode, position: int, turn: Turn, prompt: PromptText, *, full: bool = False) -> Panel:
     turn_reward = None if episode.turn_rewards is None else episode.turn_rewards[position]
     advantage = None if episode.advantages is None else episode.advantages[position]
     policy = f"{turn.policy}@{_or_dash(turn.policy_version)}" if turn.policy else "app model"
-    policy += "" if turn.trainable else " (not trainable)"
+    policy += "".join(f" ({label})" for label, _ in turn_flags(turn))
     title = f"#{position}  node {turn.node}  agent {turn.agent}  step {turn.step}"
     facts = (
         f"tokens prompt {turn.n_prompt_tokens} / response {turn.n_response_tokens}   "
@@ -397,8 +415,13 @@ def _turn_block(episode: Episode, position: int, turn: Turn, *, full: bool = Fal
         f"reward {_number(turn_reward)}   advantage {_number(advantage)}"
     )
     fold = (lambda text: str(text)) if full else _snippet
-    prompt = [Text(f"prompt   {fold(_message_text(m))}") for m in turn.messages] or [Text("prompt   (no messages)")]
-    body = [Text(facts), *prompt]
+    messages = [Text(f"message  {fold(_message_text(m))}") for m in turn.messages] or [Text("message  (none)")]
+    body = [Text(facts), *messages]
+    if prompt.text is None:
+        body.append(Text(f"prompt   not shown exactly: {prompt.note}"))
+    else:  # --full: as the policy saw it, line breaks kept; else one folded line
+        body.append(Text(f"prompt   ({prompt.note})"))
+        body.append(Text(prompt.text if full else f"         {_snippet(prompt.text)}"))
     if turn.tools:  # the tools the agent was given (bound, or in the request): `--full` adds their descriptions
         tools = [tool_signature(t) for t in turn.tools]
         if full:
@@ -407,10 +430,12 @@ def _turn_block(episode: Episode, position: int, turn: Turn, *, full: bool = Fal
         else:
             body.append(Text(f"tools    {fold(', '.join(tools))}"))
     body.append(Text(f"response {fold(turn.response_text) or '(empty)'}"))
-    if turn.tool_calls:
-        calls = ", ".join(f"{c.get('name')}({_snippet(str(c.get('args', {})), 80)})" for c in turn.tool_calls)
-        body.append(Text(f"calls    {calls}"))
-    if turn.format_error:
+    tools_used = tool_use(turn)
+    if tools_used is not None:
+        calls = ", ".join(c if full else _snippet(c, 80) for c in tools_used.calls)
+        joint = "; parsed: " if tools_used.well_formed is False else ": "
+        body.append(Text(f"calls    {fold(tools_used.note)}" + (f"{joint}{calls}" if calls else "")))
+    if turn.format_error and not (tools_used and tools_used.well_formed is False):
         body.append(Text(f"invalid  {_snippet(turn.format_error)}"))
     if position == episode.model_error_turn:
         body.append(Text("this turn's output broke the app (the episode's model error)"))

@@ -29,7 +29,7 @@ from drmas_graph.policy import Policy
 from drmas_graph.types import Episode, Generation, SamplingParams, Turn
 
 __all__ = ["_EpisodeRecorder", "_Recorder", "served_message", "_cut_at_stop", "_stop_hit", "structured_parts", "RAW_BRANCH_TAG",
-           "enclosing_node", "own_site", "check_tools_rendered", "capped"]
+           "enclosing_node", "own_site", "check_tools_rendered", "capped", "call_sampling"]
 
 RAW_BRANCH_TAG = "map:key:raw"
 """Run tag of the model call inside `with_structured_output(..., include_raw=True)` (LangChain runs it as the
@@ -188,7 +188,8 @@ class _EpisodeRecorder:
             policy_version=gen.policy_version, trainable=True, latency_s=time.perf_counter() - start,
             call_key=site.call_key, node_call_index=nci, sampling=params, tools=tuple(site.tools),
             message_id=message.id, response_format=spec, format_error=_format_error(failure, parsed, site.tools),
-            agent_name=site.agent_name, segment=self.segment,
+            agent_name=site.agent_name, segment=self.segment, tool_parser=policy.tool_parser,
+            call_sampling=call_sampling(site),
         ))
         if gen.prefill_s or gen.decode_s:
             self._add_engine_time(agent, gen)
@@ -222,6 +223,7 @@ class _EpisodeRecorder:
             finish_reason=str((message.response_metadata or {}).get("finish_reason", "stop")), policy=None,
             policy_version=None, trainable=False, latency_s=latency, call_key=site.call_key, node_call_index=nci,
             tools=tuple(site.tools), message_id=message.id, agent_name=site.agent_name, segment=self.segment,
+            call_sampling=call_sampling(site),
         )
 
 
@@ -304,6 +306,14 @@ def capped(params: SamplingParams, kwargs: dict[str, Any]) -> SamplingParams:
     if isinstance(cap, int) and not isinstance(cap, bool) and 0 < cap < params.max_new_tokens:
         return params.replace(max_new_tokens=cap)
     return params
+
+
+def call_sampling(site: CallSite) -> dict[str, Any]:
+    """`Turn.call_sampling`: the stop strings (sorted, once each) and `max_tokens` the call passed, what a policy
+    honours of the call's own sampling (`capped`, `InstrumentedGraph._sampling_for`); replay compares them."""
+    cap = site.kwargs.get("max_tokens")
+    return {"stop": sorted(set(site.stop or ())),
+            "max_tokens": cap if isinstance(cap, int) and not isinstance(cap, bool) else None}
 
 
 def enclosing_node() -> str:

@@ -1,5 +1,5 @@
-"""How replay compares a re-run with its recording: calls (prompt, tools, structured-output request), final
-states and interrupts, each side in the form the trace store keeps.
+"""How replay compares a re-run with its recording: calls (prompt, tools, structured-output request, the call's
+own stop strings and max_tokens), final states and interrupts, each side in the form the trace store keeps.
 
 A stored episode holds what `_serde.to_json` made of the live values (a set became a list, an Enum its
 value, a tuple a list, a mapping key a string, a dataclass its fields), so every live value is put through
@@ -21,7 +21,7 @@ from langchain_core.messages import BaseMessage
 from drmas_graph._chat import _text
 from drmas_graph._structured import output_spec
 from drmas_graph.errors import StructuredOutputError
-from drmas_graph.instrumentation.replaying import CallSite
+from drmas_graph.instrumentation.replaying import CallSite, call_sampling
 from drmas_graph.traces._serde import from_json, to_json
 from drmas_graph.types import Turn
 
@@ -52,8 +52,9 @@ def render_prompt(messages: Sequence[BaseMessage], tools: Sequence[dict] = (), r
 
 @dataclasses.dataclass(frozen=True)
 class Request:
-    """What a call asks a model, in the stored form: the prompt, the bound tools and (for a call a policy
-    served) the structured output. A live call is the recorded one when their requests are equal."""
+    """What a call asks a model, in the stored form: the prompt, the bound tools, (for a call a policy served)
+    the structured output, and the call's own stop strings and max_tokens. A live call is the recorded one when
+    their requests are equal."""
 
     prompt: str
     """`render_prompt` of the messages."""
@@ -62,17 +63,25 @@ class Request:
     response_format: Any
     """`Turn.response_format` (None for free text); for a live call, what `_structured.output_spec` makes of
     its kwargs, or why it cannot be honoured (a str)."""
+    sampling: dict | None = None
+    """`Turn.call_sampling`: the stop strings and max_tokens the call passed; None when not compared (a recording
+    from a store that predates them, and a live call compared with one: `without_sampling`)."""
 
     @staticmethod
     def of_turn(turn: Turn) -> Request:
         return Request(render_prompt(stored(list(turn.messages))), _functions(turn.tools),
-                       stored(turn.response_format))
+                       stored(turn.response_format), stored(turn.call_sampling))
 
     @staticmethod
     def of_call(site: CallSite) -> Request:
         """The live call's request; its structured output only once `with_format` asks for it (a call the
         app's own model answered records none, and may bind kwargs a policy could not honour)."""
-        return Request(render_prompt(stored(list(site.messages))), _functions(site.tools), None)
+        return Request(render_prompt(stored(list(site.messages))), _functions(site.tools), None,
+                       stored(call_sampling(site)))
+
+    def without_sampling(self) -> Request:
+        """This request with its stop strings and max_tokens left out of the comparison."""
+        return dataclasses.replace(self, sampling=None)
 
     def with_format(self, site: CallSite, agent: str) -> Request:
         try:
@@ -85,13 +94,31 @@ class Request:
         """The divergence kind between this request and a recorded one that does not match it."""
         if self.prompt != recorded.prompt:
             return "prompt_changed"
-        return "tools_changed" if self.tools != recorded.tools else "format_changed"
+        if self.tools != recorded.tools:
+            return "tools_changed"
+        return "format_changed" if self.response_format != recorded.response_format else "sampling_changed"
 
-    def text(self) -> str:
-        """The request as `render_prompt` lines (tool names and structured output included), for diffs."""
+    def text(self, sampling: Sequence[str] = ()) -> str:
+        """The request as `render_prompt` lines (tool names and structured output included), for diffs; with
+        a line '[stop] [...]' or '[max_tokens] n' for each parameter in `sampling` and each the call set."""
         tools = "[tools] " + ", ".join(t.get("name", "?") for t in self.tools) if self.tools else ""
         fmt = "" if self.response_format is None else render_prompt((), (), self.response_format)
-        return "\n".join(part for part in (self.prompt, tools, fmt) if part)
+        return "\n".join(part for part in (self.prompt, tools, fmt, *self.sampling_lines(sampling)) if part)
+
+    def sampling_lines(self, shown: Sequence[str] = ()) -> list[str]:
+        """'[stop] ["."]', '[max_tokens] 5' for the parameters the call set and those in `shown` (unset: [] and
+        none), so a diff names the parameter with its old and new value."""
+        values = self.sampling or {}
+        return [f"[{key}] {json.dumps(values.get(key), ensure_ascii=False) if values.get(key) else _UNSET[key]}"
+                for key in ("stop", "max_tokens") if values.get(key) or key in shown]
+
+    def set_sampling(self, other: Request) -> list[str]:
+        """The parameters (stop, max_tokens) either request set: shown on both sides of a diff."""
+        both = (self.sampling or {}, other.sampling or {})
+        return [key for key in ("stop", "max_tokens") if any(values.get(key) for values in both)]
+
+
+_UNSET = {"stop": "[]", "max_tokens": "none"}
 
 
 def _functions(tools: Sequence[dict]) -> list:

@@ -313,6 +313,8 @@ CREATE TABLE IF NOT EXISTS turns (
     format_error TEXT,            -- Turn.format_error: why the reply is not what the call asked for; NULL if it is
     agent_name TEXT,              -- Turn.agent_name (LangChain lc_agent_name); NULL outside a named agent
     segment INTEGER,              -- Turn.segment (run of the episode's thread); NULL = 0
+    tool_parser TEXT,             -- Turn.tool_parser (the policy's parser that read the reply); NULL: none recorded
+    call_sampling TEXT,           -- JSON Turn.call_sampling (the call's own stop and max_tokens); NULL: none recorded
     PRIMARY KEY (episode_id, position)
 );
 CREATE INDEX IF NOT EXISTS turns_by_agent ON turns (agent, episode_id);
@@ -337,6 +339,8 @@ ADDED_COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("turns", "agent_name", "TEXT"),
     ("turns", "segment", "INTEGER"),
     ("episodes", "judgement", "TEXT"),
+    ("turns", "tool_parser", "TEXT"),
+    ("turns", "call_sampling", "TEXT"),
 )
 """Columns added to the layout after schema version 1 was released: (table, column, SQL type), each
 nullable. They keep the schema version: opening an older store to write adds them (NULL in old rows),
@@ -349,7 +353,7 @@ TURN_COLUMNS = (
     "response_text", "tool_calls", "finish_reason", "policy", "policy_version", "trainable", "latency_s",
     "sampling", "tools", "message_id", "turn_reward", "advantage",
     "response_format", "format_error",
-    "agent_name", "segment",
+    "agent_name", "segment", "tool_parser", "call_sampling",
 )  # fmt: skip
 
 
@@ -461,6 +465,8 @@ def _turn_row(episode: Episode, position: int, turn: Turn) -> tuple:
         turn.format_error,
         turn.agent_name,
         turn.segment or None,
+        turn.tool_parser,
+        None if turn.call_sampling is None else to_json(turn.call_sampling, f"{where} call_sampling"),
     )
 
 
@@ -490,6 +496,8 @@ def _turn_from_row(row: Mapping[str, Any]) -> Turn:
         format_error=row.get("format_error"),
         agent_name=row.get("agent_name"),
         segment=row.get("segment") or 0,
+        tool_parser=row.get("tool_parser"),
+        call_sampling=None if row.get("call_sampling") is None else json.loads(row["call_sampling"]),
     )
 
 

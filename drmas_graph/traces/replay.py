@@ -21,8 +21,10 @@ A run that raised is reproduced when the re-run raises the error the recording e
 a failure, the recursion limit): `ReplayResult.error` says how it raised, worded as `Episode.stop_reason`.
 Another error, an error where the recording finished, or finishing where it raised, is an
 `outcome_changed` divergence (a failed recording's error may come from outside the graph, a pause nobody
-answered or a hang: a re-run that finishes it is not compared). Replay never lets an exception of the app
-escape (only its own `ConfigError`s).
+answered or a hang: a re-run that finishes it is not compared). An error scoring stored after the run (a
+reward function that raised: 'BadRewardError: ...') is not how the run ended: the run is compared as it
+ended (finished, truncated, a model error). Replay never lets an exception of the app escape (only its own
+`ConfigError`s).
 
 An episode that continued a checkpointed thread starts from the thread's recorded checkpoint, copied to a
 new thread (`drmas_graph.instrumentation.replaying.fork_config`); when that checkpoint is not available the result says so
@@ -46,18 +48,17 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from langchain_core.outputs import ChatGeneration, ChatResult
+from langchain_core.outputs import ChatResult
 from langgraph.types import Command
 
-from drmas_graph._chat import ParsedResponse, parse_hermes
-from drmas_graph._structured import InvalidReplyError
+from drmas_graph.env import BadRewardError
 from drmas_graph.errors import ConfigError, DrmasError
 from drmas_graph.instrumentation import replaying
-from drmas_graph.instrumentation.instrumented import InstrumentedGraph, served_message, structured_parts
-from drmas_graph.instrumentation.replaying import (ACTIVE_HANDLER, RAW_BRANCH_TAG, CallSite, EpisodeRecorder,
-                                                   cut_at_stop, install, note_stop, stop_hit)
+from drmas_graph.instrumentation.instrumented import InstrumentedGraph
+from drmas_graph.instrumentation.replaying import ACTIVE_HANDLER, CallSite, EpisodeRecorder, install, note_stop
 from drmas_graph.policy import Policy
 from drmas_graph.traces import _serde
+from drmas_graph.traces._answers import recorded_answer
 from drmas_graph.traces._compare import Request, comparable, diff, interrupts_text, render_prompt, state_text
 from drmas_graph.types import Episode, Segment, Turn
 
@@ -69,15 +70,17 @@ __all__ = ["replay", "areplay", "replay_episode", "areplay_episode", "ReplayResu
 class Divergence:
     """Where the re-run stopped agreeing with the recording."""
 
-    kind: Literal["prompt_changed", "tools_changed", "format_changed", "unrecorded_call", "missing_call",
-                  "interrupt_changed", "outcome_changed"]
+    kind: Literal["prompt_changed", "tools_changed", "format_changed", "sampling_changed", "unrecorded_call",
+                  "missing_call", "interrupt_changed", "outcome_changed"]
     """What differs: the prompt, the bound tools, the structured output the call asks for (`response_format`,
-    a forced `tool_choice`, its JSON schema: `Turn.response_format`), a call the recording lacks, a recorded
-    call never made, the interrupts a run of the thread stopped at (then `call_index` is the run's `Segment`
-    position), or how the run ended (`outcome_changed`: another error than the recording's, an error where
-    it finished, or finished where it raised or a limit stopped it (a failed recording that the re-run
-    finishes is not compared: its error may come from outside the graph); agent, node and call are those of
-    the turn a model error names, else empty with `call_index` the run's `Segment` position)."""
+    a forced `tool_choice`, its JSON schema: `Turn.response_format`), the stop strings or max_tokens the call
+    passes (`Turn.call_sampling`; the diff names the parameter, old and new value), a call the recording
+    lacks, a recorded call never made, the interrupts a run of the thread stopped at (then `call_index` is
+    the run's `Segment` position), or how the run ended (`outcome_changed`: another error than the
+    recording's, an error where it finished, or finished where it raised or a limit stopped it (a failed
+    recording that the re-run finishes is not compared: its error may come from outside the graph; an error
+    scoring stored after the run is not the run's); agent, node and call are those of the turn a model error
+    names, else empty with `call_index` the run's `Segment` position)."""
     agent: str
     """Agent of the call (from the recording when there is one)."""
     node: str
@@ -87,8 +90,8 @@ class Divergence:
     call_index: int
     """Position of the call among the calls of that node instance."""
     diff: str
-    """Unified diff of the recorded and the new prompt, tools and structured output ('' for a missing call);
-    of the interrupts or of the outcomes for those kinds."""
+    """Unified diff of the recorded and the new prompt, tools, structured output and stop strings / max_tokens
+    ('' for a missing call); of the interrupts or of the outcomes for those kinds."""
 
     def __str__(self) -> str:
         head = f"{self.kind} at agent {self.agent!r}, node {self.node!r}, call {self.call_key}#{self.call_index}"
@@ -220,8 +223,10 @@ class _ReplayHandler:
         return sorted(unused, key=lambda t: t.node_call_index != n)
 
     def _live(self, site: CallSite, request: Request, turn: Turn) -> Request:
-        """The live request as it compares with `turn`: with its structured output if a policy served the turn."""
-        return request.with_format(site, turn.agent) if turn.trainable else request
+        """The live request as it compares with `turn`: with its structured output if a policy served the turn,
+        without its stop strings and max_tokens if the turn predates their recording (`Turn.call_sampling`)."""
+        live = request.with_format(site, turn.agent) if turn.trainable else request
+        return live if turn.call_sampling is not None else live.without_sampling()
 
     def _same_call(self, site: CallSite, n: int, request: Request) -> Turn | None:
         """The n-th recorded call of this node instance if its request is the same; else an unused recorded
@@ -244,20 +249,21 @@ class _ReplayHandler:
 
         turn = min(candidates, key=distance)
         live, recorded = self._live(site, request, turn), self.requests[(turn.call_key, turn.node_call_index)]
+        shown = live.set_sampling(recorded)  # a parameter either side set: named on both sides, old and new
         return Divergence(live.changed(recorded), turn.agent, site.node, site.call_key, turn.node_call_index,
-                          diff(recorded.text(), live.text()))
+                          diff(recorded.text(shown), live.text(shown)))
 
     def handle(self, site: CallSite, original: Callable[[], ChatResult]) -> ChatResult:
         turn = self._match(site)
         if turn is None:
             return self.live.handle(site, _no_original(site))
-        return _recorded_answer(turn, site)
+        return recorded_answer(turn, site)
 
     async def ahandle(self, site: CallSite, original: Callable[[], Any]) -> ChatResult:
         turn = self._match(site)
         if turn is None:
             return await self.live.ahandle(site, _no_original(site))
-        return _recorded_answer(turn, site)
+        return recorded_answer(turn, site)
 
     def missing_calls(self) -> list[Divergence]:
         return [Divergence("missing_call", t.agent, t.node, t.call_key, t.node_call_index, "")
@@ -269,35 +275,6 @@ def _no_original(site: CallSite) -> Callable[[], Any]:
         raise ConfigError(f"replay continued live at node {site.node!r}, but no policy serves its agent; pass "
                           "policies= covering every agent that acts after the divergence")
     return refuse
-
-
-def _recorded_answer(turn: Turn, site: CallSite) -> ChatResult:
-    """Rebuild the AIMessage the node received when the episode was recorded (Hermes tool-call markup); for
-    structured output the same answer, or the same error, again (`_recorder._served`)."""
-    stops = turn.sampling.stop if turn.sampling else ()
-    text = cut_at_stop(turn.response_text, stops)
-    content, invalid = turn.response_text, []
-    if turn.trainable:
-        parsed = parse_hermes(text)
-        content, invalid = parsed.content, parsed.invalid_tool_calls
-    answer = ParsedResponse(content=content, tool_calls=[dict(c) for c in turn.tool_calls], invalid_tool_calls=invalid)
-    extra: dict = {}
-    if turn.trainable and turn.response_format:
-        try:
-            answer, extra = structured_parts(turn, parse_hermes)
-        except InvalidReplyError as failure:
-            failure.turn_index = turn.index  # names the turn, as the recorder's error did
-            if RAW_BRANCH_TAG not in site.tags:
-                raise
-            answer = ParsedResponse(content=text.strip())  # include_raw=True: LangChain reports a parsing_error
-    message = served_message(answer, finish=turn.finish_reason, policy_name=turn.policy,
-                             policy_version=turn.policy_version, agent=turn.agent, index=turn.index,
-                             n_prompt=len(turn.prompt_ids), n_response=len(turn.response_ids),
-                             message_id=turn.message_id, additional_kwargs=extra)
-    info = None  # the recorder's (`_recorder._served`): the reply as generated, the stop string it ended at
-    if turn.trainable:
-        info = {"text": text, "stop_sequence": stop_hit(turn.response_text, stops)}
-    return ChatResult(generations=[ChatGeneration(message=message, generation_info=info)])
 
 
 @dataclass
@@ -372,15 +349,30 @@ def _stop_reason(run: _Run, episode: Episode, exc: BaseException) -> tuple[str |
 
 
 def _outcome_changed(episode: Episode, new: str | None, new_turn: Turn | None, segment: int) -> list[Divergence]:
-    """[] when the re-run ended as the recording did (`new`: how it stopped, None when it finished), else
-    the `outcome_changed` divergence. A failed recording that the re-run finishes is not one: its error may
-    come from outside the graph (a pause nobody answered, a hang, a policy's backend)."""
-    if new == episode.stop_reason or (new is None and episode.error is not None):
+    """[] when the re-run ended as the recording did (`new`: how it stopped, None when it finished; the
+    recording's error is the run's own, `_run_error`), else the `outcome_changed` divergence. A failed
+    recording that the re-run finishes is not one: its error may come from outside the graph (a pause nobody
+    answered, a hang, a policy's backend)."""
+    error = _run_error(episode)
+    recorded = error or episode.truncated or episode.model_error
+    if new in (recorded, episode.stop_reason) or (new is None and error is not None):
         return []
     turn = new_turn or (None if episode.model_error_turn is None else episode.turns[episode.model_error_turn])
     where = (turn.agent, turn.node, turn.call_key, turn.node_call_index) if turn else ("", "", "", segment)
-    return [Divergence("outcome_changed", *where, diff(episode.stop_reason or "finished", new or "finished",
+    return [Divergence("outcome_changed", *where, diff(recorded or "finished", new or "finished",
                                                        "recorded outcome", "new outcome"))]
+
+
+_SCORING_ERROR = f"{BadRewardError.__name__}: "
+"""How scoring words the error it stores for an episode whose reward failed (`Unscored.message`)."""
+
+
+def _run_error(episode: Episode) -> str | None:
+    """The error the recorded run ended with (`Episode.error`), None when it did not fail. An error scoring
+    stored after the run (a reward function or judge that failed: 'BadRewardError: ...') is not how the run
+    ended: a finished, truncated or model-error run whose reward failed is compared as that run."""
+    scoring = episode.error is not None and episode.error.startswith(_SCORING_ERROR)
+    return None if scoring else episode.error
 
 
 @dataclass

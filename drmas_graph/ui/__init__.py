@@ -12,9 +12,13 @@ Pages (every one a shareable URL; filters live in the query string):
 - ``/runs/RUN/episodes``: the episode table with filters (phase, step, group, agent, task, outcome, reward
   range, reply text), sorting and keyset pages (`TraceStore.query`); ``/runs/RUN/group?id=G``: a GRPO group's
   episodes side by side; ``/runs/RUN/export/{metrics,episodes}.{csv,json}``: the metrics, the episode list;
-- ``/runs/RUN/episodes/ID``: one episode: its segments, node instances and turns, prompts as messages,
-  response tokens coloured by probability (hover: id and logprob), advantages, the final state;
+- ``/runs/RUN/episodes/ID``: one episode: its segments, node instances and turns, each prompt as the policy saw
+  it (its ids decoded, `turns`; else its messages, said so), response tokens coloured by probability (hover: id
+  and logprob), the tool calls made and whether they parsed, advantages, the final state;
 - ``/runs/RUN/episodes/ID/replay`` (with ``--graph``): the episode replayed, its first divergence diffed.
+
+A run folder that has written nothing yet (training is loading its models) is waited for: its pages say so and
+reload themselves. `turns` (public: `drmas-graph traces show` uses it) says how a turn reads as text.
 
 Needs the ``ui`` extra (Jinja2). May import: traces, instrumentation and the shared modules; the command line
 (`drmas_graph.cli._ui`) builds the ``--graph`` it replays into.
@@ -55,6 +59,9 @@ def serve(run_dirs: Sequence[str], *, host: str = "127.0.0.1", port: int = 8000,
     where = f"[{host}]" if ":" in host else host
     print(f"drmas-graph ui: {len(app.runs)} run(s) ({', '.join(app.runs)}) at http://{where}:{server.server_port}/ "
           "(Ctrl-C stops)", flush=True)
+    for run in app.runs.values():
+        if run.waiting():
+            print(f"drmas-graph ui: {run.not_written()} Its pages show it as it trains.", flush=True)
     try:
         server.serve_forever()
     except KeyboardInterrupt:

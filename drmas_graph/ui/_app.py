@@ -116,6 +116,8 @@ class UiApp:
         if parts[0] == "runs" and len(parts) >= 2 and parts[1] in self.runs:
             run = self.runs[parts[1]]
             rest = parts[2:]
+            if rest[:1] != ["export"] and run.not_written() is not None:
+                return self._page("waiting.html", run=run, message=run.not_written(), refresh=run.waiting())
             if rest == ["episodes"]:
                 return self._episodes_page(run, one)
             if rest == ["answers"]:
@@ -151,8 +153,9 @@ class UiApp:
         evals = {run.name: _pages.eval_rows(run) for run in selected}
         steps = {run.name: sum(1 for r in run.metrics() if "episodes" in r) for run in selected}
         malformed = {run.name: run.malformed_metrics() for run in selected}
+        waiting = {r.name: r.not_written() for r in selected if r.waiting()}
         return self._page("runs.html", selected=[r.name for r in selected], chosen=chosen, colours=colours,
-                          first=first, rest=rest,
+                          first=first, rest=rest, waiting=waiting, refresh=bool(waiting),
                           evals=evals, steps=steps, malformed=malformed, options=options,
                           tensorboard={r.name: f"tensorboard --logdir {shlex.quote(str(r.folder / 'tensorboard'))}"
                                        for r in selected if (r.folder / "tensorboard").is_dir()})

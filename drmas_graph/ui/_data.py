@@ -1,8 +1,8 @@
 """What the UI reads from a run folder: its trace store (read-only), its metrics log and its tokenizers.
 
 A run folder is what `train_graph` writes: ``traces.db``, ``metrics.jsonl`` and ``checkpoints/``. Only the
-files named here are ever opened, found from the folders given on the command line; no path comes from a
-request. The run may still be training: the store is opened read-only (SQLite WAL readers never block the
+files named here are ever opened, found from the folders given on the command line (and the ``tokenizer.json``
+of the model folder a run's config names, `turns.find_tokenizer`); no path comes from a request. The run may still be training: the store is opened read-only (SQLite WAL readers never block the
 writer) and the metrics log is re-read from where the last read stopped.
 """
 
@@ -18,8 +18,10 @@ from typing import Any
 
 from drmas_graph.errors import ConfigError, StoreNotFoundError
 from drmas_graph.traces.store import OUTCOMES, SORTS, EpisodeFilter, EpisodeSummary, ReplyCount, TraceStore
+from drmas_graph.ui.turns import TokenizerFile, find_tokenizer, load_tokenizer
 
-__all__ = ["Run", "EpisodeQuery", "EpisodeList", "number_param", "open_runs", "OUTCOMES", "SORTS", "PAGE_SIZES", "PHASES"]
+__all__ = ["Run", "EpisodeQuery", "EpisodeList", "number_param", "open_runs", "check_run_folder", "STARTING", "OUTCOMES",
+           "SORTS", "PAGE_SIZES", "PHASES"]
 
 MAX_INT = 2**63 - 1
 """The largest integer a URL parameter may hold (SQLite's INTEGER); a larger one is a 400, not an overflow."""
@@ -208,6 +210,20 @@ class Run:
         self._replies: tuple[int, list[Any]] | None = None
         self._lock = threading.Lock()
 
+    def waiting(self) -> bool:
+        """Whether the run has written neither its trace store nor its metrics log yet (it has just started)."""
+        return not self.store_path.is_file() and not self._metrics.path.is_file()
+
+    def not_written(self) -> str | None:
+        """What the run has not written yet, as a page says it (None once its trace store exists)."""
+        if self.store_path.is_file():
+            return None
+        if self.waiting():
+            return (f"run {self.name!r} has not written anything yet: neither traces.db nor metrics.jsonl in "
+                    f"{self.folder}. Training creates its trace store once its models are loaded; its first "
+                    "episodes and metrics show when its first step ends.")
+        return f"run {self.name!r} has no episodes: no traces.db in {self.folder} (its metrics are on the Runs page)."
+
     # -- trace store ----------------------------------------------------------------------------------
 
     def store(self) -> TraceStore:
@@ -267,27 +283,27 @@ class Run:
     # -- tokenizers -----------------------------------------------------------------------------------
 
     def tokenizer(self, policy: str | None) -> Any:
-        """The tokenizer of `policy` from the run's latest checkpoint (``checkpoints/step_*/POLICY/model/
-        tokenizer.json``), or None when the run saved none (yet): tokens are then shown as ids. Looked up on
-        every call, so a checkpoint saved after the UI started is picked up; each file is loaded once."""
+        """The tokenizer of `policy` the run folder holds (`turns.find_tokenizer`: its latest checkpoint's, else
+        what its servers loaded, else the model folder its config names), or None when it holds none (yet):
+        tokens are then shown as ids. Looked up on every call, so a checkpoint saved after the UI started is
+        picked up; each file is loaded once."""
         if not policy:
             return None
-        path = self._tokenizer_path(policy)
+        path = self.tokenizer_file(policy).path
         if path is None:
             return None
         with self._lock:
             if path not in self._tokenizers:
-                from tokenizers import Tokenizer
-
-                self._tokenizers[path] = Tokenizer.from_file(str(path))
+                self._tokenizers[path] = load_tokenizer(path)
             return self._tokenizers[path]
 
-    def _tokenizer_path(self, policy: str) -> Path | None:
-        for checkpoint in sorted((self.folder / "checkpoints").glob("step_*"), reverse=True):
-            path = checkpoint / policy / "model" / "tokenizer.json"
-            if path.is_file() and path.resolve().is_relative_to(self.folder.resolve()):
-                return path
-        return None
+    def tokenizer_file(self, policy: str) -> TokenizerFile:
+        """Where the tokenizer of `policy` is in the run folder, or where it was looked for."""
+        try:
+            config = self.store().config
+        except StoreNotFoundError:
+            config = {}
+        return find_tokenizer(self.folder, policy, config)
 
     def close(self) -> None:
         with self._lock:
@@ -296,9 +312,43 @@ class Run:
                 self._store = None
 
 
+STARTING = ("config.yaml", "checkpoints", "tensorboard", "sync", "eval", "traces.db-wal", "traces.db-shm",
+            "traces.db-journal")
+"""What a run folder may hold before its trace store and metrics log exist (besides hidden files, ``*.log`` and
+other processes' ``traces.rank*.db``): a folder holding only these is a run that has just started."""
+
+
+def check_run_folder(folder: Path) -> bool:
+    """Whether `folder` holds a run's trace store or metrics log (True), or is a run folder that has not written
+    either yet (False: empty, or holding only `STARTING` names, as while training loads its models). ConfigError,
+    naming what is missing and the fix, for a folder that is not a run folder (it holds run folders, or other
+    files)."""
+    if (folder / "traces.db").is_file() or (folder / "metrics.jsonl").is_file():
+        return True
+    entries = sorted(folder.iterdir())
+    runs = [e for e in entries if e.is_dir() and ((e / "traces.db").is_file() or (e / "metrics.jsonl").is_file())]
+    if runs:
+        shown = " ".join(str(r) for r in runs[:8]) + (" ..." if len(runs) > 8 else "")
+        raise ConfigError(f"{folder} is not a run folder but holds {len(runs)} (it has no traces.db or metrics.jsonl "
+                          f"itself): give those, e.g. drmas-graph ui {shown}")
+    other = [e.name + ("/" if e.is_dir() else "") for e in entries if not _starting(e.name)]
+    if other:
+        raise ConfigError(f"{folder} is not a run folder: it has neither traces.db nor metrics.jsonl (what training "
+                          f"writes into its run_dir) and holds other things ({', '.join(other[:5])}"
+                          f"{', ...' if len(other) > 5 else ''}): give the run_dir of a training run (an empty "
+                          "folder is waited for: a run that has not written anything yet)")
+    return False
+
+
+def _starting(name: str) -> bool:
+    return (name in STARTING or name.startswith(".") or name.endswith(".log")
+            or (name.startswith("traces.rank") and ".db" in name))
+
+
 def open_runs(folders: Sequence[str | Path]) -> dict[str, Run]:
-    """Runs by URL name for the run folders given (a folder that holds neither a trace store nor a metrics log
-    is refused, naming what it lacks); names are the folders' names, suffixed '-2', '-3' when repeated."""
+    """Runs by URL name for the run folders given (`check_run_folder`: a run that has not written anything yet
+    is kept and waited for; a folder that is not a run folder is refused, naming what it lacks); names are the
+    folders' names, suffixed '-2', '-3' when repeated."""
     if not folders:
         raise ConfigError("give at least one run folder (the run_dir of a training run)")
     runs: dict[str, Run] = {}
@@ -308,8 +358,7 @@ def open_runs(folders: Sequence[str | Path]) -> dict[str, Run]:
             raise ConfigError(f"{folder} is a trace store; give its run folder ({folder.parent})")
         if not folder.is_dir():
             raise ConfigError(f"run folder {folder} does not exist")
-        if not (folder / "traces.db").is_file() and not (folder / "metrics.jsonl").is_file():
-            raise ConfigError(f"{folder} has neither traces.db nor metrics.jsonl: is it the run_dir of a training run?")
+        check_run_folder(folder)
         base = folder.resolve().name or "run"
         name, n = base, 1
         while name in runs:

@@ -22,13 +22,16 @@ from drmas_graph.errors import ConfigError
 from drmas_graph.types import Episode, Turn
 from drmas_graph.ui._charts import Series, line_chart, points
 from drmas_graph.ui._data import Run, number_param
+from drmas_graph.ui.turns import (PromptText, TokenizerFile, ToolUse, prompt_text, tool_use, turn_flags,
+                                  unknown_id)
 
 __all__ = ["AgentStats", "group_stats", "judge_attempt", "group_view", "ChartOptions", "chart_series", "chart_title", "PHASE_CHART", "PHASES", "run_charts", "eval_rows", "episode_view", "judgement_view", "replay_view", "diff_lines", "token_html"]
 
 FIRST_CHARTS = (
     "reward/team_mean", "agent/*/reward_mean", "model/*/grad_norm", "agent/*/approx_kl", "agent/*/entropy",
     "agent/*/clip_frac", "agent/*/ratio_max", "agent/*/truncated_share", "agent/*/model_error_share",
-    "agent/*/invalid_rate", "agent/*/response_length", "eval/avg@k", "eval/pass@k", "eval/*/reward",
+    "agent/*/invalid_rate", "agent/*/tool_calls_per_turn", "agent/*/tool_calls_well_formed",
+    "agent/*/response_length", "eval/avg@k", "eval/pass@k", "eval/*/reward",
     "time/step_s", "time/rollout_s", "time/update_s", "time/sync_s", "time/rollout_prefill_s", "time/rollout_decode_s",
     "agent/*/llm_call_s", "agent/*/rollout_prefill_s", "agent/*/rollout_decode_s", "time/score_s", "time/judge_s",
     "time/old_logprobs_s", "time/checkpoint_s",
@@ -47,7 +50,9 @@ policies), then the step's other phases."""
 
 _TITLES = {"agent/*/ratio_max": "importance weight (max ratio) per agent", "model/*/grad_norm": "gradient norm per model",
            "agent/*/approx_kl": "KL (approx) per agent", "agent/*/clip_frac": "clip fraction per agent",
-           "eval/*/reward": "evaluation reward per agent", PHASE_CHART: "seconds per step, by phase"}
+           "eval/*/reward": "evaluation reward per agent", PHASE_CHART: "seconds per step, by phase",
+           "agent/*/tool_calls_per_turn": "tool calls per turn, per agent",
+           "agent/*/tool_calls_well_formed": "tool calls well formed, per agent (steps where one was attempted)"}
 
 
 def _chart_key(key: str, agents: Sequence[str] = ()) -> tuple[str, str]:
@@ -250,10 +255,16 @@ class TurnView:
     position: int
     turn: Turn
     messages: list[tuple[str, str, str]]  # (role, name, text)
+    prompt: PromptText
+    """The exact prompt text (its ids decoded), or why the messages stand in for it."""
     tokens: Markup
     advantage: float | None
     turn_reward: float | None
     tool_calls: str
+    tool_use: ToolUse | None
+    """The tool calls it made and whether they parsed; None: no tools given, no call made."""
+    flags: list[tuple[str, str]]
+    """(label, meaning) of its flags (`turns.turn_flags`)."""
     broke_app: bool
     tools: list[tuple[str, str, str]]  # the tools the agent was given: (signature, description, JSON schema)
 
@@ -261,18 +272,25 @@ class TurnView:
 def episode_view(run: Run, episode: Episode) -> dict[str, Any]:
     """Template values of the episode page: the tree (segments > node instances > turns) and each turn."""
     caches: dict[str | None, dict[int, str]] = {}
+    found: dict[str, tuple[Any, TokenizerFile]] = {}  # policy -> its tokenizer and where it is, once per page
     turns = []
     for position, turn in enumerate(episode.turns):
-        tokenizer = run.tokenizer(turn.policy)
+        if turn.policy and turn.policy not in found:
+            found[turn.policy] = (run.tokenizer(turn.policy), run.tokenizer_file(turn.policy))
+        tokenizer, where = found.get(turn.policy or "", (None, TokenizerFile(None, "", ())))
+        prompt = prompt_text(turn, tokenizer, where)
+        if tokenizer is not None and unknown_id(tokenizer, turn) is not None:  # another model's: ids, not its text
+            tokenizer = None
         messages = [(m.type, getattr(m, "name", None) or "", _content(m)
                      + ("\ntool calls: " + _json(m.tool_calls) if getattr(m, "tool_calls", None) else ""))
                     for m in turn.messages]
         turns.append(TurnView(
-            position=position, turn=turn, messages=messages,
+            position=position, turn=turn, messages=messages, prompt=prompt,
             tokens=token_html(turn, tokenizer, caches.setdefault(turn.policy, {})),
             advantage=None if episode.advantages is None else episode.advantages[position],
             turn_reward=None if episode.turn_rewards is None else episode.turn_rewards[position],
             tool_calls=_json(list(turn.tool_calls)) if turn.tool_calls else "",
+            tool_use=tool_use(turn), flags=turn_flags(turn),
             broke_app=position == episode.model_error_turn,
             tools=[(tool_signature(t), str(t.get("function", t).get("description") or ""), _json(t))
                    for t in turn.tools],
@@ -281,7 +299,7 @@ def episode_view(run: Run, episode: Episode) -> dict[str, Any]:
     for view in turns:
         tree.setdefault(view.turn.segment, {}).setdefault(view.turn.call_key or view.turn.node, []).append(view)
     segments = {i: s for i, s in enumerate(episode.segments)}
-    has_tokenizer = any(run.tokenizer(t.policy) is not None for t in episode.turns if t.trainable)
+    has_tokenizer = any(found[t.policy][0] is not None for t in episode.turns if t.trainable and t.policy)
     return {"episode": episode, "turns": turns, "tree": tree, "segments": segments,
             "final_state": _json(episode.final_state), "input": _json(episode.input),
             "has_tokenizer": has_tokenizer, "open_all": len(turns) <= 12, "legend": token_legend(),
