@@ -153,6 +153,7 @@ class ModelConfig(_Strict):
     serve: ServeConfig | None = Field(None, description="Roll out through inference servers; the trainer trains a local copy loaded from `path` on `device` and pushes it to them after every update.")
     lora: LoraConfig | None = Field(None, description="Train one LoRA adapter per agent (`agents.<a>.adapter`) over this frozen model instead of the model itself; null = full fine-tuning.")
     chat_template: str | None = Field(None, description="A Jinja chat-template file (relative to the working directory) that renders this model's prompts instead of its tokenizer's own, e.g. one that renders `tools` (SmolLM2's drops them); served policies render with it too, and checkpoints save it with the tokenizer. Checked when the config loads.")
+    constrain: bool = Field(True, description="Decode each call under the grammar of the format it asks for (JSON mode, a JSON schema, a forced or offered tool: valid calls), as the real APIs guarantee it; embedded, vLLM and SGLang alike (docs/guide/structured-output.md). false: free text, checked after it is generated (a reply that breaks the format is a model error).")
 
     def torch_dtype(self) -> str:
         """`dtype` with auto resolved for `device`: bfloat16 on CUDA, float32 elsewhere."""
@@ -184,6 +185,7 @@ class AgentConfig(_Strict):
     loss: LossConfig = Field(default_factory=LossConfig, description="Per-agent loss settings.")
     adapter: str | None = Field(None, description="LoRA adapter of this agent on a `lora` model (agents naming the same adapter share it); null = an adapter named after the agent.")
     lr: float | None = Field(None, ge=0, description="Learning rate of this agent's adapter (or of its model when no other agent shares it); null = the model's `update.lr`.")
+    constrain: bool = Field(True, description="Decode this agent's calls under the grammar of the format they ask for (with its model's `constrain`); false: free text, checked afterwards.")
 
 
 class EvalConfig(_Strict):

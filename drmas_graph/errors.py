@@ -13,6 +13,7 @@ __all__ = [
     "StrictModeError",
     "UnservedCallWarning",
     "StructuredOutputError",
+    "GrammarError",
     "InvalidReplyError",
     "PolicyError",
     "RolloutError",
@@ -54,6 +55,12 @@ class InvalidReplyError(StructuredOutputError):
 
     turn_index: int | None = None
     """`Turn.index` of the call in its episode, set by the recorder once the reply's turn is recorded."""
+
+
+class GrammarError(StructuredOutputError):
+    """A call's format cannot be decoded under a grammar (a JSON schema the grammar library does not support), or
+    a recorded response was not decoded under the grammar it names (`drmas_graph.grammar`). The message says which
+    switch turns constrained decoding off (`agents.<a>.constrain`, `models.<m>.constrain`)."""
 
 
 class PolicyError(DrmasError, RuntimeError):

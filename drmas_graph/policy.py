@@ -20,6 +20,7 @@ from drmas_graph._chat import ParsedResponse, get_tool_parser, normalize_tools, 
 from drmas_graph._structured import instruction
 from drmas_graph.config import check_chat_template
 from drmas_graph.errors import PolicyError
+from drmas_graph.grammar import Grammars, grammar_for
 from drmas_graph.types import Generation, SamplingParams
 
 __all__ = ["Policy"]
@@ -33,7 +34,7 @@ class Policy(abc.ABC):
     """
 
     def __init__(self, tokenizer: Any, *, name: str, sampling: SamplingParams | None = None,
-                 tool_parser: str = "hermes", chat_template: str | None = None) -> None:
+                 tool_parser: str = "hermes", chat_template: str | None = None, constrain: bool = True) -> None:
         self.tokenizer = tokenizer
         self.name = name
         self.sampling = sampling or SamplingParams()
@@ -44,6 +45,10 @@ class Policy(abc.ABC):
         self.chat_template = chat_template
         """A Jinja chat template rendering this policy's prompts instead of its tokenizer's own (None: the
         tokenizer's), e.g. one that renders `tools`; checked here, so a broken one fails at construction."""
+        self.constrain = constrain
+        """Decode each call under the grammar of the format it asks for (`drmas_graph.grammar`), where the agent's
+        `SamplingParams.constrain` also says so; False: this policy's replies are free text, checked afterwards."""
+        self._grammars: Grammars | None = None
         self.version = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_lock = threading.Lock()
@@ -113,6 +118,30 @@ class Policy(abc.ABC):
     def parse(self, text: str) -> ParsedResponse:
         """Split generated text into content and tool calls with this policy's tool parser."""
         return self._parse(text)
+
+    # ---- constrained decoding ---------------------------------------------------------------
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the model's logits (the tokenizer's length where the backend knows no more)."""
+        return len(self.tokenizer)
+
+    @property
+    def grammars(self) -> Grammars:
+        """Grammars compiled for this policy's tokenizer, vocabulary and end-of-turn tokens (built on first use)."""
+        if self._grammars is None:
+            self._grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        return self._grammars
+
+    def grammar_for(self, spec: dict | None, tools: Sequence[dict], kwargs: dict) -> str | None:
+        """The grammar a call with this structured-output spec, tools and kwargs is decoded under (None: free text,
+        or this policy does not constrain); compiled here, so a format the grammar library refuses fails the call
+        (`GrammarError`) before it is queued."""
+        if not self.constrain:
+            return None
+        grammar = grammar_for(spec, tools, kwargs, self.tool_parser, tuple(self.tokenizer.all_special_tokens))
+        if grammar is not None:
+            self.grammars.compile(grammar)
+        return grammar
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:

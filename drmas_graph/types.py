@@ -45,6 +45,12 @@ class SamplingParams:
     would be those of the truncated distribution (vLLM with top-p/top-k) serve the request."""
     adapter: str | None = None
     """LoRA adapter that generates this response (`drmas_graph.train.optim.lora`); None = the model's own weights."""
+    constrain: bool = True
+    """Decode a call under the grammar of the format it asks for (JSON mode, a JSON schema, tool calls), as the
+    real APIs guarantee that format; False: free text, checked after it is generated (`drmas_graph.grammar`)."""
+    grammar: str | None = None
+    """The grammar this response is decoded under (an xgrammar structural tag, `drmas_graph.grammar.grammar_for`),
+    set per call from the format it asks for; logprobs are then those of the masked distribution. None: none."""
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -68,7 +74,8 @@ class Generation:
     token_ids: tuple[int, ...]
     """The sampled response token ids, exactly as sampled (stop/eos token included when it ended the text)."""
     logprobs: tuple[float, ...]
-    """log p(token) under the sampling distribution (before top-p/top-k truncation), one per token id."""
+    """log p(token) under the sampling distribution (before top-p/top-k truncation; after the grammar's mask where
+    the request has one), one per token id."""
     finish_reason: str
     """'stop' (eos, stop token or stop string), 'length' (max_new_tokens) or 'abort'."""
     policy_version: int
@@ -298,10 +305,14 @@ class Sample:
     behaviour_logprobs: tuple[float, ...] | None = None
     """Logprobs of the older weights that sampled the response (asynchronous training: pi_behav of the off-policy
     correction, `drmas_graph.train.optim.offpolicy`); None when the trainer's own weights sampled it."""
+    grammar: str | None = None
+    """The grammar the response was decoded under (`SamplingParams.grammar`): the update computes every logprob
+    under the masks it gives the response's positions. None: unconstrained."""
 
     @staticmethod
     def from_turn(turn: Turn, advantage: float, episode_id: str = "") -> Sample:
         temperature = turn.sampling.temperature if turn.sampling is not None else 1.0
         return Sample(prompt_ids=turn.prompt_ids, response_ids=turn.response_ids,
                       old_logprobs=turn.response_logprobs, advantage=float(advantage), agent=turn.agent,
-                      temperature=temperature or 1.0, episode_id=episode_id, turn_index=turn.index)
+                      temperature=temperature or 1.0, episode_id=episode_id, turn_index=turn.index,
+                      grammar=turn.sampling.grammar if turn.sampling is not None else None)

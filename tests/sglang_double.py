@@ -31,13 +31,14 @@ from typing import Any
 import torch
 
 from drmas_graph.engine.transformers_policy import sample_token
+from drmas_graph.grammar import Grammars, mask_logits
 from drmas_graph.types import SamplingParams
 
 SAMPLING_KEYS = {
     "max_new_tokens", "temperature", "top_p", "top_k", "min_p", "min_new_tokens", "stop", "stop_token_ids",
     "ignore_eos", "skip_special_tokens", "no_stop_trim", "n", "repetition_penalty", "frequency_penalty",
     "presence_penalty", "sampling_seed", "json_schema", "regex", "ebnf", "spaces_between_special_tokens",
-    "stop_regex", "custom_params",
+    "stop_regex", "custom_params", "structural_tag",
 }
 UPDATE_KEYS = {"model_path", "load_format", "weight_version", "abort_all_requests", "flush_cache",
                "is_async", "torch_empty_cache", "keep_pause", "recapture_cuda_graph", "token_step"}
@@ -89,6 +90,7 @@ class SGLangDouble:
         epoch = self._abort_epoch
         ids: list[int] = []
         lps: list[float] = []
+        grammar = self._grammars().matcher(sp["structural_tag"]) if sp.get("structural_tag") else None
         for _ in range(params.max_new_tokens):
             if self._abort_epoch != epoch or self.abort_next > 0:
                 if self.abort_next > 0:
@@ -97,7 +99,13 @@ class SGLangDouble:
                                   "err_type": None}
             with self._model_lock:
                 logits = self.model(input_ids=torch.tensor([input_ids + ids])).logits[0, -1]
+            if grammar is not None:  # SGLang masks the logits before its sampler: the logprobs are the masked ones
+                bitmask = self._grammars().bitmask(1)
+                grammar.fill(bitmask, 0)
+                logits = mask_logits(logits[None], bitmask)[0]
             tok, lp = sample_token(logits, params, seed, len(ids))
+            if grammar is not None:
+                assert grammar.accept(tok)
             ids.append(tok)
             lps.append(lp)
             if tok in stop_ids:
@@ -109,6 +117,13 @@ class SGLangDouble:
             if self.step_delay_s:
                 time.sleep(self.step_delay_s)
         return ids, lps, {"type": "length", "length": len(ids)}
+
+    def _grammars(self) -> Grammars:
+        """The grammars of the served tokenizer (xgrammar, as SGLang's default backend compiles them)."""
+        if getattr(self, "_grammar_cache", None) is None:
+            self._grammar_cache = Grammars(self.tokenizer, self.model.get_output_embeddings().weight.shape[0],
+                                           [self.tokenizer.eos_token_id])
+        return self._grammar_cache
 
     # ---- endpoints --------------------------------------------------------------------------
     def _generate(self, body: dict) -> dict:

@@ -18,9 +18,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1] / "drmas_graph"
 
-SHARED = {"types", "errors", "config", "env", "policy", "_chat", "_structured", "_importing"}
+SHARED = {"types", "errors", "config", "env", "policy", "_chat", "_structured", "_importing", "grammar"}
 """Top-level modules every layer may import (`_importing` is the one `module:attr` importer that the CLI, task
-files and the judge's models all use)."""
+files and the judge's models all use; `grammar` is the one description of a call's constraint that the recorder
+builds, the engine and the servers decode under and the trainer rebuilds masks from)."""
 FACADES = {"", "testing", "ui.__main__"}
 """The package itself, the public name of the tiny test models and `python -m drmas_graph.ui` (the command
 line's entry point): they may import anything."""

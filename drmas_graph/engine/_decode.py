@@ -41,6 +41,7 @@ from drmas_graph.engine._lean import LeanDecoder
 from drmas_graph.engine._prompt_cache import MIN_PREFIX, PromptCache, _Key
 from drmas_graph.engine._row_attention import install as install_row_attention, rows_apart
 from drmas_graph.engine._sampling import RowParams, sample_rows, vocab_hash
+from drmas_graph.grammar import Matcher, bitmask_width
 from drmas_graph.types import Generation, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -68,6 +69,8 @@ class Request:
     params: SamplingParams
     seed: int
     future: concurrent.futures.Future
+    grammar: Any = None
+    """`params.grammar` compiled (`drmas_graph.grammar.Grammars.compile`); None for free text."""
 
 
 @dataclass
@@ -102,6 +105,10 @@ class EngineStats:
     """Seconds in prefill passes (see the module docstring for what counts as prefill)."""
     decode_s: float = 0.0
     """Seconds in decode passes and the rest of each step."""
+    masked_rows: int = 0
+    """Row-steps sampled under a grammar's mask (one per constrained row per step)."""
+    mask_s: float = 0.0
+    """Of the seconds above, those spent computing grammar masks (filling the bitmasks of constrained rows)."""
 
 
 class StopMatcher:
@@ -140,6 +147,8 @@ class _Row:
     version: int
     max_new: int
     """max_new_tokens, or fewer where the model's context ends first (finish reason 'length' there)."""
+    grammar: Matcher | None = None
+    """Where the response stands in its grammar (None: unconstrained)."""
     out_ids: list[int] = field(default_factory=list)
     out_lp: list[float] = field(default_factory=list)
     prefill_s: float = 0.0
@@ -151,6 +160,12 @@ class _Row:
         """Record a sampled token; the finish reason if the row is done."""
         self.out_ids.append(token)
         self.out_lp.append(logprob)
+        if self.grammar is not None:
+            if not self.grammar.accept(token):  # the mask allowed it: the grammar library disagrees with itself
+                raise RuntimeError(f"token {token} at position {len(self.out_ids) - 1} was sampled under the grammar's "
+                                   "mask but the grammar does not accept it")
+            if self.grammar.done:
+                return "stop"
         if token in self.stop_ids:
             return "stop"
         if self.matcher is not None and self.matcher.feed(self.out_ids):
@@ -265,8 +280,9 @@ class DecodeBatch:
                 self._sync()
         t1 = time.perf_counter()
         new = None
+        matchers_N = [Matcher(r.grammar, r.params.grammar) if r.grammar is not None else None for r in newcomers]
         if newcomers:
-            new = self._prefill(newcomers, version)
+            new = self._prefill(newcomers, version, matchers_N)
             ids.append(new["ids_N"])
             lps.append(new["lp_N"])
             self.stats.joined_mid_decode += len(newcomers) if self.rows else 0
@@ -276,7 +292,7 @@ class DecodeBatch:
             return []
         ids_all = torch.cat(ids)
         host = torch.stack([ids_all.to(torch.float64), torch.cat(lps).to(torch.float64)]).tolist()  # one D2H copy
-        new_rows = [self._new_row(r, version) for r in newcomers]
+        new_rows = [self._new_row(r, version, m) for r, m in zip(newcomers, matchers_N)]
         self._attribute(new_rows, new, t1 - t0 + self._carry_s, t2 - t1, time.perf_counter() - t2)
         self.stats.max_batch = max(self.stats.max_batch, len(self.rows) + len(new_rows))
         finished, keep_old, keep_new = [], [], []
@@ -325,21 +341,38 @@ class DecodeBatch:
         self.prompt_cache.put((row.req.params.adapter, tuple(ids)), _prompt_kv(self.cache, i, len(ids)), None,
                               row.version)
 
-    def _new_row(self, req: Request, version: int) -> _Row:
+    def _new_row(self, req: Request, version: int, grammar: Matcher | None) -> _Row:
         p = req.params
         matcher = StopMatcher(self.tokenizer, p.stop) if p.stop else None
         room = p.max_new_tokens if self.context_size is None else self.context_size - len(req.prompt_ids)
-        return _Row(req, self.eos_ids | frozenset(p.stop_token_ids), matcher, version, min(p.max_new_tokens, room))
+        return _Row(req, self.eos_ids | frozenset(p.stop_token_ids), matcher, version, min(p.max_new_tokens, room),
+                    grammar)
+
+    def _bitmask(self, matchers: Sequence[Matcher | None], V: int) -> torch.Tensor | None:
+        """The grammar masks of the rows about to sample (every bit set for a row without one); None when no row
+        has a grammar (then sampling is exactly as without this feature)."""
+        if all(m is None for m in matchers):
+            return None
+        t = time.perf_counter()
+        bitmask_BW = torch.full((len(matchers), bitmask_width(V)), -1, dtype=torch.int32)
+        for b, m in enumerate(matchers):
+            if m is not None:
+                m.fill(bitmask_BW, b)
+        self.stats.masked_rows += sum(m is not None for m in matchers)
+        self.stats.mask_s += time.perf_counter() - t
+        return bitmask_BW.to(self.device, non_blocking=True)
 
     def _decode(self) -> tuple[torch.Tensor, torch.Tensor]:
         B = len(self.rows)
         self.mask_BL = torch.cat([self.mask_BL, self.mask_BL.new_ones((B, 1))], dim=1)
         logits_BV, self.cache = self._forward(self.next_ids_B[:, None], self.mask_BL, self.next_pos_B[:, None],
                                               self.cache, [row.req.params.adapter for row in self.rows])
-        ids_B, lp_B = sample_rows(logits_BV, self.rp, self.gen_pos_B, self._vocab(logits_BV.shape[-1]))
+        V = logits_BV.shape[-1]
+        ids_B, lp_B = sample_rows(logits_BV, self.rp, self.gen_pos_B, self._vocab(V),
+                                  self._bitmask([row.grammar for row in self.rows], V))
         return ids_B, lp_B
 
-    def _prefill(self, reqs: Sequence[Request], version: int) -> dict[str, Any]:
+    def _prefill(self, reqs: Sequence[Request], version: int, matchers_N: Sequence[Matcher | None]) -> dict[str, Any]:
         """Prefill the distinct prompts once (or reuse a recent prefill, or prefill only the suffix after a
         cached prefix); sample every newcomer's first token. A prompt is distinct per LoRA adapter (its KV
         cache depends on the adapter): keys are (adapter, ids)."""
@@ -378,7 +411,8 @@ class DecodeBatch:
         rp = RowParams.build([r.params for r in reqs], [r.seed for r in reqs], V, self.device)
         idx_N = torch.tensor(row_of_N, dtype=torch.long, device=self.device)
         zeros_N = torch.zeros(len(reqs), dtype=torch.int32, device=self.device)
-        ids_N, lp_N = sample_rows(logits_UV.index_select(0, idx_N), rp, zeros_N, self._vocab(V))
+        ids_N, lp_N = sample_rows(logits_UV.index_select(0, idx_N), rp, zeros_N, self._vocab(V),
+                                  self._bitmask(matchers_N, V))
         prefilled = {p: len(p[1]) for p in misses} | {p: len(p[1]) - k for p, (_, k) in partial.items()}
         sharing = [row_of_N.count(u) for u in range(len(prompts))]
         weights_N = [prefilled.get(prompts[u], 0) / sharing[u] + 1 for u in row_of_N]

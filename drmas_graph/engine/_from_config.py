@@ -50,7 +50,7 @@ def build_policy(name: str, mc: ModelConfig, seed: int) -> Policy:
         from drmas_graph.engine.tiny import tiny_policy
 
         policy = tiny_policy(**{"seed": seed, "name": name, "max_batch_size": mc.max_batch_size,
-                                "chat_template": template, **mc.tiny})
+                                "chat_template": template, "constrain": mc.constrain, **mc.tiny})
     else:
         import torch
 
@@ -60,7 +60,7 @@ def build_policy(name: str, mc: ModelConfig, seed: int) -> Policy:
         policy = TransformersPolicy.from_pretrained(path, gguf_file=gguf_file, dtype=getattr(torch, mc.torch_dtype()),
                                                     device=local_device(mc.device, f"models.{name}.device"),
                                                     name=name, seed=seed, max_batch_size=mc.max_batch_size,
-                                                    chat_template=template)
+                                                    chat_template=template, constrain=mc.constrain)
     if template is not None:
         policy.tokenizer.chat_template = template
     return policy

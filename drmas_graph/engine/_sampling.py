@@ -16,7 +16,10 @@ per-row generator is touched: one batch of tensor ops on the logits' device samp
 Temperature 0 rows take the argmax.
 
 Logprobs are log_softmax(logits / T) at the sampled token over the *untruncated* vocabulary (T = 1 for
-greedy rows): the quantity a trainer recomputes from a forward pass.
+greedy rows): the quantity a trainer recomputes from a forward pass. A row decoded under a grammar has the logits
+of the tokens its grammar disallows set to -inf first (`drmas_graph.grammar.mask_logits`): its draw and its
+logprob are those of the renormalised distribution over the allowed tokens, which the trainer recomputes under
+the same mask.
 
 Top-k keeps the k highest logits (ties at the k-th value kept); top-p (nucleus, Holtzman et al. 2020) keeps
 the smallest set of most likely tokens whose probability reaches top_p (the top token always). With both
@@ -34,6 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from drmas_graph.errors import ConfigError
+from drmas_graph.grammar import mask_logits
 from drmas_graph.types import SamplingParams
 
 __all__ = ["RowParams", "entropy_from_logits", "hash_uniform", "mix32", "mix32_py", "row_keys", "row_sums", "sample_rows",
@@ -230,12 +234,17 @@ def truncated_weights(scaled_BV: torch.Tensor, e_BV: torch.Tensor, sum_B: torch.
 
 
 def sample_rows(logits_BV: torch.Tensor, rp: RowParams, positions_B: torch.Tensor,
-                vocab_hash_V: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                vocab_hash_V: torch.Tensor, bitmask_BW: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row on the logits' device; return (ids_B int64, logprobs_B float32), both on device.
 
     `positions_B` is each row's index of the token being sampled within its response (0 for the first).
+    `bitmask_BW` (int32, `drmas_graph.grammar`): the tokens each row's grammar allows; the others get logit -inf,
+    so a row draws from, and records the logprob of, the renormalised distribution over the allowed tokens
+    (every bit set: the row is unchanged).
     """
     scaled_BV = logits_BV.float() * rp.inv_temp_B[:, None]
+    if bitmask_BW is not None:
+        scaled_BV = mask_logits(scaled_BV, bitmask_BW)
     max_B = scaled_BV.amax(-1, keepdim=True)
     e_BV = torch.exp(scaled_BV - max_B)
     sum_B = row_sums(e_BV)
@@ -266,14 +275,18 @@ def token_logprobs(logits_BTV: torch.Tensor, ids_BT: torch.Tensor, temperature: 
     return picked_BT - torch.logsumexp(scaled_BTV, dim=-1)
 
 
-def entropy_from_logits(logits_BTV: torch.Tensor) -> torch.Tensor:
+def entropy_from_logits(logits_BTV: torch.Tensor, *, masked: bool = False) -> torch.Tensor:
     """Entropy of softmax(z) per position, in float32: ``H = logsumexp(z) - sum_v softmax(z)_v * z_v``.
 
     The identity follows from ``log softmax(z)_v = z_v - logsumexp(z)``. z is first shifted by its max
-    (H does not change), so large logits neither overflow nor cancel. Logits must be finite.
+    (H does not change), so large logits neither overflow nor cancel. Logits must be finite, unless `masked`:
+    then -inf marks a token a grammar disallows (`drmas_graph.grammar.mask_logits`), which has probability 0
+    and adds nothing (0 * -inf would be NaN).
     """
     z_BTV = logits_BTV.float()
     z_BTV = z_BTV - z_BTV.max(dim=-1, keepdim=True).values.detach()
     log_normalizer_BT = torch.logsumexp(z_BTV, dim=-1)
     probs_BTV = torch.exp(z_BTV - log_normalizer_BT.unsqueeze(-1))
+    if masked:
+        z_BTV = z_BTV.masked_fill(z_BTV == float("-inf"), 0.0)
     return log_normalizer_BT - (probs_BTV * z_BTV).sum(dim=-1)

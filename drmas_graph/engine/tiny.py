@@ -13,6 +13,8 @@ import torch
 
 from drmas_graph.engine._sampling import token_logprobs
 from drmas_graph.engine.transformers_policy import TransformersPolicy
+from drmas_graph.errors import GrammarError
+from drmas_graph.grammar import mask_logits
 from drmas_graph.types import Generation, SamplingParams
 
 __all__ = ["tiny_policy", "tiny_tokenizer", "tiny_model", "scripted_policy", "ScriptedPolicy", "CHAT_TEMPLATE"]
@@ -122,9 +124,14 @@ class ScriptedPolicy(TransformersPolicy):
     `replies` is a list (used in order, cycling) or a function of the rendered prompt text. The reply is
     tokenized with the policy's tokenizer plus the end-of-turn token; the logprobs are the model's own
     log_softmax(logits / T) at those tokens, so ids, logprobs and decoding are all real.
+
+    A scripted reply is sent as written: `constrain` is False by default (a test scripts replies that break a
+    call's format on purpose). With `constrain=True` a call's grammar applies: the logprobs are those of the
+    masked distribution, and a reply the grammar does not allow fails its request (`GrammarError`).
     """
 
     def __init__(self, replies: Any, model: Any, tokenizer: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("constrain", False)
         super().__init__(model, tokenizer, **kwargs)
         self._replies = replies
         self._reply_count = 0
@@ -137,17 +144,25 @@ class ScriptedPolicy(TransformersPolicy):
         return reply
 
     def _engine_step(self, engine: Any, admit: list[Any]) -> list[tuple[Any, Generation]]:
-        return list(zip(admit, self._generate_batch(admit)))  # whole replies at once: no row keeps decoding
+        # whole replies at once: no row keeps decoding (a reply its grammar refuses failed its request: None)
+        return [(r, gen) for r, gen in zip(admit, self._generate_batch(admit)) if gen is not None]
 
     @torch.inference_mode()
-    def _generate_batch(self, reqs: list[Any]) -> list[Generation]:
-        out = []
+    def _generate_batch(self, reqs: list[Any]) -> list[Generation | None]:
+        out: list[Generation | None] = []
         for r in reqs:
             self.stats.requests += 1
             ids = self.tokenizer.encode(self._next_reply(r.prompt_ids), add_special_tokens=False)
             ids = (ids + [self.tokenizer.eos_token_id])[: r.params.max_new_tokens]
             full = torch.tensor([r.prompt_ids + ids], device=self.device)
             logits = self.model(input_ids=full).logits[0, len(r.prompt_ids) - 1: -1].float()
+            if r.params.grammar is not None:
+                try:
+                    logits = mask_logits(logits, self.grammars.masks(r.params.grammar, ids))
+                except GrammarError as exc:
+                    r.future.set_exception(exc)
+                    out.append(None)
+                    continue
             logp = token_logprobs(logits, torch.tensor(ids, device=self.device), r.params.temperature or 1.0)
             reason = "stop" if ids[-1] == self.tokenizer.eos_token_id else "length"
             out.append(Generation(token_ids=ids, logprobs=logp.tolist(), finish_reason=reason,

@@ -45,7 +45,7 @@ import torch
 from drmas_graph.engine._adapters import adapter_kwargs, is_peft_model
 from drmas_graph.engine._decode import DecodeBatch, EngineStats, Request, context_size
 from drmas_graph.engine._sampling import RowParams, sample_rows, vocab_hash
-from drmas_graph.errors import PolicyError
+from drmas_graph.errors import GrammarError, PolicyError
 from drmas_graph.policy import Policy
 from drmas_graph.types import Generation, SamplingParams
 
@@ -130,16 +130,19 @@ class TransformersPolicy(Policy):
             any max_concurrency). Off: decode steps ~10% shorter on the demo's workload, but a row's logprobs
             depend on its batch by ~1e-5 and a seeded run may sample another token now and then. Has no effect
             on a GPU (not implemented there: its matmul kernels are chosen by shape).
+        constrain: decode each call under the grammar of the format it asks for (JSON mode, a JSON schema, tool
+            calls: `drmas_graph.grammar`), as the real APIs guarantee it; False: free text, checked afterwards.
     """
 
     def __init__(self, model: Any, tokenizer: Any, *, name: str | None = None,
                  sampling: SamplingParams | None = None, seed: int = 0, max_batch_size: int = 32,
                  batch_wait_s: float = 0.002, max_batch_wait_s: float = 0.02, tool_parser: str = "hermes",
                  chat_template: str | None = None, prompt_cache_size: int = 16, prefix_reuse: bool = False,
-                 packed_cpu_linear: bool = True, lean_forward: bool = False, batch_invariant: bool = True) -> None:
+                 packed_cpu_linear: bool = True, lean_forward: bool = False, batch_invariant: bool = True,
+                 constrain: bool = True) -> None:
         name = name or str(getattr(model, "name_or_path", "") or type(model).__name__)
         super().__init__(tokenizer, name=name, sampling=sampling, tool_parser=tool_parser,
-                         chat_template=chat_template)
+                         chat_template=chat_template, constrain=constrain)
         self.model = model.eval()
         self.device = next(model.parameters()).device
         self.max_batch_size = max_batch_size
@@ -188,10 +191,15 @@ class TransformersPolicy(Policy):
                 f"{self.context_size} positions: shorten the prompt (the messages the node sends) or serve a model "
                 "with a longer context"))
             return future
+        try:  # compiled here (cached by its text), so a grammar the library refuses fails this request only
+            grammar = self.grammars.compile(params.grammar) if params.grammar is not None else None
+        except GrammarError as exc:
+            future.set_exception(exc)
+            return future
         with self._state_lock:
             seed = params.seed if params.seed is not None else self._seed_rng.randrange(2**63)
             self._ensure_worker()
-        self._queue.put(Request([int(t) for t in prompt_ids], params, seed, future))
+        self._queue.put(Request([int(t) for t in prompt_ids], params, seed, future, grammar))
         return future
 
     def run_on_worker(self, fn: Any) -> Any:
@@ -256,6 +264,13 @@ class TransformersPolicy(Policy):
             self._worker.join(timeout=5)
             self._worker = None
         super().close()
+
+    @property
+    def vocab_size(self) -> int:
+        head = self.model.get_output_embeddings() if hasattr(self.model, "get_output_embeddings") else None
+        if head is not None and getattr(head, "weight", None) is not None:
+            return int(head.weight.shape[0])
+        return int(getattr(self.model.config, "vocab_size", 0) or len(self.tokenizer))
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:

@@ -24,7 +24,7 @@ from drmas_graph.instrumentation._limits import enforce_limits
 from drmas_graph.instrumentation._wire import UNSERVED_KEY
 from drmas_graph.instrumentation._seeds import prompt_digest, seeded
 from drmas_graph._structured import InvalidReplyError, apply_spec, output_spec
-from drmas_graph.errors import StrictModeError
+from drmas_graph.errors import GrammarError, StrictModeError
 from drmas_graph.policy import Policy
 from drmas_graph.types import Episode, Generation, SamplingParams, Turn
 
@@ -119,6 +119,11 @@ class _EpisodeRecorder:
             params = seeded(capped(self.app._sampling_for(agent, policy, site.stop), site.kwargs),
                             self.episode.metadata, site.call_key,
                             *self._prompt_occurrence(site.call_key, agent, prompt_ids), None if own else agent)
+        if params.constrain and site.prompt is None:  # the format the call asks for, guaranteed as the API would
+            try:
+                params = params.replace(grammar=policy.grammar_for(spec, site.tools, site.kwargs))
+            except GrammarError as exc:
+                raise GrammarError(f"{where}: {exc}") from exc
         return prompt_ids, params, (spec, model_class, where)
 
     def _prompt_occurrence(self, call_key: str, agent: str, prompt_ids: list[int]) -> tuple[int, str]:

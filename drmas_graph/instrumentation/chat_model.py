@@ -55,6 +55,8 @@ class PolicyChatModel(BaseChatModel):
         where = f"PolicyChatModel(policy {self.policy.name!r})"
         spec, model_class = output_spec(kwargs, tools, where)  # with_structured_output / tool_choice
         prompt_ids = self.policy.render(messages, tools, spec)
+        if params.constrain:  # decoded under the format it asks for (`drmas_graph.grammar`)
+            params = params.replace(grammar=self.policy.grammar_for(spec, tools, kwargs))
         gen = self.policy.generate(prompt_ids, params)
         text = _cut_at_stop(self.policy.decode(gen.token_ids), params.stop)
         parsed, extra = self.policy.parse(text), {}

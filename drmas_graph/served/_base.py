@@ -80,6 +80,8 @@ class ServedPolicy(Policy, abc.ABC):
             always carry a seed derived from the call's identity (`drmas_graph.instrumentation._seeds`), so they never use it.
         extra_sampling_params: engine-specific sampling keys sent with every request as they are
             (e.g. `{"repetition_penalty": 1.1}`); the server rejects unknown ones (`BadRequestError`).
+        constrain: decode each call under the grammar of the format it asks for (the server's structured outputs,
+            `drmas_graph.grammar`); False: free text.
     """
 
     def __init__(self, base_urls: str | Sequence[str], tokenizer: Any, *, name: str,
@@ -87,9 +89,9 @@ class ServedPolicy(Policy, abc.ABC):
                  connect_timeout_s: float = 5.0, max_retries: int = 3, backoff_s: float = 0.5,
                  servers: Sequence[ServerProcess] = (), seed: int | None = 0, extra_sampling_params: dict[str, Any] | None = None,
                  tool_parser: str = "hermes",
-                 chat_template: str | None = None) -> None:
+                 chat_template: str | None = None, constrain: bool = True) -> None:
         super().__init__(tokenizer, name=name, sampling=sampling, tool_parser=tool_parser,
-                         chat_template=chat_template)
+                         chat_template=chat_template, constrain=constrain)
         urls = [base_urls] if isinstance(base_urls, str) else list(base_urls)
         if not urls:
             raise ConfigError(f"policy {name!r}: base_urls is empty; pass at least one server URL")

