@@ -192,7 +192,7 @@ def test_the_demonstrations_file_is_what_the_script_writes_and_valid_fine_tuning
     records = [json.loads(line) for line in lines]
     assert records == demos.records() and len(records) == 32  # committed = generated, at most 32
     assert [demos.agent_of(r) for r in records] == ["worker"] * 20 + ["critic"] * 12
-    test_questions = {t.input["question"] for t in CalcTeamEnv(seed=0).tasks("test")}
+    test_questions = {t.input["question"] for t in CalcTeamEnv(seed=demos.SEED).tasks("test")}
     for record in records:
         assert set(record) <= {"messages", "tools"} and record["messages"][-1]["role"] == "assistant"
         assert not any(q in record["messages"][1]["content"] for q in test_questions)
@@ -231,6 +231,7 @@ def test_the_train_config_loads_with_the_tool_template_and_constraints_on(monkey
     assert cfg.graph == "graphs.calc_team.graph:build_graph" and cfg.env == "graphs.calc_team.env:CalcTeamEnv"
     off = load_config(ROOT / "graphs" / "calc_team" / "train.yaml", ["models.smollm2.constrain=false"])
     assert off.models["smollm2"].constrain is False
+    assert cfg.env_kwargs["seed"] == demos.SEED  # the demonstrations come from the config's train split
 
 
 def test_the_report_counts_format_and_skill_per_agent_from_the_store(tmp_path):
@@ -250,5 +251,6 @@ def test_the_report_counts_format_and_skill_per_agent_from_the_store(tmp_path):
     assert (numbers.worker_tool_call.hits, numbers.worker_tool_call.n) == (1, 2)
     assert (numbers.worker_well_formed.hits, numbers.worker_well_formed.n) == (1, 1)
     assert (numbers.score.hits, numbers.score.n) == (1, 2) and numbers.critic_constrained.hits == 0
+    assert (numbers.critic_approve.hits, numbers.critic_approve.n) == (1, 2)
     assert numbers.by_task == {tasks[0].id: (1.0, 1.0), tasks[1].id: (0.0, 0.0)}
     assert numbers.distinct_answers == 2 and numbers.model_errors == 0

@@ -4,7 +4,7 @@
 line in OpenAI's chat fine-tuning format (``{"messages": [...], "tools": [...]}``, an assistant tool call as
 ``tool_calls`` with ``arguments`` a JSON string and ``content`` null, its result a ``role: "tool"`` message with the call's id):
 
-- 20 for the ``worker`` (the first 20 tasks of the ``train`` split, seed 0): the app's system prompt and user
+- 20 for the ``worker`` (the first 20 tasks of the ``train`` split of ``CalcTeamEnv(seed=1)``, train.yaml's tasks): the app's system prompt and user
   message (the problem and the plan ``Calculate <gold expression>.``), the assistant's ``calculator`` call of the
   gold expression, the tool's result, and ``The answer is <n>.``; ``tools`` is ``[CALCULATOR_TOOL]``.
 - 12 for the ``critic`` (train tasks 20 to 31): the app's system prompt and user message, the reply
@@ -28,10 +28,12 @@ from graphs.calc_team.graph import (CALCULATOR_TOOL, CRITIC_PROMPT, PLANNER_PROM
                                     critic_user, worker_user)
 from graphs.task import Task
 
-__all__ = ["DEMOS", "N_CRITIC", "N_WORKER", "agent_of", "critic_record", "records", "worker_record", "write"]
+__all__ = ["DEMOS", "N_CRITIC", "N_WORKER", "SEED", "agent_of", "critic_record", "records", "worker_record", "write"]
 
 DEMOS = Path(__file__).resolve().parent / "demos.jsonl"
 """The committed demonstrations file."""
+SEED = 1
+"""The task generator's seed: train.yaml's ``env_kwargs.seed``."""
 N_WORKER = 20
 """Worker records (train tasks 0..19)."""
 N_CRITIC = 12
@@ -82,9 +84,9 @@ def critic_record(task: Task, index: int) -> dict[str, Any]:
 
 
 def records(env: CalcTeamEnv | None = None) -> list[dict[str, Any]]:
-    """The demonstrations, worker records first, from `env`'s train split (default ``CalcTeamEnv(seed=0)``, the
-    config's tasks)."""
-    train = (env or CalcTeamEnv(seed=0)).tasks("train")
+    """The demonstrations, worker records first, from `env`'s train split (default ``CalcTeamEnv(seed=SEED)``,
+    train.yaml's tasks)."""
+    train = (env or CalcTeamEnv(seed=SEED)).tasks("train")
     if len(train) < N_WORKER + N_CRITIC:
         raise ValueError(f"the demonstrations need {N_WORKER + N_CRITIC} train tasks; the env has {len(train)}")
     return ([worker_record(t, i) for i, t in enumerate(train[:N_WORKER])]

@@ -166,7 +166,7 @@ def _expression(arguments: str | None) -> str:
 
 def build_graph(client: Any = None, *, model: str = "gpt-4o-mini", max_rounds: int = 2, max_calls: int = 3,
                 planner_max_tokens: int = 32, worker_max_tokens: int = 48,
-                critic_max_tokens: int = 32) -> CompiledStateGraph:
+                critic_max_tokens: int = 64) -> CompiledStateGraph:
     """Compile the team's graph; every node calls ``client.chat.completions.create``.
 
     Args:

@@ -5,7 +5,7 @@
 folder (``run_dir/eval/base-test-k2``), and prints per evaluation step, each number with its n:
 
 - critic (n = critic turns): ``json`` the reply is a JSON object (H1), ``verdict`` it holds a boolean ``correct``,
-  ``right verdict`` the verdict is right against the truth, ``constrained`` the turn was decoded under a grammar
+  ``right verdict`` the verdict is right against the truth, ``approve`` it is ``true``, ``constrained`` the turn was decoded under a grammar
   (the manipulation check of `constrain`);
 - worker (n = opening replies, the first model call of each worker turn, before any tool result): ``tool call``
   the reply made a tool call the SDK received (H2), ``opened`` its text opened ``<tool_call>`` or it made a call,
@@ -66,6 +66,8 @@ class EvalNumbers:
     """Critic turns with a boolean ``correct``."""
     critic_right: Rate
     """Critic verdicts right against the truth (over the verdicts of episodes that finished)."""
+    critic_approve: Rate
+    """Critic turns whose verdict is an approve (a critic that collapsed onto approving shows here)."""
     critic_constrained: Rate
     """Critic turns decoded under a grammar."""
     worker_tool_call: Rate
@@ -164,8 +166,9 @@ def _numbers(rows: list[tuple]) -> EvalNumbers:
             calls = json.loads(calls_json)
             if agent == "critic":
                 obj = _json_object(text)
+                verdict = obj.get("correct") if isinstance(obj, dict) else None
                 counts.update(critic=1, critic_json=isinstance(obj, dict), critic_constrained=_constrained(sampling_json),
-                              critic_verdict=isinstance(obj, dict) and isinstance(obj.get("correct"), bool))
+                              critic_verdict=isinstance(verdict, bool), critic_approve=verdict is True)
             elif agent == "worker" and _opening(messages_json):
                 first_call = bool(calls) if first_call is None else first_call
                 replies[" ".join(text.split())] += 1
@@ -183,6 +186,7 @@ def _numbers(rows: list[tuple]) -> EvalNumbers:
         critic_json=Rate(counts["critic_json"], counts["critic"]),
         critic_verdict=Rate(counts["critic_verdict"], counts["critic"]),
         critic_right=Rate(counts["right_verdicts"], counts["verdicts"]),
+        critic_approve=Rate(counts["critic_approve"], counts["critic"]),
         critic_constrained=Rate(counts["critic_constrained"], counts["critic"]),
         worker_tool_call=Rate(counts["tool_call"], counts["opening"]),
         worker_opened=Rate(counts["opened"], counts["opening"]),
@@ -202,7 +206,8 @@ def task_changes(before: Mapping[str, tuple[float, float]], after: Mapping[str, 
 
 
 _ROWS = (("critic: JSON object", "critic_json"), ("critic: boolean verdict", "critic_verdict"),
-         ("critic: right verdict", "critic_right"), ("critic: constrained", "critic_constrained"),
+         ("critic: right verdict", "critic_right"), ("critic: approve", "critic_approve"),
+         ("critic: constrained", "critic_constrained"),
          ("worker: tool call (opening replies)", "worker_tool_call"), ("worker: opened <tool_call>", "worker_opened"),
          ("worker: well-formed (replies with a call)", "worker_well_formed"),
          ("worker: constrained", "worker_constrained"), ("episodes: a call evaluated", "evaluated"),
