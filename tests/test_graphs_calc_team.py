@@ -85,7 +85,8 @@ def test_every_agent_is_a_turn_the_tool_loop_runs_the_calculator_and_the_critic_
     assert seen["worker"][1].endswith(f"{_call(expression)}<|im_end|>\n<|im_start|>tool\n{answer}<|im_end|>\n"
                                       "<|im_start|>assistant\n")
     assert final.response_text == f"The answer is {answer}."
-    assert critic.response_format == {"type": "json_object"} and '"json_schema":{"type":"object"}' in critic.sampling.grammar
+    assert critic.response_format == {"type": "json_object"}
+    assert '"json_schema":{"type":"object"}' in critic.sampling.grammar  # JSON mode: any JSON object
     assert seen["critic"][0].endswith(f"Problem: {task.input['question']}\nCalculator: {expression} = {answer}\n"
                                       f"Proposed answer: {answer}<|im_end|>\n<|im_start|>assistant\n")
     state = episode.final_state
@@ -152,7 +153,8 @@ def test_the_reward_per_agent_on_hand_made_episodes():
     assert ENV.reward(task, _episode(_state(right, critic=[(right, '{"correct": "yes"}')])))["critic"] == 0.0
     valid = [ENV.turn_is_valid(task, SimpleNamespace(agent="critic", response_text=t))
              for t in (yes, '{"verdict": true}', "Yes.")]
-    assert valid == [True, False, False] and ENV.turn_is_valid(task, SimpleNamespace(agent="planner", response_text="?"))
+    assert valid == [True, False, False]
+    assert ENV.turn_is_valid(task, SimpleNamespace(agent="planner", response_text="?"))
     with pytest.raises(ValueError, match="unknown agent 'judge'"):
         ENV.turn_is_valid(task, SimpleNamespace(agent="judge", response_text=""))
     stats = episode_stats(task, _state(right, plan=f"Do {task.meta['expression']}", calls=[("calculator", right)]))

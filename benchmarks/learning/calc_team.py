@@ -79,8 +79,8 @@ def warm_start_overrides() -> list[str]:
 def _cli(args: list[str], log: Path) -> list[str]:
     """Run `drmas-graph ARGS` from the repository root in its own process, output to `log`; the command."""
     command = [sys.executable, "-m", "drmas_graph.cli", *args]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
-           "WEAVE_DISABLED": "true", "TOKENIZERS_PARALLELISM": "false"}
+    path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env = {**os.environ, "PYTHONPATH": path, "WEAVE_DISABLED": "true", "TOKENIZERS_PARALLELISM": "false"}
     log.parent.mkdir(parents=True, exist_ok=True)
     print(f"$ drmas-graph {' '.join(args)}   (log: {log})", flush=True)
     with log.open("w") as out:
@@ -118,15 +118,23 @@ def _eval_folder(base: Path) -> Path | None:
 
 
 def _finished(train: Path) -> bool:
-    return (train / "metrics.jsonl").is_file() and any('"eval' in line or '"avg@k"' in line
-                                                       for line in (train / "metrics.jsonl").read_text().splitlines())
+    """The run evaluated after its last step (metrics.jsonl has an `eval/` record at step == its config's steps)."""
+    import yaml
+
+    metrics, config = train / "metrics.jsonl", train / "config.yaml"
+    if not (metrics.is_file() and config.is_file()):
+        return False
+    steps = yaml.safe_load(config.read_text())["steps"]
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    return any("eval/avg@k" in row and row["step"] == steps for row in rows)
 
 
-_STEP_KEYS = ("reward/team_mean",)
+_STEP_KEYS = ("reward/team_mean", "adv/pools", "adv/zero_variance_pools", "model_error_episodes")
 
 
 def _steps(train: Path) -> list[dict[str, Any]]:
-    """Per training step: the team reward and each agent's reward mean and invalid rate (metrics.jsonl)."""
+    """Per training step: the team reward, the advantage pools (all, zero-variance), model-error episodes, and each
+    agent's reward mean, invalid rate and model-error share (metrics.jsonl)."""
     out = []
     path = train / "metrics.jsonl"
     for line in path.read_text().splitlines() if path.is_file() else []:
@@ -134,23 +142,33 @@ def _steps(train: Path) -> list[dict[str, Any]]:
         if "reward/team_mean" not in row:
             continue
         out.append({k: v for k, v in row.items() if k == "step" or k in _STEP_KEYS or (
-            k.startswith("agent/") and k.rsplit("/", 1)[-1] in ("reward_mean", "invalid_rate", "format_error_rate"))})
+            k.startswith("agent/") and k.rsplit("/", 1)[-1] in ("reward_mean", "invalid_rate", "model_error_share"))})
     return out
 
 
-def _warm_start_logged_first(train: Path) -> bool | None:
-    """Manipulation check 2: metrics.jsonl logs a warm-start record before its first evaluation record (None: no
-    metrics file). The keys are c57-warm's: any key starting with ``warm_start``."""
-    path = train / "metrics.jsonl"
-    if not path.is_file():
+def _replies(db: Path, where: str) -> list[tuple[str, int, str, str]]:
+    """(task id, position, agent, reply) of the evaluation episodes `where` selects, in a fixed order."""
+    import sqlite3
+
+    conn = sqlite3.connect(f"{db.resolve().as_uri()}?mode=ro", uri=True)
+    try:
+        rows = conn.execute("SELECT e.task_id, e.group_id, t.position, t.agent, t.response_text FROM turns t JOIN "
+                            f"episodes e ON e.id = t.episode_id WHERE {where}").fetchall()
+    finally:
+        conn.close()
+    # a task's k episodes share a group; order them by their replies so the two evaluations line up
+    return sorted((task, position, agent, text) for task, _, position, agent, text in rows)
+
+
+def _warm_start_changed_e1(base_eval: Path | None, train: Path) -> bool | None:
+    """Manipulation check 2: E1's replies differ from E0's. E0 (`drmas-graph eval`) and E1 (the training run's
+    evaluation before its first step) sample with the same seeds, so with unchanged weights their replies are
+    identical (the smoke run: bit-identical); a warm start that ran before E1 changes them. None: a folder is
+    missing."""
+    if base_eval is None or not (train / "traces.db").is_file():
         return None
-    for line in path.read_text().splitlines():
-        row = json.loads(line)
-        if any(k.startswith("warm_start") for k in row):
-            return True
-        if "avg@k" in row:
-            return False
-    return False
+    return _replies(base_eval / "traces.db", "e.group_id LIKE 'eval:0:%'") != \
+        _replies(train / "traces.db", "e.group_id LIKE 'eval:0:%'")
 
 
 def collect(seed: int, root: Path, record: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -166,7 +184,7 @@ def collect(seed: int, root: Path, record: dict[str, Any] | None = None) -> dict
     out["steps"] = _steps(train)
     out["checks"] = {
         "critic_and_worker_constrained_at_E0": _all_constrained(e0),
-        "warm_start_before_E1": _warm_start_logged_first(train),
+        "warm_start_changed_E1": _warm_start_changed_e1(base_eval, train),
         "E2_served_by_trained_weights": (max(e2.versions) > max(e1.versions)) if e1 and e2 else None,
     }
     out["_numbers"] = {"E0": e0, "E1": e1, "E2": e2}

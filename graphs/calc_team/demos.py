@@ -2,11 +2,13 @@
 
 ``python -m graphs.calc_team.demos`` (re)writes ``graphs/calc_team/demos.jsonl``: 32 records, one JSON object per
 line in OpenAI's chat fine-tuning format (``{"messages": [...], "tools": [...]}``, an assistant tool call as
-``tool_calls`` with ``arguments`` a JSON string and ``content`` null, its result a ``role: "tool"`` message with the call's id):
+``tool_calls`` with ``arguments`` a JSON string and ``content`` null, its result a ``role: "tool"`` message with
+the call's id):
 
-- 20 for the ``worker`` (the first 20 tasks of the ``train`` split of ``CalcTeamEnv(seed=1)``, train.yaml's tasks): the app's system prompt and user
-  message (the problem and the plan ``Calculate <gold expression>.``), the assistant's ``calculator`` call of the
-  gold expression, the tool's result, and ``The answer is <n>.``; ``tools`` is ``[CALCULATOR_TOOL]``.
+- 20 for the ``worker`` (the first 20 tasks of the ``train`` split of ``CalcTeamEnv(seed=1)``, train.yaml's
+  tasks): the app's system prompt and user message (the problem and the plan ``Calculate <gold expression>.``),
+  the assistant's ``calculator`` call of the gold expression, the tool's result, and ``The answer is <n>.``;
+  ``tools`` is ``[CALCULATOR_TOOL]``.
 - 12 for the ``critic`` (train tasks 20 to 31): the app's system prompt and user message, the reply
   ``{"correct": true}`` or ``{"correct": false}``; alternately a right answer and a wrong one (the calculator's
   result with a digit changed, or no calculator call and a wrong answer).

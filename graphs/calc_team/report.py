@@ -5,8 +5,8 @@
 folder (``run_dir/eval/base-test-k2``), and prints per evaluation step, each number with its n:
 
 - critic (n = critic turns): ``json`` the reply is a JSON object (H1), ``verdict`` it holds a boolean ``correct``,
-  ``right verdict`` the verdict is right against the truth, ``approve`` it is ``true``, ``constrained`` the turn was decoded under a grammar
-  (the manipulation check of `constrain`);
+  ``right verdict`` the verdict is right against the truth, ``approve`` it is ``true``, ``constrained`` the turn
+  was decoded under a grammar (the manipulation check of `constrain`);
 - worker (n = opening replies, the first model call of each worker turn, before any tool result): ``tool call``
   the reply made a tool call the SDK received (H2), ``opened`` its text opened ``<tool_call>`` or it made a call,
   ``well-formed`` (n = replies that made a call) every call is ``calculator`` with exactly a string
@@ -167,8 +167,8 @@ def _numbers(rows: list[tuple]) -> EvalNumbers:
             if agent == "critic":
                 obj = _json_object(text)
                 verdict = obj.get("correct") if isinstance(obj, dict) else None
-                counts.update(critic=1, critic_json=isinstance(obj, dict), critic_constrained=_constrained(sampling_json),
-                              critic_verdict=isinstance(verdict, bool), critic_approve=verdict is True)
+                counts.update(critic=1, critic_json=isinstance(obj, dict), critic_verdict=isinstance(verdict, bool),
+                              critic_approve=verdict is True, critic_constrained=_constrained(sampling_json))
             elif agent == "worker" and _opening(messages_json):
                 first_call = bool(calls) if first_call is None else first_call
                 replies[" ".join(text.split())] += 1
@@ -192,7 +192,8 @@ def _numbers(rows: list[tuple]) -> EvalNumbers:
         worker_opened=Rate(counts["opened"], counts["opening"]),
         worker_well_formed=Rate(counts["well_formed"], counts["with_call"]),
         worker_constrained=Rate(counts["worker_constrained"], counts["opening"]),
-        evaluated=Rate(counts["evaluated"], n), right_call=Rate(counts["right_call"], n), score=Rate(counts["score"], n),
+        evaluated=Rate(counts["evaluated"], n), right_call=Rate(counts["right_call"], n),
+        score=Rate(counts["score"], n),
         model_errors=counts["model_errors"], failed=counts["failed"], distinct_answers=len(answers),
         top_reply_share=max(replies.values()) / sum(replies.values()) if replies else 0.0,
         versions=tuple(sorted(versions)),
