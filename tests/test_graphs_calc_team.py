@@ -89,6 +89,10 @@ def test_every_agent_is_a_turn_the_tool_loop_runs_the_calculator_and_the_critic_
     assert '"json_schema":{"type":"object"}' in critic.sampling.grammar  # JSON mode: any JSON object
     assert seen["critic"][0].endswith(f"Problem: {task.input['question']}\nCalculator: {expression} = {answer}\n"
                                       f"Proposed answer: {answer}<|im_end|>\n<|im_start|>assistant\n")
+    # a critic demonstration, rendered with its response_format, has the system block the critic sees at rollout
+    demo = demos.records()[demos.N_WORKER]
+    system = policy.render_text(convert_to_messages(demo["messages"][:1]), None, demo["response_format"])
+    assert "JSON object" in system and seen["critic"][0].startswith(system.removesuffix("<|im_start|>assistant\n"))
     state = episode.final_state
     assert state["plan"] == f"Calculate {expression}." and state["answer"] == answer and state["verdict"] is True
     assert [(c["round"], c["name"], json.loads(c["arguments"]), c["result"]) for c in state["tool_calls"]] == [
@@ -196,7 +200,10 @@ def test_the_demonstrations_file_is_what_the_script_writes_and_valid_fine_tuning
     assert [demos.agent_of(r) for r in records] == ["worker"] * 20 + ["critic"] * 12
     test_questions = {t.input["question"] for t in CalcTeamEnv(seed=demos.SEED).tasks("test")}
     for record in records:
-        assert set(record) <= {"messages", "tools"} and record["messages"][-1]["role"] == "assistant"
+        # OpenAI's keys, plus the agent it teaches and, for the JSON-mode critic, what its request asks for
+        extra = {"agent"} | ({"response_format"} if "tools" not in record else set())
+        assert set(record) - {"messages", "tools"} == extra
+        assert record["messages"][-1]["role"] == "assistant"
         assert not any(q in record["messages"][1]["content"] for q in test_questions)
         calls = {}
         for m in record["messages"]:
@@ -208,6 +215,9 @@ def test_the_demonstrations_file_is_what_the_script_writes_and_valid_fine_tuning
                 assert m["tool_call_id"] in calls
     critic_replies = [parse_verdict(r["messages"][-1]["content"]) for r in records[20:]]
     assert critic_replies == [True, False] * 6
+    assert all(r["response_format"] == {"type": "json_object"} for r in records[20:])
+    with pytest.raises(ValueError, match="names agent 'critic' but opens with the worker's system prompt"):
+        demos.agent_of({**records[0], "agent": "critic"})
 
 
 def test_the_demonstrated_tool_calls_render_in_the_app_template_and_parse_with_the_policy_parser():

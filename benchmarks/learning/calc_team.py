@@ -46,10 +46,10 @@ SEEDS = (0, 1, 2)
 RUNS = Path("runs/calc-team-study")
 RESULTS = Path(__file__).resolve().parent / "calc_team_results.json"
 WARM_START = {"warm_start.demonstrations": "graphs/calc_team/demos.jsonl"}
-"""`--set` overrides that turn the warm start on. A GUESS until c57-warm lands (issue 57 item 4 says `warm_start:` in
-the YAML, from an OpenAI fine-tuning JSONL file mapped to agents): replace the keys with c57-warm's. The file's
-records belong to the worker (20) and the critic (12), told apart by their system prompts
-(`graphs.calc_team.demos.agent_of`)."""
+"""`--set` overrides that turn the warm start on: one file whose records each name their ``"agent"`` (worker 20,
+critic 12), the form of c57-warm's work in progress when this was written (`WarmStartConfig.demonstrations`); its
+other settings (epochs, lr, batch size, held-out tasks scored before and after) are its defaults. Check the keys
+against c57-warm as merged; `warm_start_overrides` validates them before any run."""
 SMOKE = ["steps=2", "tasks_per_step=2", "group_size=2", "eval.n_tasks=2", "eval.k=1"]
 """The smoke run's overrides: the wiring, not a measurement."""
 ALPHA = 0.05
@@ -171,6 +171,20 @@ def _warm_start_changed_e1(base_eval: Path | None, train: Path) -> bool | None:
         _replies(train / "traces.db", "e.group_id LIKE 'eval:0:%'")
 
 
+def _warm_start_tokens(train: Path) -> dict[str, int] | None:
+    """Per agent the response tokens the warm start trained on in its last epoch (c57-warm's
+    ``agent/<a>/warm_start_tokens`` lines in metrics.jsonl); None without a metrics file."""
+    path = train / "metrics.jsonl"
+    if not path.is_file():
+        return None
+    out: dict[str, int] = {}
+    for line in path.read_text().splitlines():
+        for key, value in json.loads(line).items():
+            if key.startswith("agent/") and key.endswith("/warm_start_tokens"):
+                out[key.split("/")[1]] = value
+    return out
+
+
 def collect(seed: int, root: Path, record: dict[str, Any] | None = None) -> dict[str, Any]:
     """One seed's numbers from its run folders: E0 (base), E1 and E2 (the train run's first and last evaluation)."""
     base, train = root / f"s{seed}" / "base", root / f"s{seed}" / "train"
@@ -178,13 +192,15 @@ def collect(seed: int, root: Path, record: dict[str, Any] | None = None) -> dict
     base_eval = _eval_folder(base)
     e0 = eval_numbers(base_eval)[0] if base_eval is not None else None
     trained = eval_numbers(train) if (train / "traces.db").is_file() else {}
-    e1 = trained[min(trained)] if trained else None
-    e2 = trained[max(trained)] if len(trained) > 1 else None
+    # E1 is the evaluation before RL's first step (0); the warm start's own held-out scores are at negative steps
+    e1 = trained.get(0)
+    e2 = trained[max(trained)] if trained and max(trained) > 0 else None
     out["evals"] = {name: as_dict(n) if n is not None else None for name, n in (("E0", e0), ("E1", e1), ("E2", e2))}
     out["steps"] = _steps(train)
     out["checks"] = {
         "critic_and_worker_constrained_at_E0": _all_constrained(e0),
         "warm_start_changed_E1": _warm_start_changed_e1(base_eval, train),
+        "warm_start_tokens": _warm_start_tokens(train),
         "E2_served_by_trained_weights": (max(e2.versions) > max(e1.versions)) if e1 and e2 else None,
     }
     out["_numbers"] = {"E0": e0, "E1": e1, "E2": e2}

@@ -13,9 +13,12 @@ the call's id):
   ``{"correct": true}`` or ``{"correct": false}``; alternately a right answer and a wrong one (the calculator's
   result with a digit changed, or no calculator call and a wrong answer).
 
-Each record's agent is the one whose system prompt opens it (`agent_of`). No record is from the ``test`` split,
-so the held-out evaluation never sees a demonstrated task. The planner has no demonstrations (its reply is free
-text; it learns from the team's reward).
+Two optional keys beside OpenAI's: ``"agent"``, the agent a record teaches (so one file serves every agent: the
+warm start's ``warm_start.demonstrations: <file>``), and on the critic's records ``"response_format": {"type":
+"json_object"}``, what the app's request asks for (so the warm start renders the prompt with the same JSON-mode
+note the policy adds at rollout). `agent_of` checks the ``"agent"`` key against the system prompt that opens the
+record. No record is from the ``test`` split, so the held-out evaluation never sees a demonstrated task. The
+planner has no demonstrations (its reply is free text; it learns from the team's reward).
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ def worker_record(task: Task, index: int) -> dict[str, Any]:
     """One worker demonstration: the call of the gold expression, its result and the answer."""
     expression = task.meta["expression"]
     call_id = f"call_{index}"
-    return {"messages": [
+    return {"agent": "worker", "messages": [
         {"role": "system", "content": WORKER_PROMPT},
         {"role": "user", "content": worker_user(task.input["question"], f"Calculate {expression}.")},
         {"role": "assistant", "content": None, "tool_calls": [{"id": call_id, "type": "function", "function": {
@@ -78,11 +81,11 @@ def critic_record(task: Task, index: int) -> dict[str, Any]:
         calls, proposed, correct = [call], _wrong(answer, index), False
     else:
         calls, proposed, correct = [], _wrong(answer, index), False
-    return {"messages": [
+    return {"agent": "critic", "messages": [
         {"role": "system", "content": CRITIC_PROMPT},
         {"role": "user", "content": critic_user(task.input["question"], calls, proposed)},
         {"role": "assistant", "content": json.dumps({"correct": correct})},
-    ]}
+    ], "response_format": {"type": "json_object"}}
 
 
 def records(env: CalcTeamEnv | None = None) -> list[dict[str, Any]]:
@@ -96,11 +99,15 @@ def records(env: CalcTeamEnv | None = None) -> list[dict[str, Any]]:
 
 
 def agent_of(record: dict[str, Any]) -> str:
-    """The agent a record demonstrates, read from its system prompt; ValueError for an unknown one."""
+    """The agent a record demonstrates: its ``"agent"`` key, which must be the agent whose system prompt opens it;
+    ValueError otherwise."""
     system = record["messages"][0]
     if system.get("role") != "system" or system.get("content") not in _PROMPTS:
         raise ValueError(f"record does not open with a calc_team system prompt: {str(system)[:80]!r}")
-    return _PROMPTS[system["content"]]
+    opens = _PROMPTS[system["content"]]
+    if record.get("agent") != opens:
+        raise ValueError(f"record names agent {record.get('agent')!r} but opens with the {opens}'s system prompt")
+    return record["agent"]
 
 
 def write(path: Path = DEMOS) -> int:
