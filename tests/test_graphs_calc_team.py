@@ -2,8 +2,9 @@
 planner, the worker's OpenAI SDK tool loop and the critic's JSON-mode call are each a turn of their own agent, the
 calculator runs on the call the reply made and its result is in the next prompt, the critic's JSON is parsed into
 the verdict, and the reward per agent is computed from the final state; the demonstrations file is valid OpenAI
-fine-tuning JSONL whose tool calls the policy's parser reads back; the report counts format and skill apart. No
-socket is opened (tests/_no_network.py)."""
+fine-tuning JSONL whose tool calls the policy's parser reads back; the report counts format and skill apart; the
+study runner (benchmarks/learning/calc_team.py) stops before any run while the warm start is missing, and its
+pre-registered tests match hand-computed sign tests. No socket is opened (tests/_no_network.py)."""
 
 from __future__ import annotations
 
@@ -266,3 +267,46 @@ def test_the_report_counts_format_and_skill_per_agent_from_the_store(tmp_path):
     assert (numbers.critic_approve.hits, numbers.critic_approve.n) == (1, 2)
     assert numbers.by_task == {tasks[0].id: (1.0, 1.0), tasks[1].id: (0.0, 0.0)}
     assert numbers.distinct_answers == 2 and numbers.model_errors == 0
+
+
+def _runner():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("calc_team_study", ROOT / "benchmarks" / "learning" / "calc_team.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_study_runner_stops_before_any_run_naming_the_warm_start_until_the_config_has_one(tmp_path):
+    from drmas_graph.config import TrainConfig
+
+    runner = _runner()
+    if "warm_start" in TrainConfig.model_fields:  # c57-warm merged: the runner's overrides must load
+        overrides = runner.warm_start_overrides()
+        assert overrides == [f"{k}={v}" for k, v in runner.WARM_START.items()]
+        return
+    with pytest.raises(runner.StudyBlocked, match=r"warm start from demonstrations \(issue 57 item 4.*c57-warm"):
+        runner.warm_start_overrides()
+    assert runner.main(["--runs", str(tmp_path / "runs"), "--out", str(tmp_path / "results.json")]) == 2
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "results.json").exists()  # nothing was run
+
+
+def test_the_study_tests_by_hand():
+    from graphs.calc_team.report import Rate
+
+    runner = _runner()
+
+    def numbers(by_task, json_hits=64):
+        zero = Rate(0, 0)
+        return SimpleNamespace(critic_json=Rate(json_hits, 64), by_task=by_task, critic_verdict=zero)
+
+    # E0 -> E1: tool-call rate up on 3 tasks, down on none; E1 -> E2: score up on 1, down on 1
+    e0 = numbers({"a": (0.0, 0.0), "b": (0.0, 0.0), "c": (0.0, 0.5), "d": (0.25, 0.0)}, json_hits=61)
+    e1 = numbers({"a": (0.5, 0.0), "b": (0.25, 0.25), "c": (0.25, 0.5), "d": (0.25, 0.0)})
+    e2 = numbers({"a": (0.5, 0.25), "b": (0.25, 0.0), "c": (0.25, 0.5), "d": (0.25, 0.0)})
+    result = runner.tests([{"_numbers": {"E0": e0, "E1": e1, "E2": e2}}])
+    assert result["H1"] == {"critic_json": {"hits": 61, "n": 64, "value": 61 / 64}, "supported": True}  # >= 0.95
+    assert (result["H2"]["up"], result["H2"]["nonzero"], result["H2"]["p"]) == (3, 3, 1 / 8)  # P(X >= 3 | n=3)
+    assert (result["H3"]["up"], result["H3"]["down"], result["H3"]["p"]) == (1, 1, 3 / 4)  # P(X >= 1 | n=2)
+    assert not result["H2"]["supported"] and not result["H3"]["supported"]
