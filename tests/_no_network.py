@@ -26,3 +26,28 @@ def no_network(monkeypatch):
     monkeypatch.setattr(socket, "getaddrinfo", refuse("getaddrinfo"))
     monkeypatch.setattr(socket, "create_connection", refuse("create_connection"))
     yield attempts
+
+
+def child_guard(port: int) -> str:
+    """Python source a child process runs first: every name lookup and socket connect raises `ConnectionError`
+    (naming what was tried), except a connect to 127.0.0.1:`port`, the run's local endpoint. The proof that a
+    subprocess's served call never leaves the machine."""
+    return f"""
+import socket as _socket
+_ALLOWED = ("127.0.0.1", {port})
+_connect = _socket.socket.connect
+
+def _only_the_endpoint(self, address):
+    if tuple(address[:2]) != _ALLOWED:
+        raise ConnectionError(f"blocked: a connect to {{address}} tried to leave the machine (only {{_ALLOWED}})")
+    return _connect(self, address)
+
+def _no_lookup(host, *args, **kwargs):
+    if host != "127.0.0.1":
+        raise ConnectionError(f"blocked: a name lookup of {{host!r}} (only {{_ALLOWED}} may be reached)")
+    return _lookup(host, *args, **kwargs)
+
+_lookup = _socket.getaddrinfo
+_socket.socket.connect = _only_the_endpoint
+_socket.getaddrinfo = _no_lookup
+"""

@@ -60,6 +60,7 @@ _NOT_PUBLIC = {  # private control flow: raised and caught inside one module, ne
     "drmas_graph.traces.replay._StopReplay": "replay's own stop at a divergence, caught by `_serving`",
     "drmas_graph.rewards._judge._CallFailed": "a judge model call that raised or timed out, retried by the judge",
     "drmas_graph.instrumentation._http._ErrorReply": "the app's own API answered an HTTP error, handed on as it came",
+    "drmas_graph.instrumentation.endpoint._BadBody": "a request body the local endpoint cannot read, answered as a 4xx",
 }
 _NOT_PUBLIC_PENDING: set[str] = set()  # drmas_graph.train exports AsyncTimeoutError
 _REPLACES_EXCEPTION = {  # they stand for any exception, so no narrower stdlib type

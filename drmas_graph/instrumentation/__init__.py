@@ -3,7 +3,8 @@
 Owns the path of one call: a node calls a chat model -> `_intercept` (the run-scoped hook on LangChain's
 `BaseChatModel`; which node, which `Send`, which task: `_task_paths`), or sends an LLM API request with an SDK or
 raw HTTP -> `_http` (the run-scoped hook on httpx, requests and aiohttp; `_wire` reads the request, `_wire_replies`
-answers in its protocol), or another process posts to the run's local endpoint (`endpoint`) -> `_recorder` (the agent, the seed
+answers in its protocol), or another process posts to the run's local endpoint (`endpoint`; a program a node starts
+is pointed there by `_subprocess`) -> `_recorder` (the agent, the seed
 derived from the call's identity (`_seeds`), the episode's limits (`_limits`), the policy's answer in the
 form LangChain expects) -> a `Turn` on the `Episode`; a run that raised is truncated, a model error or failed
 (`_outcomes`). Entry points: `instrumented.instrument` /

@@ -52,7 +52,8 @@ from drmas_graph.errors import StrictModeError, UnservedCallWarning
 
 __all__ = ["CallSite", "CallHandler", "ACTIVE_HANDLER", "APP_MODELS", "install", "node_path", "call_key",
            "active_run", "register_run", "unregister_run", "app_models", "interrupt_node", "active_handler",
-           "POLICY_REQUESTS", "policy_requests", "active_runs"]
+           "POLICY_REQUESTS", "policy_requests", "active_runs", "start_replay", "end_replay", "is_running",
+           "on_run_end"]
 
 
 @dataclass(frozen=True)
@@ -140,7 +141,11 @@ def active_handler() -> CallHandler | None:
 
 
 _RUNS: dict[int, Any] = {}
+"""Instrumented runs in progress (id -> handler): the guard's runs (`active_runs`)."""
+_REPLAYS: dict[int, Any] = {}
+"""Replays in progress (id -> handler): running (`is_running`), but no guard (replay has no strict mode)."""
 _RUNS_LOCK = threading.Lock()
+_END_LISTENERS: list[Callable[[Any], None]] = []
 
 
 def register_run(handler: Any) -> None:
@@ -150,8 +155,47 @@ def register_run(handler: Any) -> None:
 
 
 def unregister_run(handler: Any) -> None:
+    """The run of `handler` ended: it leaves the guard, and `on_run_end` listeners hear of it."""
     with _RUNS_LOCK:
         _RUNS.pop(id(handler), None)
+    _ended(handler)
+
+
+def start_replay(handler: Any) -> contextvars.Token:
+    """A replay's `handler` serves the calls made in this context (and its threads and tasks) until
+    `end_replay`; it is running (`is_running`) without being one of the guard's `active_runs`."""
+    with _RUNS_LOCK:
+        _REPLAYS[id(handler)] = handler
+    return ACTIVE_HANDLER.set(handler)
+
+
+def end_replay(handler: Any, token: contextvars.Token) -> None:
+    """The replay of `handler` ended (`token`: what `start_replay` returned); `on_run_end` listeners hear of it."""
+    ACTIVE_HANDLER.reset(token)
+    with _RUNS_LOCK:
+        _REPLAYS.pop(id(handler), None)
+    _ended(handler)
+
+
+def is_running(handler: Any) -> bool:
+    """True while `handler` serves a run or a replay in progress (between `register_run` and `unregister_run`,
+    or `start_replay` and `end_replay`)."""
+    with _RUNS_LOCK:
+        return _RUNS.get(id(handler)) is handler or _REPLAYS.get(id(handler)) is handler
+
+
+def on_run_end(listener: Callable[[Any], None]) -> None:
+    """`listener(handler)` is called once each run or replay ends (the local endpoint frees its URLs then)."""
+    with _RUNS_LOCK:
+        if listener not in _END_LISTENERS:
+            _END_LISTENERS.append(listener)
+
+
+def _ended(handler: Any) -> None:
+    with _RUNS_LOCK:
+        listeners = list(_END_LISTENERS)
+    for listener in listeners:
+        listener(handler)
 
 
 def active_runs() -> list[Any]:

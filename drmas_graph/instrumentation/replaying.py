@@ -2,9 +2,10 @@
 from a recording.
 
 Replay builds an `InstrumentedGraph` without policies, installs the hook (`install`), puts its own
-`CallHandler` in `ACTIVE_HANDLER` for the run (`ACTIVE_HANDLER.set(handler)`, then `.reset(token)`), and
-gets each call as a `CallSite` (compared with the recorded call: `call_sampling`, its own stop and max_tokens, as
-the recorder records them). Calls after a divergence are served live and recorded by an
+`CallHandler` in `ACTIVE_HANDLER` for the run (`token = start_replay(handler)`, then `end_replay(handler,
+token)`: the local endpoint's URLs made in the replay work until then), and gets each call as a `CallSite`
+(compared with the recorded call: `call_sampling`, its own stop and max_tokens, as the recorder records them).
+Calls after a divergence are served live and recorded by an
 `EpisodeRecorder`. It rebuilds a recorded answer with `cut_at_stop` and `stop_hit` (and `served_message` /
 `structured_parts` of `drmas_graph.instrumentation.instrumented`), words a run that raised as the recording
 did (`note_stop`), copies a checkpointed thread's recorded start (`checkpointer`, `fork_config`,
@@ -21,7 +22,8 @@ from __future__ import annotations
 from typing import Any
 
 from drmas_graph.instrumentation import _threads
-from drmas_graph.instrumentation._intercept import ACTIVE_HANDLER, CallHandler, CallSite, active_handler
+from drmas_graph.instrumentation._intercept import (ACTIVE_HANDLER, CallHandler, CallSite, active_handler, end_replay,
+                                                    start_replay)
 from drmas_graph.instrumentation._http import install
 from drmas_graph.instrumentation._outcomes import note_stop
 from drmas_graph.instrumentation._recorder import RAW_BRANCH_TAG, call_sampling
@@ -32,8 +34,9 @@ from drmas_graph.instrumentation._segments import apending_interrupts, latest, p
 from drmas_graph.instrumentation._threads import afork_config, fork_config, replay_config
 
 __all__ = ["ACTIVE_HANDLER", "CallHandler", "CallSite", "EpisodeRecorder", "RAW_BRANCH_TAG", "active_handler",
-           "afork_config", "apending_interrupts", "call_sampling", "checkpointer", "cut_at_stop", "fork_config",
-           "install", "latest", "note_stop", "pending_interrupts", "replay_config", "stop_hit"]
+           "afork_config", "apending_interrupts", "call_sampling", "checkpointer", "cut_at_stop", "end_replay",
+           "fork_config", "install", "latest", "note_stop", "pending_interrupts", "replay_config", "start_replay",
+           "stop_hit"]
 
 
 def checkpointer(graph: Any) -> Any:

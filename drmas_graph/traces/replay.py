@@ -55,7 +55,7 @@ from drmas_graph.env import BadRewardError
 from drmas_graph.errors import ConfigError, DrmasError
 from drmas_graph.instrumentation import replaying
 from drmas_graph.instrumentation.instrumented import InstrumentedGraph
-from drmas_graph.instrumentation.replaying import ACTIVE_HANDLER, CallSite, EpisodeRecorder, install, note_stop
+from drmas_graph.instrumentation.replaying import CallSite, EpisodeRecorder, install, note_stop
 from drmas_graph.policy import Policy
 from drmas_graph.traces import _serde
 from drmas_graph.traces._answers import recorded_answer
@@ -391,7 +391,7 @@ def _serving(run: Any) -> Iterator[_Outcome]:
     block quietly (`outcome.stopped`), so does any exception of the app (`outcome.error`); replay's own
     `ConfigError`s (no policy to continue live, async-only nodes) propagate."""
     outcome = _Outcome()
-    token = ACTIVE_HANDLER.set(run.handler)
+    token = replaying.start_replay(run.handler)  # (the endpoint's URLs made in the replay work until the end)
     run.start = time.perf_counter()
     try:
         yield outcome
@@ -403,7 +403,7 @@ def _serving(run: Any) -> Iterator[_Outcome]:
         else:
             outcome.error = exc
     finally:
-        ACTIVE_HANDLER.reset(token)
+        replaying.end_replay(run.handler, token)
 
 
 def _stopped(exc: BaseException) -> bool:
