@@ -35,6 +35,7 @@ _EXPORTS: dict[str, str] = {
     "llm_env": "drmas_graph.instrumentation.endpoint",
     "Policy": "drmas_graph.policy",
     "TransformersPolicy": "drmas_graph.engine.transformers_policy",
+    "builtin_chat_template": "drmas_graph.chat_templates",
     # core types
     "Episode": "drmas_graph.types",
     "Turn": "drmas_graph.types",
@@ -96,6 +97,7 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:  # for type checkers and IDEs
     from drmas_graph.train.optim.advantages import compute_advantages
     from drmas_graph.instrumentation.chat_model import PolicyChatModel
+    from drmas_graph.chat_templates import builtin_chat_template
     from drmas_graph.config import TrainConfig
     from drmas_graph.env import Env, Task
     from drmas_graph.served import SGLangPolicy, VLLMPolicy

@@ -3,7 +3,8 @@
 Every field has one line of documentation (its `description`); `drmas-graph config-doc` prints them all
 and the README's table is generated from the same source. Unknown keys are errors (typos never pass).
 
-This module sits at the bottom of the package (it imports only `drmas_graph.errors`): the training code
+This module sits at the bottom of the package (it imports only `drmas_graph.errors` and
+`drmas_graph.chat_templates`, whose `read_chat_template` resolves `models.<name>.chat_template`): the training code
 reads it, never the other way round. Names chosen from registries (`estimator`, `loss_agg`) are checked
 against the name tuples below; a test keeps them equal to the registries in `drmas_graph.train`.
 """
@@ -17,6 +18,7 @@ from typing import Annotated, Any, Literal, Union, get_args, get_origin
 import yaml
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, field_validator, model_validator
 
+from drmas_graph.chat_templates import check_chat_template, read_chat_template  # re-exported here
 from drmas_graph.errors import ConfigError
 
 __all__ = [
@@ -152,7 +154,7 @@ class ModelConfig(_Strict):
     max_batch_size: int = Field(32, ge=1, description="Dynamic batching: most requests generated together.")
     serve: ServeConfig | None = Field(None, description="Roll out through inference servers; the trainer trains a local copy loaded from `path` on `device` and pushes it to them after every update.")
     lora: LoraConfig | None = Field(None, description="Train one LoRA adapter per agent (`agents.<a>.adapter`) over this frozen model instead of the model itself; null = full fine-tuning.")
-    chat_template: str | None = Field(None, description="A Jinja chat-template file (relative to the working directory) that renders this model's prompts instead of its tokenizer's own, e.g. one that renders `tools` (SmolLM2's drops them); served policies render with it too, and checkpoints save it with the tokenizer. Checked when the config loads.")
+    chat_template: str | None = Field(None, description="A Jinja chat-template file (relative to the working directory), or a built-in template `builtin:<name>` (`builtin:smollm2-tools`: ChatML with tools in the Hermes syntax; drmas_graph.chat_templates), that renders this model's prompts instead of its tokenizer's own, e.g. one that renders `tools` (SmolLM2's drops them); served policies render with it too, and checkpoints save it with the tokenizer. Checked when the config loads.")
     constrain: bool = Field(True, description="Decode each call under the grammar of the format it asks for (JSON mode, a JSON schema, a forced or offered tool: valid calls), as the real APIs guarantee it; embedded, vLLM and SGLang alike (docs/guide/structured-output.md). false: free text, checked after it is generated (a reply that breaks the format is a model error).")
 
     def torch_dtype(self) -> str:
@@ -501,47 +503,6 @@ def config_reference() -> list[tuple[str, str, str]]:
 
     walk(TrainConfig, "")
     return rows
-
-
-# ---- chat-template files ------------------------------------------------------------------------------
-
-
-def check_chat_template(template: str, what: str) -> None:
-    """Parse a Jinja chat template as Hugging Face tokenizers compile it (sandboxed, `trim_blocks`,
-    `lstrip_blocks`, loop controls, `{% generation %}` blocks) and raise `ConfigError` naming the template
-    (`what`: its file, its policy) and the line when it does not parse: a broken template fails here, not at
-    the first call."""
-    import jinja2
-    from jinja2.ext import Extension
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    class _Generation(Extension):  # transformers' `{% generation %}...{% endgeneration %}` marks assistant text
-        tags = {"generation"}
-
-        def parse(self, parser: Any) -> Any:
-            lineno = next(parser.stream).lineno
-            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-            return jinja2.nodes.Scope(body, lineno=lineno)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[_Generation, "jinja2.ext.loopcontrols"])
-    try:
-        env.parse(template)
-    except jinja2.TemplateSyntaxError as exc:
-        raise ConfigError(f"{what} does not parse as Jinja: line {exc.lineno}: {exc.message}; fix the template "
-                          "there") from None
-
-
-def read_chat_template(path: str | Path, where: str = "") -> str:
-    """The text of a chat-template file (a relative `path` is relative to the working directory), checked by
-    `check_chat_template`. `where` names the setting (`models.smollm2.chat_template`) the errors start with."""
-    file, prefix = Path(path), f"{where}: " if where else ""
-    if not file.is_file():
-        raise ConfigError(f"{prefix}chat template file {str(path)!r} does not exist (looked for "
-                          f"{str(file.resolve())!r}; a relative path is relative to the working directory)")
-    text = file.read_text(encoding="utf-8")
-    check_chat_template(text, f"{prefix}chat template file {str(path)!r}")
-    return text
 
 
 # ---- LoRA adapters per agent ---------------------------------------------------------------------------

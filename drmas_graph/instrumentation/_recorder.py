@@ -293,8 +293,9 @@ def check_tools_rendered(policy: Policy, prompt_ids: Sequence[int], site: CallSi
     message = (f"{where}: the chat template of policy {policy.name!r} does not render the bound tool(s) "
                f"{names}: the prompt the model sees has no schema for them, so it cannot learn to call them. "
                "Give the model a chat template that renders `tools` (in the YAML `models.<name>.chat_template: "
-               "<a template file>`, in Python Policy(chat_template=...); e.g. the model's tool-use template, or "
-               "graphs/tool_calc/smollm2_tools.jinja for SmolLM2) or use a model whose template does.")
+               "<a template file>` or `builtin:smollm2-tools` for SmolLM2 and other ChatML models; in Python "
+               "Policy(chat_template=...), e.g. builtin_chat_template('smollm2-tools')) or use a model whose "
+               "template does.")
     if strict:
         raise StrictModeError(message + " (strict=True)")
     seen = _REPORTED.setdefault(policy, set())

@@ -5,7 +5,8 @@ reward has advantages of exactly 0 (no gradient). `preflight` rolls out a few gr
 training step would (the first tasks of the training order, `group_size` episodes each, the same seeds and
 sampling), scores them with the training rewards (`env.reward_group` when the environment has it), and
 reports per agent the reward's spread, the share of its groups with zero variance, how often its turns were
-invalid (environment check or broken format) and its replies hit `max_new_tokens`, and one sample reply, then
+invalid (environment check or broken format), its replies hit `max_new_tokens` and its calls were decoded under a
+grammar (constrained: the format the call asked for, enforced), and one sample reply, then
 the environment's `reward_metrics()` (a judge's calls and tokens); `CheckReport.warnings` says what to change
 when most groups teach nothing. Nothing is trained; the episodes go to their own trace store, with their rewards.
 """
@@ -56,6 +57,8 @@ class AgentCheck:
     """Share of its turns whose reply failed its structured-output request or whose tool calls do not parse."""
     truncated_reply_rate: float
     """Share of its replies that stopped at `max_new_tokens` (finish reason 'length')."""
+    constrained_rate: float
+    """Share of its turns decoded under the grammar of the format their call asked for (`Turn.sampling.grammar`)."""
     sample_reply: str
     """Its first reply in the first scored episode, cut to 200 characters."""
 
@@ -144,11 +147,11 @@ class CheckReport:
                 f"model errors, {c.get('failed_episodes', 0)} failed, {c.get('bad_reward_episodes', 0)} bad rewards"
                 + (f", {c['judge_failed_episodes']} not scored by the judge" if c.get("judge_failed_episodes") else ""),
                 f"{'agent':<16}{'reward mean':>12}{'std':>8}{'min':>8}{'max':>8}{'no-signal groups':>18}"
-                f"{'invalid':>9}{'format':>8}{'cut off':>9}"]
+                f"{'invalid':>9}{'format':>8}{'cut off':>9}{'constrained':>13}"]
         for agent, a in self.agents.items():
             rows.append(f"{agent:<16}{a.reward_mean:>12.3f}{a.reward_std:>8.3f}{a.reward_min:>8.3f}{a.reward_max:>8.3f}"
                         f"{f'{a.zero_variance_groups}/{a.groups}':>18}{a.invalid_rate:>9.0%}"
-                        f"{a.format_error_rate:>8.0%}{a.truncated_reply_rate:>9.0%}")
+                        f"{a.format_error_rate:>8.0%}{a.truncated_reply_rate:>9.0%}{a.constrained_rate:>13.0%}")
         for agent, a in self.agents.items():
             rows.append(f"sample reply of {agent}: {a.sample_reply!r}")
         if self.calls is not None:
@@ -204,4 +207,5 @@ def _agent_check(agent: str, scored: Sequence[tuple[Episode, EpisodeScore]]) -> 
         invalid_rate=sum(sc.invalid[i] for _, i, sc in turns) / len(turns),
         format_error_rate=sum(bool(ep.turns[i].format_error) for ep, i, _ in turns) / len(turns),
         truncated_reply_rate=sum(ep.turns[i].finish_reason == "length" for ep, i, _ in turns) / len(turns),
+        constrained_rate=_scoring._constrained_share([ep.turns[i] for ep, i, _ in turns]),
         sample_reply=turns[0][0].turns[turns[0][1]].response_text[:_REPLY_CHARS])

@@ -87,6 +87,10 @@ STEP = [
                                         "n samples has (n-1)/n by construction."),
     ("agent/<agent>/response_length", "Mean response length in tokens of the agent's samples."),
     ("agent/<agent>/calls", "LLM calls of the agent in the scored episodes."),
+    ("agent/<agent>/constrained_rate", "Share of the agent's calls decoded under the grammar of the format the call "
+                                       "asked for (JSON mode, a JSON schema, tools: `Turn.sampling.grammar` set; "
+                                       "docs/guide/structured-output.md); 0 where constrain is off; absent when it "
+                                       "made no call."),
     ("agent/<agent>/invalid_rate", "Share of the agent's turns that were invalid (each costs invalid_penalty)."),
     ("agent/<agent>/llm_call_s", "Wall seconds of the agent's calls in the scored episodes, summed over its calls "
                                  "(concurrent calls overlap; any policy, served ones included)."),

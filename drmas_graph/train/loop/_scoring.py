@@ -50,7 +50,7 @@ from drmas_graph.traces.store import TraceStore
 from drmas_graph.train.optim import AdvantageStats, compute_advantages
 from drmas_graph.train.loop._timing import old_logprobs_seconds, rollout_times
 from drmas_graph.train.loop.metrics import Stopwatch, mean_std
-from drmas_graph.types import Episode, Sample
+from drmas_graph.types import Episode, Sample, Turn
 
 __all__ = ["Unscored", "score_runs", "first_failures_logger", "score_episodes", "group_rewards", "reward_metrics", "failure_metric", "masked",
            "turn_advantages", "with_advantages", "trained_samples", "store_scores", "step_record",
@@ -329,6 +329,12 @@ def store_scores(store: TraceStore, *, step: int | None, groups: Iterable[Group]
         store.update_training(u.episode.id, step=None, judgement=u.episode.judgement, error=u.message)
 
 
+def _constrained_share(turns: Sequence[Turn]) -> float:
+    """The share of `turns` (at least one) decoded under the grammar of the format their call asked for
+    (`Turn.sampling.grammar` set: `drmas_graph.grammar`): `agent/<a>/constrained_rate` and `check`'s column."""
+    return sum(t.sampling is not None and t.sampling.grammar is not None for t in turns) / len(turns)
+
+
 def step_record(step: int, agents: Sequence[str], groups: Sequence[Group], counts: dict[str, int],
                 adv_stats: AdvantageStats | None, update_metrics: dict[str, float], times: Stopwatch,
                 sync_s: float) -> dict[str, Any]:
@@ -362,6 +368,8 @@ def step_record(step: int, agents: Sequence[str], groups: Sequence[Group], count
             sum(adv * adv for _, adv in served) / len(served) if served else 0.0)  # E[A^2] (Dr. MAS's argument)
         record[f"agent/{agent}/calls"] = len(turns)
         record[f"agent/{agent}/invalid_rate"] = sum(invalid) / len(invalid) if invalid else 0.0
+        if turns:  # the share of its calls decoded under a grammar (constrained decoding)
+            record[f"agent/{agent}/constrained_rate"] = _constrained_share([ep.turns[i] for ep, i in turns])
         record[f"agent/{agent}/response_length"] = (
             sum(len(t.response_ids) for t, _ in served) / len(served) if served else 0.0)
         if not turns:
