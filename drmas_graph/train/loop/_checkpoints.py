@@ -27,7 +27,7 @@ from drmas_graph.train.loop._build import is_served
 from drmas_graph.train.loop._state import HasRunState, RunState, on_model_thread, run_state
 from drmas_graph.train.optim import load_adapters, save_for_sync
 
-__all__ = ["save_checkpoint", "resume", "checkpoint_step", "push_weights", "sync_weights", "load_into_servers",
+__all__ = ["save_checkpoint", "save_notes", "resume", "checkpoint_step", "push_weights", "sync_weights", "load_into_servers",
            "sync_dir", "load_checkpoint_adapters", "RolloutWeights", "has_checkpoint", "NothingToResumeError",
            "CheckpointSpaceError"]
 
@@ -133,6 +133,27 @@ def _save_checkpoint(run: RunState, step: int, pipeline: RolloutWeights | None, 
             shutil.rmtree(old, ignore_errors=True)
     distributed.barrier()
     return final
+
+
+def save_notes(run: RunState) -> None:
+    """Add the run's once-per-run warnings given so far (`RunNotes.threshold_warned`, `logged_failures`) to the latest
+    checkpoint's trainer_state.json (atomically; rank 0), so that a run resumed from it does not give them again: an
+    evaluation follows its step's checkpoint, so its warning is not in it. The zero-signal streak stays as saved
+    (the steps after the checkpoint run again)."""
+    ckpts = sorted((run.run_dir / "checkpoints").glob("step_*"))
+    if not ckpts or not distributed.is_main():
+        return
+    path = ckpts[-1] / "trainer_state.json"
+    state = json.loads(path.read_text())
+    notes = state.setdefault("notes", {})
+    given = {"logged_failures": sorted(set(notes.get("logged_failures", ())) | run.notes.logged_failures),
+             "threshold_warned": bool(notes.get("threshold_warned")) or run.notes.threshold_warned}
+    if all(notes.get(k) == v for k, v in given.items()):
+        return
+    notes.update(given)
+    tmp = path.with_name(".trainer_state.json.tmp")
+    tmp.write_text(json.dumps(state))
+    tmp.replace(path)  # the checkpoint stays whole: the old file or the new one
 
 
 def resume(run: RunState, pipeline: RolloutWeights | None = None) -> int:

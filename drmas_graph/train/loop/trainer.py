@@ -342,6 +342,7 @@ class Trainer:
         rollouts: list[Any] | None = [] if self.weave is not None else None
         label = "evaluation before training" if step == 0 else f"evaluation {_after(step)}"
         record = evaluate(self.state, step=step, rollouts=rollouts, progress=logger.episodes(label))
+        _checkpoints.save_notes(self.state)  # its warning, once per run: also for a run resumed from the checkpoint
         if self.weave is not None:
             self.weave.submit_evaluation(record, rollouts)
         self.result.evals.append(record)

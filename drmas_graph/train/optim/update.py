@@ -18,7 +18,9 @@ where agg is the aggregation ``loss_agg`` and n counts what agg averages over: v
 the micro-batch size. Samples of agents with loss weight 0 are not counted in n(M) (they only feed
 metrics). With KL and entropy off, samples whose advantage is exactly 0 (zero-variance groups) are not
 forwarded at all: their gradient is exactly 0, and they still count in n(M), so the step is unchanged
-(per-token metrics then cover the forwarded samples). With P processes, n(M) is summed over all of them and
+(per-token metrics then cover the forwarded samples). A mini-batch none of whose samples (on any process) has
+an advantage takes no optimizer step at all: its gradient is exactly 0, yet an AdamW step would still move the
+weights (momentum from earlier steps, weight decay); it is counted in ``skipped_minibatches``. With P processes, n(M) is summed over all of them and
 each loss is multiplied by P (DeepSpeed and the torch backend average gradients over processes), and the shuffle
 that cuts mini-batches is one global order of the step's samples, so P processes each given a contiguous
 block of the samples take exactly the steps of one process given all of them.
@@ -241,8 +243,10 @@ class ModelUpdater:
         grad_norms: list[float] = []
         self._ref_logprobs = self._reference_logprobs(samples)
         tally_kl_start(tally, samples, self._ref_logprobs)
+        plan, n_skipped = self._plan(samples)
+        tally.count(("model", "skipped_minibatches"), float(n_skipped))
         with self._training_mode():
-            for i, minibatch in enumerate(self._plan(samples)):
+            for i, minibatch in enumerate(plan):
                 grad_norms.append(self._train_minibatch(minibatch, tally, first=i == 0,
                                                         current=old_logprobs == "current"))
         self._ref_logprobs = {}
@@ -333,18 +337,21 @@ class ModelUpdater:
         self.model.eval()
 
     # ---- planning -------------------------------------------------------------------------------------
-    def _plan(self, samples: Sequence[Sample]) -> list[_MiniBatch]:
+    def _plan(self, samples: Sequence[Sample]) -> tuple[list[_MiniBatch], int]:
         """Shuffle (seeded), split into mini-batches, group each into one-agent micro-batches, and agree
-        with the other processes on the normalizers and on the number of backward passes."""
+        with the other processes on the normalizers and on the number of backward passes; also how many
+        mini-batches take no step (every sample's advantage 0 with KL and entropy off: `_micro_batches`)."""
         chunks = self._minibatch_rows(len(samples))
         packing = self._packing_of(self.model, samples)
         micro = [self._micro_batches(chunk, samples, packing=packing) for chunk in chunks]
         local_norms = [sum(self._norm_count(samples[i]) for i in chunk) for chunk in chunks]
         norms = all_reduce(local_norms, "SUM", self.device)
         passes = all_reduce([float(len(m)) for m in micro], "MAX", self.device)
-        # a mini-batch empty on every process (fewer samples than processes x mini-batches) is skipped
-        return [_MiniBatch(micro=[[samples[i] for i in rows] for rows in m], norm=norm, n_passes=int(n))
+        # a mini-batch with nothing to forward on every process is skipped: every chunk holds a sample somewhere
+        # (at most as many mini-batches as samples), so all of them had advantage 0 (no gradient, no step)
+        plan = [_MiniBatch(micro=[[samples[i] for i in rows] for rows in m], norm=norm, n_passes=int(n))
                 for m, norm, n in zip(micro, norms, passes) if n > 0]
+        return plan, len(chunks) - len(plan)
 
     def _minibatch_rows(self, n_local: int) -> list[list[int]]:
         """This process's rows of each mini-batch, from one seeded shuffle of the step's samples on all processes.
@@ -374,12 +381,10 @@ class ModelUpdater:
 
         For training (``skip_zero_advantage``) with KL and entropy off, a sample with advantage exactly 0 has
         loss 0 and gradient 0 (every PPO branch is -A * ratio), so it is not forwarded; it still counts in
-        n(M). One row is always kept, so the optimizer step (AdamW decay and moments) happens exactly as if
-        every sample had been forwarded.
+        n(M). Rows all of advantage 0 give no micro-batch (a mini-batch with none on any process takes no step).
         """
-        if skip_zero_advantage and self._skip_zero_advantage and rows:
-            kept = [i for i in rows if samples[i].advantage != 0.0]
-            rows = kept or list(rows[:1])
+        if skip_zero_advantage and self._skip_zero_advantage:
+            rows = [i for i in rows if samples[i].advantage != 0.0]
         by_agent: dict[str, list[int]] = {}
         for i in rows:
             by_agent.setdefault(samples[i].agent, []).append(i)
@@ -477,7 +482,8 @@ class ModelUpdater:
         tally.add(("agent", agent, "pg_loss"), stats.pg_loss, weight=n_micro)
         for name in ("clip_frac", "dual_clip_frac", "approx_kl"):
             tally.add(("agent", agent, name), getattr(stats, name), weight=n_tokens)
-        tally.max(("agent", agent, "ratio_max"), stats.ratio_max)
+        if n_tokens:  # a ratio was taken (no response token: none, so no maximum rather than 0)
+            tally.max(("agent", agent, "ratio_max"), stats.ratio_max)
         if entropy_BT is not None:
             tally.add(("agent", agent, "entropy"), token_mean(entropy_BT), weight=n_tokens)
         tally.count(("model", "n_tokens"), n_tokens)
@@ -504,11 +510,12 @@ class ModelUpdater:
     def _metrics(self, tally: _Tally, grad_norms: list[float], *, rollout_gap: bool) -> UpdateMetrics:
         agents = sorted({key[1] for key in tally.sums if key[0] == "agent"})
         n_steps = len(grad_norms)
-        return UpdateMetrics(
-            model=self.name, loss=tally.sums[("model", "loss")] / max(n_steps, 1),
-            grad_norm=sum(grad_norms) / max(n_steps, 1), grad_norm_max=max(grad_norms, default=0.0),
+        return UpdateMetrics(  # no step taken: no loss, no gradient norm (absent from the logs)
+            model=self.name, loss=tally.sums[("model", "loss")] / n_steps if n_steps else None,
+            grad_norm=sum(grad_norms) / n_steps if n_steps else None, grad_norm_max=max(grad_norms, default=None),
             lr=self._engine.lr(), n_samples=int(sum(tally.sums[("agent", a, "n_samples")] for a in agents)),
             n_tokens=int(tally.sums[("model", "n_tokens")]), n_minibatches=n_steps,
+            skipped_minibatches=int(tally.sums[("model", "skipped_minibatches")]),
             forward_tokens=int(tally.sums[("model", "forward_tokens")]), packed=self._mask_kind is not None,
             agents={a: _agent_metrics(tally, a, self._reference is not None, self.settings.entropy_coef > 0,
                                       rollout_gap, agent_grad_norms(tally, agents, grad_norms)[a]) for a in agents},

@@ -1,0 +1,150 @@
+"""Issue 58 (no silent wrong results, round 7), the training side: what `check` says about model errors, skipped
+zero-advantage mini-batches, metrics that were not measured, a resumed run's once-per-run warning, per-agent tool
+use, SIGTERM, the state a reward sees of an unfinished episode, and what a checkpoint holds."""
+
+import dataclasses
+import logging
+
+import pytest
+import torch
+
+from drmas_graph import SamplingParams
+from drmas_graph.testing import tiny_policy
+from drmas_graph.train.loop.trainer import Trainer
+from drmas_graph.train.optim import ModelUpdater
+from drmas_graph.types import Sample
+from tests.test_cli_train import write_config
+from tests.test_trainer import small_config
+from tests.test_update import fresh_model, max_diff, rollout, settings, snapshot  # noqa: F401 (a fixture)
+
+
+# --- item 3: `check` names what applies to model errors ----------------------------------------------------------
+
+
+def test_check_names_the_model_error_reward_and_the_request_that_failed(tmp_path):
+    from graphs.research.env import ResearchEnv
+    from graphs.research.graph import build_graph
+    from drmas_graph.train import preflight
+
+    agents = ["clarify", "write_brief", "researcher", "report"]
+    policies = {a: tiny_policy(seed=i, name=f"tiny-{a}", sampling=SamplingParams(max_new_tokens=4))
+                for i, a in enumerate(agents)}
+    cfg = small_config(tmp_path, group_size=2, rollout={"model_error_reward": -0.5})
+    trainer = Trainer(build_graph(), ResearchEnv(), cfg, policies=policies, train=False)
+    try:
+        report = preflight(trainer, 1)
+    finally:
+        trainer.close()
+    assert report.counts["model_error_episodes"] == 2  # every broken-JSON reply breaks the app (3 attempts)
+    (line,) = [w for w in report.warnings() if "model errors" in w]
+    # before: "2 of 2 episodes did not finish (truncated or model errors): see the config's `rollout` limits"
+    assert line.startswith(
+        "2 of 2 episodes were model errors, the policy's reply broke the app: agent 'clarify' 2 (first: turn 2 (node "
+        "'clarify') failed its structured-output request (json_schema 'ClarifyWithUser'): InvalidReplyError: ")
+    assert line.endswith("Make the agent's reply what its call asks for (its prompt and format instructions; "
+                         "agents.clarify.sampling.max_new_tokens if replies are cut off); they train with "
+                         "rollout.model_error_reward (-0.5)")
+    assert not [w for w in report.warnings() if "truncated" in w]
+
+
+def test_check_names_the_limit_that_truncated_the_episodes(tmp_path):
+    from graphs.reflection.env import ReflectionEnv
+    from graphs.reflection.graph import build_graph
+    from drmas_graph.train import preflight
+    from tests.test_instrument import Unreachable
+
+    policies = {a: tiny_policy(seed=i, name=f"tiny-{a}", sampling=SamplingParams(max_new_tokens=3))
+                for i, a in enumerate(["assistant", "judge"])}
+    cfg = small_config(tmp_path, group_size=2, rollout={"max_llm_calls": 3, "truncated_reward": None})
+    trainer = Trainer(build_graph(Unreachable()), ReflectionEnv(), cfg, policies=policies, train=False)
+    try:
+        report = preflight(trainer, 1)
+    finally:
+        trainer.close()
+    (line,) = [w for w in report.warnings() if "truncated" in w]
+    assert line == ("2 of 2 episodes were truncated by a limit (2 by rollout.max_llm_calls: 3): raise it if the "
+                    "episodes legitimately need more; they train with rollout.truncated_reward (null: env.reward "
+                    "scores them)")
+
+
+# --- item 6: a mini-batch of zero-advantage samples takes no optimizer step ---------------------------------------
+
+
+@pytest.mark.parametrize("backend", [("torch", 0), ("deepspeed", 1)])
+def test_a_zero_advantage_minibatch_moves_no_weight_after_steps_built_momentum(rollout, backend):  # noqa: F811
+    if backend[0] == "deepspeed":
+        pytest.importorskip("deepspeed")
+    model = fresh_model()
+    updater = ModelUpdater(model, name="m", settings=settings(backend, n_minibatches=2))
+    first = updater.update(rollout)  # AdamW's moments are not 0 now
+    assert (first.n_minibatches, first.skipped_minibatches) == (2, 0)
+    before = snapshot(model, updater)
+    zero = [dataclasses.replace(s, advantage=0.0) for s in rollout]
+    metrics = updater.update(zero)
+    assert (metrics.n_minibatches, metrics.skipped_minibatches) == (0, 2)
+    assert max_diff(before, snapshot(model, updater)) == 0.0  # before: both steps moved every weight (momentum)
+    one = [dataclasses.replace(s, advantage=1.0 if i == 0 else 0.0) for i, s in enumerate(rollout)]
+    metrics = updater.update(one)  # one mini-batch holds the sample with an advantage, the other none
+    assert (metrics.n_minibatches, metrics.skipped_minibatches) == (1, 1)
+    assert max_diff(before, snapshot(model, updater)) > 1e-4
+
+
+def test_skipped_minibatches_are_counted_in_the_step_record(tmp_path):
+    from tests._envs import ParityEnv
+    from drmas_graph.train.loop.trainer import train_graph
+    from tests.test_trainer import graph
+
+    class Constant(ParityEnv):
+        def reward(self, task, episode):
+            return 1.0  # every group has zero variance: every advantage is 0
+
+    policy = tiny_policy(seed=0, sampling=SamplingParams(max_new_tokens=3))
+    cfg = small_config(tmp_path, steps=1, update={"lr": 1e-3, "backend": "torch", "n_minibatches": 2},
+                       eval={"k": 1, "n_tasks": 1, "before_training": False})
+    before = {k: v.clone() for k, v in policy.model.state_dict().items()}
+    result = train_graph(graph(), Constant(), cfg, policies={"solver": policy, "verifier": policy})
+    (record,) = result.history
+    name = policy.name
+    assert record[f"model/{name}/n_minibatches"] == 0 and record[f"model/{name}/skipped_minibatches"] == 2
+    assert f"model/{name}/grad_norm" not in record and f"model/{name}/loss" not in record  # nothing measured
+    assert all(torch.equal(v, before[k]) for k, v in policy.model.state_dict().items())
+
+
+# --- item 7: no entropy or kl_ref where nothing was measured ------------------------------------------------------
+
+
+def test_entropy_and_kl_ref_are_absent_for_an_agent_whose_samples_had_no_token():
+    s = settings(("torch", 0), entropy_coef=0.01, kl_coef=0.1)
+    updater = ModelUpdater(fresh_model(), name="m", settings=s)
+    samples = [Sample(prompt_ids=(1, 2, 3), response_ids=(5, 6), old_logprobs=(-1.0, -1.0), advantage=1.0,
+                      agent="a"),
+               Sample(prompt_ids=(1, 2, 3), response_ids=(), old_logprobs=(), advantage=1.0, agent="b")]
+    logged = updater.update(samples).to_dict()
+    assert {"agent/a/entropy", "agent/a/kl_ref", "agent/a/ratio_max", "agent/a/pg_loss"} <= set(logged)
+    # before: agent/b/entropy, kl_ref, ratio_max, pg_loss, clip_frac, ... each logged as 0.0
+    assert sorted(k for k in logged if k.startswith("agent/b/")) == ["agent/b/grad_norm", "agent/b/n_samples"]
+
+
+# --- item 8: a resumed run warns about success_threshold once ---------------------------------------------------
+
+
+def test_a_run_resumed_after_the_threshold_warning_does_not_warn_again(tmp_path, caplog):
+    from drmas_graph.cli import main
+
+    # per agent: every team reward is 0.5 < success_threshold 1; Ctrl-C at step 1's first reward, after the
+    # evaluation that followed step 0's checkpoint warned
+    cfg = write_config(tmp_path, env="tests.test_first_hour:InterruptedEnv", checkpoint_every=1, steps=3,
+                       env_kwargs={"n_train": 4, "n_test": 2, "interrupt_at": 5, "per_agent": True},
+                       eval={"k": 1, "n_tasks": 1, "before_training": False, "every": 1})
+
+    def warnings():
+        out = [r.getMessage() for r in caplog.records if "success_threshold" in r.getMessage()]
+        caplog.clear()
+        return out
+
+    with caplog.at_level(logging.WARNING, logger="drmas_graph.train.loop.evaluate"):
+        assert main(["train", str(cfg)]) == 130
+        (warning,) = warnings()
+        assert warning.startswith("success_threshold 1 is above every team reward of the evaluation at step 1 ")
+        assert main(["train", str(cfg), "--resume", "--set", "env_kwargs.interrupt_at=0"]) == 0
+        assert warnings() == []  # before: the same warning again at the resumed run's first evaluation
