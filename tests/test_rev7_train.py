@@ -148,3 +148,92 @@ def test_a_run_resumed_after_the_threshold_warning_does_not_warn_again(tmp_path,
         assert warning.startswith("success_threshold 1 is above every team reward of the evaluation at step 1 ")
         assert main(["train", str(cfg), "--resume", "--set", "env_kwargs.interrupt_at=0"]) == 0
         assert warnings() == []  # before: the same warning again at the resumed run's first evaluation
+
+
+# --- item 4: per-agent tool use ---------------------------------------------------------------------------------
+
+
+def _turn(agent, tools=(), tool_calls=(), format_error=None, response_format=None):
+    from drmas_graph.types import Turn
+
+    return Turn(agent=agent, node=agent, step=1, index=0, messages=(), prompt_ids=(1,), response_ids=(2,),
+                response_logprobs=(-1.0,), response_text="x", tools=tools, tool_calls=tool_calls,
+                format_error=format_error, response_format=response_format)
+
+
+def test_tool_use_counts_parsed_calls_and_well_formed_turns():
+    from drmas_graph.train.loop._scoring import tool_use
+
+    add = ({"type": "function", "function": {"name": "add"}},)
+    call = {"name": "add", "args": {"a": 1}, "id": "c1", "type": "tool_call"}
+    turns = [_turn("a", add, (call, call)),  # two calls, both parse
+             _turn("a", add, (call,), format_error="1 tool call(s) in the reply do not parse: ..."),  # one of two
+             _turn("a", add),  # tools bound, a plain answer: no attempt
+             _turn("a", add, format_error="the call forces a call of tool 'add', but ...",
+                   response_format={"type": "tool", "name": "add"}),  # a forced call that failed
+             _turn("a", add, format_error="not the JSON asked for", response_format={"type": "json_object"}),
+             _turn("a")]  # no tools bound: not counted
+    # per turn with tools: (2 + 1 + 0 + 0 + 0) / 5; attempted: the first, second and fourth, well formed: the first
+    assert tool_use("a", turns) == {"agent/a/tool_calls_per_turn": 0.6, "agent/a/tool_calls_well_formed": 1 / 3}
+    assert tool_use("a", [_turn("a", add)]) == {"agent/a/tool_calls_per_turn": 0.0}  # no attempt: no share
+    assert tool_use("a", [_turn("a")]) == {}  # no turn with tools: nothing measured
+
+
+def tool_graph(llm):
+    """A `caller` node that asks its model with the tool `add` bound, then a `writer` without tools."""
+    from typing import TypedDict
+
+    from langchain_core.messages import HumanMessage
+    from langchain_core.tools import tool
+    from langgraph.graph import END, START, StateGraph
+
+    @tool
+    def add(a: int, b: int) -> int:
+        """Add two integers."""
+        return a + b
+
+    class S(TypedDict, total=False):
+        question: str
+        answer: str
+
+    def caller(state):
+        return {"answer": llm.bind_tools([add]).invoke([HumanMessage("Use the tool: " + state["question"])]).text}
+
+    def writer(state):
+        return {"answer": llm.invoke([HumanMessage("Write it down.")]).text}
+
+    return (StateGraph(S).add_node("caller", caller).add_node("writer", writer).add_edge(START, "caller")
+            .add_edge("caller", "writer").add_edge("writer", END).compile())
+
+
+def test_tool_metrics_are_logged_per_agent_and_summarised(tmp_path):
+    import json
+
+    from drmas_graph.testing import scripted_policy
+    from drmas_graph.train.loop.trainer import train_graph
+    from tests._envs import ParityEnv
+    from tests.test_instrument import Unreachable
+
+    both = '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>' * 2
+    broken = '<tool_call>{"name": "add", "arguments": {"a": 1,}}</tool_call>'
+    caller = iter([both, broken, "No tool needed."] * 10)  # each step's 3 calls get one of each, in some order
+
+    class Env(ParityEnv):
+        def reward(self, task, episode):
+            return 1.0
+
+    def reply(prompt):
+        return next(caller) if "Use the tool" in prompt else "done"
+
+    policy = scripted_policy(reply)
+    cfg = small_config(tmp_path, steps=2, tasks_per_step=1, group_size=3, max_concurrency=1,
+                       eval={"k": 1, "n_tasks": 1, "before_training": False})
+    result = train_graph(tool_graph(Unreachable()), Env(), cfg, policies={"caller": policy, "writer": policy})
+    lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    for record in (line for line in lines if "episodes" in line):
+        assert record["agent/caller/tool_calls_per_turn"] == pytest.approx(2 / 3)  # (2 + 0 + 0) calls / 3 turns
+        assert record["agent/caller/tool_calls_well_formed"] == 0.5  # of the 2 that attempted, 1 parsed
+        assert not [k for k in record if k.startswith("agent/writer/tool_calls")]  # no tools bound: absent
+    summary = result.summary().splitlines()
+    assert "  tool calls/turn caller           0.667       0.667" in summary
+    assert "  well-formed calls caller         0.500       0.500" in summary
