@@ -237,3 +237,76 @@ def test_tool_metrics_are_logged_per_agent_and_summarised(tmp_path):
     summary = result.summary().splitlines()
     assert "  tool calls/turn caller           0.667       0.667" in summary
     assert "  well-formed calls caller         0.500       0.500" in summary
+
+
+# --- item 2: SIGTERM stops training as Ctrl-C does, and says so -------------------------------------------------
+
+
+class BlockingEnv:
+    """`tests._envs.ParityEnv` whose training reward number `block_at` (1-based; 0: never) writes the file `ready`
+    and then waits (sleeps) for the signal that stops the run."""
+
+    def __init__(self, block_at=0, ready="", **kwargs):
+        from tests._envs import ParityEnv
+
+        self.env, self.block_at, self.ready, self.calls = ParityEnv(**kwargs), block_at, ready, 0
+        self.invalid_penalty = self.env.invalid_penalty
+
+    def tasks(self, split):
+        return self.env.tasks(split)
+
+    def turn_is_valid(self, task, turn):
+        return self.env.turn_is_valid(task, turn)
+
+    def reward(self, task, episode):
+        import time
+        from pathlib import Path
+
+        if task.id.startswith("train"):
+            self.calls += 1
+            if self.calls == self.block_at:
+                Path(self.ready).write_text("scoring")
+                time.sleep(120)  # SIGTERM arrives here
+        return self.env.reward(task, episode)
+
+
+def test_sigterm_says_what_was_saved_and_the_run_resumes_to_the_uninterrupted_weights(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from drmas_graph.cli import main
+
+    ready = tmp_path / "ready"
+    common = dict(env="tests.test_rev7_train:BlockingEnv", checkpoint_every=1, steps=3,
+                  eval={"k": 1, "n_tasks": 1, "before_training": False})
+    cfg = write_config(tmp_path, **common, env_kwargs={"n_train": 4, "n_test": 2, "block_at": 5,  # step 1's first
+                                                       "ready": str(ready)})
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    run = subprocess.Popen([sys.executable, "-m", "drmas_graph.cli", "train", str(cfg)], env=env,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not ready.exists() and run.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert ready.exists(), run.communicate(timeout=60)
+        run.send_signal(signal.SIGTERM)
+        _, stderr = run.communicate(timeout=120)
+    finally:
+        if run.poll() is None:
+            run.kill()
+    ckpt = tmp_path / "run" / "checkpoints" / "step_000001"
+    # before: killed by the signal's default action (a shell reports 143), nothing printed
+    assert run.returncode == 143, stderr
+    assert "Traceback" not in stderr and stderr.splitlines()[-1] == (
+        f"drmas-graph: terminated (SIGTERM); last checkpoint {ckpt} (1 of 3 steps done); continue with "
+        f"`drmas-graph train {cfg} --resume`")
+    assert main(["train", str(cfg), "--resume", "--set", "env_kwargs.block_at=0"]) == 0
+    # nothing lost: the resumed run ends with the weights of a run never stopped
+    straight = tmp_path / "straight"
+    straight.mkdir()
+    assert main(["train", str(write_config(straight, **common, env_kwargs={"n_train": 4, "n_test": 2}))]) == 0
+    final = "checkpoints/step_000003/tiny/model/model.safetensors"
+    assert (tmp_path / "run" / final).read_bytes() == (straight / "run" / final).read_bytes()

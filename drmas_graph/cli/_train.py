@@ -11,7 +11,9 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import signal
 import sys
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -80,11 +82,12 @@ def _cmd_train(args: argparse.Namespace, console: Console) -> int:
     from drmas_graph.train.engines import distributed
 
     cfg = load_config(args.config, args.set + (["resume=true"] if args.resume else []))
-    graph, env = build_graph_and_env(cfg)
-    if distributed.is_main():  # under a launcher, rank 0 alone reports
-        console.print(f"training {cfg.name}: run folder {cfg.run_dir}", markup=False)
     try:
-        result = train_graph(graph, env, cfg)
+        with _terminated_as_interrupt():  # SIGTERM (a scheduler, `kill`, a launcher) stops the run as Ctrl-C does
+            graph, env = build_graph_and_env(cfg)
+            if distributed.is_main():  # under a launcher, rank 0 alone reports
+                console.print(f"training {cfg.name}: run folder {cfg.run_dir}", markup=False)
+            result = train_graph(graph, env, cfg)
     except RunDirInUseError as exc:
         raise ConfigError(f"run folder {exc.run_dir} already holds a run; train into a new folder with `--set "
                           f"run_dir={free_run_dir(exc.run_dir)}`, or continue this run from its last checkpoint "
@@ -93,10 +96,12 @@ def _cmd_train(args: argparse.Namespace, console: Console) -> int:
         if getattr(exc, "result", None) is not None and distributed.is_main():
             console.print(exc.result.summary(), markup=False, soft_wrap=True)
         raise
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM (`TrainingTerminated`)
+        terminated = isinstance(exc, TrainingTerminated)
         if distributed.is_main():
-            print(f"drmas-graph: interrupted; {_saved(cfg, args.config)}", file=sys.stderr)
-        return 130
+            print(f"drmas-graph: {'terminated (SIGTERM)' if terminated else 'interrupted'}; "
+                  f"{_saved(cfg, args.config)}", file=sys.stderr)
+        return TERMINATED_EXIT if terminated else INTERRUPTED_EXIT
     finally:
         distributed.shutdown()
     if distributed.is_main():
@@ -105,6 +110,36 @@ def _cmd_train(args: argparse.Namespace, console: Console) -> int:
         console.print(f"look at it: drmas-graph ui {run_dir}   (episodes: drmas-graph traces list "
                       f"{run_dir / 'traces.db'})", markup=False, soft_wrap=True)
     return 0
+
+
+INTERRUPTED_EXIT = 130
+"""`drmas-graph train`'s exit status after Ctrl-C (128 + SIGINT, as a shell reports it)."""
+TERMINATED_EXIT = 143
+"""`drmas-graph train`'s exit status after SIGTERM (128 + SIGTERM, what the signal's default action gives)."""
+
+
+class TrainingTerminated(KeyboardInterrupt):
+    """SIGTERM arrived during `drmas-graph train`. Raised in the main thread where the signal is handled, exactly where
+    Ctrl-C raises `KeyboardInterrupt` (a subclass of it): the run stops the same way, with the same guarantees (every
+    checkpoint whole or absent, the traces closed, the rollouts cancelled), and says what was saved."""
+
+
+@contextmanager
+def _terminated_as_interrupt() -> Iterator[None]:
+    """Inside the block SIGTERM raises `TrainingTerminated` (the main thread only: a signal handler can be set only
+    there); the previous handler is restored after."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def terminate(signum: int, frame: Any) -> None:
+        raise TrainingTerminated(f"signal {signum}")
+
+    previous = signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _saved(cfg: TrainConfig, config: Path) -> str:
