@@ -310,3 +310,80 @@ def test_sigterm_says_what_was_saved_and_the_run_resumes_to_the_uninterrupted_we
     assert main(["train", str(write_config(straight, **common, env_kwargs={"n_train": 4, "n_test": 2}))]) == 0
     final = "checkpoints/step_000003/tiny/model/model.safetensors"
     assert (tmp_path / "run" / final).read_bytes() == (straight / "run" / final).read_bytes()
+
+
+# --- item 1: the reward of an unfinished episode sees the state as it stood ------------------------------------
+
+
+def draft_then_check(llm, checkpointer=None):
+    """`writer` drafts (free text), then `checker` asks for a `Verdict` (a forced tool call): a reply that is no such
+    call breaks the app, a model error after the writer acted."""
+    from typing import TypedDict
+
+    from langchain_core.messages import HumanMessage
+    from langgraph.graph import END, START, StateGraph
+    from pydantic import BaseModel
+
+    class Verdict(BaseModel):
+        ok: bool
+
+    class S(TypedDict, total=False):
+        question: str
+        draft: str
+        ok: bool
+
+    def writer(state):
+        return {"draft": llm.invoke([HumanMessage(state["question"])]).content}
+
+    def checker(state):
+        return {"ok": llm.with_structured_output(Verdict).invoke([HumanMessage(state["draft"])]).ok}
+
+    graph = (StateGraph(S).add_node("writer", writer).add_node("checker", checker).add_edge(START, "writer")
+             .add_edge("writer", "checker").add_edge("checker", END))
+    return graph.compile(checkpointer=checkpointer)
+
+
+@pytest.mark.parametrize("saver", [False, True], ids=["no-checkpointer", "checkpointer"])
+def test_the_reward_of_a_model_error_episode_sees_what_the_other_agents_did(tmp_path, saver):
+    from langgraph.checkpoint.memory import InMemorySaver
+
+    from drmas_graph import TraceStore
+    from drmas_graph.testing import scripted_policy
+    from drmas_graph.train.loop.trainer import train_graph
+    from tests._envs import ParityEnv
+    from tests.test_instrument import Unreachable
+
+    seen = []
+
+    class Env(ParityEnv):
+        def reward(self, task, episode):
+            seen.append((episode.outcome, episode.final_state))
+            return 1.0 if (episode.final_state or {}).get("draft") == "a draft" else 0.0
+
+    writer, checker = scripted_policy(["a draft"], name="w"), scripted_policy(["no verdict"], name="c")
+    cfg = small_config(tmp_path, steps=1, tasks_per_step=1, group_size=2, rollout={"model_error_reward": None},
+                       eval={"k": 1, "n_tasks": 1, "before_training": False})
+    graph = draft_then_check(Unreachable(), InMemorySaver() if saver else None)
+    result = train_graph(graph, Env(n_train=1), cfg, policies={"writer": writer, "checker": checker})
+    assert result.history[0]["model_error_episodes"] == 2
+    question = "What is 0 + 0?"
+    # before: final_state None (the run raised), so the reward could not see the writer's draft
+    assert seen[:2] == [("model_error", {"question": question, "draft": "a draft"})] * 2
+    assert result.history[0]["reward/team_mean"] == 1.0
+    with TraceStore(tmp_path / "run" / "traces.db", readonly=True) as store:
+        stored = [store.load_episode(e.id) for e in store.episodes(step=0)]
+    assert [e.final_state for e in stored] == [{"question": question, "draft": "a draft"}] * 2
+
+
+def test_a_rollout_that_raises_keeps_its_state_as_of_its_last_superstep():
+    from drmas_graph import instrument
+    from drmas_graph.errors import RolloutError
+    from drmas_graph.testing import scripted_policy
+    from tests.test_instrument import Unreachable
+
+    app = instrument(draft_then_check(Unreachable()), {"writer": scripted_policy(["a draft"], name="w"),
+                                                        "checker": scripted_policy(["no verdict"], name="c")})
+    with pytest.raises(RolloutError) as raised:
+        app.rollout({"question": "q"})
+    episode = raised.value.episode
+    assert episode.outcome == "model_error" and episode.final_state == {"question": "q", "draft": "a draft"}
