@@ -387,3 +387,77 @@ def test_a_rollout_that_raises_keeps_its_state_as_of_its_last_superstep():
         app.rollout({"question": "q"})
     episode = raised.value.episode
     assert episode.outcome == "model_error" and episode.final_state == {"question": "q", "draft": "a draft"}
+
+
+# --- item 5: a checkpoint holds what resume needs, once --------------------------------------------------------
+
+
+def _optimizer_state(updater):
+    engine = updater._engine
+    optimizer = getattr(engine, "optimizer", None)
+    state = (optimizer.optimizer if hasattr(optimizer, "optimizer") else optimizer).state_dict()["state"]
+    return {(k, name): v.clone() for k, entry in state.items() for name, v in entry.items() if torch.is_tensor(v)}
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_a_deepspeed_checkpoint_holds_no_second_copy_of_the_weights_and_resumes_exactly(rollout, tmp_path,  # noqa: F811
+                                                                                       stage):
+    pytest.importorskip("deepspeed")
+    s = settings(("deepspeed", stage), n_minibatches=2)
+    first, second = rollout[:4], rollout[2:]
+    model = fresh_model()
+    updater = ModelUpdater(model, name="m", settings=s)
+    updater.update(first)
+    updater.save(tmp_path / "ckpt")
+    saved, saved_state = snapshot(model, updater), _optimizer_state(updater)
+    updater.update(second)
+    expected = snapshot(model, updater)
+
+    n = sum(p.numel() for p in model.parameters())
+    files = {f.relative_to(tmp_path / "ckpt").as_posix(): f.stat().st_size
+             for f in (tmp_path / "ckpt").rglob("*") if f.is_file()}
+    assert files["model/model.safetensors"] > 4 * n  # the weights, once (float32)
+    # AdamW's two moments, 8 bytes per parameter: ZeRO-0 keeps them in the model-states file, ZeRO 1-2 in their own
+    # (before: the model-states file held the weights again, 4 bytes per parameter, and ZeRO 1-2's file 12 bytes
+    # per parameter, its float32 master weights too)
+    optimizer = "mp_rank_00_model_states.pt" if stage == 0 else "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    assert 8 * n < files[f"deepspeed/state/{optimizer}"] < 8.2 * n
+    assert stage == 0 or files["deepspeed/state/mp_rank_00_model_states.pt"] < 0.1 * n
+    assert not [f for f in files if f.endswith(".py")]  # DeepSpeed's recovery scripts: nothing left to recover
+
+    resumed_model = fresh_model(seed=3)  # other weights: they must come from the checkpoint
+    resumed = ModelUpdater(resumed_model, name="m", settings=s)
+    resumed.load(tmp_path / "ckpt")
+    assert max_diff(snapshot(resumed_model, resumed), saved) == 0.0
+    state = _optimizer_state(resumed)
+    assert state.keys() == saved_state.keys() and all(torch.equal(state[k], saved_state[k]) for k in state)
+    resumed.update(second)
+    assert max_diff(snapshot(resumed_model, resumed), expected) == 0.0  # bit for bit
+
+
+def test_keep_checkpoints_1_keeps_the_latest_and_removes_it_only_once_its_successor_is_whole(tmp_path):
+    from tests._envs import ParityEnv
+    from tests.test_trainer import graph
+
+    policy = tiny_policy(seed=0, sampling=SamplingParams(max_new_tokens=3))
+    cfg = small_config(tmp_path, keep_checkpoints=1, eval={"k": 1, "n_tasks": 1, "before_training": False})
+    trainer = Trainer(graph(), ParityEnv(), cfg, policies={"solver": policy, "verifier": policy})
+    root = tmp_path / "run" / "checkpoints"
+    try:
+        trainer.save_checkpoint(1)
+        (model,) = trainer.state.trained_models()
+        save = model.updater.save
+
+        def broken(directory):
+            save(directory)
+            raise OSError("the disk went away")  # after the new checkpoint's files, before it is whole
+
+        model.updater.save = broken
+        with pytest.raises(OSError, match="the disk went away"):
+            trainer.save_checkpoint(2)
+        assert sorted(p.name for p in root.iterdir()) == ["step_000001"]  # the latest whole one stays
+        model.updater.save = save
+        trainer.save_checkpoint(2)
+        assert sorted(p.name for p in root.iterdir()) == ["step_000002"]
+    finally:
+        trainer.close()

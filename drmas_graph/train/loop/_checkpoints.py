@@ -1,11 +1,21 @@
 """Checkpoints and resume, and pushing trained weights to inference servers.
 
 A checkpoint is `run_dir/checkpoints/step_N/` (complete or absent: written to a temporary folder, then
-renamed): per model its updater's state (Hugging Face model + tokenizer, optimizer, RNG) and
-`trainer_state.json` (step, policy versions, world size, the run's notes: once-per-run warnings given, the zero-signal
-streak). `resume` restores the latest one. In asynchronous
-training it also holds the weights the next step rolls out on (`<model>/serving`, version `serving_version`;
-see `_pipeline`).
+renamed), each thing once:
+
+- `<model>/model/`: the weights (Hugging Face format, safetensors) and the tokenizer: what resume loads into the
+  model, and what `drmas-graph eval --checkpoint` and inference load (a LoRA model: its adapters);
+- the optimizer state: `<model>/optimizer.pt` (torch backend: AdamW's two moments, float32 master weights of a
+  low-precision model, the loss scale) or `<model>/deepspeed/` (DeepSpeed's files without the weights above, and
+  for a float32 model without ZeRO's master copies of them: `_engines._Lean`);
+- `<model>/updater_state_rank<r>.pt`: the update count and torch's RNG state;
+- `trainer_state.json`: step, policy versions, world size, the run's notes (once-per-run warnings given, also
+  after the checkpoint was written: `save_notes`; the zero-signal streak).
+
+A float32 model's checkpoint is ~12 bytes per parameter (4 of weights, 8 of AdamW moments), a bfloat16 one's ~14.
+`resume` restores the latest one; `keep_checkpoints` bounds how many are kept (an older one is deleted once the new
+one is whole). In asynchronous training it also holds the weights the next step rolls out on (`<model>/serving`,
+version `serving_version`; see `_pipeline`).
 """
 
 from __future__ import annotations
@@ -97,13 +107,15 @@ def save_checkpoint(run: RunState, step: int, pipeline: RolloutWeights | None = 
     tmp = root / f".tmp_step_{step:06d}"
     try:
         return _save_checkpoint(run, step, pipeline, root, tmp)
-    except (OSError, RuntimeError) as exc:
+    except BaseException as exc:  # the partial checkpoint goes; the ones before it are whole
         free = shutil.disk_usage(root).free if root.exists() else 0
-        if not (isinstance(exc, OSError) and exc.errno == errno.ENOSPC) and free >= _FULL_BYTES:
-            raise
         written = _folder_bytes(tmp) if tmp.exists() else 0
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointSpaceError(root, step, written, free) from exc
+        if distributed.is_main():
+            shutil.rmtree(tmp, ignore_errors=True)
+        full = isinstance(exc, OSError) and exc.errno == errno.ENOSPC or free < _FULL_BYTES
+        if isinstance(exc, (OSError, RuntimeError)) and full:
+            raise CheckpointSpaceError(root, step, written, free) from exc
+        raise
 
 
 def _save_checkpoint(run: RunState, step: int, pipeline: RolloutWeights | None, root: Path, tmp: Path) -> Path:
