@@ -82,8 +82,9 @@ def _cmd_train(args: argparse.Namespace, console: Console) -> int:
     from drmas_graph.train.engines import distributed
 
     cfg = load_config(args.config, args.set + (["resume=true"] if args.resume else []))
+    terminated: list[int] = []  # the signals that stopped the run
     try:
-        with _terminated_as_interrupt():  # SIGTERM (a scheduler, `kill`, a launcher) stops the run as Ctrl-C does
+        with _terminated_as_interrupt(terminated):  # SIGTERM (a scheduler, `kill`, a launcher) stops it as Ctrl-C
             graph, env = build_graph_and_env(cfg)
             if distributed.is_main():  # under a launcher, rank 0 alone reports
                 console.print(f"training {cfg.name}: run folder {cfg.run_dir}", markup=False)
@@ -96,8 +97,7 @@ def _cmd_train(args: argparse.Namespace, console: Console) -> int:
         if getattr(exc, "result", None) is not None and distributed.is_main():
             console.print(exc.result.summary(), markup=False, soft_wrap=True)
         raise
-    except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM (`TrainingTerminated`)
-        terminated = isinstance(exc, TrainingTerminated)
+    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (`_terminated_as_interrupt`)
         if distributed.is_main():
             print(f"drmas-graph: {'terminated (SIGTERM)' if terminated else 'interrupted'}; "
                   f"{_saved(cfg, args.config)}", file=sys.stderr)
@@ -118,22 +118,19 @@ TERMINATED_EXIT = 143
 """`drmas-graph train`'s exit status after SIGTERM (128 + SIGTERM, what the signal's default action gives)."""
 
 
-class TrainingTerminated(KeyboardInterrupt):
-    """SIGTERM arrived during `drmas-graph train`. Raised in the main thread where the signal is handled, exactly where
-    Ctrl-C raises `KeyboardInterrupt` (a subclass of it): the run stops the same way, with the same guarantees (every
-    checkpoint whole or absent, the traces closed, the rollouts cancelled), and says what was saved."""
-
-
 @contextmanager
-def _terminated_as_interrupt() -> Iterator[None]:
-    """Inside the block SIGTERM raises `TrainingTerminated` (the main thread only: a signal handler can be set only
-    there); the previous handler is restored after."""
+def _terminated_as_interrupt(received: list[int]) -> Iterator[None]:
+    """Inside the block SIGTERM raises `KeyboardInterrupt` in the main thread, exactly where Ctrl-C raises it, after
+    adding the signal to `received`: the run stops the same way, with the same guarantees (every checkpoint whole
+    or absent, the traces closed, the rollouts cancelled), and the command says what was saved. A handler can be
+    set only in the main thread (elsewhere SIGTERM keeps its own); the previous one is restored after."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
 
     def terminate(signum: int, frame: Any) -> None:
-        raise TrainingTerminated(f"signal {signum}")
+        received.append(signum)
+        raise KeyboardInterrupt(f"signal {signum} (SIGTERM)")
 
     previous = signal.signal(signal.SIGTERM, terminate)
     try:
