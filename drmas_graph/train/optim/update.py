@@ -19,9 +19,9 @@ the micro-batch size. Samples of agents with loss weight 0 are not counted in n(
 metrics). With KL and entropy off, samples whose advantage is exactly 0 (zero-variance groups) are not
 forwarded at all: their gradient is exactly 0, and they still count in n(M), so the step is unchanged
 (per-token metrics then cover the forwarded samples). A mini-batch none of whose samples (on any process) has
-an advantage takes no optimizer step at all: its gradient is exactly 0, yet an AdamW step would still move the
-weights (momentum from earlier steps, weight decay); it is counted in ``skipped_minibatches``. With P processes, n(M) is summed over all of them and
-each loss is multiplied by P (DeepSpeed and the torch backend average gradients over processes), and the shuffle
+an advantage takes no optimizer step: its gradient is exactly 0, yet an AdamW step would still move the weights
+(momentum from earlier steps, weight decay); `skipped_minibatches` counts it. With P processes, n(M) is summed
+over all of them and each loss is multiplied by P (DeepSpeed and the torch backend average gradients over processes), and the shuffle
 that cuts mini-batches is one global order of the step's samples, so P processes each given a contiguous
 block of the samples take exactly the steps of one process given all of them.
 
@@ -243,15 +243,14 @@ class ModelUpdater:
         grad_norms: list[float] = []
         self._ref_logprobs = self._reference_logprobs(samples)
         tally_kl_start(tally, samples, self._ref_logprobs)
-        plan, n_skipped = self._plan(samples)
-        tally.count(("model", "skipped_minibatches"), float(n_skipped))
+        plan, skipped = self._plan(samples)  # the same on every process
         with self._training_mode():
             for i, minibatch in enumerate(plan):
                 grad_norms.append(self._train_minibatch(minibatch, tally, first=i == 0,
                                                         current=old_logprobs == "current"))
         self._ref_logprobs = {}
         self.n_updates += 1
-        return self._metrics(tally.merged(), grad_norms, rollout_gap=old_logprobs == "current")
+        return self._metrics(tally.merged(), grad_norms, skipped, rollout_gap=old_logprobs == "current")
 
     @torch.no_grad()
     def compute_logprobs(self, samples: Sequence[Sample], *, module: torch.nn.Module | None = None) -> list[torch.Tensor]:
@@ -507,7 +506,7 @@ class ModelUpdater:
         finally:
             self.model.eval()
 
-    def _metrics(self, tally: _Tally, grad_norms: list[float], *, rollout_gap: bool) -> UpdateMetrics:
+    def _metrics(self, tally: _Tally, grad_norms: list[float], skipped: int, *, rollout_gap: bool) -> UpdateMetrics:
         agents = sorted({key[1] for key in tally.sums if key[0] == "agent"})
         n_steps = len(grad_norms)
         return UpdateMetrics(  # no step taken: no loss, no gradient norm (absent from the logs)
@@ -515,7 +514,7 @@ class ModelUpdater:
             grad_norm=sum(grad_norms) / n_steps if n_steps else None, grad_norm_max=max(grad_norms, default=None),
             lr=self._engine.lr(), n_samples=int(sum(tally.sums[("agent", a, "n_samples")] for a in agents)),
             n_tokens=int(tally.sums[("model", "n_tokens")]), n_minibatches=n_steps,
-            skipped_minibatches=int(tally.sums[("model", "skipped_minibatches")]),
+            skipped_minibatches=skipped,
             forward_tokens=int(tally.sums[("model", "forward_tokens")]), packed=self._mask_kind is not None,
             agents={a: _agent_metrics(tally, a, self._reference is not None, self.settings.entropy_coef > 0,
                                       rollout_gap, agent_grad_norms(tally, agents, grad_norms)[a]) for a in agents},
