@@ -44,7 +44,7 @@ __all__ = ["main", "build_parser", "ui_main"]
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one command; returns the exit status (0 ok, 1 replay diverged, 2 error, 3 `check` found no learning
-    signal, 130 training interrupted by Ctrl-C)."""
+    signal, 130 training interrupted by Ctrl-C, 143 training stopped by SIGTERM)."""
     args = build_parser().parse_args(argv)
     if args.local_rank is not None:  # the deepspeed launcher passes --local_rank=R (and sets LOCAL_RANK)
         os.environ.setdefault("LOCAL_RANK", str(args.local_rank))

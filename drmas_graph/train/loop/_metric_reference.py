@@ -92,6 +92,13 @@ STEP = [
                                        "docs/guide/structured-output.md); 0 where constrain is off; absent when it "
                                        "made no call."),
     ("agent/<agent>/invalid_rate", "Share of the agent's turns that were invalid (each costs invalid_penalty)."),
+    ("agent/<agent>/tool_calls_per_turn", "Mean tool calls per turn of the agent, over its turns with tools bound "
+                                          "(the calls that parsed, `Turn.tool_calls`); absent when it had no such "
+                                          "turn."),
+    ("agent/<agent>/tool_calls_well_formed", "Share of the agent's turns with tools bound that attempted a tool call "
+                                             "whose calls all parse: a turn with a `format_error` about its tool calls "
+                                             "(they do not parse, or a forced tool call failed) is not; absent where no "
+                                             "turn attempted a call."),
     ("agent/<agent>/llm_call_s", "Wall seconds of the agent's calls in the scored episodes, summed over its calls "
                                  "(concurrent calls overlap; any policy, served ones included)."),
     ("agent/<agent>/rollout_prefill_s", "The agent's part of time/rollout_prefill_s (embedded policies only)."),

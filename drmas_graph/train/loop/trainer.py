@@ -80,7 +80,7 @@ class TrainResult:
         """A short table: per-agent reward (turn reward incl. invalid-turn penalties) and avg@k / pass@k,
         at the first and the last evaluation; the training reward of the first and last step ('-' for a step
         where no episode got a reward), with its episode counts (rewarded, unjudged, failed, bad reward) where
-        some got none. One column where there was only one (one evaluation, one step). Then where the time went
+        some got none, and per agent with tools its tool calls per turn and share of well-formed tool calls. One column where there was only one (one evaluation, one step). Then where the time went
         (`_timing.time_line`): 'time per step: rollout 12.1 s (prefill 1.2, decode 9.8), score 0.4 s, ...'."""
 
         def row(label: str, *cells: Any) -> str:
@@ -111,10 +111,25 @@ class TrainResult:
                       ("failed_episodes", "failed episodes"), ("bad_reward_episodes", "bad-reward episodes"))
             if any(h.get(key) for h in ends for key, _ in counts[1:]):  # some got no reward: say how many
                 lines += [row("  " + label, *(int(h.get(key, 0)) for h in ends)) for key, label in counts]
+            lines += _tool_rows(ends, row)
         if (line := time_line(self.history, self.evals)) is not None:
             lines.append(line)
         lines.append(f"run folder: {self.run_dir}")
         return "\n".join(lines)
+
+
+def _tool_rows(ends: Sequence[dict[str, Any]], row: Any) -> list[str]:
+    """Per agent with tools bound in one of the `ends` steps: its tool calls per turn and the share of well-formed
+    tool calls ('-' where a step had no such turn, `_scoring.tool_use`)."""
+    suffix = "/tool_calls_per_turn"
+    agents = sorted({k[len("agent/"):-len(suffix)] for h in ends for k in h
+                     if k.startswith("agent/") and k.endswith(suffix)})
+    lines = []
+    for a in agents:  # an agent's name may hold '/' (a node inside a subgraph)
+        for key, label in ((f"agent/{a}/tool_calls_per_turn", "tool calls/turn"),
+                           (f"agent/{a}/tool_calls_well_formed", "well-formed calls")):
+            lines.append(row(f"  {label} {a}", *(float(h[key]) if key in h else "-" for h in ends)))
+    return lines
 
 
 def _after(steps_done: int) -> str:
@@ -342,6 +357,7 @@ class Trainer:
         rollouts: list[Any] | None = [] if self.weave is not None else None
         label = "evaluation before training" if step == 0 else f"evaluation {_after(step)}"
         record = evaluate(self.state, step=step, rollouts=rollouts, progress=logger.episodes(label))
+        _checkpoints.save_notes(self.state)  # its warning, once per run: also for a run resumed from the checkpoint
         if self.weave is not None:
             self.weave.submit_evaluation(record, rollouts)
         self.result.evals.append(record)
