@@ -470,6 +470,9 @@ def test_drmas_graph_warm_start_alone_then_train_starts_from_it(tmp_path, capsys
     assert "loss solver" in out and "evaluation on test" in out
     lines = metric_lines(tmp_path / "run")
     assert [r["step"] for r in lines if "warm_start/epoch" in r] == [-2, -1]
+    # the warm start's checkpoint evaluates as any checkpoint does
+    assert main(["eval", str(path), "--checkpoint", str(summary.parent), "--k", "1"]) == 0
+    assert "avg@1" in capsys.readouterr().out
 
 
 def test_drmas_graph_train_runs_the_warm_start_first(tmp_path, capsys):
@@ -538,3 +541,19 @@ def test_on_deepspeed_the_rl_after_the_warm_start_trains_as_from_its_checkpoint(
     assert together.warm_start.losses["solver"][1] < together.warm_start.losses["solver"][0]
     assert together.history[0][f"model/tiny-llama-v512-s0/grad_norm"] > 0
     assert all(torch.equal(weights[k], weights_apart[k]) for k in weights)
+
+
+def test_asynchronous_training_starts_from_a_warm_start_done_in_its_own_process(tmp_path):
+    """The asynchronous pipeline numbers the rollout weights from 0: the RL's policies are built from the config and
+    load the warm start's checkpoint before they generate (a warm start in the same process is refused)."""
+    models = {"m": {"tiny": {"seed": 0}}}
+    agents = {a: {"model": "m", "sampling": {"max_new_tokens": 6}} for a in ("solver", "verifier")}
+    cfg = config(tmp_path, models=models, agents=agents, steps=2, warm={"eval_tasks": 0},
+                 **{"async": {"max_staleness": 1}})
+    with pytest.raises(ConfigError, match=r"warm_start before asynchronous training .* `drmas-graph warm-start CONFIG` "
+                                          "first"):
+        train_graph(graph(), ParityEnv(), cfg)
+    warm_start(graph(), ParityEnv(), cfg)
+    result = train_graph(graph(), ParityEnv(), cfg)
+    assert [r["step"] for r in result.history] == [0, 1]
+    assert [r["async/staleness_mean"] for r in result.history] == [0.0, 1.0]  # one step off, from version 0

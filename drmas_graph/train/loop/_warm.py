@@ -209,6 +209,14 @@ def prepare(run: RunState, *, warm_only: bool = False) -> tuple[dict[str, Any], 
     slots = [m for m in run.models.values() if _trains(run, m)]
     kl = {m.name: model_update(run.cfg, m.name) for m in slots}
     kl = {n: s for n, s in kl.items() if s.kl_coef > 0 or s.kl_start_metric}
+    # asynchronous training numbers the rollout weights from 0: an embedded policy must start it at version 0
+    fresh = {m.name for m in slots if is_served(m.policy) or any(p is m.policy for p in run.built)}
+    load = done and (not resumed or bool(kl))  # a resumed run loads its step's weights: these only make the KL ref
+    if not warm_only and run.cfg.async_.max_staleness > 0 and (not done or (load and len(fresh) < len(slots))):
+        raise ConfigError("warm_start before asynchronous training (async.max_staleness >= 1) runs in a process of its "
+                          "own, and the RL's policies are built from the config (`models`, not policies=): run "
+                          "`drmas-graph warm-start CONFIG` first, then `drmas-graph train CONFIG` starts from its "
+                          "checkpoint")
     references: dict[str, Any] = {}
     if ws.kl_reference == "base":  # taken now, before the warm start changes the weights
         frozen = SupervisedUpdater.frozen_reference
@@ -216,13 +224,9 @@ def prepare(run: RunState, *, warm_only: bool = False) -> tuple[dict[str, Any], 
                       for m in slots if m.name in kl and not is_peft_model(m.trained)}
     if done:
         result = WarmStartResult.read(final)
-        if not resumed or kl:  # a resumed run loads its step's weights: these only make the KL reference
-            _load(run, final, slots)
+        if load:
+            _load(run, final, slots, fresh)
     else:
-        if not warm_only and run.cfg.async_.max_staleness > 0 and any(not is_served(m.policy) for m in slots):
-            raise ConfigError("warm_start before asynchronous training (async.max_staleness >= 1) runs in a process "
-                              "of its own: run `drmas-graph warm-start CONFIG` first (Python: warm_start(...)), then "
-                              "`drmas-graph train CONFIG` starts from its checkpoint")
         result = _run(run, slots)
     if ws.kl_reference == "warm":  # a LoRA updater's default reference is the base: the adapters as warm-started
         for m in slots:
@@ -240,15 +244,15 @@ def _trains(run: RunState, slot: ModelSlot) -> bool:
             and any(not run.agent_cfgs[a].frozen for a in slot.agents))
 
 
-def _load(run: RunState, checkpoint: Path, slots: Sequence[ModelSlot]) -> None:
-    """The warm-started weights into every model the checkpoint holds (in place; a policy built for this run has
-    not generated yet, another one gets a new version), pushed to the servers of served ones."""
+def _load(run: RunState, checkpoint: Path, slots: Sequence[ModelSlot], fresh: set[str]) -> None:
+    """The warm-started weights into every model the checkpoint holds, in place (`fresh`: the models whose policy was
+    built for this run and has not generated yet, or is served; another policy gets a new version, so nothing it
+    cached of the old weights is used), pushed to the servers of served ones."""
     for m in slots:
         folder = checkpoint / m.name / "model"
         if not folder.is_dir():
             continue
-        fresh = any(p is m.policy for p in run.built)
-        with contextlib.nullcontext() if fresh or is_served(m.policy) else m.policy.updating_weights():
+        with contextlib.nullcontext() if m.name in fresh else m.policy.updating_weights():
             on_model_thread(m, functools.partial(_load_weights, m.trained, folder))
         if is_served(m.policy):
             push_weights(run.run_dir, m.name, m.trained, m.policy, None, version=0)
