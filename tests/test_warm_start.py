@@ -10,7 +10,6 @@ import json
 
 import pytest
 import torch
-import yaml
 from langchain_core.language_models.fake_chat_models import FakeListChatModel
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
 
