@@ -52,6 +52,8 @@ _EXPORTS: dict[str, str] = {
     # training
     "train_graph": "drmas_graph.train.loop.trainer",
     "TrainResult": "drmas_graph.train.loop.trainer",
+    "warm_start": "drmas_graph.train.loop.warm_start",
+    "WarmStartResult": "drmas_graph.train.loop.warm_start",
     "TrainConfig": "drmas_graph.config",
     "Env": "drmas_graph.env",
     "Task": "drmas_graph.env",
@@ -102,6 +104,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs
     from drmas_graph.env import Env, Task
     from drmas_graph.served import SGLangPolicy, VLLMPolicy
     from drmas_graph.train.loop.trainer import TrainResult, train_graph
+    from drmas_graph.train.loop.warm_start import WarmStartResult, warm_start
     from drmas_graph.train.optim.update import LossSettings, ModelUpdater, UpdateSettings
     from drmas_graph.errors import (
         ConfigError,

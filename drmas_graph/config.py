@@ -24,7 +24,7 @@ from drmas_graph.errors import ConfigError
 __all__ = [
     "TrainConfig", "ModelConfig", "ServeConfig", "AgentConfig", "SamplingConfig", "LossConfig", "UpdateConfig",
     "EvalConfig", "RolloutConfig", "LoggingConfig", "LoraConfig", "WeaveConfig", "AsyncConfig", "TaskFilesConfig",
-    "RewardConfig", "JudgeConfig", "load_config",
+    "RewardConfig", "JudgeConfig", "WarmStartConfig", "load_config",
     "apply_overrides", "config_reference", "check_chat_template", "read_chat_template", "ESTIMATORS", "LOSS_AGGREGATIONS", "CORRECTIONS", "BASE_ADAPTER", "check_adapter_name", "model_adapters", "resolve_adapters",
 ]
 
@@ -310,6 +310,28 @@ class TaskFilesConfig(_Strict):
     reward: RewardConfig = Field(description="The reward: `judge` or `python`.")
 
 
+class WarmStartConfig(_Strict):
+    """Supervised fine-tuning of each agent on demonstrations before RL (`drmas_graph.train.loop.warm_start`)."""
+
+    demonstrations: str | dict[str, str] | None = Field(None, description="Demonstrations in OpenAI's fine-tuning JSONL format ({\"messages\": [...], \"tools\": [...]}, optional per-message \"weight\"): one file whose records each name their \"agent\", or {agent: file}; relative to the working directory.")
+    traces: str | None = Field(None, description="A trace store (traces.db) of episodes recorded with the app's own models (agents without a policy, e.g. its API model): the warm-started agents' turns of the episodes whose team reward reaches min_reward.")
+    min_reward: float = Field(1.0, description="Keep a recorded episode of `traces` when its team reward is at least this.")
+    reward: Literal["env", "stored"] = Field("env", description="The reward of a recorded episode: env = env.reward on its task (by task id, from the 'train' split), stored = the one the trace store holds.")
+    agents: list[str] | None = Field(None, description="Warm-start only these agents; null = every trained agent that has demonstrations.")
+    epochs: int = Field(3, ge=1, description="Passes over the demonstrations (a seeded shuffle each).")
+    lr: float = Field(1e-5, gt=0, allow_inf_nan=False, description="AdamW learning rate of the warm start (its own optimizer, discarded after it; the model's `update` settings otherwise).")
+    batch_size: int = Field(8, ge=1, description="Demonstrations per optimizer step (per model; micro-batches of agents.<a>.loss.micro_batch_size).")
+    eval_tasks: int = Field(4, ge=0, description="Held-out tasks (the first N of eval.split, eval.k episodes each, evaluation sampling) scored before and after: each agent's format score and reward, the team's avg@k; 0 = none.")
+    kl_reference: Literal["warm", "base"] = Field("warm", description="The KL reference of the RL that follows (update.kl_coef > 0 or kl_start_metric): warm = the warm-started policy, base = the weights before the warm start.")
+
+    @model_validator(mode="after")
+    def _a_source(self) -> WarmStartConfig:
+        if self.demonstrations is None and self.traces is None:
+            raise ValueError("give `demonstrations` (an OpenAI fine-tuning JSONL file, or {agent: file}) and/or "
+                             "`traces` (a traces.db recorded with the app's own models)")
+        return self
+
+
 def _env_kind(value: Any) -> str | None:
     if isinstance(value, (dict, TaskFilesConfig)):
         return _FILES_TAG
@@ -359,6 +381,7 @@ class TrainConfig(_Strict):
     rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="Per-episode graph config and limits.")
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Logging settings.")
     async_: AsyncConfig = Field(default_factory=AsyncConfig, alias="async", description="Asynchronous training settings.")
+    warm_start: WarmStartConfig | None = Field(None, description="Supervised fine-tuning of each agent on demonstrations before RL (`drmas-graph train` runs it first; `drmas-graph warm-start` alone); null = none.")
 
     @model_validator(mode="after")
     def _env_kwargs_need_a_factory(self) -> TrainConfig:

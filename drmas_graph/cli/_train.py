@@ -49,7 +49,8 @@ def build_graph_and_env(cfg: TrainConfig) -> tuple[Any, Any]:
 
 
 def add_train_commands(groups: Any) -> None:
-    p = groups.add_parser("train", help="train a graph's policies with agent-wise GRPO from a YAML config")
+    p = groups.add_parser("train", help="train a graph's policies with agent-wise GRPO from a YAML config (after its "
+                                        "warm start, when the config has a `warm_start` section)")
     p.add_argument("config", type=Path, help="YAML training config (see `drmas-graph config-doc`)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
     p.add_argument("--resume", action="store_true",
@@ -142,8 +143,13 @@ def _terminated_as_interrupt(received: list[int]) -> Iterator[None]:
 def _saved(cfg: TrainConfig, config: Path) -> str:
     """What an interrupted run saved, and the command that continues it."""
     from drmas_graph.train import checkpoint_step, free_run_dir
+    from drmas_graph.train.loop.warm_start import warm_start_state
 
     ckpts = sorted((Path(cfg.run_dir) / "checkpoints").glob("step_*"))
+    warm = warm_start_state(cfg.run_dir) if cfg.warm_start is not None and not ckpts else None
+    if warm is not None:  # nothing of the RL was saved; the warm start is kept, or starts over
+        return (f"the warm start is saved; `drmas-graph train {config} --resume` starts the RL from it" if warm == "done"
+                else f"the warm start did not finish; `drmas-graph train {config}` again starts it over")
     if not ckpts:
         return (f"no checkpoint was saved yet (checkpoint_every: {cfg.checkpoint_every}); its episodes are in "
                 f"{Path(cfg.run_dir) / 'traces.db'}. Start again with `drmas-graph train {config} --set "

@@ -11,6 +11,7 @@ import ast
 import inspect
 import re
 
+from drmas_graph.train.loop._warm import WARM_START_METRICS
 from drmas_graph.train.optim import AgentUpdateMetrics, UpdateMetrics
 
 __all__ = ["metrics_reference", "is_documented", "TIME_NOTE"]
@@ -184,6 +185,7 @@ def metrics_reference() -> list[tuple[str, str, str]]:
                  "`agent/<agent>/...` keys are those above)", lora),
                 ("Asynchronous training", ASYNC),
                 ("Judge rewards (an environment's `reward_metrics()`: a `rewards.Judge`'s counters)", JUDGE),
+                ("Warm start (`warm_start:`; lines with negative steps, before the RL's step 0)", WARM_START_METRICS),
                 ("Evaluation (lines with eval/ keys; `TrainResult.evals` and a `drmas-graph eval`'s eval.json hold "
                  "the same record without the prefix)", EVAL)]
     return [(section, key, meaning) for section, rows in sections for key, meaning in rows]
