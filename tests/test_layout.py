@@ -166,17 +166,9 @@ def test_config_does_not_import_training_code():
     assert _graph()["chat_templates"] <= {"errors"}
 
 
-LONG_PENDING: dict[str, str] = {
-    "config": "c57-warm added WarmStartConfig (622 lines); c57-tools moves the chat-template helpers out of config.py "
-              "(-39 lines): drop this entry when both are merged",
-}
-"""Modules over 600 lines waiting for a branch to merge, and why (the check below fails once one is short again)."""
-
-
 def test_no_module_over_600_lines():
     long = {m: len(p.read_text().splitlines()) for m, p in _modules().items()}
-    assert {m: n for m, n in long.items() if n > 600 and m not in LONG_PENDING} == {}
-    assert [m for m in LONG_PENDING if long[m] <= 600] == [], "no longer over 600 lines: drop it from LONG_PENDING"
+    assert {m: n for m, n in long.items() if n > 600} == {}
 
 
 def test_every_sub_package_says_what_it_owns_and_may_import():
