@@ -35,6 +35,7 @@ _EXPORTS: dict[str, str] = {
     "llm_env": "drmas_graph.instrumentation.endpoint",
     "Policy": "drmas_graph.policy",
     "TransformersPolicy": "drmas_graph.engine.transformers_policy",
+    "builtin_chat_template": "drmas_graph.chat_templates",
     # core types
     "Episode": "drmas_graph.types",
     "Turn": "drmas_graph.types",
@@ -51,6 +52,8 @@ _EXPORTS: dict[str, str] = {
     # training
     "train_graph": "drmas_graph.train.loop.trainer",
     "TrainResult": "drmas_graph.train.loop.trainer",
+    "warm_start": "drmas_graph.train.loop.warm_start",
+    "WarmStartResult": "drmas_graph.train.loop.warm_start",
     "TrainConfig": "drmas_graph.config",
     "Env": "drmas_graph.env",
     "Task": "drmas_graph.env",
@@ -96,10 +99,12 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:  # for type checkers and IDEs
     from drmas_graph.train.optim.advantages import compute_advantages
     from drmas_graph.instrumentation.chat_model import PolicyChatModel
+    from drmas_graph.chat_templates import builtin_chat_template
     from drmas_graph.config import TrainConfig
     from drmas_graph.env import Env, Task
     from drmas_graph.served import SGLangPolicy, VLLMPolicy
     from drmas_graph.train.loop.trainer import TrainResult, train_graph
+    from drmas_graph.train.loop.warm_start import WarmStartResult, warm_start
     from drmas_graph.train.optim.update import LossSettings, ModelUpdater, UpdateSettings
     from drmas_graph.errors import (
         ConfigError,

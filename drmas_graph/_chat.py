@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import re
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,7 +25,7 @@ from langchain_core.utils.function_calling import convert_to_openai_tool
 from drmas_graph.errors import ConfigError
 
 __all__ = ["to_chat_dicts", "with_system_note", "normalize_tools", "tool_signature", "ParsedResponse", "TOOL_PARSERS", "get_tool_parser",
-           "tool_call_id"]
+           "tool_call_id", "with_call_ids", "EpisodeCallIds"]
 
 
 def _text(content: Any) -> str:
@@ -126,6 +128,60 @@ def tool_call_id(*parts: Any) -> str:
     return "".join(_ID_ALPHABET[(n // 62**i) % 62] for i in range(TOOL_CALL_ID_CHARS))
 
 
+_NAMED_CALL_RE = re.compile(r'\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"(?:arguments|parameters)"\s*:\s*(.*)', re.DOTALL)
+
+
+def _salvaged(raw: str) -> tuple[str | None, str]:
+    """(tool name, arguments as written) of a Hermes call block that does not parse, as an API hands over a call
+    whose arguments are not valid JSON (LangChain's `invalid_tool_calls` too); (None, the whole block) when the
+    block does not open with a readable name."""
+    found = _NAMED_CALL_RE.fullmatch(raw.strip())
+    if found is None:
+        return None, raw
+    args = found.group(2).rstrip()
+    if args.endswith("}") and args.count("{") < args.count("}"):  # the block's own closing brace
+        args = args[:-1].rstrip()
+    try:
+        value = json.loads(args)
+    except ValueError:
+        value = None
+    return json.loads(found.group(1)), value if isinstance(value, str) else args  # a string: the JSON it holds
+
+
+def with_call_ids(calls: list[dict[str, Any]], *context: Any) -> list[dict[str, Any]]:
+    """`calls` (tool calls or invalid ones) with ids derived from `context` as well as from the id the parser gave
+    (the reply and the call's place in it): two equal replies at different places of an episode (the same call
+    made twice in one conversation) get different ids, each the same in every run and in replay."""
+    return [{**c, "id": tool_call_id(*context, c.get("id"))} for c in calls]
+
+
+class EpisodeCallIds:
+    """The tool-call ids of one episode's served replies: unique within the episode, the same in every run.
+
+    A parser derives a call's id from the reply and the call's place in it, so the same reply twice (a model
+    calling `add(1, 2)` again later in its conversation) would give two calls one id, which the API formats
+    forbid and a tool result cannot tell apart. Here the id also depends on what the call is: its node instance
+    (`call_key`), agent and prompt (a later call of one conversation has a longer prompt), and `k`, the number
+    of earlier replies of that node instance, agent and prompt with the same text (calls that are equal in all of
+    this are interchangeable, so `k` may follow arrival order). Replay returns the recorded ids (`Turn.tool_calls`).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._seen: dict[tuple[Any, ...], int] = {}
+
+    def assign(self, parsed: ParsedResponse, reply: str, call_key: str, agent: str, prompt: str) -> ParsedResponse:
+        """`parsed` (the parse of `reply`) with its tool calls' ids made unique in the episode (`prompt`: the
+        prompt's digest)."""
+        if not parsed.tool_calls:
+            return parsed
+        key = (call_key, agent, prompt, reply)
+        with self._lock:
+            k = self._seen.get(key, 0)
+            self._seen[key] = k + 1
+        return dataclasses.replace(parsed, tool_calls=with_call_ids(parsed.tool_calls, call_key, agent, prompt, k))
+
+
 def parse_hermes(text: str) -> ParsedResponse:
     """Hermes/Qwen style: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks in the text."""
     if "<tool_call>" not in text:
@@ -141,8 +197,9 @@ def parse_hermes(text: str) -> ParsedResponse:
                 raise TypeError("name must be a string and arguments an object")
             calls.append({"name": name, "args": args, "id": tool_call_id(text, position), "type": "tool_call"})
         except (ValueError, KeyError, TypeError) as exc:
-            invalid.append({"name": None, "args": raw, "id": tool_call_id(text, position), "error": f"{type(exc).__name__}: {exc}",
-                            "type": "invalid_tool_call"})
+            name, raw_args = _salvaged(raw)
+            invalid.append({"name": name, "args": raw_args, "id": tool_call_id(text, position),
+                            "error": f"{type(exc).__name__}: {exc}", "type": "invalid_tool_call"})
     content = _HERMES_RE.sub("", text).strip()
     return ParsedResponse(content=content, tool_calls=calls, invalid_tool_calls=invalid)
 

@@ -3,7 +3,8 @@
 Every field has one line of documentation (its `description`); `drmas-graph config-doc` prints them all
 and the README's table is generated from the same source. Unknown keys are errors (typos never pass).
 
-This module sits at the bottom of the package (it imports only `drmas_graph.errors`): the training code
+This module sits at the bottom of the package (it imports only `drmas_graph.errors` and
+`drmas_graph.chat_templates`, whose `read_chat_template` resolves `models.<name>.chat_template`): the training code
 reads it, never the other way round. Names chosen from registries (`estimator`, `loss_agg`) are checked
 against the name tuples below; a test keeps them equal to the registries in `drmas_graph.train`.
 """
@@ -17,12 +18,13 @@ from typing import Annotated, Any, Literal, Union, get_args, get_origin
 import yaml
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, field_validator, model_validator
 
+from drmas_graph.chat_templates import check_chat_template, read_chat_template  # re-exported here
 from drmas_graph.errors import ConfigError
 
 __all__ = [
     "TrainConfig", "ModelConfig", "ServeConfig", "AgentConfig", "SamplingConfig", "LossConfig", "UpdateConfig",
     "EvalConfig", "RolloutConfig", "LoggingConfig", "LoraConfig", "WeaveConfig", "AsyncConfig", "TaskFilesConfig",
-    "RewardConfig", "JudgeConfig", "load_config",
+    "RewardConfig", "JudgeConfig", "WarmStartConfig", "load_config",
     "apply_overrides", "config_reference", "check_chat_template", "read_chat_template", "ESTIMATORS", "LOSS_AGGREGATIONS", "CORRECTIONS", "BASE_ADAPTER", "check_adapter_name", "model_adapters", "resolve_adapters",
 ]
 
@@ -152,7 +154,7 @@ class ModelConfig(_Strict):
     max_batch_size: int = Field(32, ge=1, description="Dynamic batching: most requests generated together.")
     serve: ServeConfig | None = Field(None, description="Roll out through inference servers; the trainer trains a local copy loaded from `path` on `device` and pushes it to them after every update.")
     lora: LoraConfig | None = Field(None, description="Train one LoRA adapter per agent (`agents.<a>.adapter`) over this frozen model instead of the model itself; null = full fine-tuning.")
-    chat_template: str | None = Field(None, description="A Jinja chat-template file (relative to the working directory) that renders this model's prompts instead of its tokenizer's own, e.g. one that renders `tools` (SmolLM2's drops them); served policies render with it too, and checkpoints save it with the tokenizer. Checked when the config loads.")
+    chat_template: str | None = Field(None, description="A Jinja chat-template file (relative to the working directory), or a built-in template `builtin:<name>` (`builtin:smollm2-tools`: ChatML with tools in the Hermes syntax; drmas_graph.chat_templates), that renders this model's prompts instead of its tokenizer's own, e.g. one that renders `tools` (SmolLM2's drops them); served policies render with it too, and checkpoints save it with the tokenizer. Checked when the config loads.")
     constrain: bool = Field(True, description="Decode each call under the grammar of the format it asks for (JSON mode, a JSON schema, a forced or offered tool: valid calls), as the real APIs guarantee it; embedded, vLLM and SGLang alike (docs/guide/structured-output.md). false: free text, checked after it is generated (a reply that breaks the format is a model error).")
 
     def torch_dtype(self) -> str:
@@ -308,6 +310,28 @@ class TaskFilesConfig(_Strict):
     reward: RewardConfig = Field(description="The reward: `judge` or `python`.")
 
 
+class WarmStartConfig(_Strict):
+    """Supervised fine-tuning of each agent on demonstrations before RL (`drmas_graph.train.loop.warm_start`)."""
+
+    demonstrations: str | dict[str, str] | None = Field(None, description="Demonstrations in OpenAI's fine-tuning JSONL format ({\"messages\": [...], \"tools\": [...]}, optional per-message \"weight\"): one file whose records each name their \"agent\", or {agent: file}; relative to the working directory.")
+    traces: str | None = Field(None, description="A trace store (traces.db) of episodes recorded with the app's own models (agents without a policy, e.g. its API model): the warm-started agents' turns of the episodes whose team reward reaches min_reward.")
+    min_reward: float = Field(1.0, description="Keep a recorded episode of `traces` when its team reward is at least this.")
+    reward: Literal["env", "stored"] = Field("env", description="The reward of a recorded episode: env = env.reward on its task (by task id, from the 'train' split), stored = the one the trace store holds.")
+    agents: list[str] | None = Field(None, description="Warm-start only these agents; null = every trained agent that has demonstrations.")
+    epochs: int = Field(3, ge=1, description="Passes over the demonstrations (a seeded shuffle each).")
+    lr: float = Field(1e-5, gt=0, allow_inf_nan=False, description="AdamW learning rate of the warm start (its own optimizer, discarded after it; the model's `update` settings otherwise).")
+    batch_size: int = Field(8, ge=1, description="Demonstrations per optimizer step (per model; micro-batches of agents.<a>.loss.micro_batch_size).")
+    eval_tasks: int = Field(4, ge=0, description="Held-out tasks (the first N of eval.split, eval.k episodes each, evaluation sampling) scored before and after: each agent's format score and reward, the team's avg@k; 0 = none.")
+    kl_reference: Literal["warm", "base"] = Field("warm", description="The KL reference of the RL that follows (update.kl_coef > 0 or kl_start_metric): warm = the warm-started policy, base = the weights before the warm start.")
+
+    @model_validator(mode="after")
+    def _a_source(self) -> WarmStartConfig:
+        if self.demonstrations is None and self.traces is None:
+            raise ValueError("give `demonstrations` (an OpenAI fine-tuning JSONL file, or {agent: file}) and/or "
+                             "`traces` (a traces.db recorded with the app's own models)")
+        return self
+
+
 def _env_kind(value: Any) -> str | None:
     if isinstance(value, (dict, TaskFilesConfig)):
         return _FILES_TAG
@@ -350,13 +374,14 @@ class TrainConfig(_Strict):
     old_logprobs: Literal["auto", "rollout", "trainer"] = Field("auto", description="Logprobs in the PPO ratio's denominator: rollout = as the rollout backend returned them; trainer = the trainer's model's own (the update then does not depend on how requests were batched, so weights are identical at any max_concurrency): with update.n_minibatches 1 the update's own forward pass, detached (no extra pass), else recomputed in one forward pass per sample before the update; auto = trainer for embedded policies, rollout for served ones.")
     invalid_penalty: float | None = Field(None, description="Reward subtracted per invalid turn; null = the environment's `invalid_penalty` (0 if none).")
     success_threshold: float = Field(1.0, description="An episode succeeds (avg@k, pass@k) when its team reward is >= this.")
-    checkpoint_every: int = Field(25, ge=0, description="Save a checkpoint every N steps (and at the end), so a crash loses at most N steps; 0 = only at the end. One checkpoint of the 135M demo with DeepSpeed optimizer state is ~2.1 GB.")
-    keep_checkpoints: int = Field(2, ge=1, description="Most recent checkpoints kept (older ones are deleted).")
+    checkpoint_every: int = Field(25, ge=0, description="Save a checkpoint every N steps (and at the end), so a crash loses at most N steps; 0 = only at the end. A checkpoint holds each trained model's weights and AdamW's two moments: ~12 bytes per parameter in float32 (1.6 GB for SmolLM2-135M), ~14 in bfloat16 (float32 master weights too).")
+    keep_checkpoints: int = Field(2, ge=1, description="Most recent checkpoints kept: the older ones are deleted once the new one is whole (1 = only the latest; it is never removed before its successor is complete).")
     resume: bool = Field(False, description="Continue from the latest checkpoint in run_dir; an error when it holds none.")
     eval: EvalConfig = Field(default_factory=EvalConfig, description="Evaluation settings.")
     rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="Per-episode graph config and limits.")
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Logging settings.")
     async_: AsyncConfig = Field(default_factory=AsyncConfig, alias="async", description="Asynchronous training settings.")
+    warm_start: WarmStartConfig | None = Field(None, description="Supervised fine-tuning of each agent on demonstrations before RL (`drmas-graph train` runs it first; `drmas-graph warm-start` alone); null = none.")
 
     @model_validator(mode="after")
     def _env_kwargs_need_a_factory(self) -> TrainConfig:
@@ -501,47 +526,6 @@ def config_reference() -> list[tuple[str, str, str]]:
 
     walk(TrainConfig, "")
     return rows
-
-
-# ---- chat-template files ------------------------------------------------------------------------------
-
-
-def check_chat_template(template: str, what: str) -> None:
-    """Parse a Jinja chat template as Hugging Face tokenizers compile it (sandboxed, `trim_blocks`,
-    `lstrip_blocks`, loop controls, `{% generation %}` blocks) and raise `ConfigError` naming the template
-    (`what`: its file, its policy) and the line when it does not parse: a broken template fails here, not at
-    the first call."""
-    import jinja2
-    from jinja2.ext import Extension
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    class _Generation(Extension):  # transformers' `{% generation %}...{% endgeneration %}` marks assistant text
-        tags = {"generation"}
-
-        def parse(self, parser: Any) -> Any:
-            lineno = next(parser.stream).lineno
-            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-            return jinja2.nodes.Scope(body, lineno=lineno)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[_Generation, "jinja2.ext.loopcontrols"])
-    try:
-        env.parse(template)
-    except jinja2.TemplateSyntaxError as exc:
-        raise ConfigError(f"{what} does not parse as Jinja: line {exc.lineno}: {exc.message}; fix the template "
-                          "there") from None
-
-
-def read_chat_template(path: str | Path, where: str = "") -> str:
-    """The text of a chat-template file (a relative `path` is relative to the working directory), checked by
-    `check_chat_template`. `where` names the setting (`models.smollm2.chat_template`) the errors start with."""
-    file, prefix = Path(path), f"{where}: " if where else ""
-    if not file.is_file():
-        raise ConfigError(f"{prefix}chat template file {str(path)!r} does not exist (looked for "
-                          f"{str(file.resolve())!r}; a relative path is relative to the working directory)")
-    text = file.read_text(encoding="utf-8")
-    check_chat_template(text, f"{prefix}chat template file {str(path)!r}")
-    return text
 
 
 # ---- LoRA adapters per agent ---------------------------------------------------------------------------

@@ -35,7 +35,7 @@ class Env(Protocol):
     `.input`; `reward(task, episode)` returns a team reward (float) or a reward per agent
     ({agent: float}, see `reward`); a truncated or model-error episode is scored by the config's `rollout.truncated_reward` /
     `rollout.model_error_reward` unless those are null (then `reward` sees `episode.truncated` /
-    `episode.model_error` and must handle `final_state` None). Optional: `turn_is_valid(task, turn) -> bool` (an invalid turn costs
+    `episode.model_error`, and `final_state` is the state as of the run's last completed superstep, not an answer). Optional: `turn_is_valid(task, turn) -> bool` (an invalid turn costs
     `invalid_penalty`, as in the paper: math 0.1, search 0.01) and `is_success(task, episode) -> bool`
     for avg@k/pass@k (default: team reward >= the config's success_threshold).
 
@@ -163,7 +163,7 @@ def score_episode(env: Any, task: Any, episode: Episode, *, invalid_penalty: flo
 
     The team reward of a truncated episode is `truncated_reward` and that of a model-error episode
     `model_error_reward` (the config's `rollout` fields); None asks `env.reward` (it sees `episode.truncated`
-    / `episode.model_error`; `final_state` is None unless the app caught the stop). `reward`, when given, is
+    / `episode.model_error`; `final_state` is the state as of the run's last completed superstep). `reward`, when given, is
     the raw reward the environment already gave for the episode (its item of `env.reward_group`): it is
     checked and used instead of calling `env.reward` (a configured reward above still takes precedence; an
     exception instance raises `BadRewardError` from it). A turn is invalid when

@@ -203,7 +203,8 @@ class Episode:
     turns: list[Turn] = field(default_factory=list)
     """Every LLM call, in the order the calls started."""
     final_state: Any = None
-    """The graph's output (what graph.invoke returned)."""
+    """The graph's output (what graph.invoke returned); of a run that raised (truncated, a model error, failed), its
+    state as of its last completed superstep (None when it raised before any)."""
     rewards: dict[str, float] = field(default_factory=dict)
     """Reward per agent (a team reward is stored under every agent); filled by training."""
     turn_rewards: list[float] | None = None

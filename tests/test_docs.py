@@ -42,7 +42,7 @@ def test_the_cli_reference_lists_every_command():
     page = (ROOT / "docs" / "reference" / "cli.md").read_text()
     commands = re.findall(r"^## `drmas-graph ([a-z -]+)`$", page, flags=re.M)
     assert commands == ["traces list", "traces show", "traces stats", "traces export", "traces replay",
-                        "traces rescore", "train", "eval", "check", "config-doc", "ui"]
+                        "traces rescore", "train", "eval", "check", "config-doc", "warm-start", "ui"]
     assert "| `--set KEY=VALUE` | override a config field | repeatable |" in page
 
 

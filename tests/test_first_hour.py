@@ -275,7 +275,7 @@ def test_check_report_warns_about_an_agent_that_never_acted_and_cut_off_replies(
 
     solver = AgentCheck(episodes=8, reward_mean=0.5, reward_std=0.53, reward_min=0.0, reward_max=1.0, groups=4,
                         zero_variance_groups=1, invalid_rate=0.0, format_error_rate=0.0, truncated_reply_rate=0.75,
-                        sample_reply="4")
+                        constrained_rate=0.0, sample_reply="4")
     report = CheckReport(groups=4, group_size=2, episodes=8, counts={}, pools=4, signal_pools=3,
                          agents={"solver": solver}, silent=("judge",))
     assert report.has_signal and report.warnings() == [

@@ -71,7 +71,7 @@ def test_with_structured_output_is_valid_from_the_first_call_when_constrained(op
     app = instrument(_judge_graph(lambda: openai_llm.with_structured_output(Verdict, method="json_schema")),
                      {"judge": policy})
     episodes = [_rollout(app, {"q": f"Is {i} even?"}) for i in range(6)]
-    parsed = [e for e in episodes if e.final_state and isinstance(e.final_state["v"], Verdict)]
+    parsed = [e for e in episodes if isinstance((e.final_state or {}).get("v"), Verdict)]
     turns = [e.turns[0] for e in episodes]
     if constrain:
         assert len(parsed) == 6, [e.error for e in episodes]

@@ -1,7 +1,8 @@
 """graphs/tool_calc end to end under instrumentation, on a tiny real model with scripted replies (no SmolLM2):
-the worker's OpenAI SDK call becomes a turn whose prompt ids carry the tool schema (the app's chat template file,
-loaded as `models.<name>.chat_template` is), the tool's result is in the next turn's prompt, and the reward is
-computed from the final state. No socket is opened (tests/_no_network.py): nothing leaves the process."""
+the worker's OpenAI SDK call becomes a turn whose prompt ids carry the tool schema (the built-in chat template its
+train.yaml names, `models.<name>.chat_template: builtin:smollm2-tools`), the tool's result is in the next turn's
+prompt, and the reward is computed from the final state. No socket is opened (tests/_no_network.py): nothing leaves
+the process."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from graphs.tool_calc.graph import EXAMPLE, MULTIPLY_TOOL, SYSTEM_PROMPT, build_
 from tests._no_network import no_network  # noqa: F401 - a fixture
 
 ROOT = Path(__file__).resolve().parents[1]
-TEMPLATE = read_chat_template(ROOT / "graphs" / "tool_calc" / "smollm2_tools.jinja")
+TEMPLATE = read_chat_template("builtin:smollm2-tools")  # what train.yaml's `models.smollm2.chat_template` loads
 
 
 def _calculator(prompt: str) -> str:
@@ -105,10 +106,9 @@ def test_the_tasks_are_seeded_disjoint_four_digit_products():
     assert [t.id for t in ToolCalcEnv(seed=3, n_train=40, n_test=20).tasks("test")] == [t.id for t in test]
 
 
-def test_the_train_config_loads_with_the_template_file(monkeypatch):
-    monkeypatch.chdir(ROOT)
+def test_the_train_config_loads_with_the_builtin_template():
     cfg = load_config(ROOT / "graphs" / "tool_calc" / "train.yaml")
-    assert cfg.models["smollm2"].chat_template == "graphs/tool_calc/smollm2_tools.jinja"
+    assert cfg.models["smollm2"].chat_template == "builtin:smollm2-tools"
     assert cfg.graph == "graphs.tool_calc.graph:build_graph" and list(cfg.agents) == ["worker"]
 
 

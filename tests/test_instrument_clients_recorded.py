@@ -318,8 +318,8 @@ def test_an_anthropic_reply_that_breaks_its_output_format_fails_by_name(recordin
         instrument(one_node(writer), {"writer": policy}, strict=True).rollout({"q": "x"})
     assert "stopped after 1 LLM call(s): turn 0 (agent 'writer', node 'writer" in str(info.value)
     assert "the call asks for a JSON object (json_schema), but the policy's reply is not one: 'five'" in str(info.value)
-    sdk_error = info.value.__cause__  # the SDK wraps what its transport raised, and keeps it as the cause
-    assert isinstance(sdk_error, anthropic.APIConnectionError) and isinstance(sdk_error.__cause__, StructuredOutputError)
+    app_error = info.value.__cause__  # the error itself, which the SDK let through (not a "Connection error.")
+    assert isinstance(app_error, StructuredOutputError) and isinstance(app_error, anthropic.AnthropicError)
     assert info.value.episode.turns[0].format_error and recording_api.received == []
     policy.close()
 

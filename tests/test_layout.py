@@ -18,10 +18,12 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1] / "drmas_graph"
 
-SHARED = {"types", "errors", "config", "env", "policy", "_chat", "_structured", "_importing", "grammar"}
+SHARED = {"types", "errors", "config", "env", "policy", "_chat", "_structured", "_importing", "grammar",
+          "chat_templates"}
 """Top-level modules every layer may import (`_importing` is the one `module:attr` importer that the CLI, task
 files and the judge's models all use; `grammar` is the one description of a call's constraint that the recorder
-builds, the engine and the servers decode under and the trainer rebuilds masks from)."""
+builds, the engine and the servers decode under and the trainer rebuilds masks from; `chat_templates` reads
+and checks the chat template a model is given, a file or a built-in, for the config and every policy)."""
 FACADES = {"", "testing", "ui.__main__"}
 """The package itself, the public name of the tiny test models and `python -m drmas_graph.ui` (the command
 line's entry point): they may import anything."""
@@ -160,7 +162,8 @@ def test_the_cycle_check_finds_a_cycle():
 
 
 def test_config_does_not_import_training_code():
-    assert _graph()["config"] <= {"errors"}
+    assert _graph()["config"] <= {"errors", "chat_templates"}
+    assert _graph()["chat_templates"] <= {"errors"}
 
 
 def test_no_module_over_600_lines():

@@ -58,7 +58,8 @@ def test_edited_prompt_is_reported_with_a_diff_and_replay_stops(tmp_path, policy
     [episode] = record(original, {"solver": policy, "verifier": policy}, [{"question": "2+3?"}], tmp_path / "r.db")
     edited = _graphs.solver_verifier(Unreachable(), verifier_system="Check it very carefully.").compile()
     result = replay(edited, tmp_path / "r.db", episode.id)
-    assert result.stopped and result.final_state is None
+    # the state as replay stopped it: after the solver's superstep (issue 58: None before)
+    assert result.stopped and result.final_state == {"question": "2+3?", "answer": episode.final_state["answer"]}
     [d] = result.divergences
     assert (d.kind, d.agent, d.node, d.call_key, d.call_index) == ("prompt_changed", "verifier", "verifier",
                                                                    "verifier", 0)

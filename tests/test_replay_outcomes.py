@@ -336,7 +336,10 @@ def test_the_last_run_of_a_multi_run_episode_stops_where_the_recording_did(stop)
     episode.segments = [episode.segments[0], Segment(kind="resume", input=Command(resume="shorter"))]
     result = replay_episode(graph, episode)
     assert result.divergences == [] and [t.segment for t in result.turns] == [0, 1]
-    assert result.state_matches and result.final_state["messages"][-1].content == "a draft"  # the 1st run's output
+    # the state as the second run left it, after its last completed superstep (`approve` answered; issue 58: it
+    # was the first run's output, the state before the resume)
+    assert result.state_matches and result.final_state["messages"][-1].content == "editor: shorter"
+    assert episode.final_state["messages"][-1].content == "editor: shorter"
     assert (result.stopped, result.error) == ((True, None) if stop == "truncated" else (False, episode.model_error))
 
 

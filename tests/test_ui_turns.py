@@ -242,3 +242,85 @@ def test_the_runs_page_draws_each_agents_tool_use_among_the_first_charts(tmp_pat
         "run / solver: step 0, 0.5", "run / solver: step 2, 0.75",  # no point where the metric was left out
         "run / checker: step 1, 1", "run / checker: step 2, 0"]
     app.close()
+
+
+# -- constrained turns --------------------------------------------------------------------------------------------
+
+MULTIPLY = {"type": "function", "function": {"name": "multiply", "description": "a * b", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}
+CONSTRAINED = [  # (how the app calls, the scripted reply (valid under the grammar), the flag's label or None)
+    ("free", "Hi.", None),
+    ("json_object", '{"a": 1}', "constrained: json_object"),
+    ("json_schema", '{"ok": true}', "constrained: json_schema"),
+    ("forced", '{"a": 2, "b": 3}', "constrained: tools (forced)"),
+    ("required", '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>',
+     "constrained: tools (required)"),
+    ("auto", "It is 6.", "constrained: tools (auto)"),
+    ("none", "It is 6.", "constrained: tools (none)"),
+]
+
+
+def constrained_episode(monkeypatch) -> Episode:
+    """One episode of an app whose node makes one call of each kind of `CONSTRAINED` through ChatOpenAI, served by a
+    scripted policy that decodes under the grammars (`constrain=True`): the turns as the recorder writes them."""
+    from langchain_openai import ChatOpenAI
+    from langgraph.graph import END, START, StateGraph
+    from pydantic import BaseModel
+
+    from drmas_graph import instrument
+    from drmas_graph.testing import scripted_policy
+
+    class Ok(BaseModel):
+        ok: bool
+
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-not-used")
+    llm = ChatOpenAI(model="gpt-4o-mini", base_url="http://127.0.0.1:9/v1", max_retries=0, timeout=2)
+    calls = {"free": llm, "json_object": llm.bind(response_format={"type": "json_object"}),
+             "json_schema": llm.with_structured_output(Ok, method="json_schema"),
+             "forced": llm.bind_tools([MULTIPLY], tool_choice="multiply"),
+             "required": llm.bind_tools([MULTIPLY, ADD], tool_choice="required"),
+             "auto": llm.bind_tools([MULTIPLY, ADD]), "none": llm.bind_tools([MULTIPLY, ADD], tool_choice="none")}
+
+    def ask(state):
+        return {"replies": [str(calls[kind].invoke([HumanMessage("2 * 3?")])) for kind, _, _ in CONSTRAINED]}
+
+    graph = StateGraph(dict).add_node("ask", ask).add_edge(START, "ask").add_edge("ask", END)
+    policy = scripted_policy([reply for _, reply, _ in CONSTRAINED], name="tiny", constrain=True)
+    episode = instrument(graph, {"ask": policy}).rollout({"q": "2 * 3?"})
+    policy.close()
+    assert episode.ok, episode.error
+    return episode
+
+
+def test_the_episode_page_and_traces_show_say_which_turns_were_constrained(tmp_path, capsys, monkeypatch):
+    episode = constrained_episode(monkeypatch)
+    assert [t.sampling.grammar is not None for t in episode.turns] == [False] + [True] * 6
+    run = tmp_path / "run"
+    with TraceStore(run / "traces.db") as store:
+        store.write_episode(episode)
+    app = UiApp([run])
+    body = get(app, "/runs/run/episodes/" + episode.id)[1]
+    summaries = dict(re.findall(r"<summary><b>#(\d)</b>(.*?)</summary>", body, re.S))
+    badges = {int(n): re.findall(r'<span class="badge flag" title="([^"]*)">(constrained: [^<]*)</span>', s)
+              for n, s in summaries.items()}
+    assert [[html.unescape(label) for _, label in badges[i]] for i in range(7)] == [
+        [label] if label else [] for _, _, label in CONSTRAINED]
+    assert html.unescape(badges[2][0][0]) == "decoded under a grammar: one JSON object valid against the schema 'Ok'"
+    assert html.unescape(badges[3][0][0]) == ("decoded under a grammar: a call of the forced tool 'multiply', "
+                                              "arguments valid")
+    app.close()
+
+    monkeypatch.setenv("COLUMNS", "300")
+    assert main(["traces", "show", str(run / "traces.db"), episode.id]) == 0
+    policies = re.findall(r"policy (tiny@0(?: \([^)]*\)*)?)   latency", capsys.readouterr().out)
+    assert policies == ["tiny@0"] + [f"tiny@0 ({label})" for _, _, label in CONSTRAINED[1:]]
+
+
+def test_a_turn_that_asked_for_a_format_without_a_grammar_is_not_flagged_constrained():
+    from drmas_graph.types import SamplingParams
+    from drmas_graph.ui.turns import turn_flags
+
+    unconstrained = turn(0, [1], response_format={"type": "json_object"}, sampling=SamplingParams(constrain=False))
+    assert turn_flags(unconstrained) == []  # constrain: false, or a store from before constrained decoding
+    odd = turn(0, [1], sampling=SamplingParams(grammar='{"type": "structural_tag", "format": {"type": "regex"}}'))
+    assert [label for label, _ in turn_flags(odd)] == ["constrained: grammar"]

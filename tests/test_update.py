@@ -187,13 +187,14 @@ def test_zero_advantages_leave_parameters_unchanged(rollout, backend):
     samples = [dataclasses.replace(s, advantage=0.0) for s in rollout]
     model = fresh_model()
     before = snapshot(model)
-    updater = ModelUpdater(model, name="m", settings=settings(backend, weight_decay=0.0))
+    updater = ModelUpdater(model, name="m", settings=settings(backend))  # weight decay 0.01: a step would show
     metrics = updater.update(samples)
-    assert metrics.grad_norm == 0.0 and metrics.loss == 0.0
-    # one zero-advantage sample is still forwarded (the step keeps its shape): its agent's loss is a measured 0;
-    # the other agent had nothing forwarded, so no loss (None, absent from the logs)
-    assert [a.pg_loss for a in metrics.agents.values() if a.pg_loss is not None] == [0.0]
-    assert len(metrics.agents) == 2
+    # no sample is forwarded and no optimizer step taken (rev7: one sample was forwarded and AdamW stepped, its
+    # weight decay moving every weight): nothing measured, so no loss, norm or per-agent loss (absent from the logs)
+    assert (metrics.n_minibatches, metrics.skipped_minibatches) == (0, 1)
+    assert metrics.grad_norm is metrics.loss is metrics.grad_norm_max is None
+    assert [a.pg_loss for a in metrics.agents.values()] == [None, None] and len(metrics.agents) == 2
+    assert "model/m/loss" not in metrics.to_dict() and metrics.to_dict()["model/m/skipped_minibatches"] == 1.0
     assert max_diff(before, snapshot(model, updater)) == 0.0
 
 

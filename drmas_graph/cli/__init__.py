@@ -2,7 +2,7 @@
 
 Commands come in groups (``drmas-graph GROUP COMMAND ...``). Each group's module has one
 ``add_<group>_commands`` function that registers its sub-parsers (`_traces`: inspecting stored runs;
-`_train`: training, evaluation, config docs); each command is a ``_cmd_<name>(args, console) -> int`` set
+`_train`: training, evaluation, config docs; `_warm`: the warm start alone); each command is a ``_cmd_<name>(args, console) -> int`` set
 as the parser's ``func`` default. A new group adds its function to `build_parser`.
 
     drmas-graph traces list PATH [--step N] [--agent A] [--task T] [--failed | --ok] [--limit N]
@@ -13,6 +13,7 @@ as the parser's ``func`` default. A new group adds its function to `build_parser
     drmas-graph traces replay PATH EPISODE --graph module:attr
     drmas-graph traces rescore PATH --reward module:attr [--episodes trained|ok|all] [--step N] [--out FILE]
     drmas-graph train CONFIG.yaml [--set key=value ...]
+    drmas-graph warm-start CONFIG.yaml [--set key=value ...]
     drmas-graph eval CONFIG.yaml [--checkpoint DIR] [--split S] [--k K] [--n-tasks N]
     drmas-graph check CONFIG.yaml [--groups N] [--set key=value ...]
     drmas-graph config-doc
@@ -37,6 +38,7 @@ from drmas_graph.cli._traces import add_traces_commands
 from drmas_graph.cli._train import add_train_commands
 from drmas_graph.cli._ui import add_ui_command
 from drmas_graph.cli._ui import main as ui_main  # `python -m drmas_graph.ui`
+from drmas_graph.cli._warm import add_warm_command
 from drmas_graph.errors import DrmasError
 
 __all__ = ["main", "build_parser", "ui_main"]
@@ -44,7 +46,7 @@ __all__ = ["main", "build_parser", "ui_main"]
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one command; returns the exit status (0 ok, 1 replay diverged, 2 error, 3 `check` found no learning
-    signal, 130 training interrupted by Ctrl-C)."""
+    signal, 130 training interrupted by Ctrl-C, 143 training stopped by SIGTERM)."""
     args = build_parser().parse_args(argv)
     if args.local_rank is not None:  # the deepspeed launcher passes --local_rank=R (and sets LOCAL_RANK)
         os.environ.setdefault("LOCAL_RANK", str(args.local_rank))
@@ -64,6 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     groups = parser.add_subparsers(dest="group", required=True, metavar="GROUP")
     add_traces_commands(groups)
     add_train_commands(groups)
+    add_warm_command(groups)
     add_ui_command(groups)
     return parser
 

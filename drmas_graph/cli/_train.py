@@ -11,7 +11,9 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import signal
 import sys
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -47,7 +49,8 @@ def build_graph_and_env(cfg: TrainConfig) -> tuple[Any, Any]:
 
 
 def add_train_commands(groups: Any) -> None:
-    p = groups.add_parser("train", help="train a graph's policies with agent-wise GRPO from a YAML config")
+    p = groups.add_parser("train", help="train a graph's policies with agent-wise GRPO from a YAML config (after its "
+                                        "warm start, when the config has a `warm_start` section)")
     p.add_argument("config", type=Path, help="YAML training config (see `drmas-graph config-doc`)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
     p.add_argument("--resume", action="store_true",
@@ -80,11 +83,13 @@ def _cmd_train(args: argparse.Namespace, console: Console) -> int:
     from drmas_graph.train.engines import distributed
 
     cfg = load_config(args.config, args.set + (["resume=true"] if args.resume else []))
-    graph, env = build_graph_and_env(cfg)
-    if distributed.is_main():  # under a launcher, rank 0 alone reports
-        console.print(f"training {cfg.name}: run folder {cfg.run_dir}", markup=False)
+    terminated: list[int] = []  # the signals that stopped the run
     try:
-        result = train_graph(graph, env, cfg)
+        with _terminated_as_interrupt(terminated):  # SIGTERM (a scheduler, `kill`, a launcher) stops it as Ctrl-C
+            graph, env = build_graph_and_env(cfg)
+            if distributed.is_main():  # under a launcher, rank 0 alone reports
+                console.print(f"training {cfg.name}: run folder {cfg.run_dir}", markup=False)
+            result = train_graph(graph, env, cfg)
     except RunDirInUseError as exc:
         raise ConfigError(f"run folder {exc.run_dir} already holds a run; train into a new folder with `--set "
                           f"run_dir={free_run_dir(exc.run_dir)}`, or continue this run from its last checkpoint "
@@ -93,10 +98,11 @@ def _cmd_train(args: argparse.Namespace, console: Console) -> int:
         if getattr(exc, "result", None) is not None and distributed.is_main():
             console.print(exc.result.summary(), markup=False, soft_wrap=True)
         raise
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (`_terminated_as_interrupt`)
         if distributed.is_main():
-            print(f"drmas-graph: interrupted; {_saved(cfg, args.config)}", file=sys.stderr)
-        return 130
+            print(f"drmas-graph: {'terminated (SIGTERM)' if terminated else 'interrupted'}; "
+                  f"{_saved(cfg, args.config)}", file=sys.stderr)
+        return TERMINATED_EXIT if terminated else INTERRUPTED_EXIT
     finally:
         distributed.shutdown()
     if distributed.is_main():
@@ -107,11 +113,43 @@ def _cmd_train(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+INTERRUPTED_EXIT = 130
+"""`drmas-graph train`'s exit status after Ctrl-C (128 + SIGINT, as a shell reports it)."""
+TERMINATED_EXIT = 143
+"""`drmas-graph train`'s exit status after SIGTERM (128 + SIGTERM, what the signal's default action gives)."""
+
+
+@contextmanager
+def _terminated_as_interrupt(received: list[int]) -> Iterator[None]:
+    """Inside the block SIGTERM raises `KeyboardInterrupt` in the main thread, exactly where Ctrl-C raises it, after
+    adding the signal to `received`: the run stops the same way, with the same guarantees (every checkpoint whole
+    or absent, the traces closed, the rollouts cancelled), and the command says what was saved. A handler can be
+    set only in the main thread (elsewhere SIGTERM keeps its own); the previous one is restored after."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def terminate(signum: int, frame: Any) -> None:
+        received.append(signum)
+        raise KeyboardInterrupt(f"signal {signum} (SIGTERM)")
+
+    previous = signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def _saved(cfg: TrainConfig, config: Path) -> str:
     """What an interrupted run saved, and the command that continues it."""
     from drmas_graph.train import checkpoint_step, free_run_dir
+    from drmas_graph.train.loop.warm_start import warm_start_state
 
     ckpts = sorted((Path(cfg.run_dir) / "checkpoints").glob("step_*"))
+    warm = warm_start_state(cfg.run_dir) if cfg.warm_start is not None and not ckpts else None
+    if warm is not None:  # nothing of the RL was saved; the warm start is kept, or starts over
+        return (f"the warm start is saved; `drmas-graph train {config} --resume` starts the RL from it" if warm == "done"
+                else f"the warm start did not finish; `drmas-graph train {config}` again starts it over")
     if not ckpts:
         return (f"no checkpoint was saved yet (checkpoint_every: {cfg.checkpoint_every}); its episodes are in "
                 f"{Path(cfg.run_dir) / 'traces.db'}. Start again with `drmas-graph train {config} --set "

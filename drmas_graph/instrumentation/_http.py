@@ -16,22 +16,24 @@ nothing is sent. A call whose agent has no policy (not strict) is sent as it is 
 app's own model), recorded as a non-trainable turn, and its real response returned. Replay answers from the
 recording; it never sends a request.
 
-A request to a known LLM API (`_wire.is_llm_url`) that is not served (an unrecognised shape, a call from a
-thread outside every run while runs are active) is refused with `StrictModeError` in strict mode and sent
-with an `UnservedCallWarning` otherwise; either way it is counted on the episode (`metadata["unserved_calls"]`),
-which `drmas-graph check` reports.
+An LLM API request (`_wire.is_llm_request`: to a known LLM API host, or shaped like an API's in full) that
+is not served (an unrecognised shape, a call from a thread outside every run while runs are active) is
+refused with `StrictModeError` in strict mode and sent with an `UnservedCallWarning` otherwise; either way it
+is counted on the episode (`metadata["unserved_calls"]`), which `drmas-graph check` reports.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import functools
 import importlib
 import json as jsonlib
+import sys
 import threading
 import types
 import warnings
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from typing import Any
 
 from langchain_core.outputs import ChatResult
@@ -51,7 +53,7 @@ from drmas_graph.instrumentation._intercept import (
 from drmas_graph.instrumentation._intercept import install as install_chat_hooks
 from drmas_graph.instrumentation._subprocess import install as install_subprocess_env
 from drmas_graph.instrumentation.endpoint import is_endpoint_url
-from drmas_graph.instrumentation._wire import UNSERVED_KEY, WireCall, is_llm_url, parse_request
+from drmas_graph.instrumentation._wire import UNSERVED_KEY, WireCall, is_llm_request, parse_request
 from drmas_graph.instrumentation._wire_replies import decode, encode
 
 __all__ = ["install", "Reply", "UNSERVED_KEY"]
@@ -163,13 +165,13 @@ def _plan(client: str, method: str, url: str, headers: Mapping[str, str], body: 
         return None
     handler = ACTIVE_HANDLER.get()
     if handler is None:  # a thread outside every run, while runs are active
-        if is_llm_url(url):
+        if is_llm_request(url, headers, body):
             _unattributed(client, url)
         return None
     call = parse_request(method, url, headers, body)
     if call is not None:
         return _Plan(handler, call, _site(call, client, url))
-    if is_llm_url(url):
+    if is_llm_request(url, headers, body):
         _unserved(handler, client, method, url)
     return None
 
@@ -234,6 +236,50 @@ def _kept(headers: Mapping[str, str]) -> dict[str, str]:
     return {k: v for k, v in headers.items() if k.lower() not in _DROPPED_HEADERS}
 
 
+# ---- errors the client must not take for a failed connection ---------------------------------------------
+@contextlib.contextmanager
+def _raised_as_is(headers: Mapping[str, str]) -> Iterator[None]:
+    """A drmas-graph error raised while a request is served (the reply broke the call's output format, a strict
+    run refused it, an episode limit, a `ConfigError`) reaches the app as itself, once, whatever the client's
+    retry settings. The OpenAI SDK, LiteLLM and raw clients let an exception from the transport through (LiteLLM
+    maps it to its own error, which names it). The Anthropic SDK takes any exception from its transport that is
+    not an `anthropic.AnthropicError` for a failed connection: it raises `APIConnectionError("Connection
+    error.")` after retrying the request `max_retries` times (each retry one more generation and turn). So an
+    error raised for an Anthropic request (its `anthropic-version` header) is also made an `AnthropicError`,
+    which that SDK passes on as it is, without a retry (`anthropic._base_client`: "SDK-originated errors already
+    carry their own type; don't wrap")."""
+    try:
+        yield
+    except DrmasError as error:
+        anthropic = sys.modules.get("anthropic")
+        if anthropic is not None and any(str(k).lower() == "anthropic-version" for k in headers):
+            _also(error, anthropic.AnthropicError)
+        raise
+
+
+def _also(error: DrmasError, base: type) -> None:
+    """Make `error` an instance of `base` too (same object, message and attributes; its class keeps its name)."""
+    if not isinstance(error, base):
+        error.__class__ = _joined(type(error), base)
+
+
+@functools.cache
+def _joined(kind: type, base: type) -> type:
+    """A subclass of `kind` and `base` named as `kind`, pickled as a `kind` (it exists in this process only)."""
+    def reduce(self: Any) -> tuple:
+        return _unjoined, (kind, self.args, dict(self.__dict__))
+
+    return type(kind.__name__, (kind, base), {"__module__": kind.__module__, "__qualname__": kind.__qualname__,
+                                              "__reduce__": reduce})
+
+
+def _unjoined(kind: type, args: tuple, state: dict) -> BaseException:
+    error = kind.__new__(kind)
+    error.args = args
+    error.__dict__.update(state)
+    return error
+
+
 # ---- httpx and httpx2 ---------------------------------------------------------------------------------
 def _patch_httpx(module: Any, name: str) -> None:
     orig_send, orig_asend = module.Client.send, module.AsyncClient.send
@@ -247,7 +293,8 @@ def _patch_httpx(module: Any, name: str) -> None:
     def send(self, request, *args, **kwargs):
         if not _watching():
             return orig_send(self, request, *args, **kwargs)
-        plan = _plan(name, request.method, str(request.url), request.headers, request.read())
+        with _raised_as_is(request.headers):
+            plan = _plan(name, request.method, str(request.url), request.headers, request.read())
         if plan is None:
             return orig_send(self, request, *args, **kwargs)
 
@@ -257,12 +304,14 @@ def _patch_httpx(module: Any, name: str) -> None:
             real.close()
             return real.status_code, _kept(real.headers), body
 
-        return response(request, plan.serve(original))
+        with _raised_as_is(request.headers):
+            return response(request, plan.serve(original))
 
     async def asend(self, request, *args, **kwargs):
         if not _watching():
             return await orig_asend(self, request, *args, **kwargs)
-        plan = _plan(name, request.method, str(request.url), request.headers, await request.aread())
+        with _raised_as_is(request.headers):
+            plan = _plan(name, request.method, str(request.url), request.headers, await request.aread())
         if plan is None:
             return await orig_asend(self, request, *args, **kwargs)
 
@@ -272,7 +321,8 @@ def _patch_httpx(module: Any, name: str) -> None:
             await real.aclose()
             return real.status_code, _kept(real.headers), body
 
-        return response(request, await plan.aserve(original))
+        with _raised_as_is(request.headers):
+            return response(request, await plan.aserve(original))
 
     module.Client.send, module.AsyncClient.send = send, asend
 

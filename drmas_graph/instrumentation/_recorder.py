@@ -17,7 +17,7 @@ from langchain_core.messages import AIMessage
 from langchain_core.outputs import ChatGeneration, ChatResult
 from langchain_core.runnables import ensure_config
 
-from drmas_graph._chat import ParsedResponse, _text
+from drmas_graph._chat import EpisodeCallIds, ParsedResponse, _text, with_call_ids
 from drmas_graph.instrumentation import _task_paths
 from drmas_graph.instrumentation._intercept import CallSite, policy_requests
 from drmas_graph.instrumentation._limits import enforce_limits
@@ -51,6 +51,7 @@ class _EpisodeRecorder:
         self._per_key: dict[str, int] = {}
         self._per_prompt: dict[tuple[str, str, str], int] = {}  # (call_key, agent, prompt digest) -> calls (seeds)
         self._turns: list[Turn] = []
+        self._call_ids = EpisodeCallIds()  # tool-call ids unique in the episode
         self._starts: dict[int, float] = {}  # call index -> unix start time
         self.segment = 0
         """The run of the episode's thread now in progress (`Turn.segment` of its calls)."""
@@ -178,6 +179,7 @@ class _EpisodeRecorder:
             except InvalidReplyError as exc:
                 failure, parsed = exc, ParsedResponse(content=reply.strip())
         finish = "tool_calls" if parsed.tool_calls and gen.finish_reason == "stop" else gen.finish_reason
+        parsed = self._call_ids.assign(parsed, reply, site.call_key, agent, prompt_digest(prompt_ids))
         message = served_message(parsed, finish=finish, policy_name=policy.name, policy_version=gen.policy_version,
                                  agent=agent, index=index, n_prompt=len(prompt_ids), n_response=len(gen.token_ids),
                                  message_id=self._message_id(index), additional_kwargs=extra)
@@ -224,6 +226,8 @@ class _EpisodeRecorder:
             policy_version=None, trainable=False, latency_s=latency, call_key=site.call_key, node_call_index=nci,
             tools=tuple(site.tools), message_id=message.id, agent_name=site.agent_name, segment=self.segment,
             call_sampling=call_sampling(site),
+            format_error=_format_error(None, ParsedResponse("", invalid_tool_calls=list(
+                getattr(message, "invalid_tool_calls", ()) or ())), site.tools),  # tool calls the API cut or botched
         )
 
 
@@ -289,8 +293,9 @@ def check_tools_rendered(policy: Policy, prompt_ids: Sequence[int], site: CallSi
     message = (f"{where}: the chat template of policy {policy.name!r} does not render the bound tool(s) "
                f"{names}: the prompt the model sees has no schema for them, so it cannot learn to call them. "
                "Give the model a chat template that renders `tools` (in the YAML `models.<name>.chat_template: "
-               "<a template file>`, in Python Policy(chat_template=...); e.g. the model's tool-use template, or "
-               "graphs/tool_calc/smollm2_tools.jinja for SmolLM2) or use a model whose template does.")
+               "<a template file>` or `builtin:smollm2-tools` for SmolLM2 and other ChatML models; in Python "
+               "Policy(chat_template=...), e.g. builtin_chat_template('smollm2-tools')) or use a model whose "
+               "template does.")
     if strict:
         raise StrictModeError(message + " (strict=True)")
     seen = _REPORTED.setdefault(policy, set())
@@ -341,9 +346,12 @@ def own_site(site: CallSite, base: str) -> CallSite:
 def served_message(parsed: ParsedResponse, *, finish: str, policy_name: str | None, policy_version: int | None,
                    agent: str, index: int, n_prompt: int, n_response: int, message_id: str | None,
                    additional_kwargs: dict[str, Any] | None = None) -> AIMessage:
-    """The AIMessage a node receives for a policy-served call (replay rebuilds it from the Turn)."""
+    """The AIMessage a node receives for a policy-served call (replay rebuilds it from the Turn). Replay re-parses
+    the calls that did not parse (a Turn keeps the parsed ones, with their ids), so their ids are made unique here,
+    from what both know: the agent and the prompt's length (longer at each later call of a conversation)."""
     return AIMessage(
-        content=parsed.content, tool_calls=parsed.tool_calls, invalid_tool_calls=parsed.invalid_tool_calls,
+        content=parsed.content, tool_calls=parsed.tool_calls,
+        invalid_tool_calls=with_call_ids(parsed.invalid_tool_calls, agent, n_prompt),
         id=message_id, additional_kwargs=dict(additional_kwargs or {}),
         response_metadata={"finish_reason": finish, "model_name": policy_name, "policy_version": policy_version,
                            "drmas_agent": agent, "drmas_turn": index},

@@ -15,7 +15,8 @@ it); each run is a `Segment` of `Episode.segments` (what it ran on, the interrup
 replay can re-run the episode run by run. An episode left paused (no `resume`, `resume` returned None, or
 the bound was hit) fails with `EpisodeInterruptedError` naming the node(s) that called `interrupt()`; a
 conversation still going at the bound is truncated (`max_resumes`, `EpisodeLimitError`). A run that raises
-(a limit, a model error, a failure) is a `Segment` too. The environment's hooks run with the
+(a limit, a model error, a failure) is a `Segment` too, and the episode's `final_state` is then its state as of
+its last completed superstep (what a reward of an unfinished episode sees). The environment's hooks run with the
 app's own models (`app_models()`): a user simulator's LLM is no agent of the episode.
 """
 
@@ -34,6 +35,7 @@ from drmas_graph.errors import ConfigError, EpisodeInterruptedError
 from drmas_graph.instrumentation import _threads
 from drmas_graph.instrumentation._intercept import app_models, interrupt_node
 from drmas_graph.instrumentation._limits import truncate
+from drmas_graph.instrumentation._streams import ainvoke_by_supersteps, invoke_by_supersteps
 from drmas_graph.types import Episode, Segment
 
 __all__ = ["EpisodeInterruptedError", "Continuation", "SegmentRunner", "continuation_from_env",
@@ -162,7 +164,8 @@ _DONE = object()
 
 class SegmentRunner:
     """Runs one episode's thread run after run (see the module docstring); `run`/`arun` return the last
-    run's output. Keeps `Episode.segments`, `Episode.final_state` and the recorder's segment up to date."""
+    run's output. Keeps `Episode.segments`, `Episode.final_state` (of a run that raised: its state as of its last
+    completed superstep, `_streams.invoke_by_supersteps`) and the recorder's segment up to date."""
 
     @staticmethod
     def check(graph: Any, config: Any, continuation: Continuation) -> None:
@@ -186,10 +189,12 @@ class SegmentRunner:
         self.segments: list[Segment] = []
         self._pending: _Pending | None = None
         """Where the last run stopped, while its interrupts are being answered."""
+        self._state: tuple[Any] | None = None
+        """(the run in progress's output as of its last completed superstep,), None before its first."""
 
     def run(self, input: Any) -> Any:
         with self._recorded_if_it_raises():
-            output = self.graph.invoke(input, self.config, **self.kwargs)
+            output = invoke_by_supersteps(self.graph, input, self.config, self._keep, **self.kwargs)
         while True:
             ask = self._ended(output, pending_interrupts(self.graph, self.thread, output))
             if ask is None:
@@ -199,11 +204,11 @@ class SegmentRunner:
             if nxt is _DONE:
                 return output
             with self._recorded_if_it_raises():
-                output = self.graph.invoke(nxt, self.thread, **self.kwargs)
+                output = invoke_by_supersteps(self.graph, nxt, self.thread, self._keep, **self.kwargs)
 
     async def arun(self, input: Any) -> Any:
         with self._recorded_if_it_raises():
-            output = await self.graph.ainvoke(input, self.config, **self.kwargs)
+            output = await ainvoke_by_supersteps(self.graph, input, self.config, self._keep, **self.kwargs)
         while True:
             ask = self._ended(output, await apending_interrupts(self.graph, self.thread, output))
             if ask is None:
@@ -213,16 +218,24 @@ class SegmentRunner:
             if nxt is _DONE:
                 return output
             with self._recorded_if_it_raises():
-                output = await self.graph.ainvoke(nxt, self.thread, **self.kwargs)
+                output = await ainvoke_by_supersteps(self.graph, nxt, self.thread, self._keep, **self.kwargs)
+
+    def _keep(self, state: Any) -> None:
+        self._state = (state,)
 
     @contextlib.contextmanager
     def _recorded_if_it_raises(self) -> Iterator[None]:
         """A run that raises (a limit stopped it, the policy's output broke the app, a cancelled episode) is a
-        `Segment` too: its input is part of the trace, its turns point at it, and replay re-runs it."""
+        `Segment` too: its input is part of the trace, its turns point at it, and replay re-runs it. Its state as
+        of its last completed superstep becomes the episode's `final_state` (what a reward of an unfinished
+        episode sees; a run that raised before any keeps the previous run's output)."""
+        self._state = None
         try:
             yield
         except BaseException:
             self._record(())
+            if self._state is not None:
+                self.episode.final_state = self._state[0]
             raise
 
     def _record(self, records: Sequence[dict]) -> None:

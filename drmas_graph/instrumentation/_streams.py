@@ -7,14 +7,18 @@ interrupts the "updates" chunks carried (`__interrupt__`). `StreamFold` asks the
 as well, keeps the output as `invoke` would, and gives the caller exactly the chunks of the modes it asked
 for, in the shape it asked for (a single mode: bare payloads; a list: (mode, payload); `subgraphs=True`: the
 namespace first; `version="v2"`: LangGraph's StreamPart dicts).
+
+`invoke_by_supersteps` / `ainvoke_by_supersteps` run a graph as its `invoke` does (that same stream, folded) and
+say after every completed superstep what `invoke` would have returned had the run ended there: a run that raises
+(a limit, a model error) leaves the state of its last completed superstep, with or without a checkpointer.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
-__all__ = ["StreamFold"]
+__all__ = ["StreamFold", "invoke_by_supersteps", "ainvoke_by_supersteps"]
 
 _INTERRUPT = "__interrupt__"
 _SKIP = object()
@@ -76,3 +80,34 @@ class StreamFold:
             return {**latest, _INTERRUPT: list(self._interrupts)} if isinstance(latest, Mapping) else \
                 {_INTERRUPT: list(self._interrupts)}
         return latest
+
+
+def _as_invoke(graph: Any, kwargs: Mapping[str, Any]) -> StreamFold:
+    """The fold of a stream that gives what `graph.invoke(..., **kwargs)` returns (the output channels, as invoke
+    asks for them, unless `output_keys` says otherwise)."""
+    kwargs = {**kwargs, "stream_mode": "values"}
+    output = getattr(graph, "output_channels", None)
+    if kwargs.get("output_keys") is None and output is not None:
+        kwargs["output_keys"] = output
+    return StreamFold(graph, kwargs)
+
+
+def invoke_by_supersteps(graph: Any, input: Any, config: Any, on_state: Callable[[Any], None], **kwargs: Any) -> Any:
+    """What `graph.invoke(input, config, **kwargs)` returns, run as LangGraph's `invoke` runs it (its `stream` of
+    "updates" and "values"); `on_state(output)` hears, after each completed superstep (and once the input is
+    applied), what `invoke` would have returned had the run ended there."""
+    fold = _as_invoke(graph, kwargs)
+    for chunk in graph.stream(input, config, **fold.kwargs):
+        if not fold.skipped(fold.feed(chunk)):
+            on_state(fold.output)
+    return fold.output
+
+
+async def ainvoke_by_supersteps(graph: Any, input: Any, config: Any, on_state: Callable[[Any], None],
+                                **kwargs: Any) -> Any:
+    """`invoke_by_supersteps` through the graph's `astream` (what its `ainvoke` runs)."""
+    fold = _as_invoke(graph, kwargs)
+    async for chunk in graph.astream(input, config, **fold.kwargs):
+        if not fold.skipped(fold.feed(chunk)):
+            on_state(fold.output)
+    return fold.output

@@ -6,15 +6,21 @@ policy's chat template renders the same prompt ids), the bound tools in OpenAI f
 structured-output and length options under the names `_structured.output_spec` and the recorder read
 (`tool_choice`, `response_format`, `max_tokens`), stop strings, `n`, and whether a stream was asked for.
 
-Recognised (the path's end, and the body's key that the API requires):
+Recognised (`SHAPES`: the path's end, then the body's keys):
 
-- OpenAI Chat Completions: `.../chat/completions`, `messages` (also what LiteLLM, Azure OpenAI, Groq,
-  Together, Mistral, OpenRouter and vLLM's OpenAI server speak).
-- OpenAI Completions (legacy): `.../completions`, `prompt` (a string: the prompt is the text, no chat template).
-- OpenAI Responses: `.../responses`, `input`.
-- Anthropic Messages: `.../v1/messages` (or `.../messages` with an `anthropic-version` header), `messages`;
-  structured outputs (`output_config.format`, what `messages.parse(output_format=...)` sends) as
-  `response_format` json_schema.
+- OpenAI Chat Completions: `.../chat/completions`, `model` and `messages` (also what LiteLLM, Azure OpenAI,
+  Groq, Together, Mistral, OpenRouter and vLLM's OpenAI server speak).
+- OpenAI Completions (legacy): `.../completions`, `model` and `prompt` (a string: the prompt is the text, no
+  chat template; a fill-in-the-middle request, with `suffix`, is not served).
+- OpenAI Responses: `.../responses`, `model` and `input`.
+- Anthropic Messages: `.../v1/messages` (or `.../messages` with an `anthropic-version` header), `model`,
+  `max_tokens` and `messages`; structured outputs (`output_config.format`, what
+  `messages.parse(output_format=...)` sends) as `response_format` json_schema.
+
+The body must carry every key the API requires (above), so that a POST to some other service whose path
+happens to end the same way (an app's own `/api/v1/messages` history store) is no LLM call and is sent
+untouched. A request to a known LLM API host (`LLM_HOSTS`) needs only the key its reader needs (`messages`,
+`prompt`, `input`): that host serves nothing else under these paths.
 
 The agent of a call may be named on the request: the header `X-Drmas-Agent` (any client: `extra_headers=`
 on the OpenAI and Anthropic SDKs, `extra_headers`/`headers` in LiteLLM), or `metadata.drmas_agent` in an
@@ -26,7 +32,7 @@ A request that uses what a policy cannot honour (images, audio, files) raises `C
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
@@ -37,7 +43,7 @@ from drmas_graph._chat import normalize_tools
 from drmas_graph.errors import ConfigError
 
 __all__ = ["WireCall", "CHAT", "COMPLETIONS", "RESPONSES", "ANTHROPIC", "AGENT_HEADER", "parse_request",
-           "is_llm_url", "LLM_HOSTS", "UNSERVED_KEY"]
+           "is_llm_url", "is_llm_request", "LLM_HOSTS", "UNSERVED_KEY", "Shape", "SHAPES", "tool_call"]
 
 CHAT, COMPLETIONS, RESPONSES, ANTHROPIC = "openai.chat", "openai.completions", "openai.responses", "anthropic.messages"
 AGENT_HEADER = "x-drmas-agent"
@@ -49,10 +55,9 @@ refused}: refused in strict mode, else sent to the remote API with a warning).""
 
 LLM_HOSTS = ("api.openai.com", "api.anthropic.com", "generativelanguage.googleapis.com", "api.mistral.ai",
              "api.groq.com", "api.together.xyz", "openrouter.ai")
-"""Hosts of LLM APIs: a request to one of them inside an instrumented run is served or refused, never sent
-silently; so is one to `*.openai.azure.com` or to a path in `LLM_PATHS`."""
+"""Hosts of LLM APIs: a request to one of them (or to `*.openai.azure.com`) inside an instrumented run is
+served or refused, never sent silently, whatever its shape."""
 LLM_HOST_SUFFIXES = (".openai.azure.com",)
-LLM_PATHS = ("/v1/chat/completions", "/v1/messages", "/v1/responses")
 
 
 @dataclass(frozen=True)
@@ -90,37 +95,92 @@ def _split(url: str) -> tuple[str, str]:
 
 
 def is_llm_url(url: str) -> bool:
-    """True for a URL of a known LLM API (a host in `LLM_HOSTS`, Azure OpenAI, or an `LLM_PATHS` path)."""
-    host, path = _split(url)
-    return (host in LLM_HOSTS or host.endswith(LLM_HOST_SUFFIXES)
-            or any(path.endswith(p) for p in LLM_PATHS))
+    """True for a URL on the host of a known LLM API (`LLM_HOSTS`, Azure OpenAI)."""
+    host, _ = _split(url)
+    return host in LLM_HOSTS or host.endswith(LLM_HOST_SUFFIXES)
 
 
-def parse_request(method: str, url: str, headers: Mapping[str, str], body: bytes | None) -> WireCall | None:
-    """The request as a `WireCall`, or None when it is no LLM API request this module recognises."""
-    if method.upper() != "POST" or not body:
+def is_llm_request(url: str, headers: Mapping[str, str], body: bytes | None) -> bool:
+    """True for an LLM API request, served or not: one to a known LLM API host (`is_llm_url`), or one shaped like
+    an API of `SHAPES` in full (its path, every key the API requires). Any other request is not touched."""
+    if is_llm_url(url):
+        return True
+    shape, data = _shape_of(url, headers), _json_object(body)
+    return shape is not None and data is not None and shape.fits(data, known_host=False)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """How one API's requests are recognised and read (one row of `SHAPES`)."""
+
+    protocol: str
+    """`CHAT`, `COMPLETIONS`, `RESPONSES` or `ANTHROPIC`."""
+    path: str
+    """The end of the request's URL path."""
+    header: str | None
+    """A header the request must carry besides the path (lower case), or None."""
+    reads: dict[str, type]
+    """Body keys (and their JSON types) the reader needs: enough at a known LLM API host."""
+    requires: dict[str, type]
+    """The other body keys the API requires: a request to any other host must carry them too."""
+    refuses: tuple[str, ...]
+    """Body keys that make it another kind of request, not served (a fill-in-the-middle `suffix`)."""
+    read: Callable[[dict, str | None, str], WireCall]
+    """(body, agent named on the request, url) -> the call."""
+
+    def fits(self, data: dict, known_host: bool) -> bool:
+        """Whether the body is a request of this API (`known_host`: only the keys the reader needs)."""
+        wanted = self.reads if known_host else {**self.reads, **self.requires}
+        return (all(k in data and isinstance(data[k], t) and not (t is int and isinstance(data[k], bool))
+                    for k, t in wanted.items())
+                and not any(k in data for k in self.refuses))
+
+
+def _shape_of(url: str, headers: Mapping[str, str]) -> Shape | None:
+    """The first row of `SHAPES` whose path ends the URL's path (and whose header the request carries)."""
+    _, path = _split(url)
+    lower = {str(k).lower() for k in headers}
+    return next((s for s in SHAPES if path.endswith(s.path) and (s.header is None or s.header in lower)), None)
+
+
+def _json_object(body: bytes | None) -> dict | None:
+    if not body:
         return None
-    host, path = _split(url)
     try:
         data = json.loads(body)
     except (ValueError, UnicodeDecodeError):
         return None
-    if not isinstance(data, dict):
+    return data if isinstance(data, dict) else None
+
+
+def parse_request(method: str, url: str, headers: Mapping[str, str], body: bytes | None) -> WireCall | None:
+    """The request as a `WireCall`, or None when it is no LLM API request of `SHAPES` (see the module's doc)."""
+    if method.upper() != "POST":
         return None
-    lower = {str(k).lower(): str(v) for k, v in headers.items()}
-    agent = lower.get(AGENT_HEADER) or None
-    if path.endswith("/chat/completions") and isinstance(data.get("messages"), list):
-        return _chat(data, agent)
-    if path.endswith("/completions") and "prompt" in data and "suffix" not in data:  # (a fill-in-the-middle
-        # request, `suffix`, is no prompt-in text-out call: unserved)
-        return _completions(data, agent, url)
-    if path.endswith("/responses") and "input" in data:
-        return _responses(data, agent)
-    anthropic = path.endswith("/v1/messages") or (path.endswith("/messages") and (
-        "anthropic-version" in lower or host == "api.anthropic.com"))
-    if anthropic and isinstance(data.get("messages"), list):
-        return _anthropic(data, agent)
-    return None
+    shape, data = _shape_of(url, headers), _json_object(body)
+    if shape is None or data is None or not shape.fits(data, is_llm_url(url)):
+        return None
+    agent = next((str(v) for k, v in headers.items() if str(k).lower() == AGENT_HEADER), None) or None
+    return shape.read(data, agent, url)
+
+
+def tool_call(name: str, arguments: Any, call_id: Any) -> dict:
+    """A tool call as the APIs give it (OpenAI: `arguments` a JSON string; Anthropic: `input` an object) as a
+    LangChain tool call, or as an invalid one (the arguments as given, and why they are not an object) when the
+    arguments are not a JSON object: a reply cut by `max_tokens` inside a call, a malformed call handed back in a
+    conversation. The API accepts those in a request, and LangChain's chat models keep them so."""
+    args, error = {} if arguments is None else arguments, None
+    if isinstance(arguments, str):
+        try:
+            args = json.loads(arguments or "{}", strict=False)  # (as LangChain reads them: control characters too)
+        except ValueError as exc:
+            error = f"{type(exc).__name__}: {exc}"
+    if error is None and not isinstance(args, dict):
+        error = f"the arguments are a JSON {type(args).__name__}, not an object"
+    if error is None:
+        return {"name": name, "args": args, "id": call_id, "type": "tool_call"}
+    raw = arguments if isinstance(arguments, str) else json.dumps(arguments)
+    return {"name": name, "args": raw, "id": call_id, "error": error, "type": "invalid_tool_call"}
 
 
 def _stops(value: Any) -> list[str] | None:
@@ -139,7 +199,7 @@ def _max_tokens(*values: Any) -> dict[str, Any]:
     return {} if found is None else {"max_tokens": found}
 
 
-def _chat(data: dict, agent: str | None) -> WireCall:
+def _chat(data: dict, agent: str | None, url: str) -> WireCall:
     messages = [_check_content(m, "chat.completions") for m in data["messages"]]
     tools = [t for t in data.get("tools") or () if isinstance(t, dict)]
     kwargs: dict[str, Any] = _max_tokens(data.get("max_completion_tokens"), data.get("max_tokens"))
@@ -167,6 +227,11 @@ def _check_content(message: Any, api: str) -> Any:
                               "(drmas_graph.app_models()).")
     if message.get("role") == "function":  # the deprecated form of a tool result
         return {"role": "tool", "content": content or "", "tool_call_id": message.get("name", "")}
+    calls = [tool_call(c["function"]["name"], c["function"].get("arguments"), c.get("id"))
+             for c in message.get("tool_calls") or () if isinstance(c, dict) and "function" in c]
+    if any(c["type"] != "tool_call" for c in calls):  # a malformed call handed back (LangChain's reader raises)
+        return AIMessage(content=content or "", tool_calls=[c for c in calls if c["type"] == "tool_call"],
+                         invalid_tool_calls=[c for c in calls if c["type"] != "tool_call"])
     if content is None:  # optional in the API (an assistant message with tool_calls), required by LangChain
         return {**message, "content": ""}
     return message
@@ -187,7 +252,7 @@ def _completions(data: dict, agent: str | None, url: str) -> WireCall:
 
 
 # ---- OpenAI Responses ---------------------------------------------------------------------------------
-def _responses(data: dict, agent: str | None) -> WireCall:
+def _responses(data: dict, agent: str | None, url: str) -> WireCall:
     for key in ("previous_response_id", "conversation", "prompt"):
         if data.get(key):
             raise ConfigError(f"responses: {key}={data[key]!r} refers to state stored on OpenAI's servers, which a "
@@ -234,13 +299,14 @@ def _response_items(items: list) -> list[BaseMessage]:
                 content = "".join(str(p.get("text", "")) for p in content)
             out.extend(convert_to_messages([{"role": item.get("role", "user"), "content": content or ""}]))
         elif kind == "function_call":
-            call = {"name": item["name"], "args": json.loads(item.get("arguments") or "{}"),
-                    "id": item.get("call_id"), "type": "tool_call"}
+            call = tool_call(item["name"], item.get("arguments"), item.get("call_id"))
+            valid, invalid = ([call], []) if call["type"] == "tool_call" else ([], [call])
             last = out[-1] if out else None
-            if isinstance(last, AIMessage) and (last.tool_calls or not last.content):
-                out[-1] = AIMessage(content=last.content, tool_calls=[*last.tool_calls, call])
+            if isinstance(last, AIMessage) and (last.tool_calls or last.invalid_tool_calls or not last.content):
+                out[-1] = AIMessage(content=last.content, tool_calls=[*last.tool_calls, *valid],
+                                    invalid_tool_calls=[*last.invalid_tool_calls, *invalid])
             else:
-                out.append(AIMessage(content="", tool_calls=[call]))
+                out.append(AIMessage(content="", tool_calls=valid, invalid_tool_calls=invalid))
         elif kind == "function_call_output":
             output = item.get("output")
             if isinstance(output, list):  # content parts (`input_text`; images and files are refused)
@@ -259,7 +325,7 @@ def _response_items(items: list) -> list[BaseMessage]:
 
 
 # ---- Anthropic Messages -------------------------------------------------------------------------------
-def _anthropic(data: dict, agent: str | None) -> WireCall:
+def _anthropic(data: dict, agent: str | None, url: str) -> WireCall:
     messages: list[BaseMessage] = []
     system = data.get("system")
     if system:
@@ -322,3 +388,14 @@ def _anthropic_message(message: dict) -> list[BaseMessage]:
     if text:
         out.append(HumanMessage("".join(text)))
     return out
+
+
+SHAPES: tuple[Shape, ...] = (  # the first row whose path (and header) fits picks the API: chat before completions
+    Shape(CHAT, "/chat/completions", None, {"messages": list}, {"model": str}, (), _chat),
+    Shape(COMPLETIONS, "/completions", None, {"prompt": object}, {"model": str}, ("suffix",), _completions),
+    Shape(RESPONSES, "/responses", None, {"input": object}, {"model": str}, (), _responses),
+    Shape(ANTHROPIC, "/v1/messages", None, {"messages": list}, {"model": str, "max_tokens": int}, (), _anthropic),
+    Shape(ANTHROPIC, "/messages", "anthropic-version", {"messages": list}, {"model": str, "max_tokens": int}, (),
+          _anthropic),
+)
+"""The LLM API requests drmas-graph serves, by the end of their URL path."""

@@ -4,10 +4,15 @@
 parses: a JSON object, or, for a request with `stream: true`, a server-sent event stream that an SDK's
 stream accumulator rebuilds into the same message (OpenAI chunks with content and tool-call deltas and an
 optional usage chunk; the Responses API's typed events; Anthropic's `message_start` ... `message_stop`).
-Usage counts are the prompt's and the reply's token counts (the message's `usage_metadata`).
+Usage counts are the prompt's and the reply's token counts (the message's `usage_metadata`). A tool call of the
+reply that did not parse (`invalid_tool_calls`) is handed over as an API hands over a call whose arguments are
+not valid JSON: a tool call (a Responses `function_call`) with the arguments as the model wrote them and finish
+reason "tool_calls"; Anthropic's `tool_use` block, whose `input` is always an object, gets the arguments read as
+far as they go (`_anthropic_input`), its stream the text as written.
 
 `decode` reads a real API's answer (JSON or event stream) into the `AIMessage` of each choice: what the
-Turn of a call answered by the app's own model (an agent without a policy) records.
+Turn of a call answered by the app's own model (an agent without a policy) records. It never fails the call: a
+tool call whose arguments are not a JSON object (a reply cut by `max_tokens`) is one of `invalid_tool_calls`.
 """
 
 from __future__ import annotations
@@ -18,11 +23,13 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
+import pydantic_core
+
 from langchain_core.messages import AIMessage
 from langchain_core.outputs import ChatGeneration, ChatResult
 
 from drmas_graph._chat import _text
-from drmas_graph.instrumentation._wire import ANTHROPIC, CHAT, COMPLETIONS, RESPONSES, WireCall
+from drmas_graph.instrumentation._wire import ANTHROPIC, CHAT, COMPLETIONS, RESPONSES, WireCall, tool_call
 
 __all__ = ["encode", "decode", "JSON", "SSE"]
 
@@ -42,15 +49,23 @@ def _usage(messages: list[AIMessage]) -> tuple[int, int]:
 
 
 def _finish(message: AIMessage) -> str:
-    return str((message.response_metadata or {}).get("finish_reason") or "stop")
+    """The answer's finish reason: the turn's, and "tool_calls" for a reply whose only calls did not parse (an API
+    ends a reply that makes a call so, whatever its arguments)."""
+    finish = str((message.response_metadata or {}).get("finish_reason") or "stop")
+    return "tool_calls" if finish == "stop" and message.invalid_tool_calls else finish
 
 
 def _id(message: AIMessage, prefix: str) -> str:
     return prefix + (message.id or uuid.uuid4().hex)
 
 
-def _arguments(call: dict) -> str:
-    return json.dumps(call.get("args") or {})
+def _calls(message: AIMessage) -> list[tuple[str | None, str, str, dict | None]]:
+    """(id, name, arguments as JSON text, arguments as an object) of each tool call of `message`: the calls that
+    parsed, then those that did not (`invalid_tool_calls`: the arguments as the model wrote them, no object, and
+    the name "" when it could not be read), which an API hands over the same way, arguments as generated."""
+    return ([(c.get("id"), c["name"], json.dumps(c.get("args") or {}), dict(c.get("args") or {}))
+             for c in message.tool_calls]
+            + [(c.get("id"), c.get("name") or "", str(c.get("args") or ""), None) for c in message.invalid_tool_calls])
 
 
 def encode(call: WireCall, results: list[ChatResult]) -> tuple[str, bytes]:
@@ -80,11 +95,12 @@ def _sse(kind: str | None, data: Any) -> str:
 # ---- OpenAI Chat Completions ---------------------------------------------------------------------------
 def _chat_message(message: AIMessage) -> dict:
     out: dict[str, Any] = {"role": "assistant", "content": _text(message.content), "refusal": None}
-    if message.tool_calls:
+    calls = _calls(message)
+    if calls:
         out["content"] = out["content"] or None
-        out["tool_calls"] = [{"id": c.get("id") or f"call_{j}", "type": "function",
-                              "function": {"name": c["name"], "arguments": _arguments(c)}}
-                             for j, c in enumerate(message.tool_calls)]
+        out["tool_calls"] = [{"id": call_id or f"call_{j}", "type": "function",
+                              "function": {"name": name, "arguments": arguments}}
+                             for j, (call_id, name, arguments, _) in enumerate(calls)]
     return out
 
 
@@ -109,10 +125,10 @@ def _chat_events(call: WireCall, messages: list[AIMessage]) -> Iterator[tuple[No
         text = _text(m.content)
         if text:
             yield chunk(i, {"content": text})
-        for j, c in enumerate(m.tool_calls):
-            yield chunk(i, {"tool_calls": [{"index": j, "id": c.get("id") or f"call_{j}", "type": "function",
-                                            "function": {"name": c["name"], "arguments": ""}}]})
-            yield chunk(i, {"tool_calls": [{"index": j, "function": {"arguments": _arguments(c)}}]})
+        for j, (call_id, name, arguments, _) in enumerate(_calls(m)):
+            yield chunk(i, {"tool_calls": [{"index": j, "id": call_id or f"call_{j}", "type": "function",
+                                            "function": {"name": name, "arguments": ""}}]})
+            yield chunk(i, {"tool_calls": [{"index": j, "function": {"arguments": arguments}}]})
         yield chunk(i, {}, _finish(m))
     if call.options.get("include_usage"):
         prompt, completion = _usage(messages)
@@ -148,13 +164,13 @@ def _completion_events(call: WireCall, messages: list[AIMessage]) -> Iterator[tu
 # ---- OpenAI Responses ----------------------------------------------------------------------------------
 def _response_output(message: AIMessage) -> list[dict]:
     out: list[dict] = []
-    text = _text(message.content)
-    if text or not message.tool_calls:
+    text, calls = _text(message.content), _calls(message)
+    if text or not calls:
         out.append({"type": "message", "id": _id(message, "msg_"), "status": "completed", "role": "assistant",
                     "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]})
-    for j, c in enumerate(message.tool_calls):
-        out.append({"type": "function_call", "id": f"fc_{j}_{message.id or ''}", "call_id": c.get("id") or f"call_{j}",
-                    "name": c["name"], "arguments": _arguments(c), "status": "completed"})
+    for j, (call_id, name, arguments, _) in enumerate(calls):
+        out.append({"type": "function_call", "id": f"fc_{j}_{message.id or ''}", "call_id": call_id or f"call_{j}",
+                    "name": name, "arguments": arguments, "status": "completed"})
     return out
 
 
@@ -209,10 +225,24 @@ def _response_events(call: WireCall, messages: list[AIMessage]) -> Iterator[tupl
 
 # ---- Anthropic Messages --------------------------------------------------------------------------------
 def _anthropic_blocks(message: AIMessage) -> list[dict]:
-    text = _text(message.content)
-    blocks: list[dict] = [{"type": "text", "text": text}] if text or not message.tool_calls else []
-    return blocks + [{"type": "tool_use", "id": c.get("id") or f"toolu_{j}", "name": c["name"],
-                      "input": dict(c.get("args") or {})} for j, c in enumerate(message.tool_calls)]
+    text, calls = _text(message.content), _calls(message)
+    blocks: list[dict] = [{"type": "text", "text": text}] if text or not calls else []
+    return blocks + [{"type": "tool_use", "id": call_id or f"toolu_{j}", "name": name,
+                      "input": args if args is not None else _anthropic_input(arguments)}
+                     for j, (call_id, name, arguments, args) in enumerate(calls)]
+
+
+def _anthropic_input(arguments: str) -> dict:
+    """A `tool_use` block's `input` for a call whose arguments did not parse. Anthropic's API always gives an
+    object: here the arguments read as far as they go, as the Anthropic SDK reads a streamed tool input (a call
+    cut off by `max_tokens`: its complete keys), and `{}` for arguments that do not read even so. The answer's
+    event stream (`stream: true`) carries the text as the model wrote it, on which the SDK's stream reader fails
+    by name ("Unable to parse tool parameter JSON from model"); the Turn records the call (`format_error`)."""
+    try:
+        value = pydantic_core.from_json(arguments, allow_partial=True)
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
 
 
 def _anthropic(call: WireCall, messages: list[AIMessage]) -> dict:
@@ -230,6 +260,7 @@ def _anthropic(call: WireCall, messages: list[AIMessage]) -> dict:
 
 def _anthropic_events(call: WireCall, messages: list[AIMessage]) -> Iterator[tuple[str, Any]]:
     final = _anthropic(call, messages)
+    written = iter([arguments for _, _, arguments, _ in _calls(messages[0])])  # streamed as the model wrote them
     start = {**final, "content": [], "stop_reason": None, "usage": {**final["usage"], "output_tokens": 0}}
     yield "message_start", {"type": "message_start", "message": start}
     for index, block in enumerate(final["content"]):
@@ -242,7 +273,7 @@ def _anthropic_events(call: WireCall, messages: list[AIMessage]) -> Iterator[tup
             yield "content_block_start", {"type": "content_block_start", "index": index,
                                           "content_block": {**block, "input": {}}}
             yield "content_block_delta", {"type": "content_block_delta", "index": index,
-                                          "delta": {"type": "input_json_delta", "partial_json": json.dumps(block["input"])}}
+                                          "delta": {"type": "input_json_delta", "partial_json": next(written)}}
         yield "content_block_stop", {"type": "content_block_stop", "index": index}
     yield "message_delta", {"type": "message_delta", "delta": {"stop_reason": final["stop_reason"],
                                                                "stop_sequence": final["stop_sequence"]},
@@ -252,26 +283,30 @@ def _anthropic_events(call: WireCall, messages: list[AIMessage]) -> Iterator[tup
 
 # ---- reading a real API's answer ------------------------------------------------------------------------
 def decode(call: WireCall, content_type: str, body: bytes) -> list[ChatResult]:
-    """The answer of the app's own model (a real API) as one ChatResult per choice."""
+    """The answer of the app's own model (a real API) as one ChatResult per choice. A tool call whose arguments
+    are not a JSON object (a reply cut by `max_tokens` inside a call) is kept, as the API sent it, in the
+    message's `invalid_tool_calls`, as LangChain's own chat models keep one."""
     if call.stream or SSE in content_type:
         events = _parse_sse(body)
         parts = _decode_events(call, events)
     else:
         parts = _decode_json(call, json.loads(body))
-    return [ChatResult(generations=[ChatGeneration(message=AIMessage(
-        content=text, tool_calls=calls, response_metadata={"finish_reason": finish}))])
-        for text, calls, finish in parts] or [ChatResult(generations=[ChatGeneration(message=AIMessage(""))])]
+    return [ChatResult(generations=[ChatGeneration(message=_decoded(text, calls, finish))])
+            for text, calls, finish in parts] or [ChatResult(generations=[ChatGeneration(message=AIMessage(""))])]
 
 
-def _call(name: str, arguments: Any, call_id: Any) -> dict:
-    args = json.loads(arguments or "{}") if isinstance(arguments, str) else dict(arguments or {})
-    return {"name": name, "args": args, "id": call_id, "type": "tool_call"}
+def _decoded(text: str, calls: list[dict], finish: str) -> AIMessage:
+    valid, invalid = [], []
+    for c in calls:
+        (valid if c["type"] == "tool_call" else invalid).append(c)
+    return AIMessage(content=text, tool_calls=valid, invalid_tool_calls=invalid,
+                     response_metadata={"finish_reason": finish})
 
 
 def _decode_json(call: WireCall, data: dict) -> list[tuple[str, list, str]]:
     if call.protocol == CHAT:
         return [(c["message"].get("content") or "",
-                 [_call(t["function"]["name"], t["function"].get("arguments"), t.get("id"))
+                 [tool_call(t["function"]["name"], t["function"].get("arguments"), t.get("id"))
                   for t in c["message"].get("tool_calls") or ()], c.get("finish_reason") or "stop")
                 for c in data.get("choices") or ()]
     if call.protocol == COMPLETIONS:
@@ -279,12 +314,12 @@ def _decode_json(call: WireCall, data: dict) -> list[tuple[str, list, str]]:
     if call.protocol == RESPONSES:
         text = "".join(p.get("text", "") for o in data.get("output") or () if o.get("type") == "message"
                        for p in o.get("content") or ())
-        calls = [_call(o["name"], o.get("arguments"), o.get("call_id")) for o in data.get("output") or ()
+        calls = [tool_call(o["name"], o.get("arguments"), o.get("call_id")) for o in data.get("output") or ()
                  if o.get("type") == "function_call"]
         finish = "length" if data.get("status") == "incomplete" else "tool_calls" if calls else "stop"
         return [(text, calls, finish)]
     text = "".join(b.get("text", "") for b in data.get("content") or () if b.get("type") == "text")
-    calls = [_call(b["name"], b.get("input"), b.get("id")) for b in data.get("content") or () if b.get("type") == "tool_use"]
+    calls = [tool_call(b["name"], b.get("input"), b.get("id")) for b in data.get("content") or () if b.get("type") == "tool_use"]
     return [(text, calls, _FROM_ANTHROPIC.get(str(data.get("stop_reason")), "stop"))]
 
 
@@ -319,7 +354,7 @@ def _decode_events(call: WireCall, events: list[dict]) -> list[tuple[str, list, 
                 finish = _FROM_ANTHROPIC.get(e["delta"]["stop_reason"], "stop")
         for position, pieces in args.values():
             calls[position]["input"] = "".join(pieces) or "{}"
-        return [("".join(text), [_call(c["name"], c["input"], c.get("id")) for c in calls], finish)]
+        return [("".join(text), [tool_call(c["name"], c["input"], c.get("id")) for c in calls], finish)]
     choices: dict[int, dict] = {}
     for e in events:
         for c in e.get("choices") or ():
@@ -333,5 +368,5 @@ def _decode_events(call: WireCall, events: list[dict]) -> list[tuple[str, list, 
                 entry["name"] += function.get("name") or ""
                 entry["arguments"].append(function.get("arguments") or "")
             slot["finish"] = c.get("finish_reason") or slot["finish"]
-    return [("".join(s["text"]), [_call(t["name"], "".join(t["arguments"]), t["id"]) for _, t in sorted(s["calls"].items())],
+    return [("".join(s["text"]), [tool_call(t["name"], "".join(t["arguments"]), t["id"]) for _, t in sorted(s["calls"].items())],
              s["finish"]) for _, s in sorted(choices.items())]

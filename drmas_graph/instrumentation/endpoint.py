@@ -361,6 +361,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     def _send(self, status: int, content_type: str, payload: bytes) -> None:
         self.send_response(status)
+        if status >= 400:  # the OpenAI and Anthropic SDKs retry a 429 or 5xx (another generation) unless told not to
+            self.send_header("x-should-retry", "false")
         self.send_header("content-type", content_type)
         self.send_header("content-length", str(len(payload)))
         if self.close_connection:

@@ -11,7 +11,8 @@ Calls after a divergence are served live and recorded by an
 did (`note_stop`), copies a checkpointed thread's recorded start (`checkpointer`, `fork_config`,
 `afork_config`), runs with the recorded configurable values and context (`replay_config`), and finds where a
 run of the thread stopped (`latest` addresses the thread's newest checkpoint; `pending_interrupts`,
-`apending_interrupts`).
+`apending_interrupts`), and runs the graph as a recording does (`invoke_by_supersteps`, `ainvoke_by_supersteps`:
+`invoke`, keeping the state of a run that raises as of its last completed superstep).
 
 Every name here is the instrumentation's own object (not a copy), so a replay and an instrumented run share
 one hook and one handler variable.
@@ -31,12 +32,13 @@ from drmas_graph.instrumentation._recorder import _cut_at_stop as cut_at_stop
 from drmas_graph.instrumentation._recorder import _stop_hit as stop_hit
 from drmas_graph.instrumentation._recorder import _EpisodeRecorder as EpisodeRecorder
 from drmas_graph.instrumentation._segments import apending_interrupts, latest, pending_interrupts
+from drmas_graph.instrumentation._streams import ainvoke_by_supersteps, invoke_by_supersteps
 from drmas_graph.instrumentation._threads import afork_config, fork_config, replay_config
 
 __all__ = ["ACTIVE_HANDLER", "CallHandler", "CallSite", "EpisodeRecorder", "RAW_BRANCH_TAG", "active_handler",
-           "afork_config", "apending_interrupts", "call_sampling", "checkpointer", "cut_at_stop", "end_replay",
-           "fork_config", "install", "latest", "note_stop", "pending_interrupts", "replay_config", "start_replay",
-           "stop_hit"]
+           "afork_config", "ainvoke_by_supersteps", "apending_interrupts", "call_sampling", "checkpointer",
+           "cut_at_stop", "end_replay", "fork_config", "install", "invoke_by_supersteps", "latest", "note_stop",
+           "pending_interrupts", "replay_config", "start_replay", "stop_hit"]
 
 
 def checkpointer(graph: Any) -> Any:

@@ -3,7 +3,10 @@ recorded, from the `Turn` (its reply read again by the tool parser that read it 
 
 from __future__ import annotations
 
+import json
+
 from collections.abc import Callable
+from typing import Any
 
 from langchain_core.outputs import ChatGeneration, ChatResult
 
@@ -59,9 +62,15 @@ def _tool_parser(turn: Turn, text: str) -> Callable[[str], ParsedResponse]:
                               f"{turn.tool_parser!r}, which this version of drmas-graph lacks (it has "
                               f"{sorted(TOOL_PARSERS)}); replay it with the version that recorded it")
         return get_tool_parser(turn.tool_parser)
-    recorded = [dict(c) for c in turn.tool_calls]
+    recorded = [_what(c) for c in turn.tool_calls]
     for name in ("hermes", *(n for n in TOOL_PARSERS if n != "hermes")):
-        found = TOOL_PARSERS[name](text).tool_calls
+        found = [_what(c) for c in TOOL_PARSERS[name](text).tool_calls]
         if all(call in found for call in recorded):
             return TOOL_PARSERS[name]
     return TOOL_PARSERS["hermes"]
+
+
+def _what(call: dict) -> tuple[Any, str]:
+    """A tool call's name and arguments: what a parser finds, without the id (the recorder makes ids unique in the
+    episode from more than the reply: `_chat.EpisodeCallIds`)."""
+    return call.get("name"), json.dumps(call.get("args"), sort_keys=True, default=str)

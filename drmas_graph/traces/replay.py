@@ -103,8 +103,8 @@ class ReplayResult:
     """Outcome of a replay."""
 
     final_state: Any
-    """What the graph returned: the output of its last run that returned (None when none did: the first run
-    raised, or replay stopped it)."""
+    """What the graph returned: the output of its last run that returned; of a run that raised, or that replay
+    stopped, its state as of its last completed superstep (as the recording's `Episode.final_state`)."""
     turns: list[Turn]
     """The calls of the re-run: recorded answers, then live ones after a divergence (with policies=)."""
     divergences: list[Divergence] = field(default_factory=list)
@@ -378,11 +378,15 @@ def _run_error(episode: Episode) -> str | None:
 @dataclass
 class _Outcome:
     final_state: Any = None
-    """The output of the last run that returned."""
+    """The output of the last run that returned; of a run that raised (or that replay stopped), its state as of its
+    last completed superstep, as the recording keeps it (`replaying.invoke_by_supersteps`)."""
     stopped: bool = False
     """True when the replay stopped the run (a divergence in stop mode, where a limit stopped the recording)."""
     error: Exception | None = None
     """What the app raised (a model error, a failure, the recursion limit): compared with the recording."""
+
+    def keep(self, state: Any) -> None:
+        self.final_state = state
 
 
 @contextlib.contextmanager
@@ -470,13 +474,14 @@ def replay_episode(graph: Any, episode: Episode, *, policies: Mapping[str, Polic
     start = None if _own_thread(run) else episode.metadata.get("thread_start")
     _thread_config(run, *replaying.fork_config(run.app.graph, start))
     with _serving(run) as outcome:
-        outcome.final_state = run.app.runnable.invoke(episode.input, run.config or None, **run.kwargs)
+        outcome.final_state = replaying.invoke_by_supersteps(run.app.runnable, episode.input, run.config or None,
+                                                             outcome.keep, **run.kwargs)
         thread = replaying.latest(run.config)  # later runs continue the thread's latest checkpoint
         while True:
             nxt = runs.after(replaying.pending_interrupts(run.app.graph, thread, outcome.final_state))
             if nxt is _END:
                 break
-            outcome.final_state = run.app.runnable.invoke(nxt, thread, **run.kwargs)
+            outcome.final_state = replaying.invoke_by_supersteps(run.app.runnable, nxt, thread, outcome.keep, **run.kwargs)
     return _finish(run, episode, outcome, runs.k)
 
 
@@ -490,13 +495,15 @@ async def areplay_episode(graph: Any, episode: Episode, *, policies: Mapping[str
     start = None if _own_thread(run) else episode.metadata.get("thread_start")
     _thread_config(run, *await replaying.afork_config(run.app.graph, start))
     with _serving(run) as outcome:
-        outcome.final_state = await run.app.runnable.ainvoke(episode.input, run.config or None, **run.kwargs)
+        outcome.final_state = await replaying.ainvoke_by_supersteps(run.app.runnable, episode.input,
+                                                                    run.config or None, outcome.keep, **run.kwargs)
         thread = replaying.latest(run.config)  # later runs continue the thread's latest checkpoint
         while True:
             nxt = runs.after(await replaying.apending_interrupts(run.app.graph, thread, outcome.final_state))
             if nxt is _END:
                 break
-            outcome.final_state = await run.app.runnable.ainvoke(nxt, thread, **run.kwargs)
+            outcome.final_state = await replaying.ainvoke_by_supersteps(run.app.runnable, nxt, thread, outcome.keep,
+                                                                        **run.kwargs)
     return _finish(run, episode, outcome, runs.k)
 
 

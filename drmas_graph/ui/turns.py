@@ -1,5 +1,6 @@
 """How one recorded turn reads as text, the same on the episode page and in `drmas-graph traces show`: the prompt
-the policy was given, the tool calls it made, the flags it carries.
+the policy was given, the tool calls it made, the flags it carries (the app's own model served it; it was decoded
+under a grammar, and for which format).
 
 The prompt: a turn records the exact token ids the policy saw (`Turn.prompt_ids`, its chat template applied) and
 the messages the node sent (`Turn.messages`). The ids are decoded with the policy's tokenizer where the run folder
@@ -22,7 +23,7 @@ from drmas_graph.errors import DrmasError
 from drmas_graph.types import Turn
 
 __all__ = ["TokenizerFile", "find_tokenizer", "load_tokenizer", "unknown_id", "PromptText", "prompt_text", "ToolUse",
-           "tool_use", "turn_flags"]
+           "tool_use", "turn_flags", "constraint"]
 
 
 @dataclass(frozen=True)
@@ -161,4 +162,41 @@ def turn_flags(turn: Turn) -> list[tuple[str, str]]:
     flags = []
     if not turn.trainable:
         flags.append(("not trainable", "the app's own model served this call: not trained on"))
+    constrained = constraint(turn)
+    if constrained is not None:
+        flags.append((f"constrained: {constrained[0]}", constrained[1]))
     return flags
+
+
+def constraint(turn: Turn) -> tuple[str, str] | None:
+    """(what kind, what it guaranteed) of the grammar `turn` was decoded under (`Turn.sampling.grammar`,
+    `drmas_graph.grammar`), or None when it was not: the kind is the format its call asked for (`json_object`,
+    `json_schema`, `tools (forced)`, `tools (required)`) or, for tools offered without a structured-output request,
+    the `tool_choice` the grammar encodes (`tools (auto)`, `tools (none)`)."""
+    grammar = turn.sampling.grammar if turn.sampling is not None else None
+    if grammar is None:
+        return None
+    spec = turn.response_format or {}
+    name = f" {spec['name']!r}" if spec.get("name") else ""
+    if spec.get("type") == "json_object":
+        return "json_object", "decoded under a grammar: JSON mode, the reply is one JSON object"
+    if spec.get("type") == "json_schema":
+        return "json_schema", f"decoded under a grammar: one JSON object valid against the schema{name}"
+    if spec.get("type") == "tool":
+        return "tools (forced)", f"decoded under a grammar: a call of the forced tool{name}, arguments valid"
+    if spec.get("type") == "any_tool":
+        names = ", ".join(spec.get("names", []))
+        return "tools (required)", f"decoded under a grammar: one or more calls of {names}, arguments valid"
+    try:
+        fmt = json.loads(grammar).get("format", {})
+    except (ValueError, AttributeError):
+        fmt = {}
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind in ("any_text", "any_tokens"):
+        return "tools (none)", "decoded under a grammar: tool_choice none, free text that never opens a tool call"
+    if kind in ("triggered_tags", "token_triggered_tags"):
+        if fmt.get("at_least_one"):
+            return "tools (required)", "decoded under a grammar: one or more tool calls, arguments valid"
+        return "tools (auto)", ("decoded under a grammar: tool_choice auto, free text or, once the reply opens a tool "
+                                "call, a call of a bound tool with valid arguments")
+    return "grammar", f"decoded under a grammar the viewer does not name: {grammar[:200]}"

@@ -1,7 +1,8 @@
 """The optimizer backends of `ModelUpdater` and the process-group helpers they share.
 
 - `_TorchEngine`: plain AdamW + ``clip_grad_norm_`` (averages gradients itself under torch.distributed).
-- `_DeepSpeedEngine`: ``deepspeed.initialize`` with a client AdamW and ZeRO stage 0/1/2.
+- `_DeepSpeedEngine`: ``deepspeed.initialize`` with a client AdamW and ZeRO stage 0-3; its checkpoint holds the
+  optimizer state without a second copy of the weights (`_Lean`).
 Both expose forward/backward/step/lr/save/load; `update.ModelUpdater` picks one from `ENGINES` by name.
 """
 
@@ -244,16 +245,23 @@ def _deepspeed_config(model: torch.nn.Module, s: UpdateSettings) -> dict[str, An
         raise ConfigError("backend='deepspeed' with zero_stage=0 accumulates bfloat16 gradients in bfloat16 (its "
                           "DDP_BFLOAT16 path); set zero_stage 1 or 2 (float32 gradient accumulation and master "
                           "weights, the same numbers as backend='torch'), or train in float32")
+    # a float32 model's masters are its weights: resumed from the loaded weights, not saved (`_Lean`)
+    masters = {"load_from_fp32_weights": False} if _masters_are_weights(model, s) else {}
     return {
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,  # we accumulate a variable number of micro-batches by hand
         "gradient_clipping": s.grad_clip or 0.0,
-        "zero_optimization": {"stage": s.zero(), **_offload(s)},
+        "zero_optimization": {"stage": s.zero(), **_offload(s), **masters},
         "zero_force_ds_cpu_optimizer": False,  # ZeRO-Offload steps the client torch AdamW on the CPU
         "zero_allow_untested_optimizer": True,  # the client torch AdamW
         "bf16": {"enabled": bf16},
         "steps_per_print": 2**31 - 1,
     }
+
+
+def _masters_are_weights(model: torch.nn.Module, s: UpdateSettings) -> bool:
+    """ZeRO 1-2 keeps float32 master copies of the trained parameters: for a float32 model they equal its weights."""
+    return s.zero() in (1, 2) and all(p.dtype == torch.float32 for p in model.parameters() if p.requires_grad)
 
 
 def _model_device(model: torch.nn.Module) -> torch.device:
@@ -324,6 +332,8 @@ class _DeepSpeedEngine:
             raise ConfigError(f"DeepSpeed moved the model from {device} to {_model_device(model)}; please report this")
         self.module = self.engine.module
         self.zero_stage = settings.zero()
+        self.masters_are_weights = _masters_are_weights(model, settings)
+        """ZeRO 1-2 on a float32 model: its float32 master weights equal the weights (not saved, `_Lean`)."""
 
     def forward(self, *, is_last: bool, **inputs: Any) -> Any:
         # The boundary flag tells ZeRO whether this backward ends the accumulation (then gradients are
@@ -362,17 +372,63 @@ class _DeepSpeedEngine:
         return deepspeed.zero.GatheredParameters(list(self.module.parameters()), modifier_rank=None)
 
     def save(self, directory: Path) -> None:
-        # frozen parameters (a LoRA model's base) are not saved: they never change
-        self.engine.save_checkpoint(str(directory / "deepspeed"), tag=self._TAG, exclude_frozen_parameters=True)
+        """DeepSpeed's checkpoint of the optimizer, without what the checkpoint already holds (ZeRO 0-2, `_Lean`): the
+        module's weights (the caller saved them: the Hugging Face folder, or a LoRA model's adapters) and, for a
+        float32 model, ZeRO's float32 master weights (equal to them). Frozen parameters (a LoRA model's base) are
+        not saved: they never change."""
+        lean = self.zero_stage < 3
+        if lean:
+            self.engine.checkpoint_engine = _Lean(self.engine.checkpoint_engine, drop_masters=self.masters_are_weights)
+        try:
+            self.engine.save_checkpoint(str(directory / "deepspeed"), tag=self._TAG, exclude_frozen_parameters=True)
+        finally:
+            if lean:
+                self.engine.checkpoint_engine = self.engine.checkpoint_engine.inner
+        if lean and _rank() == 0:  # DeepSpeed's scripts rebuild weights from its files, which no longer hold them
+            for script in ("zero_to_fp32.py", "zero_to_torch.py"):
+                (directory / "deepspeed" / script).unlink(missing_ok=True)
 
     def load(self, directory: Path, *, weights: Path | None) -> None:
-        """The DeepSpeed checkpoint holds the trained parameters itself: ``weights`` is not read."""
+        """Optimizer state from ``directory``; the weights from the Hugging Face folder ``weights`` (None: already in
+        the module, as `LoraUpdater.load` restores them). A checkpoint written before checkpoints were lean holds
+        the module's weights itself: they are loaded from it."""
         frozen = any(not p.requires_grad for p in self.module.parameters())
+
+        def load_module(src: Mapping[str, torch.Tensor], dst: torch.nn.Module) -> None:
+            if src:
+                dst.load_state_dict(src, strict=not frozen)
+            elif weights is not None:
+                _load_hf_weights(dst, weights)
+
         path, _ = self.engine.load_checkpoint(str(directory / "deepspeed"), tag=self._TAG, load_module_strict=not frozen,
-                                              load_optimizer_states=True, load_lr_scheduler_states=False)
+                                              load_optimizer_states=True, load_lr_scheduler_states=False,
+                                              custom_load_fn=load_module if self.zero_stage < 3 else None)
         if path is None:
             raise ConfigError(f"no DeepSpeed checkpoint under {directory / 'deepspeed'}; was it saved with "
                               "backend='deepspeed'?")
+
+
+class _Lean:
+    """DeepSpeed's checkpoint engine (`engine.checkpoint_engine`), writing its files without duplicated weights:
+    the model-states file without the module's weights (``module``: {}), and with ``drop_masters`` the ZeRO
+    optimizer-states file without its float32 master partitions (a float32 model's masters equal its weights, and
+    `_deepspeed_config` has ZeRO restore them from the loaded weights: ``load_from_fp32_weights`` false)."""
+
+    def __init__(self, inner: Any, *, drop_masters: bool) -> None:
+        self.inner, self.drop_masters = inner, drop_masters
+
+    def save(self, state_dict: dict[str, Any], path: str) -> Any:
+        from deepspeed.checkpoint.constants import SINGLE_PARTITION_OF_FP32_GROUPS as MASTERS
+
+        if "module" in state_dict:
+            state_dict = {**state_dict, "module": {}}
+        optimizer = state_dict.get("optimizer_state_dict")
+        if self.drop_masters and isinstance(optimizer, dict) and MASTERS in optimizer:
+            state_dict = {**state_dict, "optimizer_state_dict": {**optimizer, MASTERS: []}}
+        return self.inner.save(state_dict, path)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
 
 
 ENGINES: Mapping[str, Callable[[torch.nn.Module, UpdateSettings], Any]] = {

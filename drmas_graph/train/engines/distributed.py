@@ -198,10 +198,16 @@ def owned(items: Sequence[T]) -> list[tuple[int, T]]:
 
 
 def _slim(episode: Any) -> Any:
-    """The episode without what the step metrics never read (messages, prompts, graph input and state):
-    small to send, and free of user objects that may not pickle."""
-    turns = [dataclasses.replace(t, messages=(), prompt_ids=(), tool_calls=(), tools=()) for t in episode.turns]
+    """The episode without what the step metrics never read (messages, prompts, graph input and state; of the tool
+    calls and tool schemas only their names, which `_scoring.tool_use` counts): small to send, and free of user
+    objects that may not pickle."""
+    turns = [dataclasses.replace(t, messages=(), prompt_ids=(), tool_calls=tuple(_named(c) for c in t.tool_calls),
+                                 tools=tuple(_named(x.get("function", x)) for x in t.tools)) for t in episode.turns]
     return dataclasses.replace(episode, turns=turns, input=None, final_state=None, metadata={}, segments=[])
+
+
+def _named(item: Any) -> dict[str, Any]:
+    return {"name": str(item.get("name"))}
 
 
 def merge_step(groups: list[Group], counts: dict[str, int], adv_stats: Any) -> tuple[list[Group], dict[str, int], Any]:

@@ -132,8 +132,10 @@ def model_update(cfg: TrainConfig, name: str) -> Any:
 
 def build_updaters(cfg: TrainConfig, agent_policies: Mapping[str, Policy], model_policies: Mapping[str, Policy],
                    agent_cfgs: Mapping[str, AgentConfig], train_models: Mapping[str, Any],
-                   on_model_thread: Callable[[str, Callable[[], Any]], Any]) -> dict[str, Any]:
-    """One updater per trainable model with at least one trained agent, built on the model's own thread."""
+                   on_model_thread: Callable[[str, Callable[[], Any]], Any],
+                   references: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """One updater per trainable model with at least one trained agent, built on the model's own thread.
+    `references`: model name -> its KL reference where not the default (`optim.build_updater(reference=...)`)."""
     from drmas_graph.train.engines import LossSettings, UpdateSettings
     from drmas_graph.train.optim import build_updater
 
@@ -151,7 +153,7 @@ def build_updaters(cfg: TrainConfig, agent_policies: Mapping[str, Policy], model
                               "weights>} or configure it with `models.<name>.serve`; else freeze its agents")
         updaters[name] = on_model_thread(name, functools.partial(
             build_updater, train_models[name], name=name, settings=settings, agent_settings=agent_settings,
-            agent_cfgs=agent_cfgs, grammars=policy.grammars))
+            agent_cfgs=agent_cfgs, grammars=policy.grammars, reference=(references or {}).get(name)))
     if not updaters:
         raise ConfigError("every agent is frozen or served by a non-trainable model: nothing to train")
     return updaters

@@ -5,7 +5,8 @@ reward has advantages of exactly 0 (no gradient). `preflight` rolls out a few gr
 training step would (the first tasks of the training order, `group_size` episodes each, the same seeds and
 sampling), scores them with the training rewards (`env.reward_group` when the environment has it), and
 reports per agent the reward's spread, the share of its groups with zero variance, how often its turns were
-invalid (environment check or broken format) and its replies hit `max_new_tokens`, and one sample reply, then
+invalid (environment check or broken format), its replies hit `max_new_tokens` and its calls were decoded under a
+grammar (constrained: the format the call asked for, enforced), and one sample reply, then
 the environment's `reward_metrics()` (a judge's calls and tokens); `CheckReport.warnings` says what to change
 when most groups teach nothing. Nothing is trained; the episodes go to their own trace store, with their rewards.
 """
@@ -15,7 +16,9 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
+from drmas_graph.config import RolloutConfig
 from drmas_graph.env import EpisodeScore
 from drmas_graph.train.loop import _scoring
 from drmas_graph.train.loop._calls import CallCheck, calls_of
@@ -56,6 +59,8 @@ class AgentCheck:
     """Share of its turns whose reply failed its structured-output request or whose tool calls do not parse."""
     truncated_reply_rate: float
     """Share of its replies that stopped at `max_new_tokens` (finish reason 'length')."""
+    constrained_rate: float
+    """Share of its turns decoded under the grammar of the format their call asked for (`Turn.sampling.grammar`)."""
     sample_reply: str
     """Its first reply in the first scored episode, cut to 200 characters."""
 
@@ -87,6 +92,11 @@ class CheckReport:
     """Agents with a policy that acted in no scored episode."""
     calls: CallCheck | None = None
     """Which LLM calls the episodes made and who answered them (`calls_of`)."""
+    model_errors: dict[str, tuple[int, str]] = field(default_factory=dict)
+    """Per agent whose turn broke an episode (a model error): (such episodes, the first one's `Episode.model_error`:
+    the turn, its node and what its reply failed, e.g. the structured-output request)."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """The config's `rollout` section: the limits that truncate episodes and the rewards unfinished ones get."""
 
     @property
     def reward_metrics(self) -> dict[str, float]:
@@ -120,19 +130,41 @@ class CheckReport:
                 for a in self.silent if self.calls is None or self.calls.served.get(a, 0) > 0]
         if self.calls is not None:
             out += self.calls.warnings()
-        unfinished = self.counts.get("truncated_episodes", 0) + self.counts.get("model_error_episodes", 0)
         failed = sum(self.counts.get(k, 0)
                      for k in ("failed_episodes", "bad_reward_episodes", "judge_failed_episodes"))
+        out += self._unfinished_warnings()
         total = self.groups * self.group_size
-        if unfinished > total / 2:
-            out.append(f"{unfinished} of {total} episodes did not finish (truncated or model errors): see the "
-                       "config's `rollout` limits")
         if failed:
             out.append(f"{failed} of {total} episodes failed or got no usable reward: their errors are in the "
                        "check's traces.db")
         if not self.has_signal:
             out.append(f"no group has any learning signal ({self.pools} advantage pools, every one with equal "
                        "rewards): training would not change the model")
+        return out
+
+    def _unfinished_warnings(self) -> list[str]:
+        """When more than half of the episodes did not finish: one line for those a limit truncated (naming the
+        `rollout.<limit>` settings that stopped them) and one for model errors (by agent, the first one's turn and
+        what its reply failed), each with the reward they train with."""
+        truncated, model_errors = self.counts.get("truncated_episodes", 0), self.counts.get("model_error_episodes", 0)
+        total = self.groups * self.group_size
+        if truncated + model_errors <= total / 2:
+            return []
+        out = []
+        if truncated:
+            limits = ", ".join(f"{v} by rollout.{limit}: {_setting(getattr(self.rollout, limit, None))}"
+                               for k, v in self.counts.items() if k.startswith("truncated/") and v
+                               for limit in [k.split("/", 1)[1]])
+            out.append(f"{truncated} of {total} episodes were truncated by a limit ({limits}): raise it if the "
+                       f"episodes legitimately need more; they train with rollout.truncated_reward "
+                       f"({_reward_text(self.rollout.truncated_reward)})")
+        if model_errors:
+            agents = "; ".join(f"agent {a!r} {n} (first: {first})" for a, (n, first) in self.model_errors.items())
+            cut = " or ".join(f"agents.{a}.sampling.max_new_tokens" for a in self.model_errors)
+            out.append(f"{model_errors} of {total} episodes were model errors, the policy's reply broke the app: "
+                       f"{agents}. Make the agent's reply what its call asks for (its prompt and format "
+                       f"instructions; {cut} if replies are cut off); they "
+                       f"train with rollout.model_error_reward ({_reward_text(self.rollout.model_error_reward)})")
         return out
 
     def lines(self) -> list[str]:
@@ -144,11 +176,11 @@ class CheckReport:
                 f"model errors, {c.get('failed_episodes', 0)} failed, {c.get('bad_reward_episodes', 0)} bad rewards"
                 + (f", {c['judge_failed_episodes']} not scored by the judge" if c.get("judge_failed_episodes") else ""),
                 f"{'agent':<16}{'reward mean':>12}{'std':>8}{'min':>8}{'max':>8}{'no-signal groups':>18}"
-                f"{'invalid':>9}{'format':>8}{'cut off':>9}"]
+                f"{'invalid':>9}{'format':>8}{'cut off':>9}{'constrained':>13}"]
         for agent, a in self.agents.items():
             rows.append(f"{agent:<16}{a.reward_mean:>12.3f}{a.reward_std:>8.3f}{a.reward_min:>8.3f}{a.reward_max:>8.3f}"
                         f"{f'{a.zero_variance_groups}/{a.groups}':>18}{a.invalid_rate:>9.0%}"
-                        f"{a.format_error_rate:>8.0%}{a.truncated_reply_rate:>9.0%}")
+                        f"{a.format_error_rate:>8.0%}{a.truncated_reply_rate:>9.0%}{a.constrained_rate:>13.0%}")
         for agent, a in self.agents.items():
             rows.append(f"sample reply of {agent}: {a.sample_reply!r}")
         if self.calls is not None:
@@ -185,7 +217,40 @@ def preflight(run: RunState | HasRunState, n_groups: int, progress: Any = None) 
     return CheckReport(groups=len(tasks), group_size=cfg.group_size, episodes=len(scored), counts=dict(counts),
                        pools=pools, signal_pools=signal, agents={a: c for a, c in agents.items() if c is not None},
                        silent=tuple(a for a, c in agents.items() if c is None),
-                       calls=calls_of(episodes, list(state.agent_policies), state.app.agent_for_node))
+                       calls=calls_of(episodes, list(state.agent_policies), state.app.agent_for_node),
+                       model_errors=_model_errors([ep for _, ep in batch.runs]), rollout=cfg.rollout)
+
+
+def _setting(value: Any) -> str:
+    return "null" if value is None else f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def _reward_text(reward: float | None) -> str:
+    return "null: env.reward scores them" if reward is None else f"{reward:g}"
+
+
+def _model_errors(episodes: Sequence[Episode]) -> dict[str, tuple[int, str]]:
+    """Per agent whose turn broke an episode: (such episodes, what the first one's turn failed: `_model_error`)."""
+    out: dict[str, tuple[int, str]] = {}
+    for ep in episodes:
+        if ep.outcome == "model_error":
+            agent = ep.turns[ep.model_error_turn].agent
+            n, first = out.get(agent, (0, ""))
+            out[agent] = (n + 1, first or _model_error(ep))
+    return out
+
+
+def _model_error(episode: Episode) -> str:
+    """'turn 2 failed its structured-output request (json_schema 'Answer'): InvalidReplyError: ...' (cut)."""
+    turn = episode.turns[episode.model_error_turn]
+    spec = turn.response_format
+    if spec is not None:
+        named = f" {spec['name']!r}" if spec.get("name") else ""
+        asked = f"its structured-output request ({spec['type']}{named})"
+    else:
+        asked = "its tool calls' arguments" if turn.tool_calls else "what the app parses of its reply"
+    why = episode.model_error.split("): ", 1)[-1]  # 'turn i (agent, node): <exception>'
+    return f"turn {episode.model_error_turn} (node {turn.node!r}) failed {asked}: {why[:_REPLY_CHARS]}"
 
 
 def _agent_check(agent: str, scored: Sequence[tuple[Episode, EpisodeScore]]) -> AgentCheck | None:
@@ -204,4 +269,5 @@ def _agent_check(agent: str, scored: Sequence[tuple[Episode, EpisodeScore]]) -> 
         invalid_rate=sum(sc.invalid[i] for _, i, sc in turns) / len(turns),
         format_error_rate=sum(bool(ep.turns[i].format_error) for ep, i, _ in turns) / len(turns),
         truncated_reply_rate=sum(ep.turns[i].finish_reason == "length" for ep, i, _ in turns) / len(turns),
+        constrained_rate=_scoring._constrained_share([ep.turns[i] for ep, i, _ in turns]),
         sample_reply=turns[0][0].turns[turns[0][1]].response_text[:_REPLY_CHARS])

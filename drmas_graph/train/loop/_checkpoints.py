@@ -1,11 +1,21 @@
 """Checkpoints and resume, and pushing trained weights to inference servers.
 
 A checkpoint is `run_dir/checkpoints/step_N/` (complete or absent: written to a temporary folder, then
-renamed): per model its updater's state (Hugging Face model + tokenizer, optimizer, RNG) and
-`trainer_state.json` (step, policy versions, world size, the run's notes: once-per-run warnings given, the zero-signal
-streak). `resume` restores the latest one. In asynchronous
-training it also holds the weights the next step rolls out on (`<model>/serving`, version `serving_version`;
-see `_pipeline`).
+renamed), each thing once:
+
+- `<model>/model/`: the weights (Hugging Face format, safetensors) and the tokenizer: what resume loads into the
+  model, and what `drmas-graph eval --checkpoint` and inference load (a LoRA model: its adapters);
+- the optimizer state: `<model>/optimizer.pt` (torch backend: AdamW's two moments, float32 master weights of a
+  low-precision model, the loss scale) or `<model>/deepspeed/` (DeepSpeed's files without the weights above, and
+  for a float32 model without ZeRO's master copies of them: `_engines._Lean`);
+- `<model>/updater_state_rank<r>.pt`: the update count and torch's RNG state;
+- `trainer_state.json`: step, policy versions, world size, the run's notes (once-per-run warnings given, also
+  after the checkpoint was written: `save_notes`; the zero-signal streak).
+
+A float32 model's checkpoint is ~12 bytes per parameter (4 of weights, 8 of AdamW moments), a bfloat16 one's ~14.
+`resume` restores the latest one; `keep_checkpoints` bounds how many are kept (an older one is deleted once the new
+one is whole). In asynchronous training it also holds the weights the next step rolls out on (`<model>/serving`,
+version `serving_version`; see `_pipeline`).
 """
 
 from __future__ import annotations
@@ -27,7 +37,7 @@ from drmas_graph.train.loop._build import is_served
 from drmas_graph.train.loop._state import HasRunState, RunState, on_model_thread, run_state
 from drmas_graph.train.optim import load_adapters, save_for_sync
 
-__all__ = ["save_checkpoint", "resume", "checkpoint_step", "push_weights", "sync_weights", "load_into_servers",
+__all__ = ["save_checkpoint", "save_notes", "resume", "checkpoint_step", "push_weights", "sync_weights", "load_into_servers",
            "sync_dir", "load_checkpoint_adapters", "RolloutWeights", "has_checkpoint", "NothingToResumeError",
            "CheckpointSpaceError"]
 
@@ -97,13 +107,15 @@ def save_checkpoint(run: RunState, step: int, pipeline: RolloutWeights | None = 
     tmp = root / f".tmp_step_{step:06d}"
     try:
         return _save_checkpoint(run, step, pipeline, root, tmp)
-    except (OSError, RuntimeError) as exc:
+    except BaseException as exc:  # the partial checkpoint goes; the ones before it are whole
         free = shutil.disk_usage(root).free if root.exists() else 0
-        if not (isinstance(exc, OSError) and exc.errno == errno.ENOSPC) and free >= _FULL_BYTES:
-            raise
         written = _folder_bytes(tmp) if tmp.exists() else 0
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointSpaceError(root, step, written, free) from exc
+        if distributed.is_main():
+            shutil.rmtree(tmp, ignore_errors=True)
+        full = isinstance(exc, OSError) and exc.errno == errno.ENOSPC or free < _FULL_BYTES
+        if isinstance(exc, (OSError, RuntimeError)) and full:
+            raise CheckpointSpaceError(root, step, written, free) from exc
+        raise
 
 
 def _save_checkpoint(run: RunState, step: int, pipeline: RolloutWeights | None, root: Path, tmp: Path) -> Path:
@@ -133,6 +145,27 @@ def _save_checkpoint(run: RunState, step: int, pipeline: RolloutWeights | None, 
             shutil.rmtree(old, ignore_errors=True)
     distributed.barrier()
     return final
+
+
+def save_notes(run: RunState) -> None:
+    """Add the run's once-per-run warnings given so far (`RunNotes.threshold_warned`, `logged_failures`) to the latest
+    checkpoint's trainer_state.json (atomically; rank 0), so that a run resumed from it does not give them again: an
+    evaluation follows its step's checkpoint, so its warning is not in it. The zero-signal streak stays as saved
+    (the steps after the checkpoint run again)."""
+    ckpts = sorted((run.run_dir / "checkpoints").glob("step_*"))
+    if not ckpts or not distributed.is_main():
+        return
+    path = ckpts[-1] / "trainer_state.json"
+    state = json.loads(path.read_text())
+    notes = state.setdefault("notes", {})
+    given = {"logged_failures": sorted(set(notes.get("logged_failures", ())) | run.notes.logged_failures),
+             "threshold_warned": bool(notes.get("threshold_warned")) or run.notes.threshold_warned}
+    if all(notes.get(k) == v for k, v in given.items()):
+        return
+    notes.update(given)
+    tmp = path.with_name(".trainer_state.json.tmp")
+    tmp.write_text(json.dumps(state))
+    tmp.replace(path)  # the checkpoint stays whole: the old file or the new one
 
 
 def resume(run: RunState, pipeline: RolloutWeights | None = None) -> int:

@@ -11,6 +11,7 @@ import ast
 import inspect
 import re
 
+from drmas_graph.train.loop._warm import WARM_START_METRICS
 from drmas_graph.train.optim import AgentUpdateMetrics, UpdateMetrics
 
 __all__ = ["metrics_reference", "is_documented", "TIME_NOTE"]
@@ -87,7 +88,18 @@ STEP = [
                                         "n samples has (n-1)/n by construction."),
     ("agent/<agent>/response_length", "Mean response length in tokens of the agent's samples."),
     ("agent/<agent>/calls", "LLM calls of the agent in the scored episodes."),
+    ("agent/<agent>/constrained_rate", "Share of the agent's calls decoded under the grammar of the format the call "
+                                       "asked for (JSON mode, a JSON schema, tools: `Turn.sampling.grammar` set; "
+                                       "docs/guide/structured-output.md); 0 where constrain is off; absent when it "
+                                       "made no call."),
     ("agent/<agent>/invalid_rate", "Share of the agent's turns that were invalid (each costs invalid_penalty)."),
+    ("agent/<agent>/tool_calls_per_turn", "Mean tool calls per turn of the agent, over its turns with tools bound "
+                                          "(the calls that parsed, `Turn.tool_calls`); absent when it had no such "
+                                          "turn."),
+    ("agent/<agent>/tool_calls_well_formed", "Share of the agent's turns with tools bound that attempted a tool call "
+                                             "whose calls all parse: a turn with a `format_error` about its tool calls "
+                                             "(they do not parse, or a forced tool call failed) is not; absent where no "
+                                             "turn attempted a call."),
     ("agent/<agent>/llm_call_s", "Wall seconds of the agent's calls in the scored episodes, summed over its calls "
                                  "(concurrent calls overlap; any policy, served ones included)."),
     ("agent/<agent>/rollout_prefill_s", "The agent's part of time/rollout_prefill_s (embedded policies only)."),
@@ -173,6 +185,7 @@ def metrics_reference() -> list[tuple[str, str, str]]:
                  "`agent/<agent>/...` keys are those above)", lora),
                 ("Asynchronous training", ASYNC),
                 ("Judge rewards (an environment's `reward_metrics()`: a `rewards.Judge`'s counters)", JUDGE),
+                ("Warm start (`warm_start:`; lines with negative steps, before the RL's step 0)", WARM_START_METRICS),
                 ("Evaluation (lines with eval/ keys; `TrainResult.evals` and a `drmas-graph eval`'s eval.json hold "
                  "the same record without the prefix)", EVAL)]
     return [(section, key, meaning) for section, rows in sections for key, meaning in rows]

@@ -50,10 +50,10 @@ from drmas_graph.traces.store import TraceStore
 from drmas_graph.train.optim import AdvantageStats, compute_advantages
 from drmas_graph.train.loop._timing import old_logprobs_seconds, rollout_times
 from drmas_graph.train.loop.metrics import Stopwatch, mean_std
-from drmas_graph.types import Episode, Sample
+from drmas_graph.types import Episode, Sample, Turn
 
 __all__ = ["Unscored", "score_runs", "first_failures_logger", "score_episodes", "group_rewards", "reward_metrics", "failure_metric", "masked",
-           "turn_advantages", "with_advantages", "trained_samples", "store_scores", "step_record",
+           "turn_advantages", "with_advantages", "trained_samples", "store_scores", "step_record", "tool_use",
            "unfinished_metrics", "unfinished_warning", "nothing_to_train", "ZeroSignalWatch"]
 
 log = logging.getLogger(__name__)
@@ -329,12 +329,18 @@ def store_scores(store: TraceStore, *, step: int | None, groups: Iterable[Group]
         store.update_training(u.episode.id, step=None, judgement=u.episode.judgement, error=u.message)
 
 
+def _constrained_share(turns: Sequence[Turn]) -> float:
+    """The share of `turns` (at least one) decoded under the grammar of the format their call asked for
+    (`Turn.sampling.grammar` set: `drmas_graph.grammar`): `agent/<a>/constrained_rate` and `check`'s column."""
+    return sum(t.sampling is not None and t.sampling.grammar is not None for t in turns) / len(turns)
+
+
 def step_record(step: int, agents: Sequence[str], groups: Sequence[Group], counts: dict[str, int],
                 adv_stats: AdvantageStats | None, update_metrics: dict[str, float], times: Stopwatch,
                 sync_s: float) -> dict[str, Any]:
     """The metrics of one step: counts, time split (`times`: the laps rollout, score and update, whose `sync_s`
-    seconds pushed weights), team reward, and per agent reward, advantage, calls, invalid rate and response length;
-    then the updaters' metrics."""
+    seconds pushed weights), team reward, and per agent reward, advantage, calls, invalid rate, response length and
+    tool use (`tool_use`); then the updaters' metrics."""
     scored = [pair for group in groups for pair in group.scored()]
     advantages = {ep.id: adv for group in groups for ep, adv in zip(group.episodes, _advantages(group))}
     rollout_s, old_s = times.laps["rollout"], old_logprobs_seconds(update_metrics)
@@ -362,12 +368,36 @@ def step_record(step: int, agents: Sequence[str], groups: Sequence[Group], count
             sum(adv * adv for _, adv in served) / len(served) if served else 0.0)  # E[A^2] (Dr. MAS's argument)
         record[f"agent/{agent}/calls"] = len(turns)
         record[f"agent/{agent}/invalid_rate"] = sum(invalid) / len(invalid) if invalid else 0.0
+        if turns:  # the share of its calls decoded under a grammar (constrained decoding)
+            record[f"agent/{agent}/constrained_rate"] = _constrained_share([ep.turns[i] for ep, i in turns])
         record[f"agent/{agent}/response_length"] = (
             sum(len(t.response_ids) for t, _ in served) / len(served) if served else 0.0)
+        record.update(tool_use(agent, [ep.turns[i] for ep, i in turns]))
         if not turns:
             record[f"agent/{agent}/never_acted"] = 1
     record.update(update_metrics)
     return record
+
+
+def tool_use(agent: str, turns: Sequence[Turn]) -> dict[str, float]:
+    """The agent's tool use over its `turns` with tools bound: `agent/<a>/tool_calls_per_turn` (the calls that parsed,
+    `Turn.tool_calls`, per such turn; absent without one) and `agent/<a>/tool_calls_well_formed` (the share of those
+    that attempted a call, a parsed one or one that does not parse, whose calls all parse; absent where none did)."""
+    tooled = [t for t in turns if t.tools]
+    if not tooled:
+        return {}
+    out = {f"agent/{agent}/tool_calls_per_turn": sum(len(t.tool_calls) for t in tooled) / len(tooled)}
+    attempted = [t for t in tooled if t.tool_calls or _broken_tool_calls(t)]
+    if attempted:
+        out[f"agent/{agent}/tool_calls_well_formed"] = sum(not _broken_tool_calls(t) for t in attempted) / len(attempted)
+    return out
+
+
+def _broken_tool_calls(turn: Turn) -> bool:
+    """The turn's `format_error` is about its tool calls: tool calls that do not parse (a call without a
+    structured-output request), or a reply that failed a forced tool call (`tool` / `any_tool` request)."""
+    spec = turn.response_format
+    return turn.format_error is not None and (spec is None or spec.get("type") in ("tool", "any_tool"))
 
 
 def unfinished_metrics(agents: Sequence[str], episodes: Sequence[Episode]) -> dict[str, float]:

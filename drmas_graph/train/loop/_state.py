@@ -95,6 +95,9 @@ class RunState:
     """Whether this run created its trace store (a run that never starts removes it again: `abandon`)."""
     notes: RunNotes
     """The run's mutable bookkeeping."""
+    warm_start: Any = None
+    """What the warm start before the RL did (`warm_start.WarmStartResult`), run now or read from its checkpoint;
+    None without `warm_start` in the config."""
 
     def trained_models(self) -> list[ModelSlot]:
         """The models with an updater, in the run's model order."""

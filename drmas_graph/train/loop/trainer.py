@@ -75,19 +75,23 @@ class TrainResult:
     """One record per evaluation (step 0 = before training)."""
     checkpoint: Path | None = None
     """The last checkpoint written."""
+    warm_start: Any = None
+    """The warm start before the RL (`warm_start.WarmStartResult`: demonstrations, loss, scores before and after);
+    None without `warm_start` in the config."""
 
     def summary(self) -> str:
-        """A short table: per-agent reward (turn reward incl. invalid-turn penalties) and avg@k / pass@k,
+        """A short table: the warm start's rows when there was one (`WarmStartResult.lines`), per-agent reward
+        (turn reward incl. invalid-turn penalties) and avg@k / pass@k,
         at the first and the last evaluation; the training reward of the first and last step ('-' for a step
         where no episode got a reward), with its episode counts (rewarded, unjudged, failed, bad reward) where
-        some got none. One column where there was only one (one evaluation, one step). Then where the time went
+        some got none, and per agent with tools its tool calls per turn and share of well-formed tool calls. One column where there was only one (one evaluation, one step). Then where the time went
         (`_timing.time_line`): 'time per step: rollout 12.1 s (prefill 1.2, decode 9.8), score 0.4 s, ...'."""
 
         def row(label: str, *cells: Any) -> str:
             # a column of 12 characters, at least one space before it ('step 11 done' is 12 long)
             return f"{label:<28}" + "".join(f"{c:>12.3f}" if isinstance(c, float) else f" {c!s:>11}" for c in cells)
 
-        lines = []
+        lines = self.warm_start.lines() if self.warm_start is not None else []
         if self.evals:
             ends = self.evals[:1] if len(self.evals) == 1 else [self.evals[0], self.evals[-1]]
             last = ends[-1]
@@ -111,10 +115,25 @@ class TrainResult:
                       ("failed_episodes", "failed episodes"), ("bad_reward_episodes", "bad-reward episodes"))
             if any(h.get(key) for h in ends for key, _ in counts[1:]):  # some got no reward: say how many
                 lines += [row("  " + label, *(int(h.get(key, 0)) for h in ends)) for key, label in counts]
+            lines += _tool_rows(ends, row)
         if (line := time_line(self.history, self.evals)) is not None:
             lines.append(line)
         lines.append(f"run folder: {self.run_dir}")
         return "\n".join(lines)
+
+
+def _tool_rows(ends: Sequence[dict[str, Any]], row: Any) -> list[str]:
+    """Per agent with tools bound in one of the `ends` steps: its tool calls per turn and the share of well-formed
+    tool calls ('-' where a step had no such turn, `_scoring.tool_use`)."""
+    suffix = "/tool_calls_per_turn"
+    agents = sorted({k[len("agent/"):-len(suffix)] for h in ends for k in h
+                     if k.startswith("agent/") and k.endswith(suffix)})
+    lines = []
+    for a in agents:  # an agent's name may hold '/' (a node inside a subgraph)
+        for key, label in ((f"agent/{a}/tool_calls_per_turn", "tool calls/turn"),
+                           (f"agent/{a}/tool_calls_well_formed", "well-formed calls")):
+            lines.append(row(f"  {label} {a}", *(float(h[key]) if key in h else "-" for h in ends)))
+    return lines
 
 
 def _after(steps_done: int) -> str:
@@ -243,7 +262,8 @@ class Trainer:
                 self.pipeline = _pipeline.pipeline(
                     run, collect=functools.partial(collect, run), learn=functools.partial(learn, run, pipelined=True),
                     publish=functools.partial(publish, run, self.weave))
-            self.start_step = _checkpoints.resume(run, self.pipeline) if cfg.resume else 0
+            resume = cfg.resume and _checkpoints.has_checkpoint(run.run_dir)  # else only a warm start was done
+            self.start_step = _checkpoints.resume(run, self.pipeline) if resume else 0
             if self.start_step == 0:  # adapters loaded by name must exist on the servers before the first rollout
                 for name in (n for n, m in run.models.items() if getattr(m.policy, "lora_by_name", ())):
                     _checkpoints.sync_weights(run, name, version=0)
@@ -256,7 +276,7 @@ class Trainer:
         # never overwrite a training run's config; under several processes rank 0 writes it
         if distributed.is_main() and (train or not (run.run_dir / "config.yaml").exists()):
             cfg.to_yaml(run.run_dir / "config.yaml")
-        self.result = TrainResult(run_dir=run.run_dir)
+        self.result = TrainResult(run_dir=run.run_dir, warm_start=run.warm_start)
 
     # ---- the loop -----------------------------------------------------------------------------
     def run(self) -> TrainResult:
@@ -342,6 +362,7 @@ class Trainer:
         rollouts: list[Any] | None = [] if self.weave is not None else None
         label = "evaluation before training" if step == 0 else f"evaluation {_after(step)}"
         record = evaluate(self.state, step=step, rollouts=rollouts, progress=logger.episodes(label))
+        _checkpoints.save_notes(self.state)  # its warning, once per run: also for a run resumed from the checkpoint
         if self.weave is not None:
             self.weave.submit_evaluation(record, rollouts)
         self.result.evals.append(record)

@@ -41,13 +41,15 @@ class AgentUpdateMetrics:
     """Largest importance ratio seen; None (absent from the logs) when no sample of the agent was forwarded (each
     had advantage 0 and was skipped: no ratio was taken, so none is reported, rather than 0)."""
     entropy: float | None
-    """Mean entropy of the sampling distribution softmax(logits / T) (only when entropy_coef > 0)."""
+    """Mean entropy of the sampling distribution softmax(logits / T) (only when entropy_coef > 0); None (absent from
+    the logs) when none of the agent's response tokens was forwarded."""
     logprob_mismatch: float | None
     """Mean |old_logprob - logprob| on the first mini-batch before any step, old_logprob being the samples'
     recorded one (the rollout's, or the trainer's recomputation): rollout vs trainer numerics. Stale samples
     (asynchronous training: older weights sampled them) are left out; None when every sample is stale."""
     kl_ref: float | None = None
-    """Mean k3 KL to the reference model (only when kl_coef > 0)."""
+    """Mean k3 KL to the reference model (only when kl_coef > 0); None (absent from the logs) when none of the
+    agent's response tokens was forwarded."""
     rollout_logprob_gap: float | None = None
     """Mean |rollout - trainer| logprob over the agent's fresh samples (not stale), whenever the PPO ratio's old
     logprobs are the trainer's own (config `old_logprobs: trainer`, or `auto` on an embedded policy or in
@@ -56,7 +58,7 @@ class AgentUpdateMetrics:
     policy in synchronous training)."""
     grad_norm: float | None = None
     """Per-agent gradient norm: the 2-norm of the gradient of this agent's part of the loss, before clipping, mean
-    over the update's optimizer steps (0 for a step without its samples). Its part of a mini-batch's loss is the
+    over the update's optimizer steps (0 for a step without its samples; None, absent, when no step was taken). Its part of a mini-batch's loss is the
     sum of its micro-batches' terms w_a * agg(l over m) * n(m) / n(M) (`update` module docstring), so the agents'
     gradients add up to the model's. One agent on the model: equal to `model/<model>/grad_norm`, free. Several
     agents sharing it: measured as the change of the accumulated gradient over the agent's micro-batches (one
@@ -77,12 +79,13 @@ class UpdateMetrics:
 
     model: str
     """The updater's name."""
-    loss: float
-    """Total loss (pg + kl - entropy, weighted) per mini-batch, mean over mini-batches."""
-    grad_norm: float
-    """Global gradient 2-norm before clipping, mean over mini-batches."""
-    grad_norm_max: float
-    """Largest pre-clip gradient norm over mini-batches."""
+    loss: float | None
+    """Total loss (pg + kl - entropy, weighted) per mini-batch, mean over the mini-batches that took a step; None
+    (absent from the logs) when none did."""
+    grad_norm: float | None
+    """Global gradient 2-norm before clipping, mean over the optimizer steps; None (absent) when none was taken."""
+    grad_norm_max: float | None
+    """Largest pre-clip gradient norm over the optimizer steps; None (absent) when none was taken."""
     lr: float
     """Learning rate of the last step."""
     n_samples: int
@@ -91,6 +94,11 @@ class UpdateMetrics:
     """Response tokens processed (all processes)."""
     n_minibatches: int
     """Optimizer steps taken."""
+    skipped_minibatches: int = 0
+    """Mini-batches that took no optimizer step because every one of their samples had advantage 0 (with kl_coef
+    and entropy_coef 0 their gradient is exactly 0, yet an AdamW step would still move the weights through its
+    momentum and weight decay). `n_minibatches` + this = `update.n_minibatches` (fewer when a step had fewer
+    samples)."""
     forward_tokens: int = 0
     """Token positions the training forward passes computed (all processes): padded rows x length, or the
     distinct prefixes of packed micro-batches."""
@@ -103,8 +111,9 @@ class UpdateMetrics:
         """Flat keys: ``model/<name>/grad_norm``, ``agent/<agent>/pg_loss``, ..."""
         out: dict[str, float] = {}
         for key in ("loss", "grad_norm", "grad_norm_max", "lr", "n_samples", "n_tokens", "n_minibatches",
-                    "forward_tokens", "packed"):
-            out[f"model/{self.model}/{key}"] = float(getattr(self, key))
+                    "skipped_minibatches", "forward_tokens", "packed"):
+            if getattr(self, key) is not None:  # nothing measured (no step): no metric
+                out[f"model/{self.model}/{key}"] = float(getattr(self, key))
         for agent, metrics in self.agents.items():
             for key, value in vars(metrics).items():
                 if value is not None:
@@ -161,20 +170,18 @@ def _agent_metrics(tally: _Tally, agent: str, with_kl: bool, with_entropy: bool,
     def mean(name: str) -> float:
         return tally.mean(("agent", agent, name))
 
-    def measured(name: str) -> float | None:  # None, not 0, for an agent none of whose samples was forwarded
-        return mean(name) if ("agent", agent, name) in tally.weights else None
-
-    with_start = ("agent", agent, "kl_start") in tally.weights
+    def measured(name: str) -> float | None:
+        """None, not 0, where nothing was measured: no sample of the agent was forwarded, or none had a token."""
+        return mean(name) if tally.weights.get(("agent", agent, name), 0.0) > 0 else None
 
     return AgentUpdateMetrics(
         n_samples=int(tally.sums[("agent", agent, "n_samples")]), pg_loss=measured("pg_loss"),
         clip_frac=measured("clip_frac"), dual_clip_frac=measured("dual_clip_frac"), approx_kl=measured("approx_kl"),
-        ratio_max=tally.maxima.get(("agent", agent, "ratio_max")), entropy=mean("entropy") if with_entropy else None,
-        logprob_mismatch=mean("logprob_mismatch") if ("agent", agent, "logprob_mismatch") in tally.weights else None,
-        kl_ref=mean("kl_ref") if with_kl else None,
-        rollout_logprob_gap=mean("rollout_logprob_gap") if ("agent", agent, "rollout_logprob_gap") in tally.weights
-        and rollout_gap else None,
-        grad_norm=grad_norm, kl_start=mean("kl_start") if with_start else None,
+        ratio_max=tally.maxima.get(("agent", agent, "ratio_max")),
+        entropy=measured("entropy") if with_entropy else None, logprob_mismatch=measured("logprob_mismatch"),
+        kl_ref=measured("kl_ref") if with_kl else None,
+        rollout_logprob_gap=measured("rollout_logprob_gap") if rollout_gap else None,
+        grad_norm=grad_norm, kl_start=measured("kl_start"),
     )
 
 
@@ -182,8 +189,10 @@ def agent_grad_norms(tally: _Tally, agents: Sequence[str], grad_norms: Sequence[
     """`AgentUpdateMetrics.grad_norm` of each agent: the model's norm when the update had one agent; else the mean
     over the optimizer steps of the norms `AgentGrads` recorded (None when a step could not measure them)."""
     n_steps = len(grad_norms)
+    if n_steps == 0:  # no optimizer step: nothing measured
+        return {a: None for a in agents}
     if len(agents) == 1:
-        return {agents[0]: sum(grad_norms) / max(n_steps, 1)}
+        return {agents[0]: sum(grad_norms) / n_steps}
     if tally.sums.get(("model", "agent_grad_steps"), 0.0) != n_steps or n_steps == 0:
         return {a: None for a in agents}
     return {a: tally.sums.get(("agent", a, "grad_norm"), 0.0) / n_steps for a in agents}

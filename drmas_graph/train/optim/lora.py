@@ -200,11 +200,14 @@ class LoraUpdater:
         agent_adapters: agent -> its adapter (every agent of `agent_settings`).
         adapter_lr: adapter -> learning rate, overriding ``settings.lr``.
         grammars: the rollout policy's grammars, for samples decoded under one (`ModelUpdater`'s).
+        references: adapter -> its KL reference where it is not the base (`supervised.AdapterSnapshot`: the
+            adapter's weights after a warm start).
     """
 
     def __init__(self, model: Any, *, name: str, settings: UpdateSettings,
                  agent_settings: Mapping[str, LossSettings], agent_adapters: Mapping[str, str],
-                 adapter_lr: Mapping[str, float] | None = None, grammars: Any = None) -> None:
+                 adapter_lr: Mapping[str, float] | None = None, grammars: Any = None,
+                 references: Mapping[str, Any] | None = None) -> None:
         from drmas_graph.train.optim.update import ModelUpdater
 
         if not is_peft_model(model):
@@ -225,7 +228,8 @@ class LoraUpdater:
             agents = {a: s for a, s in agent_settings.items() if self.agent_adapters[a] == adapter}
             self._activate(adapter)  # the optimizer takes the trainable parameters: this adapter's
             self.updaters[adapter] = ModelUpdater(model, name=f"{name}/{adapter}", agent_settings=agents,
-                                                  settings=_with_lr(settings, lr), reference=base_forward(model),
+                                                  settings=_with_lr(settings, lr),
+                                                  reference=(references or {}).get(adapter) or base_forward(model),
                                                   probes=probes, grammars=grammars)
 
     def _activate(self, adapter: str) -> None:
@@ -303,12 +307,14 @@ class LoraUpdater:
 
 
 def build_updater(model: Any, *, name: str, settings: UpdateSettings, agent_settings: Mapping[str, LossSettings],
-                  agent_cfgs: Mapping[str, AgentConfig], grammars: Any = None) -> Any:
+                  agent_cfgs: Mapping[str, AgentConfig], grammars: Any = None, reference: Any = None) -> Any:
     """The updater of one trainable model: a `LoraUpdater` for a ``PeftModel``, else a `ModelUpdater`.
 
     Per-agent learning rates (`AgentConfig.lr`) apply per adapter (agents sharing one must agree), or to the
     whole model when no other agent shares it. `grammars`: the rollout policy's (`Policy.grammars`), for the
-    samples it decoded under a grammar.
+    samples it decoded under a grammar. `reference`: the KL reference where it is not the default (the model's
+    initial weights; a LoRA adapter's: the base): a `Reference` of the model, or {adapter: Reference} of a LoRA
+    model (a warm start's, `supervised.frozen_reference`).
     """
     from drmas_graph.train.optim.update import ModelUpdater
 
@@ -322,10 +328,10 @@ def build_updater(model: Any, *, name: str, settings: UpdateSettings, agent_sett
         lrs = {ad: _shared_lr(f"adapter {ad!r} of model {name!r}", [a for a in agents if adapters[a] == ad],
                               agent_cfgs, settings.lr) for ad in set(adapters.values())}
         return LoraUpdater(model, name=name, settings=settings, agent_settings=agent_settings,
-                           agent_adapters=adapters, adapter_lr=lrs, grammars=grammars)
+                           agent_adapters=adapters, adapter_lr=lrs, grammars=grammars, references=reference)
     lr = _shared_lr(f"model {name!r}", agents, agent_cfgs, settings.lr)
     return ModelUpdater(model, name=name, settings=_with_lr(settings, lr), agent_settings=agent_settings,
-                        grammars=grammars)
+                        grammars=grammars, reference=reference)
 
 
 def _shared_lr(what: str, agents: Sequence[str], agent_cfgs: Mapping[str, AgentConfig], default: float) -> float:

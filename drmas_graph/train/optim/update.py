@@ -18,8 +18,10 @@ where agg is the aggregation ``loss_agg`` and n counts what agg averages over: v
 the micro-batch size. Samples of agents with loss weight 0 are not counted in n(M) (they only feed
 metrics). With KL and entropy off, samples whose advantage is exactly 0 (zero-variance groups) are not
 forwarded at all: their gradient is exactly 0, and they still count in n(M), so the step is unchanged
-(per-token metrics then cover the forwarded samples). With P processes, n(M) is summed over all of them and
-each loss is multiplied by P (DeepSpeed and the torch backend average gradients over processes), and the shuffle
+(per-token metrics then cover the forwarded samples). A mini-batch none of whose samples (on any process) has
+an advantage takes no optimizer step: its gradient is exactly 0, yet an AdamW step would still move the weights
+(momentum from earlier steps, weight decay); `skipped_minibatches` counts it. With P processes, n(M) is summed
+over all of them and each loss is multiplied by P (DeepSpeed and the torch backend average gradients over processes), and the shuffle
 that cuts mini-batches is one global order of the step's samples, so P processes each given a contiguous
 block of the samples take exactly the steps of one process given all of them.
 
@@ -69,6 +71,8 @@ import torch
 
 from drmas_graph.engine import rank, world_size
 from drmas_graph.train.engines import ENGINES, LossSettings, UpdateSettings, all_reduce, default_group_barrier
+from drmas_graph.train.optim._model_setup import (check_autocast, prepare_model, require, set_attn_implementation,
+                                                  without_dropout)
 from drmas_graph.train.optim._logprobs import Batch, check_chunked_head, collate, collate_packed, response_token_stats
 from drmas_graph.train.optim._packing import (Packing, PackingProbes, max_nodes, pack_by_tokens, pack_rows, row_nodes,
                                          sequences_of)
@@ -88,7 +92,6 @@ BACKENDS = tuple(ENGINES)
 OLD_LOGPROBS = ("given", "current")
 """`ModelUpdater.update(old_logprobs=...)`: the samples' recorded ones, or the update's own (on-policy)."""
 ZERO_STAGES = (0, 1, 2, 3)
-AUTOCAST_DTYPES: Mapping[str | None, torch.dtype | None] = {None: None, "bf16": torch.bfloat16}
 
 # Axis suffixes: _B rows (samples) of a micro-batch, _L prompt+response positions, _T response tokens,
 # _V vocabulary.
@@ -97,22 +100,17 @@ AUTOCAST_DTYPES: Mapping[str | None, torch.dtype | None] = {None: None, "bf16": 
 # --- settings ----------------------------------------------------------------------------------------------
 
 
-def _require(ok: bool, message: str) -> None:
-    if not ok:
-        raise ConfigError(message)
-
-
 # --- batches -----------------------------------------------------------------------------------------------
 
 
 def _check_samples(samples: Sequence[Sample]) -> None:
     for i, s in enumerate(samples):
         where = f"sample {i} (agent {s.agent!r}, episode {s.episode_id!r}, turn {s.turn_index})"
-        _require(len(s.prompt_ids) > 0, f"{where} has an empty prompt; the first response token needs one")
-        _require(len(s.old_logprobs) == len(s.response_ids), f"{where} has {len(s.response_ids)} response ids but "
+        require(len(s.prompt_ids) > 0, f"{where} has an empty prompt; the first response token needs one")
+        require(len(s.old_logprobs) == len(s.response_ids), f"{where} has {len(s.response_ids)} response ids but "
                  f"{len(s.old_logprobs)} old logprobs; record one logprob per sampled token")
-        _require(math.isfinite(s.advantage), f"{where} has a non-finite advantage {s.advantage}")
-        _require(s.temperature >= 0, f"{where} has a negative temperature {s.temperature}")
+        require(math.isfinite(s.advantage), f"{where} has a non-finite advantage {s.advantage}")
+        require(s.temperature >= 0, f"{where} has a negative temperature {s.temperature}")
 
 
 @dataclass(frozen=True)
@@ -168,7 +166,7 @@ class ModelUpdater:
         self.n_updates = 0
         self.correction: Any = None
         """Off-policy correction of stale samples (`offpolicy.OffPolicyCorrection`, asynchronous training); None = off."""
-        _prepare_model(model, settings)
+        prepare_model(model, settings)
         start = (reference or REFERENCES[settings.kl_reference](model)
                  ) if settings.kl_coef > 0 or settings.kl_start_metric else None
         self._reference, self._start = (start if settings.kl_coef > 0 else None), start  # KL loss's; kl_start's
@@ -176,7 +174,7 @@ class ModelUpdater:
         """id(sample) -> its reference logprobs, computed at the start of each `update`."""
         self._by_tokens = settings.loss_agg == "token-mean"
         self._skip_zero_advantage = settings.kl_coef == 0 and settings.entropy_coef == 0
-        self._autocast_dtype = _check_autocast(model, settings.autocast)
+        self._autocast_dtype = check_autocast(model, settings.autocast)
         self._lm_head = check_chunked_head(model) if settings.logprob_chunk_tokens > 0 else None
         self._probes = probes or PackingProbes(name, grow=world_size() == 1)
         self._packing_of(model)  # probed now, with the kernel it trains with (the reason is logged at start-up)
@@ -236,9 +234,9 @@ class ModelUpdater:
         _check_samples(samples)
         for s in samples:
             self.loss_settings(s.agent)
-        _require(old_logprobs in OLD_LOGPROBS, f"update(old_logprobs={old_logprobs!r}): valid values are "
+        require(old_logprobs in OLD_LOGPROBS, f"update(old_logprobs={old_logprobs!r}): valid values are "
                  f"{', '.join(OLD_LOGPROBS)}")
-        _require(old_logprobs != "current" or self.settings.n_minibatches == 1,
+        require(old_logprobs != "current" or self.settings.n_minibatches == 1,
                  f"model {self.name!r}: old_logprobs='current' needs n_minibatches 1 (after the first of "
                  f"{self.settings.n_minibatches} steps the weights are no longer those that generated the samples); "
                  "pass the recomputed logprobs as the samples' old_logprobs instead")
@@ -247,13 +245,14 @@ class ModelUpdater:
         grad_norms: list[float] = []
         self._ref_logprobs = self._reference_logprobs(samples)
         tally_kl_start(tally, samples, self._ref_logprobs)
+        plan, skipped = self._plan(samples)  # the same on every process
         with self._training_mode():
-            for i, minibatch in enumerate(self._plan(samples)):
+            for i, minibatch in enumerate(plan):
                 grad_norms.append(self._train_minibatch(minibatch, tally, first=i == 0,
                                                         current=old_logprobs == "current"))
         self._ref_logprobs = {}
         self.n_updates += 1
-        return self._metrics(tally.merged(), grad_norms, rollout_gap=old_logprobs == "current")
+        return self._metrics(tally.merged(), grad_norms, skipped, rollout_gap=old_logprobs == "current")
 
     @torch.no_grad()
     def compute_logprobs(self, samples: Sequence[Sample], *, module: torch.nn.Module | None = None) -> list[torch.Tensor]:
@@ -339,18 +338,21 @@ class ModelUpdater:
         self.model.eval()
 
     # ---- planning -------------------------------------------------------------------------------------
-    def _plan(self, samples: Sequence[Sample]) -> list[_MiniBatch]:
+    def _plan(self, samples: Sequence[Sample]) -> tuple[list[_MiniBatch], int]:
         """Shuffle (seeded), split into mini-batches, group each into one-agent micro-batches, and agree
-        with the other processes on the normalizers and on the number of backward passes."""
+        with the other processes on the normalizers and on the number of backward passes; also how many
+        mini-batches take no step (every sample's advantage 0 with KL and entropy off: `_micro_batches`)."""
         chunks = self._minibatch_rows(len(samples))
         packing = self._packing_of(self.model, samples)
         micro = [self._micro_batches(chunk, samples, packing=packing) for chunk in chunks]
         local_norms = [sum(self._norm_count(samples[i]) for i in chunk) for chunk in chunks]
         norms = all_reduce(local_norms, "SUM", self.device)
         passes = all_reduce([float(len(m)) for m in micro], "MAX", self.device)
-        # a mini-batch empty on every process (fewer samples than processes x mini-batches) is skipped
-        return [_MiniBatch(micro=[[samples[i] for i in rows] for rows in m], norm=norm, n_passes=int(n))
+        # a mini-batch with nothing to forward on every process is skipped: every chunk holds a sample somewhere
+        # (at most as many mini-batches as samples), so all of them had advantage 0 (no gradient, no step)
+        plan = [_MiniBatch(micro=[[samples[i] for i in rows] for rows in m], norm=norm, n_passes=int(n))
                 for m, norm, n in zip(micro, norms, passes) if n > 0]
+        return plan, len(chunks) - len(plan)
 
     def _minibatch_rows(self, n_local: int) -> list[list[int]]:
         """This process's rows of each mini-batch, from one seeded shuffle of the step's samples on all processes.
@@ -380,12 +382,10 @@ class ModelUpdater:
 
         For training (``skip_zero_advantage``) with KL and entropy off, a sample with advantage exactly 0 has
         loss 0 and gradient 0 (every PPO branch is -A * ratio), so it is not forwarded; it still counts in
-        n(M). One row is always kept, so the optimizer step (AdamW decay and moments) happens exactly as if
-        every sample had been forwarded.
+        n(M). Rows all of advantage 0 give no micro-batch (a mini-batch with none on any process takes no step).
         """
-        if skip_zero_advantage and self._skip_zero_advantage and rows:
-            kept = [i for i in rows if samples[i].advantage != 0.0]
-            rows = kept or list(rows[:1])
+        if skip_zero_advantage and self._skip_zero_advantage:
+            rows = [i for i in rows if samples[i].advantage != 0.0]
         by_agent: dict[str, list[int]] = {}
         for i in rows:
             by_agent.setdefault(samples[i].agent, []).append(i)
@@ -483,7 +483,8 @@ class ModelUpdater:
         tally.add(("agent", agent, "pg_loss"), stats.pg_loss, weight=n_micro)
         for name in ("clip_frac", "dual_clip_frac", "approx_kl"):
             tally.add(("agent", agent, name), getattr(stats, name), weight=n_tokens)
-        tally.max(("agent", agent, "ratio_max"), stats.ratio_max)
+        if n_tokens:  # a ratio was taken (no response token: none, so no maximum rather than 0)
+            tally.max(("agent", agent, "ratio_max"), stats.ratio_max)
         if entropy_BT is not None:
             tally.add(("agent", agent, "entropy"), token_mean(entropy_BT), weight=n_tokens)
         tally.count(("model", "n_tokens"), n_tokens)
@@ -502,19 +503,20 @@ class ModelUpdater:
         in eval mode, as its old, behaviour and proximal logprobs were computed (`_without_dropout`)."""
         self.model.train()
         try:
-            with contextlib.nullcontext() if self.settings.dropout else _without_dropout(self.model):
+            with contextlib.nullcontext() if self.settings.dropout else without_dropout(self.model):
                 yield
         finally:
             self.model.eval()
 
-    def _metrics(self, tally: _Tally, grad_norms: list[float], *, rollout_gap: bool) -> UpdateMetrics:
+    def _metrics(self, tally: _Tally, grad_norms: list[float], skipped: int, *, rollout_gap: bool) -> UpdateMetrics:
         agents = sorted({key[1] for key in tally.sums if key[0] == "agent"})
         n_steps = len(grad_norms)
-        return UpdateMetrics(
-            model=self.name, loss=tally.sums[("model", "loss")] / max(n_steps, 1),
-            grad_norm=sum(grad_norms) / max(n_steps, 1), grad_norm_max=max(grad_norms, default=0.0),
+        return UpdateMetrics(  # no step taken: no loss, no gradient norm (absent from the logs)
+            model=self.name, loss=tally.sums[("model", "loss")] / n_steps if n_steps else None,
+            grad_norm=sum(grad_norms) / n_steps if n_steps else None, grad_norm_max=max(grad_norms, default=None),
             lr=self._engine.lr(), n_samples=int(sum(tally.sums[("agent", a, "n_samples")] for a in agents)),
             n_tokens=int(tally.sums[("model", "n_tokens")]), n_minibatches=n_steps,
+            skipped_minibatches=skipped,
             forward_tokens=int(tally.sums[("model", "forward_tokens")]), packed=self._mask_kind is not None,
             agents={a: _agent_metrics(tally, a, self._reference is not None, self.settings.entropy_coef > 0,
                                       rollout_gap, agent_grad_norms(tally, agents, grad_norms)[a]) for a in agents},
@@ -524,74 +526,12 @@ class ModelUpdater:
 _DEFAULT_LOSS = LossSettings()
 
 
-def _check_autocast(model: torch.nn.Module, autocast: str | None) -> torch.dtype | None:
-    """The autocast dtype; autocast is for float32 models (a bfloat16 model already computes in bfloat16)."""
-    dtype = AUTOCAST_DTYPES[autocast]
-    if dtype is not None:
-        dtypes = {p.dtype for p in model.parameters() if p.requires_grad}
-        _require(dtypes == {torch.float32}, f"UpdateSettings.autocast={autocast!r} is for float32 models; this model "
-                 f"has {sorted(map(str, dtypes))} parameters (it already computes in low precision): set autocast=None")
-    return dtype
-
-
 def _pad_rows(rows: Sequence[torch.Tensor], mask_BT: torch.Tensor) -> torch.Tensor:
     """Per-sample 1-D tensors as a right-padded [B, T] float32 tensor shaped like ``mask_BT``."""
     out_BT = torch.zeros(mask_BT.shape, dtype=torch.float32, device=mask_BT.device)
     for b, row in enumerate(rows):
         out_BT[b, : row.shape[0]] = row
     return out_BT
-
-
-def set_attn_implementation(model: torch.nn.Module, attn_implementation: str | None) -> None:
-    """Give ``model`` the attention kernel `UpdateSettings.attn_implementation` names (None: keep its own). Also
-    applied to an embedded policy's own module when the trainer trains a copy (`_pipeline.trainer_copies`)."""
-    if attn_implementation is None:
-        return
-    setter = getattr(model, "set_attn_implementation", None)
-    _require(callable(setter), f"UpdateSettings.attn_implementation={attn_implementation!r}: "
-             f"{type(model).__name__} is not a Hugging Face model with set_attn_implementation()")
-    try:
-        setter(attn_implementation)
-    except (ValueError, ImportError) as exc:
-        raise ConfigError(f"UpdateSettings.attn_implementation={attn_implementation!r}: {exc}") from None
-
-
-def _prepare_model(model: torch.nn.Module, s: UpdateSettings) -> None:
-    """Apply the settings that change how the module computes: attention kernel, activation checkpointing."""
-    set_attn_implementation(model, s.attn_implementation)
-    if s.gradient_checkpointing:
-        enable = getattr(model, "activation_checkpointing_enable", None) or getattr(
-            model, "gradient_checkpointing_enable", None)
-        _require(callable(enable) and getattr(model, "supports_gradient_checkpointing", False),
-                 f"UpdateSettings.gradient_checkpointing: {type(model).__name__} does not support it; set it false")
-        if enable.__name__ == "activation_checkpointing_enable":
-            enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        else:
-            enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-
-
-@contextlib.contextmanager
-def _without_dropout(model: torch.nn.Module) -> Iterator[None]:
-    """Dropout off in a model in train mode: every submodule in eval mode (nn.Dropout, LoRA's dropout, attention
-    dropout read from ``self.training``), except those that run activation checkpointing (Hugging Face checkpoints
-    a layer only while it trains), whose own ``*dropout`` probabilities are set to 0 meanwhile."""
-    kept = [m for m in model.modules() if getattr(m, "gradient_checkpointing", False) is True]
-    zeroed = [(m, k, v) for m in kept for k, v in vars(m).items()
-              if k.endswith("dropout") and isinstance(v, float) and v > 0]
-    modes = [(m, m.training) for m in model.modules()]
-    for m, _ in modes:
-        m.training = False
-    for m in kept:
-        m.training = True
-    for m, k, _ in zeroed:
-        setattr(m, k, 0.0)
-    try:
-        yield
-    finally:
-        for m, k, v in zeroed:
-            setattr(m, k, v)
-        for m, training in modes:
-            m.training = training
 
 
 def _length(sample: Sample) -> int:
