@@ -30,7 +30,7 @@ from graphs.calc_team.report import eval_numbers
 from tests._no_network import no_network  # noqa: F401 - a fixture
 
 ROOT = Path(__file__).resolve().parents[1]
-TEMPLATE = read_chat_template(ROOT / "graphs" / "tool_calc" / "smollm2_tools.jinja")
+TEMPLATE = read_chat_template("builtin:smollm2-tools")  # what train.yaml's `models.smollm2.chat_template` loads
 ENV = CalcTeamEnv(seed=0, n_train=32, n_test=4)
 
 
@@ -134,8 +134,10 @@ def _episode(state):
 
 
 def _state(answer, *, calls=(), critic=(), plan="Calculate it."):
-    return {"plan": plan, "answer": answer, "tool_calls": [{"round": 1, "name": n, "arguments": "{}", "result": r}
-                                                           for n, r in calls],
+    """`calls`: (name, expression, result) per calculator call."""
+    return {"plan": plan, "answer": answer,
+            "tool_calls": [{"round": 1, "name": n, "arguments": json.dumps({"expression": x}), "result": r}
+                           for n, x, r in calls],
             "transcript": [{"agent": "critic", "round": i + 1, "text": text, "answer": judged}
                            for i, (judged, text) in enumerate(critic)]}
 
@@ -144,12 +146,18 @@ def test_the_reward_per_agent_on_hand_made_episodes():
     task = ENV.tasks("test")[0]
     right, wrong = task.answer, str(int(task.answer) + 1)
     yes, no = '{"correct": true}', '{"correct": false}'
-    # right with a call that evaluated, approved: everyone paid, the worker's call bonus too
-    assert ENV.reward(task, _episode(_state(right, calls=[("calculator", right)], critic=[(right, yes)]))) == {
+    expression = task.meta["expression"]  # e.g. "38 * 43"
+    # right with a call on the task's numbers, approved: everyone paid, the worker's call bonus too
+    assert ENV.reward(task, _episode(_state(right, calls=[("calculator", expression, right)],
+                                            critic=[(right, yes)]))) == {
         "planner": 1.0, "worker": pytest.approx(1.2), "critic": 1.0}
-    # wrong, approved; the call was an error (no bonus)
-    assert ENV.reward(task, _episode(_state(wrong, calls=[("calculator", "error: the expression is empty")],
-                                            critic=[(wrong, yes)]))) == {"planner": 0.0, "worker": 0.0, "critic": 0.0}
+    # a call on the task's numbers with the wrong operation still earns the bonus; a call of a bare guess, or one
+    # missing a number, or one the calculator refused does not
+    a, b = expression.split(" * ")[:2] if " * " in expression else expression.split(" + ")[:2]
+    for call, bonus in (((f"{a} + {b}", "1"), 0.2), ((wrong, wrong), 0.0), ((a, a), 0.0),
+                        ((f"{a} ** {b}", "error: the calculator takes numbers, + - * / and parentheses"), 0.0)):
+        state = _state(wrong, calls=[("calculator", *call)], critic=[(wrong, yes)])
+        assert ENV.reward(task, _episode(state)) == {"planner": 0.0, "worker": pytest.approx(bonus), "critic": 0.0}
     # wrong rejected (right verdict), then right rejected (wrong verdict): the critic gets 1 of 2
     assert ENV.reward(task, _episode(_state(right, critic=[(wrong, no), (right, no)]))) == {
         "planner": 1.0, "worker": 1.0, "critic": 0.5}
@@ -162,8 +170,8 @@ def test_the_reward_per_agent_on_hand_made_episodes():
     assert ENV.turn_is_valid(task, SimpleNamespace(agent="planner", response_text="?"))
     with pytest.raises(ValueError, match="unknown agent 'judge'"):
         ENV.turn_is_valid(task, SimpleNamespace(agent="judge", response_text=""))
-    stats = episode_stats(task, _state(right, plan=f"Do {task.meta['expression']}", calls=[("calculator", right)]))
-    assert stats["plan_numbers"] and stats["right_call"] and stats["well_formed"]
+    stats = episode_stats(task, _state(right, plan=f"Do {expression}", calls=[("calculator", expression, right)]))
+    assert stats["plan_numbers"] and stats["right_call"] and stats["well_formed"] and stats["task_call"]
 
 
 def test_the_calculator_the_tool_call_runner_and_the_parsers():
@@ -239,7 +247,7 @@ def test_the_demonstrated_tool_calls_render_in_the_app_template_and_parse_with_t
 def test_the_train_config_loads_with_the_tool_template_and_constraints_on(monkeypatch):
     monkeypatch.chdir(ROOT)
     cfg = load_config(ROOT / "graphs" / "calc_team" / "train.yaml")
-    assert cfg.models["smollm2"].chat_template == "graphs/tool_calc/smollm2_tools.jinja"
+    assert cfg.models["smollm2"].chat_template == "builtin:smollm2-tools"
     assert cfg.models["smollm2"].constrain is True and list(cfg.agents) == ["planner", "worker", "critic"]
     assert cfg.graph == "graphs.calc_team.graph:build_graph" and cfg.env == "graphs.calc_team.env:CalcTeamEnv"
     off = load_config(ROOT / "graphs" / "calc_team" / "train.yaml", ["models.smollm2.constrain=false"])
@@ -265,6 +273,7 @@ def test_the_report_counts_format_and_skill_per_agent_from_the_store(tmp_path):
     assert (numbers.worker_well_formed.hits, numbers.worker_well_formed.n) == (1, 1)
     assert (numbers.score.hits, numbers.score.n) == (1, 2) and numbers.critic_constrained.hits == 0
     assert (numbers.critic_approve.hits, numbers.critic_approve.n) == (1, 2)
+    assert (numbers.task_call.hits, numbers.right_call.hits, numbers.evaluated.n) == (1, 1, 2)
     assert numbers.by_task == {tasks[0].id: (1.0, 1.0), tasks[1].id: (0.0, 0.0)}
     assert numbers.distinct_answers == 2 and numbers.model_errors == 0
 

@@ -3,19 +3,19 @@
     python benchmarks/learning/calc_team.py               # the study: seeds 0, 1, 2 (needs the warm start)
     python benchmarks/learning/calc_team.py --resume      # continue: steps whose outputs exist are not run again
     python benchmarks/learning/calc_team.py --report      # rebuild the results file from the run folders
-    python benchmarks/learning/calc_team.py --smoke       # wiring: seed 0, 2 RL steps, tiny evaluations, no warm start
+    python benchmarks/learning/calc_team.py --smoke       # wiring: seed 0, 1 warm-start epoch, 2 RL steps, train tasks
     python benchmarks/learning/calc_team.py --power       # the pre-registration's power table
 
 Per seed S, in runs/calc-team-study/sS (each step a `drmas-graph` command in its own process, from the repository
 root, `graphs/calc_team/train.yaml` with ``--set seed=S``):
 
 1. ``base``: `drmas-graph eval` of the untrained model on the held-out tasks (E0: step 0, no training).
-2. ``warm start`` (**needs issue 57 item 4, branch c57-warm**): supervised fine-tuning on
-   `graphs/calc_team/demos.jsonl` before RL. `warm_start_overrides` fails, naming the missing feature, while
-   `drmas_graph.config.TrainConfig` has no ``warm_start`` field; once it has one, `WARM_START` must hold
-   c57-warm's keys (the config is validated with them before any run, so a wrong key fails at once).
-3. ``train``: `drmas-graph train` with the warm start's overrides: its evaluation before the first step is E1
-   (after the warm start), after the last step E2 (after RL).
+2. ``warm start`` (issue 57 item 4, `warm_start:`): supervised fine-tuning on `graphs/calc_team/demos.jsonl`,
+   which `drmas-graph train` runs before RL when given `WARM_START`'s overrides. `warm_start_overrides` stops the
+   study before any run, naming the missing feature, in a drmas_graph without it (``TrainConfig`` has no
+   ``warm_start`` field), and validates the overrides against the config before any run.
+3. ``train``: `drmas-graph train` with those overrides: the warm start, then its evaluation before the first RL
+   step (E1, after the warm start) and after the last (E2, after RL).
 
 Every run's numbers (`graphs.calc_team.report`, each share with its n; the training steps' rewards per agent;
 the manipulation checks; the commands) go to the results file (default
@@ -50,8 +50,11 @@ WARM_START = {"warm_start.demonstrations": "graphs/calc_team/demos.jsonl"}
 critic 12), the form of c57-warm's work in progress when this was written (`WarmStartConfig.demonstrations`); its
 other settings (epochs, lr, batch size, held-out tasks scored before and after) are its defaults. Check the keys
 against c57-warm as merged; `warm_start_overrides` validates them before any run."""
-SMOKE = ["steps=2", "tasks_per_step=2", "group_size=2", "eval.n_tasks=2", "eval.k=1"]
-"""The smoke run's overrides: the wiring, not a measurement."""
+SMOKE = ["steps=2", "tasks_per_step=2", "group_size=2", "eval.n_tasks=2", "eval.k=1", "eval.split=train"]
+"""The smoke run's overrides: the wiring, not a measurement; its evaluations use train tasks, so no held-out task of
+the study is looked at."""
+SMOKE_WARM = ["warm_start.epochs=1", "warm_start.eval_tasks=0"]
+"""The smoke run's warm start (when this drmas_graph has one): one epoch, no held-out scoring."""
 ALPHA = 0.05
 H1_THRESHOLD = 0.95
 
@@ -74,6 +77,14 @@ def warm_start_overrides() -> list[str]:
     overrides = [f"{key}={value}" for key, value in WARM_START.items()]
     load_config(ROOT / CONFIG, overrides)  # a key c57-warm does not have fails here, before any run
     return overrides
+
+
+def _smoke_warm_start() -> list[str]:
+    try:
+        return warm_start_overrides() + SMOKE_WARM
+    except StudyBlocked as exc:
+        print(f"smoke run without a warm start: {exc}", flush=True)
+        return []
 
 
 def _cli(args: list[str], log: Path) -> list[str]:
@@ -103,7 +114,7 @@ def run_seed(seed: int, root: Path, *, smoke: bool, resume: bool) -> dict[str, A
     if not (resume and base_eval is not None):
         record["commands"].append(_cli(["eval", CONFIG, *_sets([f"seed={seed}", f"run_dir={base}", *extra])],
                                        root / f"s{seed}" / "base.log"))
-    warm = [] if smoke else warm_start_overrides()
+    warm = _smoke_warm_start() if smoke else warm_start_overrides()
     record["warm_start"] = warm or None
     if not (resume and (train / "traces.db").is_file() and _finished(train)):
         record["commands"].append(_cli(["train", CONFIG, *_sets([f"seed={seed}", f"run_dir={train}", *extra, *warm])],
@@ -113,7 +124,8 @@ def run_seed(seed: int, root: Path, *, smoke: bool, resume: bool) -> dict[str, A
 
 
 def _eval_folder(base: Path) -> Path | None:
-    found = sorted((base / "eval").glob("base-test-k*")) if (base / "eval").is_dir() else []
+    """The finished `drmas-graph eval` folder of `base` (run_dir/eval/base-<split>-k<k>, with its eval.json)."""
+    found = sorted(p.parent for p in (base / "eval").glob("base-*-k*/eval.json")) if (base / "eval").is_dir() else []
     return found[-1] if found else None
 
 
@@ -260,7 +272,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=RESULTS, help="the results file")
     parser.add_argument("--resume", action="store_true", help="skip the steps whose outputs exist")
     parser.add_argument("--report", action="store_true", help="only rebuild the results file from the run folders")
-    parser.add_argument("--smoke", action="store_true", help="seed 0, 2 RL steps, tiny evaluations, no warm start")
+    parser.add_argument("--smoke", action="store_true",
+                        help="seed 0, 1 warm-start epoch, 2 RL steps, tiny evaluations on train tasks (wiring)")
     parser.add_argument("--power", action="store_true", help="print the power table of PREREG.md")
     args = parser.parse_args(argv)
     if args.power:

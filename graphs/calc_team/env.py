@@ -9,8 +9,10 @@ calculation (``"37 * 24"``).
 Rewards of one episode (``reward`` returns a dict; `episode_stats` says what it saw):
 
 - ``planner``: 1.0 when the team's final answer (the worker's latest) is right.
-- ``worker``: 1.0 when the final answer is right, plus ``call_bonus`` (0.2) when it made a well-formed
-  calculator call (one whose expression the calculator evaluated), so at most 1.2.
+- ``worker``: 1.0 when the final answer is right, plus ``call_bonus`` (0.2) when it made a calculator call on the
+  task's numbers (`task_call`: the calculator evaluated it and its expression holds every number of the gold
+  calculation), so at most 1.2. A call of a bare guess (``{"expression": "500000"}``, what the smoke run's
+  warm-started worker did) evaluates but earns nothing.
 - ``critic``: the share of its verdicts that were right against the truth: approve a right answer, reject a
   wrong or missing one; an unreadable verdict (JSON without a boolean ``correct``) is wrong.
 
@@ -22,13 +24,15 @@ from __future__ import annotations
 
 import json
 import random
+import re
+from collections import Counter
 from collections.abc import Mapping
 from typing import Any
 
 from graphs.calc_team.graph import parse_verdict
 from graphs.task import Task, split_counts, stable_id
 
-__all__ = ["CalcTeamEnv", "episode_stats", "well_formed"]
+__all__ = ["CalcTeamEnv", "episode_stats", "task_call", "well_formed"]
 
 _NAMES = ("Ana", "Ben", "Chen", "Dara", "Eli", "Fatima", "Goran", "Hana", "Ivo", "Jun", "Kemal", "Lea")
 _ADD = ("{name} has {a} stamps and buys {b} more. How many stamps does {name} have now?",
@@ -67,6 +71,21 @@ def well_formed(call: Mapping[str, Any]) -> bool:
     return call.get("name") == "calculator" and not str(call.get("result", "error")).startswith("error")
 
 
+def _numbers(text: str) -> Counter[str]:
+    return Counter(re.findall(r"\d+", text.replace(",", "")))
+
+
+def task_call(call: Mapping[str, Any], task: Task) -> bool:
+    """A `well_formed` call whose expression holds every number of the task's gold calculation (each as often)."""
+    try:
+        args = json.loads(call.get("arguments") or "")
+    except (TypeError, json.JSONDecodeError):
+        return False
+    expression = args.get("expression") if isinstance(args, dict) else None
+    return (well_formed(call) and isinstance(expression, str)
+            and not _numbers(task.meta["expression"]) - _numbers(expression))
+
+
 def _verdicts(task: Task, state: Mapping[str, Any]) -> list[tuple[bool, bool | None]]:
     """``(answer_right, approved)`` per critic turn, in order (each critic entry of the transcript holds the answer
     it judged). ``approved`` is None for an unreadable verdict."""
@@ -83,7 +102,8 @@ def _verdict(text: str) -> bool | None:
 
 def episode_stats(task: Task, final_state: Mapping[str, Any] | None) -> dict[str, Any]:
     """What one episode did: ``right`` (final answer right), ``called`` (the worker made a tool call),
-    ``well_formed`` (a calculator call that evaluated), ``right_call`` (a call whose result is the answer),
+    ``well_formed`` (a calculator call that evaluated), ``task_call`` (one on the task's numbers, `task_call`),
+    ``right_call`` (a call whose result is the answer),
     ``plan_numbers`` (the plan holds every number of the gold expression), ``verdicts`` (`(answer_right,
     approved)` per critic turn)."""
     state = final_state or {}
@@ -92,6 +112,7 @@ def episode_stats(task: Task, final_state: Mapping[str, Any] | None) -> dict[str
     plan = state.get("plan") or ""
     return {"right": state.get("answer") is not None and state["answer"] == task.answer,
             "called": bool(calls), "well_formed": any(well_formed(c) for c in calls),
+            "task_call": any(task_call(c, task) for c in calls),
             "right_call": any(c.get("result") == task.answer for c in calls),
             "plan_numbers": bool(plan) and all(n in plan for n in numbers),
             "verdicts": _verdicts(task, state) if state else []}
@@ -105,7 +126,8 @@ class CalcTeamEnv:
         n_train: tasks in the ``"train"`` split.
         n_test: tasks in the ``"test"`` split (held out: evaluation only).
         difficulty: weights of levels 0 (add), 1 (mul), 2 (two_step), split per split by largest remainder.
-        call_bonus: the worker's reward for a well-formed calculator call, on top of 1.0 for the right answer.
+        call_bonus: the worker's reward for a calculator call on the task's numbers, on top of 1.0 for the right
+            answer.
     """
 
     agents: tuple[str, ...] = ("planner", "worker", "critic")
@@ -155,7 +177,7 @@ class CalcTeamEnv:
         critic = sum(approved is not None and approved == right for right, approved in judged) / len(judged) \
             if judged else 0.0
         right = float(stats["right"])
-        return {"planner": right, "worker": right + (self.call_bonus if stats["well_formed"] else 0.0),
+        return {"planner": right, "worker": right + (self.call_bonus if stats["task_call"] else 0.0),
                 "critic": critic}
 
     def is_success(self, task: Task, episode: Any) -> bool:

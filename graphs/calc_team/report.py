@@ -10,8 +10,8 @@ folder (``run_dir/eval/base-test-k2``), and prints per evaluation step, each num
 - worker (n = opening replies, the first model call of each worker turn, before any tool result): ``tool call``
   the reply made a tool call the SDK received (H2), ``opened`` its text opened ``<tool_call>`` or it made a call,
   ``well-formed`` (n = replies that made a call) every call is ``calculator`` with exactly a string
-  ``expression``; per episode ``evaluated`` a call's expression evaluated, ``right call`` a call's result is the
-  answer;
+  ``expression``; per episode ``evaluated`` a call's expression evaluated, ``task call`` a call on the task's
+  numbers (the worker's call bonus), ``right call`` a call's result is the answer;
 - team (n = episodes): ``score`` the final answer is right (H3; a model-error or failed episode is wrong),
   ``model errors``, ``failed``, ``distinct answers`` (a collapse onto one answer shows here) and the worker's most
   frequent opening reply's share.
@@ -80,6 +80,8 @@ class EvalNumbers:
     """Opening worker replies decoded under a grammar."""
     evaluated: Rate
     """Episodes with a calculator call that evaluated."""
+    task_call: Rate
+    """Episodes with a calculator call on the task's numbers (the worker's call bonus)."""
     right_call: Rate
     """Episodes with a calculator call whose result is the answer."""
     score: Rate
@@ -176,7 +178,8 @@ def _numbers(rows: list[tuple]) -> EvalNumbers:
                               with_call=bool(calls), well_formed=bool(calls) and all(map(_schema_valid, calls)),
                               worker_constrained=_constrained(sampling_json))
         judged = stats["verdicts"]
-        counts.update(episodes=1, evaluated=stats["well_formed"], right_call=stats["right_call"], score=stats["right"],
+        counts.update(episodes=1, evaluated=stats["well_formed"], task_call=stats["task_call"],
+                      right_call=stats["right_call"], score=stats["right"],
                       model_errors=model_error is not None, failed=error is not None, verdicts=len(judged),
                       right_verdicts=sum(a is not None and a == r for r, a in judged))
         answers.add((state or {}).get("answer"))
@@ -192,7 +195,8 @@ def _numbers(rows: list[tuple]) -> EvalNumbers:
         worker_opened=Rate(counts["opened"], counts["opening"]),
         worker_well_formed=Rate(counts["well_formed"], counts["with_call"]),
         worker_constrained=Rate(counts["worker_constrained"], counts["opening"]),
-        evaluated=Rate(counts["evaluated"], n), right_call=Rate(counts["right_call"], n),
+        evaluated=Rate(counts["evaluated"], n), task_call=Rate(counts["task_call"], n),
+        right_call=Rate(counts["right_call"], n),
         score=Rate(counts["score"], n),
         model_errors=counts["model_errors"], failed=counts["failed"], distinct_answers=len(answers),
         top_reply_share=max(replies.values()) / sum(replies.values()) if replies else 0.0,
@@ -212,7 +216,8 @@ _ROWS = (("critic: JSON object", "critic_json"), ("critic: boolean verdict", "cr
          ("worker: tool call (opening replies)", "worker_tool_call"), ("worker: opened <tool_call>", "worker_opened"),
          ("worker: well-formed (replies with a call)", "worker_well_formed"),
          ("worker: constrained", "worker_constrained"), ("episodes: a call evaluated", "evaluated"),
-         ("episodes: a call gave the answer", "right_call"), ("team score", "score"),
+         ("episodes: a call on the task's numbers", "task_call"), ("episodes: a call gave the answer", "right_call"),
+         ("team score", "score"),
          ("model-error episodes", "model_errors"), ("failed episodes", "failed"),
          ("distinct final answers", "distinct_answers"), ("top opening reply share", "top_reply_share"),
          ("weights versions", "versions"))
